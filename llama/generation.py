@@ -1,0 +1,477 @@
+"""Llama: build a generator from a checkpoint and run text/chat completion, streaming and scoring.
+
+The public surface is Meta's reference (Llama.build, generate, text_completion, chat_completion) with its return
+shapes; everything runs through one decode loop (`_run`) over `Row`s, each with its own prompt, parameters,
+cache slot and position, so batching never changes a request's text.
+"""
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, TypedDict, Union
+
+import torch
+
+from .model import ModelArgs, Transformer
+from . import checkpoint, parallel
+from .params import SamplingParams, per_prompt
+from .prefix import ChatSession, Prefix
+from .sampling import sample, seeded_uniform
+from .textstream import TextStream
+from .tokenizer import UNSAFE_ERROR, ChatFormat, Dialog, Message, Tokenizer, has_special_tags, validate_dialog
+
+
+class CompletionPrediction(TypedDict, total=False):
+    generation: str
+    tokens: List[str]  # not required
+    logprobs: List[float]  # not required
+
+
+class ChatPrediction(TypedDict, total=False):
+    generation: Message
+    tokens: List[str]  # not required
+    logprobs: List[float]  # not required
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    """bf16 on CUDA when supported (else fp16), fp32 on CPU, unless dtype says otherwise."""
+    if dtype is None:
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or the matching torch.dtype, got {dtype!r}")
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+@dataclass
+class Row:
+    """One sequence being generated: one sample of one prompt, in one cache slot."""
+
+    prompt: List[int]
+    params: SamplingParams
+    max_new: int
+    stream: TextStream
+    sample: int = 0
+    prefix: Optional[Prefix] = None
+    generated: List[int] = field(default_factory=list)
+    logprobs: List[float] = field(default_factory=list)
+    prompt_logprobs: List[float] = field(default_factory=list)
+    finish_reason: Optional[str] = None  # "eos", "stop" or "length"
+    fed: int = 0  # generated tokens whose keys/values are in the cache
+    reused: int = 0  # prompt positions taken from the prefix instead of computed
+
+
+class Llama:
+    @staticmethod
+    def build(
+        ckpt_dir: str,
+        tokenizer_path: str,
+        max_seq_len: int,
+        max_batch_size: int,
+        model_parallel_size: Optional[int] = None,
+        seed: int = 1,
+        device: Optional[Union[str, torch.device]] = None,
+        dtype: Optional[Union[str, torch.dtype]] = None,
+        verify: bool = False,
+    ) -> "Llama":
+        """Load a Meta-layout checkpoint; works in plain python and under torchrun, on CPU or CUDA."""
+        _positive_int("max_seq_len", max_seq_len)
+        _positive_int("max_batch_size", max_batch_size)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        device = torch.device(device) if device is not None else parallel.default_device()
+        dtype = resolve_dtype(dtype, device)
+        start = time.time()
+        mp_size = parallel.init_distributed(model_parallel_size, device)
+        torch.manual_seed(seed)  # every rank seeds alike, so unseeded sampling agrees across ranks
+
+        tokenizer = Tokenizer(tokenizer_path)
+        params = checkpoint.read_params(ckpt_dir)
+        try:
+            args = ModelArgs.from_params(params, max_seq_len=max_seq_len, max_batch_size=max_batch_size)
+        except TypeError as e:
+            raise ValueError(f"{ckpt_dir}/params.json has invalid values: {e}") from None
+        if args.vocab_size == -1:
+            args.vocab_size = tokenizer.n_words
+        if args.vocab_size != tokenizer.n_words:
+            raise ValueError(
+                f"params.json vocab_size is {args.vocab_size} but the tokenizer {tokenizer_path} has "
+                f"{tokenizer.n_words} tokens: they do not belong together"
+            )
+        if verify:
+            checkpoint.verify_checklist(ckpt_dir)
+        state = checkpoint.load_state_dict(ckpt_dir, args, parallel.model_parallel_rank(), mp_size)
+        with torch.device("meta"):
+            model = Transformer(args)
+        try:
+            model.load_state_dict(state, strict=True, assign=True)
+        except RuntimeError as e:
+            raise ValueError(f"checkpoint in {ckpt_dir} does not match its params.json: {e}") from None
+        model.to(device=device, dtype=dtype).eval()
+        model.setup_caches(max_batch_size, max_seq_len, dtype=dtype, device=device)
+        if parallel.is_main_process():
+            print(f"Loaded in {time.time() - start:.2f} seconds")
+        return Llama(model, tokenizer)
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.formatter = ChatFormat(tokenizer)
+        self.device = model.norm.weight.device
+        self.lock = threading.RLock()  # the KV cache is one resource: one decode loop at a time
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.model.max_seq_len
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.model.max_batch_size
+
+    # ----------------------------------------------------------------------------------------- reference API
+    def generate(
+        self,
+        prompt_tokens: List[List[int]],
+        max_gen_len: int,
+        temperature: float = 0.6,
+        top_p: float = 0.9,
+        logprobs: bool = False,
+        echo: bool = False,
+    ) -> Tuple[List[List[int]], Optional[List[List[float]]]]:
+        """Token-level generation with the reference's return shape: (tokens, logprobs or None).
+
+        With echo, tokens include the prompt and logprobs[0] (the first prompt token's) is 0.0, as in the reference.
+        """
+        params = SamplingParams(temperature=temperature, top_p=top_p, max_gen_len=max_gen_len, logprobs=logprobs,
+                                echo=echo)
+        rows = self._complete(self._rows(prompt_tokens, [params] * _count(prompt_tokens, "prompt_tokens")))
+        out_tokens = [(r.prompt if echo else []) + r.generated for r in rows]
+        out_logprobs = [([0.0] + r.prompt_logprobs if echo else []) + r.logprobs for r in rows]
+        return out_tokens, (out_logprobs if logprobs else None)
+
+    def text_completion(
+        self,
+        prompts: List[str],
+        temperature: float = 0.6,
+        top_p: float = 0.9,
+        max_gen_len: Optional[int] = None,
+        logprobs: bool = False,
+        echo: bool = False,
+        *,
+        prefix: Optional[Prefix] = None,
+        n: int = 1,
+        **options,
+    ) -> List[CompletionPrediction]:
+        """Complete each prompt; with n > 1 the result is prompt-major (result[i * n + j]).
+
+        With a prefix (from prefill), each prompt continues it: its tokens are prefix.tokens + the prompt's.
+        """
+        prompts = _string_list("prompts", prompts)
+        toks = [self._with_prefix(prefix, self.tokenizer.encode(p, bos=prefix is None, eos=False)) for p in prompts]
+        params = self._params(len(prompts), temperature=temperature, top_p=top_p, max_gen_len=max_gen_len,
+                              logprobs=logprobs, echo=echo, **options)
+        rows = self._complete(self._rows(toks, params, n=n, prefix=prefix))
+        return [self._prediction(r) for r in rows]
+
+    def chat_completion(
+        self,
+        dialogs: List[Dialog],
+        temperature: float = 0.6,
+        top_p: float = 0.9,
+        max_gen_len: Optional[int] = None,
+        logprobs: bool = False,
+        *,
+        n: int = 1,
+        **options,
+    ) -> List[ChatPrediction]:
+        """Answer each dialog as the assistant, using the Llama 2 chat template.
+
+        A dialog containing the template's special tags gets the reference's error text as its answer; the rest
+        of the batch runs normally.
+        """
+        _count(dialogs, "dialogs")
+        for i, dialog in enumerate(dialogs):
+            validate_dialog(dialog, i)
+        params = self._params(len(dialogs), temperature=temperature, top_p=top_p, max_gen_len=max_gen_len,
+                              logprobs=logprobs, **options)
+        safe = [i for i, d in enumerate(dialogs) if not has_special_tags(d)]
+        toks = [self.formatter.encode_dialog_prompt(dialogs[i]) for i in safe]
+        rows = self._complete(self._rows(toks, [params[i] for i in safe], n=n, index=safe))
+        by_prompt = {i: rows[k * n : (k + 1) * n] for k, i in enumerate(safe)}
+        out: List[ChatPrediction] = []
+        for i in range(len(dialogs)):
+            for j in range(n):
+                if i in by_prompt:
+                    pred = self._prediction(by_prompt[i][j])
+                else:
+                    pred = {"generation": UNSAFE_ERROR, **({"tokens": [], "logprobs": []} if logprobs else {})}
+                pred["generation"] = {"role": "assistant", "content": pred["generation"]}
+                out.append(pred)
+        return out
+
+    # ----------------------------------------------------------------------------------------- streaming
+    def stream_completion(self, prompt: str, *, prefix: Optional[Prefix] = None, **options) -> Iterator[str]:
+        """Yield text deltas of one completion as tokens arrive; their concatenation is the final text."""
+        prompt = _string_list("prompt", [prompt])[0]
+        toks = self._with_prefix(prefix, self.tokenizer.encode(prompt, bos=prefix is None, eos=False))
+        return self._stream(self._rows([toks], self._params(1, **options), prefix=prefix)[0])
+
+    def stream_chat(self, dialog: Dialog, **options) -> Iterator[str]:
+        """Yield the assistant's reply to one dialog as text deltas."""
+        validate_dialog(dialog)
+        params = self._params(1, **options)
+        if has_special_tags(dialog):
+            return iter([UNSAFE_ERROR])
+        return self._stream(self._rows([self.formatter.encode_dialog_prompt(dialog)], params)[0])
+
+    def _stream(self, row: Row) -> Iterator[str]:
+        with self.lock:
+            for deltas in self._run([row]):
+                for _, text in deltas:
+                    yield text
+
+    # ----------------------------------------------------------------------------------------- prefixes, chat
+    def prefill(self, text_or_tokens: Union[str, List[int]]) -> Prefix:
+        """Compute the KV cache of a shared prompt start once, to continue many prompts from it."""
+        if isinstance(text_or_tokens, str):
+            tokens = self.tokenizer.encode(text_or_tokens, bos=True, eos=False)
+        else:
+            tokens = self._check_tokens("prefix", text_or_tokens)
+        if not tokens or len(tokens) >= self.max_seq_len:
+            raise ValueError(f"prefix has {len(tokens)} tokens; it needs 1 to {self.max_seq_len - 1} (max_seq_len - 1)")
+        with self.lock:
+            logits = self.model(torch.tensor([tokens], device=self.device), 0)[0]
+            return Prefix.snapshot(self.model, slot=0, tokens=tokens, logprobs=_token_logprobs(logits, tokens),
+                                   next_logprobs=torch.log_softmax(logits[-1], dim=-1))
+
+    def chat_session(self, system: Optional[str] = None) -> ChatSession:
+        """A multi-turn conversation that keeps its KV cache between turns."""
+        return ChatSession(self, system)
+
+    # ----------------------------------------------------------------------------------------- scoring
+    def score(self, texts: Sequence[Union[str, List[int]]]) -> List[Dict]:
+        """Log-probability of every token of each text given all before it (BOS is context, not scored).
+
+        Per text: tokens (pieces as text), token_ids, logprobs, total_logprob, perplexity. One forward pass per
+        batch of max_batch_size texts.
+        """
+        _count(texts, "texts")
+        seqs = []
+        for i, t in enumerate(texts):
+            toks = self.tokenizer.encode(t, bos=True, eos=False) if isinstance(t, str) else self._check_tokens(f"text {i}", t)
+            if len(toks) < 2:
+                raise ValueError(f"text {i} has {len(toks)} token(s): at least 2 are needed to score one")
+            if len(toks) > self.max_seq_len:
+                raise ValueError(f"text {i} has {len(toks)} tokens, more than max_seq_len={self.max_seq_len}")
+            seqs.append(toks)
+        results = []
+        with self.lock:
+            for start in range(0, len(seqs), self.max_batch_size):
+                batch = seqs[start : start + self.max_batch_size]
+                width = max(map(len, batch))
+                logits = self.model(torch.tensor([s + [0] * (width - len(s)) for s in batch], device=self.device), 0)
+                for b, toks in enumerate(batch):
+                    lps = _token_logprobs(logits[b, : len(toks)], toks)
+                    total = sum(lps)
+                    results.append({
+                        "tokens": [self.tokenizer.decode([t]) for t in toks[1:]],
+                        "token_ids": toks[1:],
+                        "logprobs": lps,
+                        "total_logprob": total,
+                        "perplexity": float(torch.tensor(-total / len(lps), dtype=torch.float64).exp()),
+                    })
+        return results
+
+    # ----------------------------------------------------------------------------------------- internals
+    def _params(self, count: int, **options) -> List[SamplingParams]:
+        """One SamplingParams per prompt from keyword options given once or once per prompt."""
+        unknown = set(options) - set(SamplingParams.__dataclass_fields__)
+        if unknown:
+            raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
+        expanded = {k: per_prompt(k, v, count) for k, v in options.items()}
+        return [SamplingParams(**{k: v[i] for k, v in expanded.items()}) for i in range(count)]
+
+    def _check_tokens(self, name: str, tokens) -> List[int]:
+        if not isinstance(tokens, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise ValueError(f"{name} must be a list of token ids (ints)")
+        bad = [t for t in tokens if not 0 <= t < self.model.vocab_size]
+        if bad:
+            raise ValueError(f"{name} has token id {bad[0]} outside the vocabulary [0, {self.model.vocab_size})")
+        return list(tokens)
+
+    def _with_prefix(self, prefix: Optional[Prefix], tokens: List[int]) -> List[int]:
+        if prefix is None:
+            return tokens
+        if not isinstance(prefix, Prefix):
+            raise ValueError(f"prefix must come from Llama.prefill(), got {type(prefix).__name__}")
+        return prefix.tokens + tokens
+
+    def _rows(self, prompts: List[List[int]], params: List[SamplingParams], n: int = 1,
+              prefix: Optional[Prefix] = None, index: Optional[List[int]] = None) -> List[Row]:
+        """Validate every prompt before any work starts; one Row per (prompt, sample), prompt-major."""
+        _positive_int("n", n)
+        full = []
+        for k, toks in enumerate(prompts):
+            i = index[k] if index is not None else k
+            toks = self._check_tokens(f"prompt {i}", toks)
+            if not toks:
+                raise ValueError(f"prompt {i} is empty: it needs at least one token")
+            if len(toks) >= self.max_seq_len:
+                raise ValueError(
+                    f"prompt {i} has {len(toks)} tokens; it must be shorter than max_seq_len={self.max_seq_len}"
+                )
+            full.append(toks)
+        rows = []
+        for toks, p in zip(full, params):
+            room = self.max_seq_len - len(toks)
+            max_new = min(p.max_gen_len, room) if p.max_gen_len is not None else room
+            for j in range(n):
+                stream = TextStream(self.tokenizer, context=toks, stop=p.stop)
+                rows.append(Row(prompt=toks, params=p, max_new=max_new, stream=stream, sample=j, prefix=prefix))
+        return rows
+
+    def _complete(self, rows: List[Row]) -> List[Row]:
+        """Run rows to completion in sub-batches of at most max_batch_size."""
+        with self.lock:
+            for start in range(0, len(rows), self.max_batch_size):
+                for _ in self._run(rows[start : start + self.max_batch_size]):
+                    pass
+        return rows
+
+    def _prediction(self, r: Row) -> Dict:
+        text = r.stream.text
+        if r.params.echo:
+            text = self.tokenizer.decode(r.prompt) + text
+        pred = {"generation": text}
+        if r.params.logprobs:
+            toks = (r.prompt if r.params.echo else []) + r.generated
+            pred["tokens"] = [self.tokenizer.decode([t]) for t in toks]
+            pred["logprobs"] = ([0.0] + r.prompt_logprobs if r.params.echo else []) + r.logprobs
+        return pred
+
+    def _prefill(self, rows: List[Row]) -> torch.Tensor:
+        """Fill cache slots 0..len(rows)-1 with the prompts; return each row's next-token logits (B, V).
+
+        Rows with the same prompt (n samples) are prefilled once and their cache copied; a prefix's cached
+        positions are copied in instead of recomputed.
+        """
+        leaders: Dict[Tuple, int] = {}
+        lead_of = [leaders.setdefault((tuple(r.prompt), id(r.prefix)), b) for b, r in enumerate(rows)]
+        lead = sorted(leaders.values())
+        full = any(rows[b].params.echo and rows[b].params.logprobs for b in lead)
+        for b in lead:
+            r = rows[b]
+            if r.prefix is not None:
+                r.reused = r.prefix.load_into(self.model, b, r.prompt)
+                if full:
+                    r.prompt_logprobs = r.prefix.prompt_logprobs(r.prompt, r.reused)
+        width = max(len(rows[b].prompt) - rows[b].reused for b in lead)
+        x = torch.tensor([rows[b].prompt[rows[b].reused :] + [0] * (width - len(rows[b].prompt) + rows[b].reused)
+                          for b in lead], device=self.device)
+        starts = [rows[b].reused for b in lead]
+        begin = starts[0] if len(set(starts)) == 1 else torch.tensor(starts, device=self.device)
+        slots = None if lead == list(range(len(lead))) else torch.tensor(lead, device=self.device)
+        last = torch.tensor([len(rows[b].prompt) - rows[b].reused - 1 for b in lead], device=self.device)
+        logits = self.model(x, begin, rows=slots, logit_index=None if full else last)
+        next_logits = {}
+        for k, b in enumerate(lead):
+            r = rows[b]
+            if full:
+                n_new = len(r.prompt) - r.reused
+                r.prompt_logprobs = r.prompt_logprobs + _token_logprobs(logits[k, :n_new], r.prompt[r.reused :])
+                next_logits[b] = logits[k, n_new - 1]
+            else:
+                next_logits[b] = logits[k, 0]
+        for b, a in enumerate(lead_of):
+            if a != b:
+                src, dst = torch.tensor([a], device=self.device), torch.tensor([b], device=self.device)
+                self.model.copy_cache(src, dst, len(rows[b].prompt))
+                rows[b].prompt_logprobs, rows[b].reused = rows[a].prompt_logprobs, rows[a].reused
+        return torch.stack([next_logits[a] for a in lead_of])
+
+    def _run(self, rows: List[Row]) -> Iterator[List[Tuple[int, str]]]:
+        """The decode loop for one batch: yields, per step, (row index, text delta) for rows with new text."""
+        dev = self.device
+        logits = self._prefill(rows)
+        temperature = torch.tensor([r.params.temperature for r in rows], device=dev)
+        top_p = torch.tensor([r.params.top_p for r in rows], device=dev)
+        top_k = torch.tensor([r.params.top_k for r in rows], device=dev)
+        seeded = torch.tensor([r.params.seed is not None for r in rows])
+        seeds = torch.tensor([r.params.seed or 0 for r in rows])
+        samples = torch.tensor([r.sample for r in rows])
+        want_lp = any(r.params.logprobs for r in rows)
+        feed_tok = [r.prompt[-1] for r in rows]
+        feed_pos = [len(r.prompt) - 1 for r in rows]
+        while True:
+            for b, r in enumerate(rows):
+                if r.finish_reason is None:
+                    for proc in r.params.logits_processors:
+                        logits[b] = proc(list(r.generated), logits[b])
+            uniform = None
+            if bool(seeded.any()):
+                u = seeded_uniform(seeds, samples, torch.tensor([len(r.generated) for r in rows]))
+                uniform = torch.where(seeded, u, torch.full_like(u, float("nan"))).to(dev)
+            next_tok = sample(logits, temperature, top_p, top_k, uniform)
+            lp = torch.log_softmax(logits, dim=-1).gather(1, next_tok[:, None])[:, 0].tolist() if want_lp else None
+            deltas = []
+            for b, (r, tok) in enumerate(zip(rows, next_tok.tolist())):
+                if r.finish_reason is not None:
+                    continue
+                if tok == self.tokenizer.eos_id:
+                    r.finish_reason, text = "eos", r.stream.finish()
+                else:
+                    r.generated.append(tok)
+                    if lp is not None:
+                        r.logprobs.append(lp[b])
+                    text = r.stream.add(tok)
+                    if r.stream.stopped:
+                        r.finish_reason = "stop"
+                        keep = r.stream.tokens_before_stop()
+                        del r.generated[keep:], r.logprobs[keep:]
+                        r.fed = min(r.fed, keep)
+                    elif len(r.generated) >= r.max_new:
+                        r.finish_reason = "length"
+                    else:
+                        feed_tok[b], feed_pos[b] = tok, len(r.prompt) + len(r.generated) - 1
+                        r.fed = len(r.generated)  # the forward below writes its keys/values
+                    if r.finish_reason is not None:
+                        text += r.stream.finish()
+                if text:
+                    deltas.append((b, text))
+            yield deltas
+            if all(r.finish_reason is not None for r in rows):
+                return
+            x = torch.tensor(feed_tok, device=dev)[:, None]
+            pos = feed_pos[0] if len(set(feed_pos)) == 1 else torch.tensor(feed_pos, device=dev)
+            logits = self.model(x, pos)[:, 0]
+
+
+def _token_logprobs(logits: torch.Tensor, tokens: List[int]) -> List[float]:
+    """log p(tokens[i+1] | tokens[:i+1]) from the logits (T, V) at tokens' positions: T-1 values."""
+    target = torch.tensor(tokens[1:], device=logits.device)
+    return torch.log_softmax(logits[: len(tokens) - 1].float(), dim=-1).gather(1, target[:, None])[:, 0].tolist()
+
+
+def _count(values, name: str) -> int:
+    if not isinstance(values, (list, tuple)):
+        raise ValueError(f"{name} must be a list, got {type(values).__name__}")
+    return len(values)
+
+
+def _string_list(name: str, values) -> List[str]:
+    if not isinstance(values, (list, tuple)) or not all(isinstance(v, str) for v in values):
+        raise ValueError(f"{name} must be a list of strings")
+    return list(values)

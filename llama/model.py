@@ -1,0 +1,312 @@
+"""The Llama transformer: Meta's reference architecture with a per-row KV cache.
+
+Same parameter names and model-parallel layers (fairscale) as Meta's reference, so its checkpoints load
+unchanged. Differences that matter: positions may differ per batch row (continuous batching, ragged prompts),
+the cache rows a batch uses can be chosen (slots), and attention is PyTorch's SDPA with grouped-query heads
+left unexpanded.
+"""
+
+import json
+import math
+from dataclasses import dataclass, fields
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from fairscale.nn.model_parallel.initialize import get_model_parallel_world_size
+from fairscale.nn.model_parallel.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
+from torch import nn
+
+
+@dataclass
+class ModelArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: Optional[int] = None
+    vocab_size: int = -1  # -1: take the tokenizer's
+    multiple_of: int = 256  # SwiGLU hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: Optional[float] = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_batch_size: int = 32
+    max_seq_len: int = 2048
+
+    def __post_init__(self):
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of", "max_batch_size", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"model argument {name} must be a positive integer, got {value!r}")
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})")
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(f"head dimension dim/n_heads = {self.dim // self.n_heads} must be even for rotary embeddings")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        return ffn_hidden_dim(self.dim, self.multiple_of, self.ffn_dim_multiplier)
+
+    @classmethod
+    def from_params(cls, params: dict, **overrides) -> "ModelArgs":
+        """Build from a params.json dict; keys this architecture does not use are ignored."""
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in params.items() if k in known}
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, path, **overrides) -> "ModelArgs":
+        with open(path) as f:
+            return cls.from_params(json.load(f), **overrides)
+
+
+def check_model_parallel(args: ModelArgs, mp: int) -> None:
+    """Raise ValueError unless every split dimension divides evenly across mp ranks."""
+    for name, value in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads), ("dim", args.dim),
+                        ("FFN hidden dim", args.hidden_dim), ("vocab_size", args.vocab_size)):
+        if value % mp:
+            raise ValueError(f"model parallel size {mp} does not divide {name} ({value}): use a size that does")
+
+
+def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[float] = None) -> int:
+    """The reference's SwiGLU sizing rule: 2/3 of 4*dim, scaled, rounded up to multiple_of."""
+    hidden = int(2 * (4 * dim) / 3)
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def rope_tables(head_dim: int, end: int, theta: float = 10000.0):
+    """cos/sin of the reference's rotary frequencies, shape (end, head_dim // 2), fp32."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
+    angles = torch.outer(torch.arange(end, dtype=torch.float32), freqs)
+    return torch.cos(angles), torch.sin(angles)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x[2i], x[2i+1]) as the reference's complex multiply does.
+
+    x: (B, T, H, D); cos/sin: (T, D/2) or (B, T, D/2).
+    """
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
+    out = torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class ColumnLinear(ColumnParallelLinear):
+    """fairscale's column-parallel linear (output features split across ranks), without bias.
+
+    Skips fairscale's master-weight initialisation: weights come from the checkpoint, so the layer can be built on
+    the meta device and loaded with no second copy. With one rank it is a plain F.linear.
+    """
+
+    def __init__(self, in_features: int, out_features: int, gather_output: bool = False):
+        nn.Module.__init__(self)
+        self.mp = get_model_parallel_world_size()
+        self.in_features, self.out_features, self.gather_output = in_features, out_features, gather_output
+        self.output_size_per_partition = out_features // self.mp
+        self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, in_features))
+        self.bias = self.master_weight = None
+
+    def forward(self, x):
+        return F.linear(x, self.weight) if self.mp == 1 else super().forward(x)
+
+
+class RowLinear(RowParallelLinear):
+    """fairscale's row-parallel linear (input features split, outputs all-reduced), without bias."""
+
+    def __init__(self, in_features: int, out_features: int):
+        nn.Module.__init__(self)
+        self.mp = get_model_parallel_world_size()
+        self.in_features, self.out_features, self.input_is_parallel = in_features, out_features, True
+        self.input_size_per_partition = in_features // self.mp
+        self.weight = nn.Parameter(torch.empty(out_features, self.input_size_per_partition))
+        self.bias = self.master_weight = None
+
+    def forward(self, x):
+        return F.linear(x, self.weight) if self.mp == 1 else super().forward(x)
+
+
+class Embedding(ParallelEmbedding):
+    """fairscale's embedding split along the embedding dimension."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        nn.Module.__init__(self)
+        self.mp = get_model_parallel_world_size()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padding_idx = self.max_norm = self._weight = None
+        self.norm_type, self.scale_grad_by_freq, self.sparse = 2.0, False, False
+        self.embedding_dim_per_partition = embedding_dim // self.mp
+        self.weight = nn.Parameter(torch.empty(num_embeddings, self.embedding_dim_per_partition))
+
+    def forward(self, tokens):
+        return F.embedding(tokens, self.weight) if self.mp == 1 else super().forward(tokens)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        mp = get_model_parallel_world_size()
+        self.n_local_heads = args.n_heads // mp
+        self.n_local_kv_heads = args.n_kv_heads // mp
+        self.head_dim = args.head_dim
+        hd = self.head_dim
+        self.wq = ColumnLinear(args.dim, args.n_heads * hd)
+        self.wk = ColumnLinear(args.dim, args.n_kv_heads * hd)
+        self.wv = ColumnLinear(args.dim, args.n_kv_heads * hd)
+        self.wo = RowLinear(args.n_heads * hd, args.dim)
+        self.cache_k: Optional[torch.Tensor] = None
+        self.cache_v: Optional[torch.Tensor] = None
+
+    def forward(self, x, cos, sin, start, positions, rows, kv_len, mask):
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_local_heads, self.head_dim)
+        k = self.wk(x).view(B, T, self.n_local_kv_heads, self.head_dim)
+        v = self.wv(x).view(B, T, self.n_local_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+        ck, cv = self.cache_k, self.cache_v  # (max_batch, kv_heads, max_seq, head_dim)
+        if rows is None and start is not None:  # one start position for every row: plain slices
+            ck[:B, :, start : start + T] = k.transpose(1, 2)
+            cv[:B, :, start : start + T] = v.transpose(1, 2)
+            keys, values = ck[:B, :, :kv_len], cv[:B, :, :kv_len]
+        else:
+            idx = torch.arange(B, device=x.device) if rows is None else rows
+            pos = positions if positions.dim() == 2 else positions.expand(B, T)
+            ck[idx[:, None], :, pos] = k.to(ck.dtype)
+            cv[idx[:, None], :, pos] = v.to(cv.dtype)
+            keys, values = (ck[:B, :, :kv_len], cv[:B, :, :kv_len]) if rows is None else (ck[rows, :, :kv_len], cv[rows, :, :kv_len])
+
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=self.n_local_kv_heads != self.n_local_heads
+        )
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        hidden = args.hidden_dim
+        self.w1 = ColumnLinear(args.dim, hidden)
+        self.w2 = RowLinear(hidden, args.dim)
+        self.w3 = ColumnLinear(args.dim, hidden)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args)
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+
+    def forward(self, x, cos, sin, start, positions, rows, kv_len, mask):
+        h = x + self.attention(self.attention_norm(x), cos, sin, start, positions, rows, kv_len, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, params: ModelArgs):
+        super().__init__()
+        if params.vocab_size < 1:
+            raise ValueError(f"vocab_size must be set (got {params.vocab_size}); take it from the tokenizer")
+        check_model_parallel(params, get_model_parallel_world_size())
+        self.params = params
+        self.vocab_size = params.vocab_size
+        self.n_layers = params.n_layers
+        self.tok_embeddings = Embedding(params.vocab_size, params.dim)
+        self.layers = nn.ModuleList(TransformerBlock(i, params) for i in range(params.n_layers))
+        self.norm = RMSNorm(params.dim, eps=params.norm_eps)
+        self.output = ColumnLinear(params.dim, params.vocab_size, gather_output=True)
+        self.rope_cos: Optional[torch.Tensor] = None
+        self.rope_sin: Optional[torch.Tensor] = None
+
+    def setup_caches(self, max_batch_size: int, max_seq_len: int, dtype=None, device=None):
+        """Allocate the per-layer KV cache (max_batch_size x max_seq_len) and rotary tables."""
+        ref = self.norm.weight
+        dtype = dtype or ref.dtype
+        device = device or ref.device
+        for layer in self.layers:
+            attn = layer.attention
+            shape = (max_batch_size, attn.n_local_kv_heads, max_seq_len, attn.head_dim)
+            attn.cache_k = torch.zeros(shape, dtype=dtype, device=device)
+            attn.cache_v = torch.zeros(shape, dtype=dtype, device=device)
+        # Twice the context like the reference, so positions past max_seq_len stay defined.
+        cos, sin = rope_tables(self.params.head_dim, max_seq_len * 2, self.params.rope_theta)
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+
+    def copy_cache(self, src_rows: torch.Tensor, dst_rows: torch.Tensor, length: int):
+        """Copy positions [0, length) of cache rows src_rows into dst_rows (prefix reuse, n samples)."""
+        for layer in self.layers:
+            attn = layer.attention
+            attn.cache_k[dst_rows, :, :length] = attn.cache_k[src_rows, :, :length]
+            attn.cache_v[dst_rows, :, :length] = attn.cache_v[src_rows, :, :length]
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        start_pos: Union[int, torch.Tensor] = 0,
+        rows: Optional[torch.Tensor] = None,
+        logit_index: Optional[torch.Tensor] = None,
+        kv_len: Optional[int] = None,
+    ) -> torch.Tensor:
+        """Logits (fp32) for tokens (B, T) placed at start_pos (an int, or one position per row).
+
+        rows: cache rows to use (default 0..B-1). logit_index: one index per row into T; return only those
+        logits, shape (B, 1, V). kv_len: how many cache positions attention reads (default: just enough).
+        """
+        if self.rope_cos is None:
+            raise RuntimeError("call setup_caches() before forward()")
+        B, T = tokens.shape
+        device = tokens.device
+        steps = torch.arange(T, device=device)
+        if isinstance(start_pos, int):
+            start, positions = start_pos, start_pos + steps  # (T,)
+            last = start_pos + T
+        else:
+            start, positions = None, start_pos.to(device)[:, None] + steps  # (B, T)
+            last = None
+        if kv_len is None:
+            kv_len = last if last is not None else int(positions.max()) + 1
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+
+        if T == 1 and kv_len == last:
+            mask = None  # a single query at the newest position sees every cached key
+        else:
+            key_pos = torch.arange(kv_len, device=device)
+            qpos = positions if positions.dim() == 2 else positions[None]
+            mask = (key_pos[None, None, :] <= qpos[:, :, None])[:, None]  # (B|1, 1, T, kv_len)
+
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin, start, positions, rows, kv_len, mask)
+        if logit_index is not None:
+            h = h[torch.arange(B, device=device), logit_index.to(device)][:, None]
+        return self.output(self.norm(h)).float()

@@ -1,0 +1,77 @@
+"""Process group and model-parallel set-up: one code path for plain `python`, torchrun, CPU and CUDA.
+
+The reference hard-codes NCCL and needs torchrun even for one process. Here the device and backend are chosen at
+run time (CUDA + nccl when a GPU is present, CPU + gloo otherwise); a single process without torchrun gets an
+in-memory store, so no port or environment variable is needed.
+"""
+
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from fairscale.nn.model_parallel import initialize as fs_init
+
+
+def default_device() -> torch.device:
+    """cuda:LOCAL_RANK when CUDA is available, else cpu."""
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"LOCAL_RANK {local_rank} has no GPU: only {torch.cuda.device_count()} CUDA device(s) visible; "
+                "launch at most that many processes per node"
+            )
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(model_parallel_size: Optional[int] = None, device: Optional[torch.device] = None) -> int:
+    """Initialise torch.distributed and fairscale model parallel if not done yet; return the model-parallel size.
+
+    Under torchrun the environment (WORLD_SIZE, RANK, MASTER_ADDR...) is used; otherwise a one-process group on an
+    in-memory store.
+    """
+    device = torch.device(device) if device is not None else default_device()
+    if not dist.is_initialized():
+        backend = backend_for(device)
+        if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    world_size = dist.get_world_size()
+    if model_parallel_size is None:
+        model_parallel_size = world_size
+    if not isinstance(model_parallel_size, int) or model_parallel_size < 1 or world_size % model_parallel_size:
+        raise ValueError(
+            f"model_parallel_size must be a positive divisor of the world size {world_size}, got {model_parallel_size!r}"
+        )
+    if fs_init.model_parallel_is_initialized():
+        current = fs_init.get_model_parallel_world_size()
+        if current != model_parallel_size:
+            raise ValueError(
+                f"model parallel is already initialised with size {current}, cannot switch to {model_parallel_size} "
+                "in the same process"
+            )
+    else:
+        fs_init.initialize_model_parallel(model_parallel_size)
+    return model_parallel_size
+
+
+def model_parallel_rank() -> int:
+    return fs_init.get_model_parallel_rank()
+
+
+def model_parallel_size() -> int:
+    return fs_init.get_model_parallel_world_size()
+
+
+def is_main_process() -> bool:
+    """Rank 0 of the whole job: the only one that prints."""
+    return not dist.is_initialized() or dist.get_rank() == 0

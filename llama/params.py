@@ -1,0 +1,74 @@
+"""Per-request generation parameters and their validation."""
+
+import numbers
+from dataclasses import dataclass, field, replace
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+LogitsProcessor = Callable[[List[int], torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class SamplingParams:
+    """How one request is decoded. temperature 0 is greedy; top_k 0 disables top-k; seed None uses the global RNG
+    (the reference's behaviour); max_gen_len None means up to the cache's end."""
+
+    temperature: float = 0.6
+    top_p: float = 0.9
+    top_k: int = 0
+    max_gen_len: Optional[int] = None
+    seed: Optional[int] = None
+    stop: Sequence[str] = ()
+    logprobs: bool = False
+    echo: bool = False
+    logits_processors: Sequence[LogitsProcessor] = field(default_factory=tuple)
+
+    def __post_init__(self):
+        _number("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        _number("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _integer("top_k", self.top_k)
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.max_gen_len is not None:
+            _integer("max_gen_len", self.max_gen_len)
+            if self.max_gen_len < 1:
+                raise ValueError(f"max_gen_len must be >= 1, got {self.max_gen_len}")
+        if self.seed is not None:
+            _integer("seed", self.seed)
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        self.stop = tuple(self.stop)
+        if callable(self.logits_processors):
+            self.logits_processors = (self.logits_processors,)
+        if not all(callable(p) for p in self.logits_processors):
+            raise ValueError("logits_processors must be callables (token_ids_so_far, logits) -> logits")
+        self.logits_processors = tuple(self.logits_processors)
+
+    def with_(self, **changes) -> "SamplingParams":
+        return replace(self, **changes)
+
+
+def _number(name, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+
+
+def _integer(name, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+
+
+def per_prompt(name: str, value, count: int) -> list:
+    """Expand a parameter given once or once per prompt into a list of `count` values."""
+    if isinstance(value, (list, tuple)) and name != "stop":
+        if len(value) != count:
+            raise ValueError(f"{name} has {len(value)} values but there are {count} prompts")
+        return list(value)
+    return [value] * count

@@ -1,0 +1,93 @@
+"""Token sampling: the reference's temperature + top-p, plus top-k and seeded draws independent of batching.
+
+A seeded draw for generated token t of sample j of a request with seed s is a pure function of (s, j, t): a
+counter-based hash (splitmix64) turned into a uniform number, then inverted through the filtered distribution.
+No generator state is shared between rows, so a request gives the same text alone, in any batch, at any
+max_batch_size and on every model-parallel rank.
+"""
+
+from typing import Optional
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def _i64(x: int) -> int:
+    """A uint64 constant as the int64 torch stores."""
+    x &= _MASK64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN, _M1, _M2 = _i64(0x9E3779B97F4A7C15), _i64(0xBF58476D1CE4E5B9), _i64(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    z = x + _GOLDEN  # int64 arithmetic wraps like uint64
+    z = (z ^ _shr(z, 30)) * _M1
+    z = (z ^ _shr(z, 27)) * _M2
+    return z ^ _shr(z, 31)
+
+
+def seeded_uniform(seed: torch.Tensor, sample: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """Uniform float64 in [0, 1) per row, a pure function of (seed, sample, step) (int64 tensors)."""
+    h = _splitmix64(_splitmix64(_splitmix64(seed.long()) ^ sample.long()) ^ step.long())
+    return _shr(h, 11).double() * (1.0 / (1 << 53))
+
+
+def sample_top_p(probs: torch.Tensor, p: float) -> torch.Tensor:
+    """The reference's nucleus sampling with the global RNG: (B, V) probabilities -> (B, 1) token ids."""
+    probs_sort, probs_idx = torch.sort(probs, dim=-1, descending=True)
+    probs_sum = torch.cumsum(probs_sort, dim=-1)
+    probs_sort[probs_sum - probs_sort > p] = 0.0
+    probs_sort.div_(probs_sort.sum(dim=-1, keepdim=True))
+    return torch.gather(probs_idx, -1, torch.multinomial(probs_sort, num_samples=1))
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: Optional[torch.Tensor] = None,
+    uniform: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Next token per row of logits (B, V), with per-row parameters (tensors of shape (B,)).
+
+    temperature 0 means greedy. top_k 0 means no top-k cut. uniform: the seeded draw per row, NaN for rows that
+    use the global RNG (torch.multinomial, the reference's behaviour).
+    """
+    greedy = logits.argmax(dim=-1)
+    sampled = temperature > 0
+    if not bool(sampled.any()):
+        return greedy
+    rows = sampled.nonzero().squeeze(1)
+    probs = torch.softmax(logits[rows].float() / temperature[rows, None].float(), dim=-1)
+    probs_sort, probs_idx = torch.sort(probs, dim=-1, descending=True)
+    cut = probs_sort.cumsum(dim=-1) - probs_sort > top_p[rows, None]
+    if top_k is not None:
+        k = top_k[rows, None]
+        cut |= (torch.arange(probs.shape[-1], device=probs.device)[None] >= k) & (k > 0)
+    probs_sort[cut] = 0.0
+    probs_sort.div_(probs_sort.sum(dim=-1, keepdim=True))
+
+    choice = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    u = uniform[rows] if uniform is not None else None
+    seeded = ~torch.isnan(u) if u is not None else torch.zeros_like(choice, dtype=torch.bool)
+    free = ~seeded
+    if bool(free.any()):
+        choice[free] = torch.multinomial(probs_sort[free], num_samples=1).squeeze(1)
+    if bool(seeded.any()):
+        cdf = probs_sort[seeded].double().cumsum(dim=-1)
+        target = u[seeded].to(cdf)[:, None] * cdf[:, -1:]
+        picked = torch.searchsorted(cdf, target, right=True).squeeze(1)
+        # Never pick a token the filters removed (guards the last bin against rounding).
+        last_kept = (probs_sort[seeded] > 0).sum(dim=-1) - 1
+        choice[seeded] = torch.minimum(picked, last_kept)
+    out = greedy.clone()
+    out[rows] = torch.gather(probs_idx, -1, choice[:, None]).squeeze(1)
+    return out
