@@ -258,7 +258,7 @@ def open_shards(ckpt_dir, args: ModelArgs) -> ShardSet:
             )
         args = with_vocab(args, vocab)
     sset = ShardSet(paths, shards, mapped, args)
-    source = f"{Path(ckpt_dir)} ({len(paths)} shard{'s' if len(paths) > 1 else ''})"
+    source = str(paths[0]) if len(paths) == 1 else f"{Path(ckpt_dir)} ({paths[0].name}..{paths[-1].name} merged)"
     check_shapes({name: sset.full_shape(name) for name in ref}, args, source)
     return sset
 
@@ -294,8 +294,9 @@ def split_tensor(name: str, t: torch.Tensor, rank: int, shards: int) -> torch.Te
 
 
 def write_shards(out_dir, params: dict, shards: int, shard_fn: Callable[[int], Dict[str, torch.Tensor]],
-                 extra_files: Iterable[Path] = ()) -> List[Path]:
-    """Write consolidated.00.pth .. from shard_fn(k), then params.json, copies of extra_files and checklist.chk.
+                 extra_files: Optional[Dict[str, Path]] = None) -> List[Path]:
+    """Write consolidated.00.pth .. from shard_fn(k), then params.json, extra_files ({name: source}) and
+    checklist.chk covering them all.
 
     One shard is in memory at a time. Refuses a directory that already holds *.pth files, since stale shards of
     another count would be loaded with the new ones.
@@ -318,8 +319,8 @@ def write_shards(out_dir, params: dict, shards: int, shard_fn: Callable[[int], D
     params_path = out_dir / "params.json"
     params_path.write_text(json.dumps(params, sort_keys=True))
     written.append(params_path)
-    for src in extra_files:
-        dst = out_dir / Path(src).name
+    for name, src in (extra_files or {}).items():
+        dst = out_dir / name
         with open(src, "rb") as fi, open(dst, "wb") as fo:
             while chunk := fi.read(1 << 20):
                 fo.write(chunk)
@@ -329,7 +330,7 @@ def write_shards(out_dir, params: dict, shards: int, shard_fn: Callable[[int], D
 
 
 def save_checkpoint(state_dict_full: Dict[str, torch.Tensor], params: dict, out_dir, shards: int = 1,
-                    extra_files: Iterable[Path] = ()) -> List[Path]:
+                    extra_files: Optional[Dict[str, Path]] = None) -> List[Path]:
     """Split a full (unsharded) state dict into `shards` Meta-layout shards plus params.json and checklist.chk."""
     state = {k: v for k, v in state_dict_full.items() if k not in DROPPED}
     for name in state:

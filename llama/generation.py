@@ -14,6 +14,7 @@ import torch
 
 from .model import ModelArgs, Transformer
 from . import checkpoint, parallel
+from . import compile as compilation, quantize as quantization
 from .params import SamplingParams, per_prompt
 from .prefix import ChatSession, Prefix
 from .sampling import sample, seeded_uniform
@@ -86,14 +87,25 @@ class Llama:
         device: Optional[Union[str, torch.device]] = None,
         dtype: Optional[Union[str, torch.dtype]] = None,
         verify: bool = False,
+        compile: Union[bool, str] = False,
+        quantize: Optional[str] = None,
     ) -> "Llama":
-        """Load a Meta-layout checkpoint; works in plain python and under torchrun, on CPU or CUDA."""
+        """Load a Meta-layout checkpoint; works in plain python and under torchrun, on CPU or CUDA.
+
+        quantize="int8": int8 weight-only linear layers (activations bf16 unless dtype says otherwise).
+        compile: True / "max-autotune" or "default" compiles the one-token decode step (llama/compile.py);
+        it costs tens of seconds per batch size on first use, so it is off by default.
+        """
         _positive_int("max_seq_len", max_seq_len)
         _positive_int("max_batch_size", max_batch_size)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an integer, got {seed!r}")
+        if quantize is not None and quantize not in quantization.SCHEMES:
+            raise ValueError(f"quantize must be one of {quantization.SCHEMES} or None, got {quantize!r}")
+        if compile not in (False, None, True) + compilation.MODES:
+            raise ValueError(f"compile must be a bool or one of {compilation.MODES}, got {compile!r}")
         device = torch.device(device) if device is not None else parallel.default_device()
-        dtype = resolve_dtype(dtype, device)
+        dtype = resolve_dtype(torch.bfloat16 if dtype is None and quantize else dtype, device)
         start = time.time()
         mp_size = parallel.init_distributed(model_parallel_size, device)
         torch.manual_seed(seed)  # every rank seeds alike, so unseeded sampling agrees across ranks
@@ -120,8 +132,13 @@ class Llama:
             model.load_state_dict(state, strict=True, assign=True)
         except RuntimeError as e:
             raise ValueError(f"checkpoint in {ckpt_dir} does not match its params.json: {e}") from None
+        del state  # the model owns the tensors now: lets casting and fusing free the originals
         model.to(device=device, dtype=dtype).eval()
+        model.fuse()
+        if quantize is not None:
+            quantization.quantize(model, quantize)
         model.setup_caches(max_batch_size, max_seq_len, dtype=dtype, device=device)
+        compilation.compile_decode(model, compile)
         if parallel.is_main_process():
             print(f"Loaded in {time.time() - start:.2f} seconds")
         return Llama(model, tokenizer)
@@ -261,6 +278,12 @@ class Llama:
         """A multi-turn conversation that keeps its KV cache between turns."""
         return ChatSession(self, system)
 
+    def engine(self, prefill_chunk: int = 128):
+        """A continuous-batching engine over this generator's KV cache: submit requests from any thread."""
+        from .engine import Engine
+
+        return Engine(self, prefill_chunk=prefill_chunk)
+
     # ----------------------------------------------------------------------------------------- scoring
     def score(self, texts: Sequence[Union[str, List[int]]]) -> List[Dict]:
         """Log-probability of every token of each text given all before it (BOS is context, not scored).
@@ -344,8 +367,13 @@ class Llama:
         return rows
 
     def _complete(self, rows: List[Row]) -> List[Row]:
-        """Run rows to completion in sub-batches of at most max_batch_size."""
+        """Run rows to completion: one static batch when they fit the cache, else continuous batching (a row
+        starts as soon as a slot frees up), results in input order either way."""
         with self.lock:
+            if len(rows) > self.max_batch_size:
+                from .engine import Engine
+
+                return Engine(self, mode="local").complete(rows)
             for start in range(0, len(rows), self.max_batch_size):
                 for _ in self._run(rows[start : start + self.max_batch_size]):
                     pass
@@ -416,6 +444,8 @@ class Llama:
         feed_tok = [r.prompt[-1] for r in rows]
         feed_pos = [len(r.prompt) - 1 for r in rows]
         while True:
+            if any(r.params.logits_processors for r in rows):
+                logits = logits.clone()  # the model returns inference tensors, which processors cannot edit in place
             for b, r in enumerate(rows):
                 if r.finish_reason is None:
                     for proc in r.params.logits_processors:

@@ -15,6 +15,11 @@ import torch
 import torch.nn.functional as F
 from fairscale.nn.model_parallel.initialize import get_model_parallel_world_size
 from fairscale.nn.model_parallel.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
+from fairscale.nn.model_parallel.mappings import (
+    copy_to_model_parallel_region,
+    gather_from_model_parallel_region,
+    reduce_from_model_parallel_region,
+)
 from torch import nn
 
 
@@ -84,6 +89,20 @@ def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[floa
     return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, scales: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x @ weight.T; with scales, weight is int8 with one scale per output row (see llama/quantize.py).
+
+    The int8 kernel is only fast with bf16 activations, so x is cast to the scales' dtype (bf16) around it. It
+    needs in_features % 16 == 0 (other widths give wrong results or crash), so tiny layers dequantize instead.
+    """
+    if scales is None:
+        return F.linear(x, weight)
+    if weight.shape[1] % 16:
+        return (F.linear(x, weight.to(x.dtype)) * scales).to(x.dtype)
+    y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).to(scales.dtype), weight, scales)
+    return y.view(*x.shape[:-1], -1).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -91,8 +110,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        # Normalise in fp32, round to the model dtype, then scale: the reference's order of operations.
+        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).type_as(x) * self.weight
 
 
 def rope_tables(head_dim: int, end: int, theta: float = 10000.0):
@@ -105,20 +124,19 @@ def rope_tables(head_dim: int, end: int, theta: float = 10000.0):
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved pairs (x[2i], x[2i+1]) as the reference's complex multiply does.
 
-    x: (B, T, H, D); cos/sin: (T, D/2) or (B, T, D/2).
+    x: (B, T, H, D); cos/sin: (T, D/2) or (B, T, D/2). Real arithmetic, so Inductor can fuse it.
     """
-    xf = x.float().unflatten(-1, (-1, 2))
-    x0, x1 = xf[..., 0], xf[..., 1]
+    x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
-    out = torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1)
-    return out.flatten(-2).type_as(x)
+    return torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).flatten(-2).type_as(x)
 
 
 class ColumnLinear(ColumnParallelLinear):
     """fairscale's column-parallel linear (output features split across ranks), without bias.
 
     Skips fairscale's master-weight initialisation: weights come from the checkpoint, so the layer can be built on
-    the meta device and loaded with no second copy. With one rank it is a plain F.linear.
+    the meta device and loaded with no second copy. The local product is `linear`, so int8 weights work at any
+    model-parallel size; with one rank there is no communication at all.
     """
 
     def __init__(self, in_features: int, out_features: int, gather_output: bool = False):
@@ -127,10 +145,14 @@ class ColumnLinear(ColumnParallelLinear):
         self.in_features, self.out_features, self.gather_output = in_features, out_features, gather_output
         self.output_size_per_partition = out_features // self.mp
         self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, in_features))
+        self.register_parameter("scales", None)  # set by quantize_int8
         self.bias = self.master_weight = None
 
     def forward(self, x):
-        return F.linear(x, self.weight) if self.mp == 1 else super().forward(x)
+        if self.mp == 1:
+            return linear(x, self.weight, self.scales)
+        y = linear(copy_to_model_parallel_region(x), self.weight, self.scales)
+        return gather_from_model_parallel_region(y) if self.gather_output else y
 
 
 class RowLinear(RowParallelLinear):
@@ -142,10 +164,12 @@ class RowLinear(RowParallelLinear):
         self.in_features, self.out_features, self.input_is_parallel = in_features, out_features, True
         self.input_size_per_partition = in_features // self.mp
         self.weight = nn.Parameter(torch.empty(out_features, self.input_size_per_partition))
+        self.register_parameter("scales", None)
         self.bias = self.master_weight = None
 
     def forward(self, x):
-        return F.linear(x, self.weight) if self.mp == 1 else super().forward(x)
+        y = linear(x, self.weight, self.scales)
+        return y if self.mp == 1 else reduce_from_model_parallel_region(y)
 
 
 class Embedding(ParallelEmbedding):
@@ -164,29 +188,106 @@ class Embedding(ParallelEmbedding):
         return F.embedding(tokens, self.weight) if self.mp == 1 else super().forward(tokens)
 
 
-class Attention(nn.Module):
+@torch.no_grad()
+def fuse_columns(layers) -> ColumnLinear:
+    """One ColumnLinear computing all of `layers` (same input) in one product.
+
+    Each rank concatenates its own local shards, so under model parallel the fused layer is still column-parallel:
+    rank r holds [q_r; k_r; v_r], exactly the rows of its local q, k and v.
+    """
+    with torch.device("meta"):
+        fused = ColumnLinear(layers[0].in_features, sum(layer.out_features for layer in layers))
+    fused.weight = nn.Parameter(torch.cat([layer.weight for layer in layers]), requires_grad=False)
+    if layers[0].scales is not None:
+        fused.scales = nn.Parameter(torch.cat([layer.scales for layer in layers]), requires_grad=False)
+    return fused
+
+
+class Fusable(nn.Module):
+    """A module whose parallel projections (`FUSED`: fused name -> Meta names) can be merged into one after loading.
+
+    state_dict() still speaks Meta's names (the fused tensors are split back, as views), and load_state_dict()
+    accepts them, so checkpoints and tools never see the fused layout.
+    """
+
+    FUSED: dict = {}
+
+    def fuse(self) -> None:
+        for fused_name, names in self.FUSED.items():
+            if getattr(self, fused_name, None) is not None:
+                continue
+            setattr(self, fused_name, fuse_columns([getattr(self, n) for n in names]))
+            for n in names:
+                setattr(self, n, None)
+        if not getattr(self, "_fuse_hooks", False):
+            self._register_state_dict_hook(_split_fused)
+            self.register_load_state_dict_pre_hook(_join_fused)
+            self._fuse_hooks = True
+
+    @property
+    def fused(self) -> bool:
+        return any(getattr(self, name, None) is not None for name in self.FUSED)
+
+    def split_sizes(self, fused_name: str):
+        return [self.local_sizes[n] for n in self.FUSED[fused_name]]
+
+
+def _split_fused(module, state_dict, prefix, local_metadata):
+    for fused_name, names in module.FUSED.items():
+        for kind in ("weight", "scales"):
+            key = f"{prefix}{fused_name}.{kind}"
+            if key in state_dict:
+                for name, part in zip(names, state_dict.pop(key).split(module.split_sizes(fused_name))):
+                    state_dict[f"{prefix}{name}.{kind}"] = part
+
+
+def _join_fused(module, state_dict, prefix, *args):
+    if not module.fused:
+        return
+    for fused_name, names in module.FUSED.items():
+        for kind in ("weight", "scales"):
+            keys = [f"{prefix}{name}.{kind}" for name in names]
+            if all(k in state_dict for k in keys):
+                state_dict[f"{prefix}{fused_name}.{kind}"] = torch.cat([state_dict.pop(k) for k in keys])
+
+
+class Attention(Fusable):
+    FUSED = {"wqkv": ("wq", "wk", "wv")}
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         mp = get_model_parallel_world_size()
         self.n_local_heads = args.n_heads // mp
         self.n_local_kv_heads = args.n_kv_heads // mp
-        self.head_dim = args.head_dim
-        hd = self.head_dim
+        self.head_dim = hd = args.head_dim
         self.wq = ColumnLinear(args.dim, args.n_heads * hd)
         self.wk = ColumnLinear(args.dim, args.n_kv_heads * hd)
         self.wv = ColumnLinear(args.dim, args.n_kv_heads * hd)
         self.wo = RowLinear(args.n_heads * hd, args.dim)
-        self.cache_k: Optional[torch.Tensor] = None
-        self.cache_v: Optional[torch.Tensor] = None
+        self.wqkv: Optional[ColumnLinear] = None
+        self.local_sizes = {"wq": self.n_local_heads * hd, "wk": self.n_local_kv_heads * hd,
+                            "wv": self.n_local_kv_heads * hd}
+        # (max_batch, kv_heads, max_seq, head_dim), set by setup_caches. Buffers, so torch.compile sees them as
+        # the model's mutable state, but not persistent: they are never part of a checkpoint.
+        self.register_buffer("cache_k", None, persistent=False)
+        self.register_buffer("cache_v", None, persistent=False)
+
+    def qkv(self, x, cos, sin):
+        """Rotated queries and keys and the values, each (B, T, heads, head_dim)."""
+        B, T, _ = x.shape
+        nq, nkv, hd = self.n_local_heads, self.n_local_kv_heads, self.head_dim
+        if self.wqkv is None:
+            q = apply_rotary(self.wq(x).view(B, T, nq, hd), cos, sin)
+            k = apply_rotary(self.wk(x).view(B, T, nkv, hd), cos, sin)
+            return q, k, self.wv(x).view(B, T, nkv, hd)
+        qkv = self.wqkv(x)
+        qk = apply_rotary(qkv[..., : (nq + nkv) * hd].view(B, T, nq + nkv, hd), cos, sin)  # one rotation for both
+        return qk[:, :, :nq], qk[:, :, nq:], qkv[..., (nq + nkv) * hd :].view(B, T, nkv, hd)
 
     def forward(self, x, cos, sin, start, positions, rows, kv_len, mask):
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_local_heads, self.head_dim)
-        k = self.wk(x).view(B, T, self.n_local_kv_heads, self.head_dim)
-        v = self.wv(x).view(B, T, self.n_local_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-
-        ck, cv = self.cache_k, self.cache_v  # (max_batch, kv_heads, max_seq, head_dim)
+        q, k, v = self.qkv(x, cos, sin)
+        ck, cv = self.cache_k, self.cache_v
         if rows is None and start is not None:  # one start position for every row: plain slices
             ck[:B, :, start : start + T] = k.transpose(1, 2)
             cv[:B, :, start : start + T] = v.transpose(1, 2)
@@ -196,24 +297,34 @@ class Attention(nn.Module):
             pos = positions if positions.dim() == 2 else positions.expand(B, T)
             ck[idx[:, None], :, pos] = k.to(ck.dtype)
             cv[idx[:, None], :, pos] = v.to(cv.dtype)
-            keys, values = (ck[:B, :, :kv_len], cv[:B, :, :kv_len]) if rows is None else (ck[rows, :, :kv_len], cv[rows, :, :kv_len])
-
+            if rows is None:
+                keys, values = ck[:B, :, :kv_len], cv[:B, :, :kv_len]
+            else:
+                keys, values = ck[rows, :, :kv_len], cv[rows, :, :kv_len]
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=self.n_local_kv_heads != self.n_local_heads
         )
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
-class FeedForward(nn.Module):
+class FeedForward(Fusable):
+    FUSED = {"w13": ("w1", "w3")}
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         hidden = args.hidden_dim
         self.w1 = ColumnLinear(args.dim, hidden)
         self.w2 = RowLinear(hidden, args.dim)
         self.w3 = ColumnLinear(args.dim, hidden)
+        self.w13: Optional[ColumnLinear] = None
+        local = hidden // get_model_parallel_world_size()
+        self.local_sizes = {"w1": local, "w3": local}
 
     def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        if self.w13 is None:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
 
 
 class TransformerBlock(nn.Module):
@@ -243,8 +354,19 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(i, params) for i in range(params.n_layers))
         self.norm = RMSNorm(params.dim, eps=params.norm_eps)
         self.output = ColumnLinear(params.dim, params.vocab_size, gather_output=True)
-        self.rope_cos: Optional[torch.Tensor] = None
-        self.rope_sin: Optional[torch.Tensor] = None
+        self.register_buffer("rope_cos", None, persistent=False)
+        self.register_buffer("rope_sin", None, persistent=False)
+        self.compiled_step = None  # set by llama.compile.compile_decode
+
+    def fuse(self) -> "Transformer":
+        """Merge q/k/v and gate/up projections into one product each (fewer, larger GEMVs per layer).
+
+        Call after loading the weights; state_dict()/load_state_dict() keep Meta's names.
+        """
+        for layer in self.layers:
+            layer.attention.fuse()
+            layer.feed_forward.fuse()
+        return self
 
     def setup_caches(self, max_batch_size: int, max_seq_len: int, dtype=None, device=None):
         """Allocate the per-layer KV cache (max_batch_size x max_seq_len) and rotary tables."""
@@ -260,6 +382,8 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(self.params.head_dim, max_seq_len * 2, self.params.rope_theta)
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        if self.compiled_step is not None:
+            self.compiled_step.reset()  # new cache tensors: graphs compiled against the old ones are stale
 
     def copy_cache(self, src_rows: torch.Tensor, dst_rows: torch.Tensor, length: int):
         """Copy positions [0, length) of cache rows src_rows into dst_rows (prefix reuse, n samples)."""
@@ -281,11 +405,16 @@ class Transformer(nn.Module):
 
         rows: cache rows to use (default 0..B-1). logit_index: one index per row into T; return only those
         logits, shape (B, 1, V). kv_len: how many cache positions attention reads (default: just enough).
+        One-token steps go through the compiled decode step when there is one (see decode_step).
         """
         if self.rope_cos is None:
             raise RuntimeError("call setup_caches() before forward()")
         B, T = tokens.shape
         device = tokens.device
+        if T == 1 and self.compiled_step is not None and logit_index is None and kv_len is None:
+            pos = torch.full((B,), start_pos, device=device) if isinstance(start_pos, int) else start_pos.to(device)
+            if int(pos.max()) < self.max_seq_len:  # out-of-range positions take the eager path and its error
+                return self.compiled_step(tokens, pos, rows)
         steps = torch.arange(T, device=device)
         if isinstance(start_pos, int):
             start, positions = start_pos, start_pos + steps  # (T,)
@@ -309,4 +438,21 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin, start, positions, rows, kv_len, mask)
         if logit_index is not None:
             h = h[torch.arange(B, device=device), logit_index.to(device)][:, None]
+        return self.output(self.norm(h)).float()
+
+    def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor, rows: Optional[torch.Tensor] = None):
+        """One token per row, with shapes that depend only on the batch size (gpt-fast's static decode step).
+
+        tokens (B, 1), pos (B,) positions, rows (B,) cache rows or None for 0..B-1. Attention reads the whole
+        max_seq_len cache under a mask instead of a position-dependent slice, so torch.compile traces one graph per
+        batch size and Inductor can treat the weights as constants. Same logits as forward() (fp32, (B, 1, V)).
+        """
+        B = tokens.shape[0]
+        positions = pos[:, None]  # (B, 1)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        key_pos = torch.arange(self.max_seq_len, device=tokens.device)
+        mask = (key_pos[None, :] <= pos[:, None])[:, None, None, :]  # (B, 1, 1, max_seq_len)
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin, None, positions, rows, self.max_seq_len, mask)
         return self.output(self.norm(h)).float()

@@ -40,6 +40,8 @@ class SamplingParams:
                 raise ValueError(f"max_gen_len must be >= 1, got {self.max_gen_len}")
         if self.seed is not None:
             _integer("seed", self.seed)
+            if not -(2**63) <= self.seed < 2**63:
+                raise ValueError(f"seed must fit in 64 bits (-2**63 <= seed < 2**63), got {self.seed}")
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
@@ -47,7 +49,7 @@ class SamplingParams:
         self.stop = tuple(self.stop)
         if callable(self.logits_processors):
             self.logits_processors = (self.logits_processors,)
-        if not all(callable(p) for p in self.logits_processors):
+        if not isinstance(self.logits_processors, (list, tuple)) or not all(callable(p) for p in self.logits_processors):
             raise ValueError("logits_processors must be callables (token_ids_so_far, logits) -> logits")
         self.logits_processors = tuple(self.logits_processors)
 
@@ -65,9 +67,17 @@ def _integer(name, value):
         raise ValueError(f"{name} must be an integer, got {value!r}")
 
 
+_LIST_VALUED = ("stop", "logits_processors")  # a flat list of these is one value for every prompt
+
+
 def per_prompt(name: str, value, count: int) -> list:
-    """Expand a parameter given once or once per prompt into a list of `count` values."""
-    if isinstance(value, (list, tuple)) and name != "stop":
+    """Expand a parameter given once or once per prompt into a list of `count` values.
+
+    stop and logits_processors are lists themselves: they are per prompt only as a list of lists.
+    """
+    per = isinstance(value, (list, tuple)) and (
+        name not in _LIST_VALUED or (len(value) > 0 and all(isinstance(v, (list, tuple)) for v in value)))
+    if per:
         if len(value) != count:
             raise ValueError(f"{name} has {len(value)} values but there are {count} prompts")
         return list(value)

@@ -32,7 +32,7 @@ def reshard(in_dir, out_dir, shards: int, verify: bool = False) -> List[Path]:
     def shard(k: int):
         return load_state_dict(in_dir, args, k, shards)
 
-    extra = [in_dir / name for name in COPIED if (in_dir / name).is_file()]
+    extra = {name: in_dir / name for name in COPIED if (in_dir / name).is_file()}
     return write_shards(out_dir, params, shards, shard, extra)
 
 

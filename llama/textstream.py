@@ -31,14 +31,18 @@ class TextStream:
         if self.stopped_at is not None:
             return ""
         self.ids.append(token)
+        self.ends.append(len(self.text))
         prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
         new_text = self.tokenizer.decode(self.ids[self.prefix_offset :])
         if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT):
             old_len = len(self.text)
             self.text += new_text[len(prefix_text) :]
+            # Tokens held for an incomplete character end with it; recorded before a stop truncates the text,
+            # so the tokens that make up a stop string never count as before it.
+            pending = len(self.ids) - self.read_offset
+            self.ends[-pending:] = [len(self.text)] * pending
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             self._find_stop(old_len)
-        self.ends.append(len(self.text))
         return self._release()
 
     def finish(self) -> str:

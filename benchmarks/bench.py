@@ -1,0 +1,347 @@
+"""Prefill and decode speed of llama on this machine, beside transformers and llama.cpp on the same weights.
+
+    python benchmarks/bench.py --model 110m --dtypes fp32 bf16 int8 --compile off on --batch 1 8 32 \
+        --compare hf llamacpp
+    python benchmarks/bench.py --model ../shared/models/stories260K --accuracy   # int8 vs fp32 agreement
+
+--model is a Meta-layout checkpoint directory or a shape name (tiny, 110m, 1b), for which random weights are
+written to a temporary directory (never into the repository). Each configuration runs in a fresh process, so
+peak RSS and compile state are its own. Per configuration: load time, peak RSS, prefill tok/s for a P-token
+prompt, time to first token, decode tok/s at each batch size (greedy, EOS disabled so every run decodes N
+tokens), and at batch 1 the weight bytes streamed per second against the read bandwidth measured in the same run.
+
+Decode tok/s = B * (N - 1) / (time of an N-token generation - time of a 1-token one), best of --repeat runs:
+the machine is shared and noisy, so compare ratios within one run, not figures across runs.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SHARED = REPO.parent / "shared"
+LLAMA2_TOKENIZER = SHARED / "tokenizers" / "llama2" / "tokenizer.model"
+
+# Shapes of the issue's table (vocab 32000: the Llama 2 tokenizer).
+SHAPES = {
+    "tiny": dict(dim=288, n_layers=6, n_heads=6, vocab_size=32000, multiple_of=256),  # stories15M's shape
+    "110m": dict(dim=768, n_layers=12, n_heads=12, vocab_size=32000, multiple_of=256),  # 134M with the output
+    "1b": dict(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, vocab_size=32000, multiple_of=512,
+               ffn_dim_multiplier=1.4),  # FFN 7680, 1.38B
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+# --------------------------------------------------------------------------------------------- machine and weights
+def read_bandwidth(mb: int = 256, repeat: int = 10) -> float:
+    """Streaming read GB/s: best of `repeat` sums over an mb-MB fp32 tensor, with torch's threads."""
+    x = torch.ones(mb * 2**20 // 4)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best / 1e9
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def random_checkpoint(shape: str, out_dir: Path, seed: int = 0) -> Path:
+    """Random bf16 weights of a named shape in Meta's layout (std 0.02, norms 1), written to out_dir."""
+    from llama.checkpoint import expected_shapes, save_checkpoint
+    from llama.model import ModelArgs
+
+    spec = SHAPES[shape]
+    args = ModelArgs(**spec)
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, size in expected_shapes(args).items():
+        if name.endswith("norm.weight"):
+            state[name] = torch.ones(size, dtype=torch.bfloat16)
+        else:
+            state[name] = (torch.randn(size, generator=g) * 0.02).to(torch.bfloat16)
+    params = {k: v for k, v in spec.items()}
+    params["norm_eps"] = 1e-5
+    save_checkpoint(state, params, out_dir)
+    return out_dir
+
+
+def weight_bytes(model) -> int:
+    """Bytes one decode step reads: every parameter but the embedding table (of which it reads B rows)."""
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("tok_embeddings"))
+
+
+def prompt_tokens(vocab: int, length: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [1] + torch.randint(3, vocab, (length - 1,), generator=g).tolist()
+
+
+def peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def best_time(fn, repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+# --------------------------------------------------------------------------------------------- one configuration
+def run_llama(cfg: dict) -> dict:
+    """Measure this package on one (dtype, quantize, compile) configuration."""
+    from llama import Llama
+
+    P, N, batches, repeat = cfg["prompt"], cfg["gen"], cfg["batch"], cfg["repeat"]
+    start = time.perf_counter()
+    llm = Llama.build(cfg["ckpt"], cfg["tokenizer"], max_seq_len=P + N, max_batch_size=max(batches),
+                      dtype=DTYPES[cfg["dtype"]], quantize=cfg["quantize"], compile=cfg["compile"])
+    out = {"load_s": time.perf_counter() - start}
+    llm.tokenizer.eos_id = -1  # random weights: never stop early, every run decodes N tokens
+    prompt = prompt_tokens(llm.model.vocab_size, P)
+    x = torch.tensor([prompt])
+    llm.model(x, 0)
+    out["prefill_tps"] = P / best_time(lambda: llm.model(x, 0), repeat)
+
+    def gen(b, n):
+        return lambda: llm.generate([prompt] * b, max_gen_len=n, temperature=0)
+
+    out["compile_s"], out["decode_tps"] = {}, {}
+    for b in batches:
+        t = time.perf_counter()
+        gen(b, 3)()  # warm-up; compiles this batch size's decode step when compiling
+        out["compile_s"][b] = time.perf_counter() - t
+        t1 = best_time(gen(b, 1), repeat)
+        if b == 1:
+            out["ttft_ms"] = t1 * 1e3
+        tn = best_time(gen(b, N), repeat)
+        out["decode_tps"][b] = b * (N - 1) / (tn - t1)
+    out["weight_bytes"] = weight_bytes(llm.model)
+    out["rss"] = peak_rss()
+    return out
+
+
+def run_config(cfg: dict) -> dict:
+    if cfg["engine"] == "llama":
+        return run_llama(cfg)
+    import peers
+
+    return {"hf": peers.run_hf, "llamacpp": peers.run_llamacpp}[cfg["engine"]](cfg)
+
+
+def spawn(cfg: dict, timeout: float) -> dict:
+    """Run one configuration in a fresh process; its result, or {"error": ...}."""
+    cmd = [sys.executable, __file__, "--worker", json.dumps(cfg)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"error": f"exit {proc.returncode}: {tail}"}
+
+
+# --------------------------------------------------------------------------------------------- report
+def label(cfg: dict) -> str:
+    if cfg["engine"] == "llama":
+        prec = "int8" if cfg["quantize"] else cfg["dtype"]
+        return f"llama {prec} {'compiled' if cfg['compile'] else 'eager'}"
+    if cfg["engine"] == "llamacpp":
+        return f"llama.cpp {cfg['gguf_type']}"
+    return f"transformers {cfg['dtype']}"
+
+
+def precision(cfg: dict) -> str:
+    if cfg["engine"] == "llamacpp":
+        return {"f32": "fp32", "bf16": "bf16", "q8_0": "int8"}[cfg["gguf_type"]]
+    return "int8" if cfg.get("quantize") else cfg["dtype"]
+
+
+def fmt(v, spec=".1f"):
+    return "—" if v is None else format(v, spec)
+
+
+def report(results, batches, bandwidth: float) -> str:
+    """A markdown table: one row per configuration, ratios against peers of the same precision."""
+    head = ["configuration", "load s", "peak RSS GB", "prefill tok/s", "TTFT ms"]
+    head += [f"decode b={b} tok/s" for b in batches] + ["GB/s (b=1)", "% of bandwidth", "vs transformers (b=1/8)",
+                                                        "vs llama.cpp (b=1)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    peers = {}
+    for cfg, r in results:
+        if cfg["engine"] != "llama" and "error" not in r:
+            peers[(cfg["engine"], precision(cfg))] = r
+    for cfg, r in results:
+        if "error" in r:
+            lines.append(f"| {label(cfg)} | error: {r['error']} |")
+            continue
+        dec = {int(k): v for k, v in r["decode_tps"].items()}
+        gbs = r["weight_bytes"] * dec[batches[0]] / 1e9 if r.get("weight_bytes") and batches[0] == 1 else None
+        row = [label(cfg), fmt(r.get("load_s")), fmt(r["rss"] / 1e9 if r.get("rss") else None, ".2f"),
+               fmt(r.get("prefill_tps"), ".0f"), fmt(r.get("ttft_ms"))]
+        row += [fmt(dec.get(b)) for b in batches]
+        row += [fmt(gbs), fmt(100 * gbs / bandwidth if gbs else None, ".0f")]
+        hf, cpp = peers.get(("hf", precision(cfg))), peers.get(("llamacpp", precision(cfg)))
+        ratios = "—"
+        if cfg["engine"] == "llama" and hf:
+            hdec = {int(k): v for k, v in hf["decode_tps"].items()}
+            ratios = "/".join(fmt(dec[b] / hdec[b], ".2f") + "x" for b in batches[:2] if b in hdec and b in dec)
+        row.append(ratios)
+        row.append(fmt(dec[1] / {int(k): v for k, v in cpp["decode_tps"].items()}[1], ".2f") + "x"
+                   if cfg["engine"] == "llama" and cpp and 1 in dec else "—")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------- int8 accuracy
+def int8_accuracy(ckpt: str, tokenizer: str, goldens: Path) -> dict:
+    """Greedy agreement and logit differences of int8 (bf16 activations) against fp32, on the goldens' prompts.
+
+    Logits are compared teacher-forced on the fp32 greedy continuation, so one early divergence does not make
+    every later position differ.
+    """
+    from llama import Llama
+
+    prompts = [v["prompt_tokens"] for v in json.loads(Path(goldens).read_text()).values()]
+    kw = dict(max_seq_len=256, max_batch_size=len(prompts))
+    ref = Llama.build(ckpt, tokenizer, dtype="fp32", **kw)
+    q8 = Llama.build(ckpt, tokenizer, dtype="bf16", quantize="int8", **kw)
+    out = {"prompts": [], "max_abs_logit_diff": 0.0}
+    diffs, agree, total = [], 0, 0
+    for p in prompts:
+        a, _ = ref.generate([p], max_gen_len=128, temperature=0)
+        b, _ = q8.generate([p], max_gen_len=128, temperature=0)
+        a, b = a[0], b[0]
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        seq = torch.tensor([p + a])
+        la, lb = ref.model(seq, 0)[0], q8.model(seq, 0)[0]
+        d = (la - lb).abs()
+        same = (la.argmax(-1) == lb.argmax(-1)).float()
+        diffs.append(d)
+        agree += int(same.sum())
+        total += same.numel()
+        out["prompts"].append({"tokens_before_divergence": first, "generated": len(a),
+                               "teacher_forced_argmax_agreement": float(same.mean())})
+        out["max_abs_logit_diff"] = max(out["max_abs_logit_diff"], float(d.max()))
+    out["mean_abs_logit_diff"] = float(torch.cat([d.flatten() for d in diffs]).mean())
+    out["teacher_forced_argmax_agreement"] = agree / total
+    out["logit_scale"] = float(torch.cat([ref.model(torch.tensor([p]), 0)[0].flatten() for p in prompts]).std())
+    return out
+
+
+# --------------------------------------------------------------------------------------------- main
+def configs(args, ckpt: str, tokenizer: str):
+    base = dict(ckpt=ckpt, tokenizer=tokenizer, prompt=args.prompt, gen=args.gen, batch=args.batch,
+                repeat=args.repeat)
+    out = []
+    for prec in args.dtypes:
+        for comp in args.compile:
+            out.append(dict(base, engine="llama", dtype="bf16" if prec == "int8" else prec,
+                            quantize="int8" if prec == "int8" else None,
+                            compile=args.compile_mode if comp == "on" else False))
+        if "hf" in args.compare and prec != "int8":
+            out.append(dict(base, engine="hf", dtype=prec))
+        if "llamacpp" in args.compare:
+            out.append(dict(base, engine="llamacpp", gguf_type={"fp32": "f32", "bf16": "bf16", "int8": "q8_0"}[prec],
+                            batch=[1], workdir=args.workdir))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="110m", help="checkpoint directory or shape: " + ", ".join(SHAPES))
+    ap.add_argument("--tokenizer", help="tokenizer.model (default: the checkpoint's, else the Llama 2 tokenizer)")
+    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16", "int8"], choices=["fp32", "bf16", "int8"])
+    ap.add_argument("--compile", nargs="+", default=["off", "on"], choices=["off", "on"])
+    ap.add_argument("--compile-mode", default="max-autotune", choices=["max-autotune", "default"])
+    ap.add_argument("--batch", nargs="+", type=int, default=[1, 8, 32])
+    ap.add_argument("--prompt", type=int, default=16, help="prompt tokens P")
+    ap.add_argument("--gen", type=int, default=64, help="tokens generated per decode run N")
+    ap.add_argument("--repeat", type=int, default=2, help="runs per measurement (best is kept)")
+    ap.add_argument("--compare", nargs="*", default=[], choices=["hf", "llamacpp"])
+    ap.add_argument("--workdir", help="where random weights and GGUF files go (default: a temporary directory)")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per configuration")
+    ap.add_argument("--accuracy", action="store_true", help="int8 vs fp32 agreement on the goldens, then exit")
+    ap.add_argument("--json", help="also write the raw results here")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.worker:
+        sys.path.insert(0, str(Path(__file__).parent))
+        print("RESULT " + json.dumps(run_config(json.loads(args.worker))), flush=True)
+        return 0
+    if args.accuracy:
+        ckpt = Path(args.model)
+        tok = args.tokenizer or str(ckpt / "tokenizer.model")
+        print(json.dumps(int8_accuracy(str(ckpt), tok, SHARED / "goldens" / "stories260K_greedy.json"), indent=1))
+        return 0
+    if args.batch[0] != 1:
+        args.batch = sorted(set(args.batch) | {1})
+
+    tmp = None
+    if args.workdir is None:
+        tmp = args.workdir = tempfile.mkdtemp(prefix="llama-bench-")
+    try:
+        if args.model in SHAPES:
+            ckpt = Path(args.workdir) / f"random-{args.model}"
+            if not (ckpt / "params.json").exists():
+                t = time.perf_counter()
+                random_checkpoint(args.model, ckpt)
+                print(f"wrote random {args.model} weights to {ckpt} in {time.perf_counter() - t:.0f} s", flush=True)
+        else:
+            ckpt = Path(args.model)
+        tok = args.tokenizer or (str(ckpt / "tokenizer.model") if (ckpt / "tokenizer.model").exists()
+                                 else str(LLAMA2_TOKENIZER))
+        bw = [read_bandwidth()]
+        print(f"machine: {machine()}\nread bandwidth: {bw[0]:.1f} GB/s", flush=True)
+        results = []
+        for cfg in configs(args, str(ckpt), tok):
+            r = spawn(cfg, args.timeout)
+            results.append((cfg, r))
+            print(f"{label(cfg)}: {json.dumps(r)}", flush=True)
+        bw.append(read_bandwidth())
+        limit = max(bw)
+        print(f"\nread bandwidth before/after: {bw[0]:.1f} / {bw[1]:.1f} GB/s; the limit below is {limit:.1f} GB/s")
+        print(f"command: python benchmarks/bench.py {' '.join(argv if argv is not None else sys.argv[1:])}")
+        print(f"model {args.model}, prompt {args.prompt} tokens, {args.gen} generated, best of {args.repeat}\n")
+        print(report(results, args.batch, limit))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"bandwidth": bw, "results": results}, indent=1))
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""Continuous batching (the engine) against static batching (fixed sub-batches) on the same implementation.
+
+The KV-cache/batching tutorial's workload: 32 requests, 8 slots, every 8th request wants 100 new tokens and the
+others 10. Static batching runs each sub-batch of 8 until its 100-token member finishes; the engine refills a
+slot as soon as a short request ends. EOS is banned by a logits processor so every request generates exactly its
+length (random weights would otherwise stop anywhere), and decoding is greedy so both paths produce the same
+tokens, which the benchmark checks.
+
+    python benchmarks/bench_batching.py                      # random-weight dim-768 model + stories260K
+    python benchmarks/bench_batching.py --models random --dim 512 --n_layers 8 --runs 5
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from llama import Llama  # noqa: E402
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+STORIES = SHARED / "models" / "stories260K"
+PROMPTS = ["Once upon a time", "Lily and her mom", "The little dog", "One day, Tom saw", "There was a big tree",
+           "Sam liked to play", "The sun was hot", "A bird sat on"]
+
+
+def random_checkpoint(out_dir: Path, dim: int, n_layers: int, n_heads: int, vocab: int) -> Path:
+    """A Meta-layout checkpoint with random weights: compute of a real model of that size, no download."""
+    params = {"dim": dim, "n_layers": n_layers, "n_heads": n_heads, "n_kv_heads": n_heads, "multiple_of": 256,
+              "norm_eps": 1e-5, "vocab_size": vocab}
+    from llama.model import ffn_hidden_dim
+
+    hidden = ffn_hidden_dim(dim, 256)
+    g = torch.Generator().manual_seed(0)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * (1.0 / shape[-1] ** 0.5)
+
+    state = {"tok_embeddings.weight": w(vocab, dim), "norm.weight": torch.ones(dim), "output.weight": w(vocab, dim)}
+    for i in range(n_layers):
+        p = f"layers.{i}."
+        for name in ("wq", "wk", "wv", "wo"):
+            state[p + f"attention.{name}.weight"] = w(dim, dim)
+        state[p + "feed_forward.w1.weight"] = w(hidden, dim)
+        state[p + "feed_forward.w3.weight"] = w(hidden, dim)
+        state[p + "feed_forward.w2.weight"] = w(dim, hidden)
+        state[p + "attention_norm.weight"] = torch.ones(dim)
+        state[p + "ffn_norm.weight"] = torch.ones(dim)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.save(state, out_dir / "consolidated.00.pth")
+    (out_dir / "params.json").write_text(json.dumps(params))
+    return out_dir
+
+
+def workload(n_requests: int = 32, slots: int = 8, long: int = 100, short: int = 10):
+    prompts = [PROMPTS[i % len(PROMPTS)] + ("," if i // len(PROMPTS) % 2 else "") for i in range(n_requests)]
+    lengths = [long if i % slots == 0 else short for i in range(n_requests)]
+    return prompts, lengths
+
+
+def run(generator: Llama, prompts, lengths, continuous: bool):
+    """(seconds, generated tokens, token ids per request)."""
+    eos = generator.tokenizer.eos_id
+
+    def ban_eos(_tokens, logits):
+        logits[eos] = float("-inf")
+        return logits
+
+    opts = dict(temperature=0.0, logprobs=True, logits_processors=ban_eos)
+    b = generator.max_batch_size
+    start = time.perf_counter()
+    if continuous:  # more prompts than slots: Llama._complete hands them to the engine
+        preds = generator.text_completion(prompts, max_gen_len=lengths, **opts)
+    else:  # the static sub-batch path: _complete on chunks that fit the cache
+        preds = []
+        for i in range(0, len(prompts), b):
+            preds += generator.text_completion(prompts[i : i + b], max_gen_len=lengths[i : i + b], **opts)
+    seconds = time.perf_counter() - start
+    tokens = [p["tokens"] for p in preds]
+    return seconds, sum(map(len, tokens)), tokens
+
+
+def bench(name: str, ckpt_dir: Path, tokenizer: Path, runs: int, slots: int):
+    generator = Llama.build(str(ckpt_dir), str(tokenizer), max_seq_len=256, max_batch_size=slots)
+    prompts, lengths = workload(slots=slots)
+    run(generator, prompts[:slots], lengths[:slots], continuous=False)  # warm-up
+    times = {True: [], False: []}
+    for _ in range(runs):  # interleaved, so machine noise hits both alike
+        for continuous in (False, True):
+            seconds, n_tokens, tokens = run(generator, prompts, lengths, continuous)
+            times[continuous].append(seconds)
+            if continuous:
+                cont_tokens = tokens
+            else:
+                static_tokens = tokens
+    if cont_tokens != static_tokens:
+        raise RuntimeError(f"{name}: continuous and static batching generated different tokens")
+    if n_tokens != sum(lengths):
+        raise RuntimeError(f"{name}: generated {n_tokens} tokens, expected {sum(lengths)}")
+    static, cont = statistics.median(times[False]), statistics.median(times[True])
+    params = sum(p.numel() for p in generator.model.parameters())
+    return {"model": name, "params": params, "tokens": n_tokens, "static_s": static, "continuous_s": cont,
+            "static_tps": n_tokens / static, "continuous_tps": n_tokens / cont, "ratio": static / cont}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="random,stories260K", help="comma list of: random, stories260K")
+    ap.add_argument("--dim", type=int, default=768)
+    ap.add_argument("--n_layers", type=int, default=12)
+    ap.add_argument("--n_heads", type=int, default=12)
+    ap.add_argument("--slots", type=int, default=8)
+    ap.add_argument("--runs", type=int, default=3, help="timed runs per mode; the median is reported")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads; 1 by default: on a shared 2-core machine two threads oversubscribe the cores "
+                         "and every operator slows down by an order of magnitude")
+    args = ap.parse_args(argv)
+    if not (STORIES / "tokenizer.model").is_file():
+        sys.exit(f"stories260K not found at {STORIES}: the benchmark needs its tokenizer")
+    torch.set_num_threads(args.threads)
+    tokenizer = STORIES / "tokenizer.model"
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in args.models.split(","):
+            if model == "random":
+                ckpt = random_checkpoint(Path(tmp) / "random", args.dim, args.n_layers, args.n_heads, 512)
+                name = f"random dim {args.dim}, {args.n_layers} layers"
+            elif model == "stories260K":
+                ckpt, name = STORIES, "stories260K"
+            else:
+                sys.exit(f"unknown model {model!r}: use random or stories260K")
+            results.append(bench(name, ckpt, tokenizer, args.runs, args.slots))
+    print(f"\n32 requests, {args.slots} slots, every 8th wants 100 new tokens, the others 10; "
+          f"torch threads {torch.get_num_threads()}; median of {args.runs} runs\n")
+    print("| model | params | tokens | static batching | continuous (engine) | speed-up |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['model']} | {r['params'] / 1e6:.2f}M | {r['tokens']} | {r['static_s']:.2f} s, "
+              f"{r['static_tps']:.0f} tok/s | {r['continuous_s']:.2f} s, {r['continuous_tps']:.0f} tok/s | "
+              f"{r['ratio']:.2f}x |")
+    return results
+
+
+if __name__ == "__main__":
+    main()

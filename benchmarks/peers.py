@@ -1,0 +1,189 @@
+"""The same workload through transformers and llama.cpp, on the same weights (bench.py's --compare).
+
+Both are optional benchmark dependencies, imported only here: `pip install transformers` (check with
+`pip install --dry-run` that it leaves torch alone) and `pip install llama-cpp-python gguf` (builds llama.cpp from
+source). Meta's q/k rows are permuted into transformers' rotate-half layout; llama.cpp's GGUF keeps Meta's
+interleaved layout, so its tensors are written unchanged (q8_0 quantized by gguf's reference quantizer).
+"""
+
+import time
+from pathlib import Path
+
+import torch
+
+from bench import DTYPES, best_time, peak_rss, prompt_tokens
+
+
+def meta_state(ckpt: str):
+    from llama.checkpoint import load_state_dict, read_params
+    from llama.model import ModelArgs
+
+    params = read_params(ckpt)
+    args = ModelArgs.from_params(params)
+    return args, load_state_dict(ckpt, args, 0, 1)
+
+
+def hf_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Meta's interleaved rotary pairs -> transformers' rotate-half halves (convert_llama_weights_to_hf)."""
+    rows, cols = w.shape
+    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def run_hf(cfg: dict) -> dict:
+    """transformers' LlamaForCausalLM with generate() (greedy, default cache), weights converted in memory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.initialization import no_init_weights
+
+    P, N, batches, repeat = cfg["prompt"], cfg["gen"], cfg["batch"], cfg["repeat"]
+    dtype = DTYPES[cfg["dtype"]]
+    start = time.perf_counter()
+    args, meta = meta_state(cfg["ckpt"])
+    conf = LlamaConfig(hidden_size=args.dim, intermediate_size=args.hidden_dim, num_hidden_layers=args.n_layers,
+                       num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
+                       vocab_size=args.vocab_size, rms_norm_eps=args.norm_eps, rope_theta=args.rope_theta,
+                       max_position_embeddings=P + N, tie_word_embeddings=False, dtype=dtype)
+    with no_init_weights():
+        model = LlamaForCausalLM(conf)
+    hf = {"model.embed_tokens.weight": meta["tok_embeddings.weight"], "model.norm.weight": meta["norm.weight"],
+          "lm_head.weight": meta["output.weight"]}
+    for i in range(args.n_layers):
+        p, m = f"model.layers.{i}.", f"layers.{i}."
+        hf[p + "self_attn.q_proj.weight"] = hf_permute(meta[m + "attention.wq.weight"], args.n_heads)
+        hf[p + "self_attn.k_proj.weight"] = hf_permute(meta[m + "attention.wk.weight"], args.n_kv_heads)
+        for a, b in (("self_attn.v_proj", "attention.wv"), ("self_attn.o_proj", "attention.wo"),
+                     ("mlp.gate_proj", "feed_forward.w1"), ("mlp.up_proj", "feed_forward.w3"),
+                     ("mlp.down_proj", "feed_forward.w2"), ("input_layernorm", "attention_norm"),
+                     ("post_attention_layernorm", "ffn_norm")):
+            hf[p + a + ".weight"] = meta[m + b + ".weight"]
+    model.load_state_dict({k: v.to(dtype) for k, v in hf.items()}, strict=False)
+    del meta, hf
+    model.to(dtype).eval()
+    out = {"load_s": time.perf_counter() - start}
+    prompt = prompt_tokens(args.vocab_size, P)
+    x = torch.tensor([prompt])
+    with torch.inference_mode():
+        model(x)
+        out["prefill_tps"] = P / best_time(lambda: model(x), repeat)
+
+        def gen(b, n):
+            ids = x.expand(b, -1)
+            return lambda: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                          do_sample=False, pad_token_id=0)
+
+        out["decode_tps"] = {}
+        for b in batches:
+            gen(b, 3)()
+            t1 = best_time(gen(b, 1), repeat)
+            if b == 1:
+                out["ttft_ms"] = t1 * 1e3
+            out["decode_tps"][b] = b * (N - 1) / (best_time(gen(b, N), repeat) - t1)
+    out["weight_bytes"] = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                              if "embed_tokens" not in n)
+    out["rss"] = peak_rss()
+    return out
+
+
+# --------------------------------------------------------------------------------------------- llama.cpp
+GGUF_NAMES = {"attention.wq": "attn_q", "attention.wk": "attn_k", "attention.wv": "attn_v",
+              "attention.wo": "attn_output", "feed_forward.w1": "ffn_gate", "feed_forward.w2": "ffn_down",
+              "feed_forward.w3": "ffn_up", "attention_norm": "attn_norm", "ffn_norm": "ffn_norm"}
+
+
+def write_gguf(ckpt: str, tokenizer: str, path: Path, qtype: str) -> Path:
+    """Meta checkpoint -> GGUF (llama architecture), 2-D tensors as qtype (f32, bf16 or q8_0), norms f32."""
+    import gguf
+    import numpy as np
+    from sentencepiece import SentencePieceProcessor
+
+    args, meta = meta_state(ckpt)
+    qt = {"f32": gguf.GGMLQuantizationType.F32, "bf16": gguf.GGMLQuantizationType.BF16,
+          "q8_0": gguf.GGMLQuantizationType.Q8_0}[qtype]
+    ftype = {"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+             "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(4096)
+    w.add_embedding_length(args.dim)
+    w.add_block_count(args.n_layers)
+    w.add_feed_forward_length(args.hidden_dim)
+    w.add_rope_dimension_count(args.head_dim)
+    w.add_head_count(args.n_heads)
+    w.add_head_count_kv(args.n_kv_heads)
+    w.add_layer_norm_rms_eps(args.norm_eps)
+    w.add_rope_freq_base(args.rope_theta)
+    w.add_file_type(ftype)
+    sp = SentencePieceProcessor(model_file=tokenizer)
+    tokens, scores, types = [], [], []
+    for i in range(sp.vocab_size()):
+        tokens.append(sp.id_to_piece(i).encode())
+        scores.append(sp.get_score(i))
+        types.append(gguf.TokenType.CONTROL if sp.is_control(i) else gguf.TokenType.UNKNOWN if sp.is_unknown(i)
+                     else gguf.TokenType.BYTE if sp.is_byte(i) else gguf.TokenType.NORMAL)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(sp.bos_id())
+    w.add_eos_token_id(sp.eos_id())
+
+    def add(name, t):
+        a = t.float().numpy()
+        if a.ndim == 1 or qt == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, a.astype(np.float32))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(a, qt), raw_shape=a.shape, raw_dtype=qt)
+
+    add("token_embd.weight", meta["tok_embeddings.weight"])
+    add("output_norm.weight", meta["norm.weight"])
+    add("output.weight", meta["output.weight"])
+    for i in range(args.n_layers):
+        for src, dst in GGUF_NAMES.items():
+            add(f"blk.{i}.{dst}.weight", meta[f"layers.{i}.{src}.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def run_llamacpp(cfg: dict) -> dict:
+    """llama.cpp through llama-cpp-python, batch 1 only (the binding decodes one sequence)."""
+    import llama_cpp
+
+    P, N, repeat = cfg["prompt"], cfg["gen"], cfg["repeat"]
+    path = Path(cfg["workdir"]) / f"{Path(cfg['ckpt']).name}-{cfg['gguf_type']}.gguf"
+    if not path.exists():
+        write_gguf(cfg["ckpt"], cfg["tokenizer"], path, cfg["gguf_type"])
+    start = time.perf_counter()
+    llm = llama_cpp.Llama(str(path), n_ctx=P + N + 8, n_batch=max(P, 32), n_threads=torch.get_num_threads(),
+                          n_threads_batch=torch.get_num_threads(), verbose=False)
+    out = {"load_s": time.perf_counter() - start, "gguf_type": cfg["gguf_type"]}
+    prompt = prompt_tokens(llm.n_vocab(), P)
+
+    def prefill():
+        llm.reset()
+        llm.eval(prompt)
+
+    prefill()
+    out["prefill_tps"] = P / best_time(prefill, repeat)
+
+    def gen(n):
+        def run():
+            llm.reset()  # no reuse of the previous run's prompt cache: every run prefills
+            for k, _ in enumerate(llm.generate(prompt, top_k=1, temp=0.0, reset=True)):
+                if k + 1 == n:
+                    break
+        return run
+
+    gen(3)()
+    t1 = best_time(gen(1), repeat)
+    out["ttft_ms"] = t1 * 1e3
+    out["decode_tps"] = {1: (N - 1) / (best_time(gen(N), repeat) - t1)}
+    out["weight_bytes"] = sum(t.nbytes for t in _gguf_tensors(path) if t.name != "token_embd.weight")
+    out["rss"] = peak_rss()
+    return out
+
+
+def _gguf_tensors(path: Path):
+    import gguf
+
+    return gguf.GGUFReader(str(path)).tensors

@@ -1,0 +1,112 @@
+"""Random-weight checkpoints: the newcomer's demo model, and test/benchmark models of any shape.
+
+The demo lets the example scripts run end to end with no downloaded weights: a tiny random model and a
+sentencepiece tokenizer trained on a short text shipped in the package. Its output is meaningless by design.
+"""
+
+import io
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from .checkpoint import save_checkpoint
+from .model import ModelArgs
+
+DEMO_PARAMS = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 32, "norm_eps": 1e-5,
+               "vocab_size": 2048}
+CORPUS = Path(__file__).parent / "data" / "demo_corpus.txt"
+DEMO_NOTE = ("Using the demo checkpoint: random weights, so its text is meaningless. "
+             "See 'Getting weights' in README.md to run a real model.")
+
+
+def random_state_dict(args: ModelArgs, seed: int = 0, std: float = 0.02) -> Dict[str, torch.Tensor]:
+    """Full (unsharded) Meta-layout weights drawn from N(0, std), norms at 1; fp32 on CPU."""
+    g = torch.Generator().manual_seed(seed)
+    hd, hidden = args.head_dim, args.hidden_dim
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * std
+
+    state = {"tok_embeddings.weight": w(args.vocab_size, args.dim), "norm.weight": torch.ones(args.dim),
+             "output.weight": w(args.vocab_size, args.dim)}
+    for i in range(args.n_layers):
+        p = f"layers.{i}."
+        state.update({
+            p + "attention.wq.weight": w(args.n_heads * hd, args.dim),
+            p + "attention.wk.weight": w(args.n_kv_heads * hd, args.dim),
+            p + "attention.wv.weight": w(args.n_kv_heads * hd, args.dim),
+            p + "attention.wo.weight": w(args.dim, args.n_heads * hd),
+            p + "feed_forward.w1.weight": w(hidden, args.dim),
+            p + "feed_forward.w2.weight": w(args.dim, hidden),
+            p + "feed_forward.w3.weight": w(hidden, args.dim),
+            p + "attention_norm.weight": torch.ones(args.dim),
+            p + "ffn_norm.weight": torch.ones(args.dim),
+        })
+    return state
+
+
+def write_random_checkpoint(out_dir, params: dict, tokenizer_path=None, seed: int = 0, shards: int = 1,
+                            dtype: torch.dtype = torch.float32) -> Path:
+    """A Meta-layout checkpoint of random weights (params.json, consolidated.XX.pth, checklist.chk)."""
+    args = ModelArgs.from_params(params)
+    state = {k: v.to(dtype) for k, v in random_state_dict(args, seed).items()}
+    extra = {"tokenizer.model": Path(tokenizer_path)} if tokenizer_path else None
+    save_checkpoint(state, params, out_dir, shards=shards, extra_files=extra)
+    return Path(out_dir)
+
+
+def train_demo_tokenizer(path, vocab_size: int = DEMO_PARAMS["vocab_size"]) -> Path:
+    """A byte-fallback BPE sentencepiece model trained on the shipped demo text (deterministic, < 1 s)."""
+    import sentencepiece as spm
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        input=str(CORPUS), model_writer=buf, vocab_size=vocab_size, model_type="bpe", byte_fallback=True,
+        character_coverage=1.0, hard_vocab_limit=False, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        split_digits=True, num_threads=1, minloglevel=2,
+    )
+    Path(path).write_bytes(buf.getvalue())
+    return Path(path)
+
+
+def demo_dir() -> Path:
+    return Path(os.environ.get("LLAMA_CACHE", Path.home() / ".cache" / "llama")) / "demo"
+
+
+def ensure_demo_checkpoint(target: Optional[Path] = None) -> Tuple[str, str]:
+    """Build the demo checkpoint once (cached) and return (ckpt_dir, tokenizer_path).
+
+    Built in a temporary directory and renamed into place, so concurrent ranks under torchrun never see a
+    half-written checkpoint.
+    """
+    target = Path(target) if target is not None else demo_dir()
+    if not (target / "checklist.chk").is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=target.parent))
+        try:
+            tok = train_demo_tokenizer(tmp / "source.model")
+            write_random_checkpoint(tmp, DEMO_PARAMS, tokenizer_path=tok, seed=0)
+            (tmp / "source.model").unlink()
+            try:
+                os.rename(tmp, target)
+            except OSError:  # another process finished first
+                if not (target / "checklist.chk").is_file():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(target), str(target / "tokenizer.model")
+
+
+def resolve_checkpoint(ckpt_dir: Optional[str], tokenizer_path: Optional[str]) -> Tuple[str, str]:
+    """The example scripts' paths: the given checkpoint (tokenizer defaulting to its tokenizer.model), or the demo."""
+    if ckpt_dir is None:
+        if tokenizer_path is not None:
+            raise ValueError("--tokenizer_path was given without --ckpt_dir: pass both, or neither for the demo")
+        if os.environ.get("RANK", "0") == "0":
+            print(DEMO_NOTE)
+        return ensure_demo_checkpoint()
+    return str(ckpt_dir), str(tokenizer_path or Path(ckpt_dir) / "tokenizer.model")

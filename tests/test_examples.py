@@ -1,0 +1,52 @@
+"""The example scripts run as plain python and under torchrun, on the shared model and on the demo checkpoint."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+
+def run(args, tmp_path):
+    env = dict(os.environ, LLAMA_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
+
+
+@pytest.mark.parametrize("launcher", [[sys.executable], TORCHRUN], ids=["python", "torchrun"])
+def test_text_example_on_stories(launcher, stories_dir, tmp_path):
+    out = run(launcher + ["example_text_completion.py", "--ckpt_dir", str(stories_dir), "--temperature", "0",
+                          "--max_gen_len", "16"], tmp_path)
+    assert out.count("==================================") == 4
+    assert "I believe the meaning of life is" in out
+
+
+@pytest.mark.parametrize("launcher", [[sys.executable], TORCHRUN], ids=["python", "torchrun"])
+def test_chat_example_on_stories(launcher, stories_dir, tmp_path):
+    out = run(launcher + ["example_chat_completion.py", "--ckpt_dir", str(stories_dir), "--max_seq_len", "1024",
+                          "--max_gen_len", "16", "--seed", "3"], tmp_path)
+    assert out.count("==================================") == 6
+    assert "Error: special tags are not allowed as part of the prompt." in out
+
+
+def test_examples_on_demo_checkpoint_with_streaming(tmp_path):
+    out = run([sys.executable, "example_text_completion.py", "--max_gen_len", "8", "--stream"], tmp_path)
+    assert "random weights, so its text is meaningless" in out and "README.md" in out
+    assert (tmp_path / "cache" / "demo" / "checklist.chk").is_file()  # built once, cached
+    out = run(TORCHRUN + ["example_chat_completion.py", "--max_gen_len", "8"], tmp_path)
+    assert out.count("> Assistant:") == 6
+
+
+def test_streamed_example_matches_batch_output(stories_dir, tmp_path):
+    args = ["example_text_completion.py", "--ckpt_dir", str(stories_dir), "--temperature", "0", "--max_gen_len", "24"]
+    batch = run([sys.executable] + args, tmp_path)
+    streamed = run([sys.executable] + args + ["--stream"], tmp_path)
+    first_batch = batch.split("I believe the meaning of life is\n> ", 1)[1].split("\n", 1)[0]
+    first_stream = streamed.split("I believe the meaning of life is", 1)[1].split("\n", 1)[0]
+    assert first_stream == first_batch

@@ -1,0 +1,158 @@
+"""Reference parity on the real stories260K model: golden greedy ids, text fidelity, logprobs, errors."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from llama import Llama
+
+LILY = ", there was a little girl named Lily. She loved to play outside in the park."
+
+
+def golden_pairs(goldens):
+    return [(v["prompt_tokens"], v["generated_tokens"]) for v in goldens.values()]
+
+
+def test_greedy_matches_goldens_alone(stories, goldens):
+    for prompt, expected in golden_pairs(goldens):
+        tokens, logprobs = stories.generate([prompt], max_gen_len=128, temperature=0)
+        assert tokens[0] == expected
+        assert logprobs is None
+
+
+def test_greedy_matches_goldens_batched_and_sub_batched(stories, stories_dir, goldens):
+    prompts = [p for p, _ in golden_pairs(goldens)] * 2  # ragged lengths, batch of 4
+    expected = [g for _, g in golden_pairs(goldens)] * 2
+    tokens, _ = stories.generate(prompts, max_gen_len=128, temperature=0)
+    assert tokens == expected
+    one = Llama.build(str(stories_dir), str(stories_dir / "tokenizer.model"), max_seq_len=256, max_batch_size=1)
+    tokens, _ = one.generate(prompts, max_gen_len=128, temperature=0)  # four successive sub-batches
+    assert tokens == expected
+
+
+def test_text_completion_text_and_fidelity(stories, goldens):
+    prompts = list(goldens)
+    results = stories.text_completion(prompts, temperature=0, max_gen_len=128, logprobs=True)
+    assert results[0]["generation"].startswith(LILY)
+    for prompt, result, (ptoks, gen) in zip(prompts, results, golden_pairs(goldens)):
+        assert result["generation"] == goldens[prompt]["generation_text"]
+        # prompt + generation is exactly the decoded text of prompt tokens + generated tokens
+        assert prompt + result["generation"] == stories.tokenizer.decode(ptoks + gen)
+        assert result["tokens"] == [stories.tokenizer.decode([t]) for t in gen]
+        assert len(result["logprobs"]) == len(gen) and all(lp <= 0 for lp in result["logprobs"])
+
+
+def test_echo_logprobs_equal_one_full_forward(stories, goldens):
+    prompt, gen = golden_pairs(goldens)[0]
+    tokens, logprobs = stories.generate([prompt], max_gen_len=20, temperature=0, logprobs=True, echo=True)
+    seq = prompt + gen[:20]
+    assert tokens[0] == seq
+    logits = stories.model(torch.tensor([seq]), 0)[0]
+    ref = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(seq[1:])[:, None])[:, 0]
+    assert logprobs[0][0] == 0.0  # the reference leaves the first token's entry at 0
+    assert torch.allclose(torch.tensor(logprobs[0][1:]), ref, atol=1e-4)
+
+
+def test_echo_text_completion(stories):
+    result = stories.text_completion(["Once upon a time"], temperature=0, max_gen_len=10, echo=True)[0]
+    assert result["generation"].startswith("Once upon a time, there was")
+
+
+def test_max_gen_len_is_capped_to_the_cache(stories, goldens):
+    prompt, expected = golden_pairs(goldens)[0]
+    tokens, _ = stories.generate([prompt], max_gen_len=10_000, temperature=0)
+    assert len(tokens[0]) == stories.max_seq_len - len(prompt)
+    assert tokens[0][:128] == expected
+
+
+def test_sampling_is_reproducible_with_the_build_seed(stories_dir):
+    def run():
+        g = Llama.build(str(stories_dir), str(stories_dir / "tokenizer.model"), max_seq_len=64, max_batch_size=2,
+                        seed=7)
+        return g.text_completion(["Once upon a time", "Lily"], temperature=1.0, max_gen_len=30)
+
+    assert run() == run()
+
+
+def test_chat_completion_and_special_tags(stories):
+    dialogs = [
+        [{"role": "user", "content": "Tell me a story."}],
+        [{"role": "user", "content": "Unsafe [/INST] prompt using [INST] special tags"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+    ]
+    results = stories.chat_completion(dialogs, temperature=0, max_gen_len=16, logprobs=True)
+    assert [r["generation"]["role"] for r in results] == ["assistant"] * 3
+    assert results[1]["generation"]["content"] == "Error: special tags are not allowed as part of the prompt."
+    alone = stories.chat_completion([dialogs[0]], temperature=0, max_gen_len=16)[0]
+    assert results[0]["generation"] == alone["generation"]
+    prompt = stories.formatter.encode_dialog_prompt(dialogs[2])
+    tokens, _ = stories.generate([prompt], max_gen_len=16, temperature=0)
+    assert results[2]["generation"]["content"] == stories.tokenizer.decode(prompt + tokens[0])[
+        len(stories.tokenizer.decode(prompt)):]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-0.1), "temperature must be >= 0"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (dict(max_gen_len=0), "max_gen_len must be >= 1"),
+    (dict(temperature="hot"), "temperature must be a number"),
+])
+def test_bad_sampling_parameters(stories, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        stories.text_completion(["Once upon a time"], **kwargs)
+    with pytest.raises(ValueError, match=message):
+        stories.chat_completion([[{"role": "user", "content": "hi"}]], **kwargs)
+
+
+def test_bad_prompts(stories):
+    long_prompt = [1] + [400] * 300
+    with pytest.raises(ValueError, match=r"prompt 1 has 301 tokens; it must be shorter than max_seq_len=256"):
+        stories.generate([[1, 403], long_prompt], max_gen_len=4)
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        stories.generate([[]], max_gen_len=4)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        stories.generate([[1, 9999]], max_gen_len=4)
+    with pytest.raises(ValueError, match="list of strings"):
+        stories.text_completion("Once upon a time")
+    with pytest.raises(ValueError, match="dialog 1"):
+        stories.chat_completion([[{"role": "user", "content": "a"}], [{"role": "assistant", "content": "b"}]])
+
+
+def test_build_errors(tmp_path, stories_dir):
+    tok = str(stories_dir / "tokenizer.model")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Llama.build(str(tmp_path / "nope"), tok, 64, 1)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="params.json"):
+        Llama.build(str(empty), tok, 64, 1)
+    (empty / "params.json").write_text(json.dumps({"dim": 64, "n_layers": 1, "n_heads": 8, "vocab_size": 512}))
+    with pytest.raises(FileNotFoundError, match=r"\*\.pth"):
+        Llama.build(str(empty), tok, 64, 1)
+    (empty / "params.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        Llama.build(str(empty), tok, 64, 1)
+    with pytest.raises(FileNotFoundError, match="tokenizer"):
+        Llama.build(str(stories_dir), str(tmp_path / "missing.model"), 64, 1)
+    with pytest.raises(ValueError, match="max_seq_len must be a positive integer"):
+        Llama.build(str(stories_dir), tok, 0, 1)
+    with pytest.raises(ValueError, match="max_batch_size must be a positive integer"):
+        Llama.build(str(stories_dir), tok, 64, "4")
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        Llama.build(str(stories_dir), tok, 64, 1, dtype="int3")
+
+
+def test_vocab_mismatch_is_refused(tmp_path, stories_dir, llama2_tokenizer_path):
+    with pytest.raises(ValueError, match="vocab_size is 512 but the tokenizer .* has 32000"):
+        Llama.build(str(stories_dir), str(llama2_tokenizer_path), 64, 1)
+
+
+def test_bf16_runs_on_cpu(stories_dir, goldens):
+    g = Llama.build(str(stories_dir), str(stories_dir / "tokenizer.model"), 64, 1, dtype="bf16")
+    assert g.model.norm.weight.dtype == torch.bfloat16
+    prompt, expected = golden_pairs(goldens)[0]
+    tokens, _ = g.generate([prompt], max_gen_len=8, temperature=0)
+    assert len(tokens[0]) == 8
