@@ -23,12 +23,13 @@ def main(
     max_gen_len: Optional[int] = None,
     stream: bool = False,
     seed: Optional[int] = None,
+    verify: bool = False,
 ):
     if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 prints
         sys.stdout = open(os.devnull, "w")
     ckpt_dir, tokenizer_path = resolve_checkpoint(ckpt_dir, tokenizer_path)
     generator = Llama.build(ckpt_dir=ckpt_dir, tokenizer_path=tokenizer_path, max_seq_len=max_seq_len,
-                            max_batch_size=max_batch_size)
+                            max_batch_size=max_batch_size, verify=verify)
     dialogs: List[Dialog] = [
         [{"role": "user", "content": "what is the recipe of mayonnaise?"}],
         [

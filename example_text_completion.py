@@ -23,12 +23,13 @@ def main(
     max_batch_size: int = 4,
     stream: bool = False,
     seed: Optional[int] = None,
+    verify: bool = False,
 ):
     if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 prints
         sys.stdout = open(os.devnull, "w")
     ckpt_dir, tokenizer_path = resolve_checkpoint(ckpt_dir, tokenizer_path)
     generator = Llama.build(ckpt_dir=ckpt_dir, tokenizer_path=tokenizer_path, max_seq_len=max_seq_len,
-                            max_batch_size=max_batch_size)
+                            max_batch_size=max_batch_size, verify=verify)
     prompts = [
         # For these prompts, the expected answer is the natural continuation of the prompt
         "I believe the meaning of life is",

@@ -10,14 +10,16 @@ peak RSS and compile state are its own. Per configuration: load time, peak RSS, 
 prompt, time to first token, decode tok/s at each batch size (greedy, EOS disabled so every run decodes N
 tokens), and at batch 1 the weight bytes streamed per second against the read bandwidth measured in the same run.
 
-Decode tok/s = B * (N - 1) / (time of an N-token generation - time of a 1-token one), best of --repeat runs:
-the machine is shared and noisy, so compare ratios within one run, not figures across runs.
+Every engine is timed per generated token (llama's decode loop, transformers' streamer, llama.cpp's token
+generator): decode tok/s = B / median time between tokens, TTFT = median time to the first token, over --repeat
+runs. The machine is shared and noisy: medians resist short stalls, but compare ratios within one run.
 """
 
 import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -116,9 +118,28 @@ def best_time(fn, repeat: int) -> float:
 
 
 # --------------------------------------------------------------------------------------------- one configuration
+def step_times(steps) -> list:
+    """perf_counter() after each item of an iterator of decode steps, the start first."""
+    times = [time.perf_counter()]
+    for _ in steps:
+        times.append(time.perf_counter())
+    return times
+
+
+def summarize(runs, batch: int) -> dict:
+    """TTFT and decode tok/s from per-step timestamps of several runs: medians, robust to a busy machine.
+
+    Step 1's interval is prefill + first sample (time to first token); later intervals are one decode step each.
+    """
+    ttft = statistics.median(t[1] - t[0] for t in runs)
+    step = statistics.median(b - a for t in runs for a, b in zip(t[1:], t[2:]))
+    return {"ttft_ms": ttft * 1e3, "decode_tps": batch / step}
+
+
 def run_llama(cfg: dict) -> dict:
     """Measure this package on one (dtype, quantize, compile) configuration."""
     from llama import Llama
+    from llama.params import SamplingParams
 
     P, N, batches, repeat = cfg["prompt"], cfg["gen"], cfg["batch"], cfg["repeat"]
     start = time.perf_counter()
@@ -131,19 +152,20 @@ def run_llama(cfg: dict) -> dict:
     llm.model(x, 0)
     out["prefill_tps"] = P / best_time(lambda: llm.model(x, 0), repeat)
 
-    def gen(b, n):
-        return lambda: llm.generate([prompt] * b, max_gen_len=n, temperature=0)
+    def run(b, n):
+        rows = llm._rows([prompt] * b, [SamplingParams(temperature=0, max_gen_len=n)] * b)
+        with llm.lock:
+            return step_times(llm._run(rows))
 
     out["compile_s"], out["decode_tps"] = {}, {}
     for b in batches:
         t = time.perf_counter()
-        gen(b, 3)()  # warm-up; compiles this batch size's decode step when compiling
+        run(b, 3)  # warm-up; compiles this batch size's decode step when compiling
         out["compile_s"][b] = time.perf_counter() - t
-        t1 = best_time(gen(b, 1), repeat)
+        r = summarize([run(b, N) for _ in range(repeat)], b)
         if b == 1:
-            out["ttft_ms"] = t1 * 1e3
-        tn = best_time(gen(b, N), repeat)
-        out["decode_tps"][b] = b * (N - 1) / (tn - t1)
+            out["ttft_ms"] = r["ttft_ms"]
+        out["decode_tps"][b] = r["decode_tps"]
     out["weight_bytes"] = weight_bytes(llm.model)
     out["rss"] = peak_rss()
     return out
@@ -225,38 +247,36 @@ def report(results, batches, bandwidth: float) -> str:
 
 # --------------------------------------------------------------------------------------------- int8 accuracy
 def int8_accuracy(ckpt: str, tokenizer: str, goldens: Path) -> dict:
-    """Greedy agreement and logit differences of int8 (bf16 activations) against fp32, on the goldens' prompts.
+    """Greedy agreement and logit differences of int8 (bf16 activations), and of plain bf16, against fp32 on the
+    goldens' prompts (128 tokens each).
 
-    Logits are compared teacher-forced on the fp32 greedy continuation, so one early divergence does not make
-    every later position differ.
+    Logits are compared teacher-forced on the fp32 greedy sequence, so one early divergence does not make every
+    later position differ; tokens_before_divergence is from free-running greedy decoding.
     """
     from llama import Llama
 
     prompts = [v["prompt_tokens"] for v in json.loads(Path(goldens).read_text()).values()]
     kw = dict(max_seq_len=256, max_batch_size=len(prompts))
     ref = Llama.build(ckpt, tokenizer, dtype="fp32", **kw)
-    q8 = Llama.build(ckpt, tokenizer, dtype="bf16", quantize="int8", **kw)
-    out = {"prompts": [], "max_abs_logit_diff": 0.0}
-    diffs, agree, total = [], 0, 0
-    for p in prompts:
-        a, _ = ref.generate([p], max_gen_len=128, temperature=0)
-        b, _ = q8.generate([p], max_gen_len=128, temperature=0)
-        a, b = a[0], b[0]
-        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        seq = torch.tensor([p + a])
-        la, lb = ref.model(seq, 0)[0], q8.model(seq, 0)[0]
-        d = (la - lb).abs()
-        same = (la.argmax(-1) == lb.argmax(-1)).float()
-        diffs.append(d)
-        agree += int(same.sum())
-        total += same.numel()
-        out["prompts"].append({"tokens_before_divergence": first, "generated": len(a),
-                               "teacher_forced_argmax_agreement": float(same.mean())})
-        out["max_abs_logit_diff"] = max(out["max_abs_logit_diff"], float(d.max()))
-    out["mean_abs_logit_diff"] = float(torch.cat([d.flatten() for d in diffs]).mean())
-    out["teacher_forced_argmax_agreement"] = agree / total
-    out["logit_scale"] = float(torch.cat([ref.model(torch.tensor([p]), 0)[0].flatten() for p in prompts]).std())
-    return out
+    ref_out = [ref.generate([p], max_gen_len=128, temperature=0)[0][0] for p in prompts]
+    ref_logits = [ref.model(torch.tensor([p + a]), 0)[0] for p, a in zip(prompts, ref_out)]
+    scale = float(torch.cat([lg.flatten() for lg in ref_logits]).std())
+    report = {"logit_std_fp32": scale}
+    for name, extra in (("int8", dict(dtype="bf16", quantize="int8")), ("bf16", dict(dtype="bf16"))):
+        other = Llama.build(ckpt, tokenizer, **extra, **kw)
+        r = {"tokens_before_divergence": [], "max_abs_logit_diff": 0.0}
+        diffs, same = [], []
+        for p, a, la in zip(prompts, ref_out, ref_logits):
+            b = other.generate([p], max_gen_len=128, temperature=0)[0][0]
+            r["tokens_before_divergence"].append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)))
+            lb = other.model(torch.tensor([p + a]), 0)[0]
+            diffs.append((la - lb).abs().flatten())
+            same.append((la.argmax(-1) == lb.argmax(-1)).float())
+        d = torch.cat(diffs)
+        r.update(max_abs_logit_diff=float(d.max()), mean_abs_logit_diff=float(d.mean()),
+                 teacher_forced_argmax_agreement=float(torch.cat(same).mean()))
+        report[name] = r
+    return report
 
 
 # --------------------------------------------------------------------------------------------- main
@@ -287,7 +307,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 8, 32])
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens P")
     ap.add_argument("--gen", type=int, default=64, help="tokens generated per decode run N")
-    ap.add_argument("--repeat", type=int, default=2, help="runs per measurement (best is kept)")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per measurement (median of steps, best prefill)")
     ap.add_argument("--compare", nargs="*", default=[], choices=["hf", "llamacpp"])
     ap.add_argument("--workdir", help="where random weights and GGUF files go (default: a temporary directory)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per configuration")
@@ -333,7 +353,7 @@ def main(argv=None) -> int:
         limit = max(bw)
         print(f"\nread bandwidth before/after: {bw[0]:.1f} / {bw[1]:.1f} GB/s; the limit below is {limit:.1f} GB/s")
         print(f"command: python benchmarks/bench.py {' '.join(argv if argv is not None else sys.argv[1:])}")
-        print(f"model {args.model}, prompt {args.prompt} tokens, {args.gen} generated, best of {args.repeat}\n")
+        print(f"model {args.model}, prompt {args.prompt} tokens, {args.gen} generated, {args.repeat} runs each\n")
         print(report(results, args.batch, limit))
         if args.json:
             Path(args.json).write_text(json.dumps({"bandwidth": bw, "results": results}, indent=1))

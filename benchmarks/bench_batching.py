@@ -12,7 +12,6 @@ tokens, which the benchmark checks.
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile

@@ -1,6 +1,6 @@
 """Serving benchmarks for issue 4: what reusing a KV cache saves.
 
-    python benchmarks/bench_serving.py [--dim 768 --n_layers 8 --threads 2 --repeats 2]
+    python benchmarks/bench_serving.py [--dim 768 --n_layers 8 --threads 1 --repeats 3]
 
 1. n=8 samples of a ~200-token prompt in one call (one prefill, cache copied to 8 rows) vs 8 separate calls.
 2. 16 tasks sharing a ~400-token prefix: prefill() once and continue every task from it vs recomputing
@@ -66,14 +66,18 @@ def text_of(tokenizer, n_tokens: int, seed: int) -> str:
     return " ".join(words)
 
 
+def timed(fn):
+    """(wall seconds, CPU seconds of this process, result). With one thread, CPU time is the work done,
+    unaffected by other processes competing for the cores."""
+    w, c = time.perf_counter(), time.process_time()
+    out = fn()
+    return time.perf_counter() - w, time.process_time() - c, out
+
+
 def best(fn, repeats: int):
-    """(best wall time in seconds, last result)."""
-    times, out = [], None
-    for _ in range(repeats):
-        t = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t)
-    return min(times), out
+    """(best wall time, best CPU time, last result) over repeats."""
+    runs = [timed(fn) for _ in range(repeats)]
+    return min(r[0] for r in runs), min(r[1] for r in runs), runs[-1][2]
 
 
 def main():
@@ -82,8 +86,9 @@ def main():
     ap.add_argument("--n_layers", type=int, default=8)
     ap.add_argument("--n_heads", type=int, default=12)
     ap.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (default 1: stable figures on a shared machine; 0 = torch's choice)")
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max_gen_len", type=int, default=32, help="tokens generated per sample / task")
     ap.add_argument("--turn_gen_len", type=int, default=24, help="tokens per chat reply")
     args = ap.parse_args()
@@ -108,12 +113,12 @@ def main():
     prompt = text_of(tok, 200, seed=1)
     p_len = len(tok.encode(prompt, bos=True, eos=False))
     kw = dict(temperature=1.0, top_p=0.9, max_gen_len=G, logits_processors=[no_eos])
-    t_n, res_n = best(lambda: gen.text_completion([prompt], n=8, seed=42, **kw), args.repeats)
-    t_sep, res_sep = best(lambda: [gen.text_completion([prompt], seed=42, **kw)[0] for _ in range(8)], args.repeats)
+    t_n, c_n, res_n = best(lambda: gen.text_completion([prompt], n=8, seed=42, **kw), args.repeats)
+    t_sep, c_sep, res_sep = best(lambda: [gen.text_completion([prompt], seed=42, **kw)[0] for _ in range(8)], args.repeats)
     assert res_n[0] == res_sep[0], "sample 0 of n=8 must equal the single seeded call"
     assert len({r["generation"] for r in res_n}) == 8, "the 8 samples should differ"
-    rows.append((f"8 samples of a {p_len}-token prompt, {G} new tokens each", "n=8 in one call", t_n,
-                 "8 separate calls", t_sep))
+    rows.append((f"8 samples of a {p_len}-token prompt, {G} new tokens each", "n=8 in one call", (t_n, c_n),
+                 "8 separate calls", (t_sep, c_sep)))
 
     # 2. shared prefix
     prefix_text = text_of(tok, 400, seed=2)
@@ -125,7 +130,7 @@ def main():
         return prefix, gen.text_completion(tasks, prefix=prefix, temperature=0, max_gen_len=G,
                                            logits_processors=[no_eos])
 
-    t_pre, (prefix, res_pre) = best(with_prefix, args.repeats)
+    t_pre, c_pre, (prefix, res_pre) = best(with_prefix, args.repeats)
     full = [prefix.tokens + t for t in task_toks]
 
     def recompute():
@@ -137,11 +142,11 @@ def main():
         return out
 
     assert all(tok.encode(tok.decode(f), bos=True, eos=False) == f for f in full), "tasks must re-encode alike"
-    t_re, res_re = best(recompute, args.repeats)
+    t_re, c_re, res_re = best(recompute, args.repeats)
     assert [r["generation"] for r in res_pre] == [r["generation"] for r in res_re], "prefix outputs differ"
     rows.append((f"16 tasks sharing a {len(prefix)}-token prefix (+{min(map(len, task_toks))}-"
-                 f"{max(map(len, task_toks))} own tokens), {G} new tokens each", "prefill() + prefix=", t_pre,
-                 "recompute prefix+task", t_re))
+                 f"{max(map(len, task_toks))} own tokens), {G} new tokens each", "prefill() + prefix=",
+                 (t_pre, c_pre), "recompute prefix+task", (t_re, c_re)))
 
     # 3. 10-turn chat
     msgs = [text_of(tok, 14, seed=200 + i) for i in range(10)]
@@ -151,37 +156,35 @@ def main():
         session = gen.chat_session(system="You are a helpful assistant.")
         for i, m in enumerate(msgs):
             dialog = session.dialog + [{"role": "user", "content": m}]
-            t = time.perf_counter()
-            reply = session.send(m, **ckw)
-            t_sess = time.perf_counter() - t
-            t = time.perf_counter()
-            again = gen.chat_completion([dialog], **ckw)[0]["generation"]["content"]
-            t_chat = time.perf_counter() - t
+            w_sess, c_sess, reply = timed(lambda: session.send(m, **ckw))
+            w_chat, c_chat, again = timed(lambda: gen.chat_completion([dialog], **ckw)[0]["generation"]["content"])
             assert reply == again, f"turn {i + 1}: session and chat_completion differ"
             n_prompt = len(gen.formatter.encode_dialog_prompt(dialog))
-            cur = (i + 1, n_prompt, session.last_prefilled, t_sess, t_chat)
+            cur = [i + 1, n_prompt, session.last_prefilled, w_sess, c_sess, w_chat, c_chat]
             if rep == 0:
                 turns.append(cur)
             else:
-                turns[i] = (cur[0], cur[1], cur[2], min(turns[i][3], t_sess), min(turns[i][4], t_chat))
+                turns[i][3:] = [min(a, b) for a, b in zip(turns[i][3:], cur[3:])]
 
     print()
-    print("| workload | reuse | time | baseline | time | speed-up |")
+    print("Times are wall / CPU seconds, best of the repeats.")
+    print()
+    print("| workload | with reuse | time | baseline | time | speed-up (CPU) |")
     print("|---|---|---|---|---|---|")
-    for what, a, ta, b, tb in rows:
-        print(f"| {what} | {a} | {ta:.2f} s | {b} | {tb:.2f} s | {tb / ta:.1f}x |")
+    for what, a, (wa, ca), b, (wb, cb) in rows:
+        print(f"| {what} | {a} | {wa:.2f} / {ca:.2f} s | {b} | {wb:.2f} / {cb:.2f} s | {cb / ca:.1f}x |")
     print()
-    print(f"10-turn chat, {args.turn_gen_len}-token replies, per-turn latency:")
+    print(f"10-turn chat, {args.turn_gen_len}-token replies, per-turn latency (wall / CPU ms):")
     print()
-    print("| turn | prompt tokens | session: prefilled tokens | session | chat_completion (whole dialog) |")
+    print("| turn | prompt tokens | session prefilled | session | chat_completion of the whole dialog |")
     print("|---|---|---|---|---|")
-    for turn, n_prompt, prefilled, ts, tc in turns:
-        print(f"| {turn} | {n_prompt} | {prefilled} | {ts * 1000:.0f} ms | {tc * 1000:.0f} ms |")
-    ts = [t[3] for t in turns]
-    tc = [t[4] for t in turns]
+    for turn, n_prompt, prefilled, ws, cs, wc, cc in turns:
+        print(f"| {turn} | {n_prompt} | {prefilled} | {ws * 1000:.0f} / {cs * 1000:.0f} | {wc * 1000:.0f} / {cc * 1000:.0f} |")
+    cs, cc = [t[4] for t in turns], [t[6] for t in turns]
     print()
-    print(f"session: turns 2-10 take {min(ts[1:]) * 1000:.0f}-{max(ts[1:]) * 1000:.0f} ms; recomputing grows from "
-          f"{tc[0] * 1000:.0f} to {tc[-1] * 1000:.0f} ms; total {sum(ts):.2f} s vs {sum(tc):.2f} s")
+    print(f"CPU per turn: session {min(cs) * 1000:.0f}-{max(cs) * 1000:.0f} ms (turn 1 {cs[0] * 1000:.0f}, turn 10 "
+          f"{cs[-1] * 1000:.0f}); recomputing {cc[0] * 1000:.0f} -> {cc[-1] * 1000:.0f} ms; "
+          f"10 turns {sum(cs):.2f} s vs {sum(cc):.2f} s")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from bench import DTYPES, best_time, peak_rss, prompt_tokens
+from bench import DTYPES, best_time, peak_rss, prompt_tokens, step_times, summarize
 
 
 def meta_state(ckpt: str):
@@ -65,22 +65,40 @@ def run_hf(cfg: dict) -> dict:
         model(x)
         out["prefill_tps"] = P / best_time(lambda: model(x), repeat)
 
-        def gen(b, n):
+        def run(b, n):
             ids = x.expand(b, -1)
-            return lambda: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                          do_sample=False, pad_token_id=0)
+            times = [time.perf_counter()]
+            streamer = _Times(times)
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=0, streamer=streamer)
+            return times
 
         out["decode_tps"] = {}
         for b in batches:
-            gen(b, 3)()
-            t1 = best_time(gen(b, 1), repeat)
+            run(b, 3)
+            r = summarize([run(b, N) for _ in range(repeat)], b)
             if b == 1:
-                out["ttft_ms"] = t1 * 1e3
-            out["decode_tps"][b] = b * (N - 1) / (best_time(gen(b, N), repeat) - t1)
+                out["ttft_ms"] = r["ttft_ms"]
+            out["decode_tps"][b] = r["decode_tps"]
     out["weight_bytes"] = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                               if "embed_tokens" not in n)
     out["rss"] = peak_rss()
     return out
+
+
+class _Times:
+    """A generate() streamer that only records when each new token arrives (its first put is the prompt)."""
+
+    def __init__(self, times):
+        self.times, self.prompt_seen = times, False
+
+    def put(self, value):
+        if self.prompt_seen:
+            self.times.append(time.perf_counter())
+        self.prompt_seen = True
+
+    def end(self):
+        pass
 
 
 # --------------------------------------------------------------------------------------------- llama.cpp
@@ -130,7 +148,7 @@ def write_gguf(ckpt: str, tokenizer: str, path: Path, qtype: str) -> Path:
         if a.ndim == 1 or qt == gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, a.astype(np.float32))
         else:
-            w.add_tensor(name, gguf.quants.quantize(a, qt), raw_shape=a.shape, raw_dtype=qt)
+            w.add_tensor(name, gguf.quants.quantize(a, qt), raw_dtype=qt)
 
     add("token_embd.weight", meta["tok_embeddings.weight"])
     add("output_norm.weight", meta["norm.weight"])
@@ -152,7 +170,9 @@ def run_llamacpp(cfg: dict) -> dict:
     P, N, repeat = cfg["prompt"], cfg["gen"], cfg["repeat"]
     path = Path(cfg["workdir"]) / f"{Path(cfg['ckpt']).name}-{cfg['gguf_type']}.gguf"
     if not path.exists():
-        write_gguf(cfg["ckpt"], cfg["tokenizer"], path, cfg["gguf_type"])
+        tmp = path.with_suffix(".partial")
+        write_gguf(cfg["ckpt"], cfg["tokenizer"], tmp, cfg["gguf_type"])
+        tmp.rename(path)
     start = time.perf_counter()
     llm = llama_cpp.Llama(str(path), n_ctx=P + N + 8, n_batch=max(P, 32), n_threads=torch.get_num_threads(),
                           n_threads_batch=torch.get_num_threads(), verbose=False)
@@ -166,19 +186,15 @@ def run_llamacpp(cfg: dict) -> dict:
     prefill()
     out["prefill_tps"] = P / best_time(prefill, repeat)
 
-    def gen(n):
-        def run():
-            llm.reset()  # no reuse of the previous run's prompt cache: every run prefills
-            for k, _ in enumerate(llm.generate(prompt, top_k=1, temp=0.0, reset=True)):
-                if k + 1 == n:
-                    break
-        return run
+    def run(n):
+        llm.reset()  # no reuse of the previous run's prompt cache: every run prefills
+        tokens = llm.generate(prompt, top_k=1, temp=0.0, reset=True)
+        return step_times(next(tokens) for _ in range(n))
 
-    gen(3)()
-    t1 = best_time(gen(1), repeat)
-    out["ttft_ms"] = t1 * 1e3
-    out["decode_tps"] = {1: (N - 1) / (best_time(gen(N), repeat) - t1)}
-    out["weight_bytes"] = sum(t.nbytes for t in _gguf_tensors(path) if t.name != "token_embd.weight")
+    run(3)
+    r = summarize([run(N) for _ in range(repeat)], 1)
+    out["ttft_ms"], out["decode_tps"] = r["ttft_ms"], {1: r["decode_tps"]}
+    out["weight_bytes"] = sum(int(t.n_bytes) for t in _gguf_tensors(path) if t.name != "token_embd.weight")
     out["rss"] = peak_rss()
     return out
 

@@ -1,6 +1,7 @@
 """Resumable batch generation: a JSONL file of prompts in, a JSONL file of results out, through the engine.
 
     python -m llama.batch --ckpt_dir DIR --tokenizer_path TOK --input prompts.jsonl --output results.jsonl
+    torchrun --nproc_per_node 2 -m llama.batch ...   # model parallel: rank 0 reads, schedules and writes
 
 Input: one JSON object per line with `id` (string or integer, unique), `prompt` (string) or `dialog` (list of
 messages), and optional per-row parameters (temperature, top_p, top_k, max_gen_len, seed, stop, logprobs) that
@@ -118,18 +119,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     import torch
     from tqdm import tqdm
 
+    from . import parallel
     from .generation import Llama
 
     if args.threads:
         torch.set_num_threads(args.threads)
     if not os.path.isfile(args.input):
         ap.error(f"--input {args.input!r} does not exist")
+    generator = Llama.build(args.ckpt_dir, args.tokenizer_path, max_seq_len=args.max_seq_len,
+                            max_batch_size=args.max_batch_size)
+    if parallel.model_parallel_rank() != 0:  # under torchrun: replay rank 0's steps; rank 0 does all the I/O
+        generator.engine(prefill_chunk=args.prefill_chunk).serve_forever()
+        return 0
     with open(args.input, encoding="utf-8") as f:
         raw_lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
     done_ids, done_lines = read_done(args.output)
-
-    generator = Llama.build(args.ckpt_dir, args.tokenizer_path, max_seq_len=args.max_seq_len,
-                            max_batch_size=args.max_batch_size)
     defaults = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                 "max_gen_len": args.max_gen_len}
     finished: "queue.Queue" = queue.Queue()

@@ -132,6 +132,8 @@ class _Request:
 class Engine:
     """Continuous batching over one Llama's KV cache. See the module docstring for the threading model."""
 
+    HEARTBEAT = 60.0  # seconds between empty steps an idle model-parallel rank 0 sends (gloo/nccl time out)
+
     def __init__(self, llama, prefill_chunk: int = 128, *, mode: str = "auto"):
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
@@ -160,6 +162,9 @@ class Engine:
             if fs_init.model_parallel_is_initialized() and fs_init.get_model_parallel_world_size() > 1:
                 self._group, self._src = fs_init.get_model_parallel_group(), fs_init.get_model_parallel_src_rank()
                 self._role = "leader" if fs_init.get_model_parallel_rank() == 0 else "follower"
+        if self._role == "leader":  # its idle heartbeats keep the other ranks' broadcast from timing out
+            self._thread = threading.Thread(target=self._loop, name="llama-engine", daemon=True)
+            self._thread.start()
 
     # ------------------------------------------------------------------------------------------------ online
     def submit(self, prompt, **params) -> Handle:
@@ -176,7 +181,7 @@ class Engine:
         chat = isinstance(prompt, (list, tuple)) and any(isinstance(m, dict) for m in prompt)
         handle = Handle(self, next(self._ids), chat)
         try:
-            row = self._make_row(prompt, params, chat, handle.id)
+            row = self._make_row(prompt, params, chat)
         except (ValueError, TypeError) as e:
             handle._settle(None, e, "error")
             return handle
@@ -258,7 +263,7 @@ class Engine:
         return rows
 
     # ------------------------------------------------------------------------------------------------ internals
-    def _make_row(self, prompt, params: Dict, chat: bool, rid: int) -> Optional[Row]:
+    def _make_row(self, prompt, params: Dict, chat: bool) -> Optional[Row]:
         llama = self.llama
         if chat:
             validate_dialog(prompt)
@@ -269,14 +274,14 @@ class Engine:
         elif isinstance(prompt, str):
             tokens = llama.tokenizer.encode(prompt, bos=True, eos=False)
         elif isinstance(prompt, (list, tuple)):
-            tokens = llama._check_tokens(f"request {rid}", prompt)
+            tokens = llama._check_tokens("prompt", prompt)
         else:
-            raise ValueError(f"request {rid}: expected a str, a list of token ids or a dialog, got {type(prompt).__name__}")
+            raise ValueError(f"expected a str, a list of token ids or a dialog, got {type(prompt).__name__}")
         if not tokens:
-            raise ValueError(f"request {rid}: the prompt is empty; it needs at least one token")
+            raise ValueError("the prompt is empty; it needs at least one token")
         if len(tokens) >= llama.max_seq_len:
             raise ValueError(
-                f"request {rid}: the prompt has {len(tokens)} tokens; it must be shorter than "
+                f"the prompt has {len(tokens)} tokens; it must be shorter than "
                 f"max_seq_len={llama.max_seq_len} (shorten it or build the generator with a larger max_seq_len)"
             )
         return llama._rows([tokens], llama._params(1, **params))[0]
@@ -287,16 +292,29 @@ class Engine:
 
     def _has_work(self) -> bool:
         with self._cv:
-            return bool(self._incoming or self._waiting or any(r is not None for r in self.slots))
+            return self._work_locked()
+
+    def _work_locked(self) -> bool:
+        return bool(self._incoming or self._waiting or any(r is not None for r in self.slots))
 
     def _loop(self) -> None:
-        """The background thread: own the cache while there is work, exit when idle."""
+        """The background thread: own the cache while there is work, exit when idle.
+
+        Under model parallel it stays until close(), sending an empty step every HEARTBEAT seconds while idle
+        so the other ranks' waiting broadcast never reaches the process group's timeout.
+        """
         while True:
             with self._cv:
-                if not (self._incoming or self._waiting or any(r is not None for r in self.slots)):
+                idle = not self._work_locked()
+                if idle and (self._role != "leader" or self._closed):
                     self._thread = None
                     self._cv.notify_all()
                     return
+                if idle:
+                    idle = not self._cv.wait(self.HEARTBEAT) and not self._work_locked() and not self._closed
+            if idle:
+                self._broadcast({"ops": []})
+                continue
             with self.llama.lock:
                 while True:
                     try:
@@ -332,7 +350,8 @@ class Engine:
                 if decoding:
                     logits = outs[-1]
                     ready += [(r, logits[r.slot]) for r in decoding]
-                self._advance(ready)
+                if ready:  # none when every forward was a prefill chunk that does not end a prompt
+                    self._advance(ready)
                 self.stats["steps"] += 1
                 self.stats["forwards"] += sum(op["kind"] != "copy" for op in ops)
             return self._has_work()

@@ -5,6 +5,7 @@ run time (CUDA + nccl when a GPU is present, CPU + gloo otherwise); a single pro
 in-memory store, so no port or environment variable is needed.
 """
 
+import atexit
 import os
 from typing import Optional
 
@@ -45,6 +46,8 @@ def init_distributed(model_parallel_size: Optional[int] = None, device: Optional
             dist.init_process_group(backend)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        # A rank that exits with its group open can abort at shutdown and fail the other nodes' launchers.
+        atexit.register(_destroy)
     world_size = dist.get_world_size()
     if model_parallel_size is None:
         model_parallel_size = world_size
@@ -62,6 +65,11 @@ def init_distributed(model_parallel_size: Optional[int] = None, device: Optional
     else:
         fs_init.initialize_model_parallel(model_parallel_size)
     return model_parallel_size
+
+
+def _destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def model_parallel_rank() -> int:

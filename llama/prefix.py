@@ -60,6 +60,8 @@ class Prefix:
         known = self.logprobs[: max(n - 1, 0)]
         if n == 0:
             return []
+        if n < len(self.tokens) and prompt[n] != self.tokens[n]:  # logprobs[n - 1] scores tokens[n], not prompt[n]
+            raise ValueError(f"the prompt leaves this prefix at token {n}: the score of its token {n} is unknown")
         if n - 1 < len(self.logprobs):
             return known + [self.logprobs[n - 1]]
         if self.next_logprobs is None:

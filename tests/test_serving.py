@@ -415,7 +415,7 @@ def test_score_one_forward_per_batch_and_errors(gen):
         gen.score("not a list")
 
 
-def test_perplexity_cli_sliding_windows(gen, tmp_path, goldens):
+def test_perplexity_cli_sliding_windows(gen, tmp_path, goldens, capsys):
     from llama import perplexity
     text = ONCE + goldens[ONCE]["generation_text"] + LILY
     f = tmp_path / "doc.txt"
@@ -436,6 +436,10 @@ def test_perplexity_cli_sliding_windows(gen, tmp_path, goldens):
     out = perplexity.main(str(f), ckpt_dir=str(STORIES), tokenizer_path=str(STORIES / "tokenizer.model"),
                           max_seq_len=64, stride=32, max_batch_size=2)
     assert out["perplexity"] == pytest.approx(slid["perplexity"], rel=1e-5)
+    perplexity.cli([str(f), "--ckpt_dir", str(STORIES), "--max_seq_len", "64", "--stride", "32"])
+    assert f"perplexity {slid['perplexity']:.4f}" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="stride"):
+        perplexity.cli([str(f), "--ckpt_dir", str(STORIES), "--max_seq_len", "64", "--stride", "64"])
 
 
 # --------------------------------------------------------------------------------------------- prefixes
@@ -576,3 +580,15 @@ def test_seeded_outputs_identical_at_mp2(tmp_path):
     mp1 = mp_outputs(build_stories(max_batch_size=2, max_seq_len=128))
     assert mp2 == mp1
     assert mp1[2] == mp1[0][: mp1[0].find("Lily")] and mp1[0] != mp1[1]
+
+
+def test_prefix_prompt_logprobs_never_scores_the_wrong_token(gen):
+    """Prefix.prompt_logprobs for a prompt that leaves the prefix early: an error, not another token's score."""
+    prefix = gen.prefill("Once upon a time there was a dog.")
+    same = prefix.tokens[:5] + gen.tokenizer.encode(" cat", bos=False, eos=False)
+    n = 4  # positions the cache would cover; same[4] == prefix.tokens[4]
+    assert prefix.prompt_logprobs(same, n) == pytest.approx(prefix.logprobs[:n])
+    other = prefix.tokens[:4] + gen.tokenizer.encode(" cat", bos=False, eos=False)
+    assert other[4] != prefix.tokens[4]
+    with pytest.raises(ValueError, match="leaves this prefix"):
+        prefix.prompt_logprobs(other, 4)
