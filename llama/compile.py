@@ -29,7 +29,9 @@ class CompiledDecode:
         if mode not in MODES:
             raise ValueError(f"compile mode must be one of {MODES}, got {mode!r}")
         # Set around every call, not as torch.compile options: Inductor reads `freezing` outside the options' scope.
-        self.config = {"freezing": True, "max_autotune": mode == "max-autotune"}
+        self.config = {"freezing": True, "max_autotune": mode == "max-autotune",
+                       # no per-GEMM autotuning tables on stderr
+                       "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
         self.model, self.mode = model, mode
         own_storage(model)
         self.seen: Dict[tuple, float] = {}  # (batch size, rows given) -> seconds the first call took

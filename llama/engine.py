@@ -284,7 +284,7 @@ class Engine:
                 f"the prompt has {len(tokens)} tokens; it must be shorter than "
                 f"max_seq_len={llama.max_seq_len} (shorten it or build the generator with a larger max_seq_len)"
             )
-        return llama._rows([tokens], llama._params(1, **params))[0]
+        return llama._rows([tokens], llama._params(1, **params), chat=chat)[0]
 
     def _wake(self) -> None:
         with self._cv:
@@ -453,9 +453,12 @@ class Engine:
         """One token for every decoding slot, over slots 0..B-1 with no cache gather (rows=None).
 
         Slots in the range that are not decoding get a dummy token at a position no one has filled yet (their
-        next prefill position, or 0 for a free slot), which is always rewritten before it is read.
+        next prefill position, or 0 for a free slot), which is always rewritten before it is read. With a compiled
+        decode step (llama.compile) every step spans all slots, so one graph serves them all, and kv_len is left
+        unset since that is what selects the compiled path.
         """
-        width = max(r.slot for r in decoding) + 1
+        compiled = getattr(self.model, "compiled_step", None) is not None
+        width = len(self.slots) if compiled else max(r.slot for r in decoding) + 1
         tokens, pos = [0] * width, [0] * width
         for s in range(width):
             r = self.slots[s]
@@ -465,7 +468,7 @@ class Engine:
                 tokens[s], pos[s] = r.feed, r.feed_pos
             else:
                 pos[s] = r.prefilled
-        return {"kind": "decode", "tokens": tokens, "pos": pos, "kv_len": max(pos) + 1}
+        return {"kind": "decode", "tokens": tokens, "pos": pos, "kv_len": None if compiled else max(pos) + 1}
 
     def _forward(self, op: Dict) -> torch.Tensor:
         dev = self.device

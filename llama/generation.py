@@ -7,6 +7,7 @@ cache slot and position, so batching never changes a request's text.
 
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple, TypedDict, Union
 
@@ -149,6 +150,7 @@ class Llama:
         self.formatter = ChatFormat(tokenizer)
         self.device = model.norm.weight.device
         self.lock = threading.RLock()  # the KV cache is one resource: one decode loop at a time
+        self._stream_thread: Optional[int] = None  # the thread whose unfinished stream holds the cache
 
     @property
     def max_seq_len(self) -> int:
@@ -226,7 +228,7 @@ class Llama:
                               logprobs=logprobs, **options)
         safe = [i for i, d in enumerate(dialogs) if not has_special_tags(d)]
         toks = [self.formatter.encode_dialog_prompt(dialogs[i]) for i in safe]
-        rows = self._complete(self._rows(toks, [params[i] for i in safe], n=n, index=safe))
+        rows = self._complete(self._rows(toks, [params[i] for i in safe], n=n, index=safe, chat=True))
         by_prompt = {i: rows[k * n : (k + 1) * n] for k, i in enumerate(safe)}
         out: List[ChatPrediction] = []
         for i in range(len(dialogs)):
@@ -252,10 +254,26 @@ class Llama:
         params = self._params(1, **options)
         if has_special_tags(dialog):
             return iter([UNSAFE_ERROR])
-        return self._stream(self._rows([self.formatter.encode_dialog_prompt(dialog)], params)[0])
+        return self._stream(self._rows([self.formatter.encode_dialog_prompt(dialog)], params, chat=True)[0])
+
+    @contextmanager
+    def using_cache(self, streaming: bool = False):
+        """Hold the KV cache for one call. Other threads wait; in the thread of an unfinished stream (which holds
+        the cache between its deltas) any other call would corrupt that stream, so it raises instead."""
+        with self.lock:
+            if self._stream_thread == threading.get_ident():
+                raise RuntimeError("an unfinished stream of this Llama is open in this thread: "
+                                   "consume it or close() it before another call")
+            if streaming:
+                self._stream_thread = threading.get_ident()
+            try:
+                yield
+            finally:
+                if streaming:
+                    self._stream_thread = None
 
     def _stream(self, row: Row) -> Iterator[str]:
-        with self.lock:
+        with self.using_cache(streaming=True):
             for deltas in self._run([row]):
                 for _, text in deltas:
                     yield text
@@ -269,7 +287,7 @@ class Llama:
             tokens = self._check_tokens("prefix", text_or_tokens)
         if not tokens or len(tokens) >= self.max_seq_len:
             raise ValueError(f"prefix has {len(tokens)} tokens; it needs 1 to {self.max_seq_len - 1} (max_seq_len - 1)")
-        with self.lock:
+        with self.using_cache():
             logits = self.model(torch.tensor([tokens], device=self.device), 0)[0]
             return Prefix.snapshot(self.model, slot=0, tokens=tokens, logprobs=_token_logprobs(logits, tokens),
                                    next_logprobs=torch.log_softmax(logits[-1], dim=-1))
@@ -279,7 +297,10 @@ class Llama:
         return ChatSession(self, system)
 
     def engine(self, prefill_chunk: int = 128):
-        """A continuous-batching engine over this generator's KV cache: submit requests from any thread."""
+        """A continuous-batching engine over this generator's KV cache: submit requests from any thread.
+
+        While it has requests in flight it owns the cache, so other calls on this generator wait until it is idle.
+        """
         from .engine import Engine
 
         return Engine(self, prefill_chunk=prefill_chunk)
@@ -301,7 +322,7 @@ class Llama:
                 raise ValueError(f"text {i} has {len(toks)} tokens, more than max_seq_len={self.max_seq_len}")
             seqs.append(toks)
         results = []
-        with self.lock:
+        with self.using_cache():
             for start in range(0, len(seqs), self.max_batch_size):
                 batch = seqs[start : start + self.max_batch_size]
                 width = max(map(len, batch))
@@ -343,8 +364,11 @@ class Llama:
         return prefix.tokens + tokens
 
     def _rows(self, prompts: List[List[int]], params: List[SamplingParams], n: int = 1,
-              prefix: Optional[Prefix] = None, index: Optional[List[int]] = None) -> List[Row]:
-        """Validate every prompt before any work starts; one Row per (prompt, sample), prompt-major."""
+              prefix: Optional[Prefix] = None, index: Optional[List[int]] = None, chat: bool = False) -> List[Row]:
+        """Validate every prompt before any work starts; one Row per (prompt, sample), prompt-major.
+
+        chat: the reply's first space is the template's separator after [/INST], not part of the content.
+        """
         _positive_int("n", n)
         full = []
         for k, toks in enumerate(prompts):
@@ -362,14 +386,14 @@ class Llama:
             room = self.max_seq_len - len(toks)
             max_new = min(p.max_gen_len, room) if p.max_gen_len is not None else room
             for j in range(n):
-                stream = TextStream(self.tokenizer, context=toks, stop=p.stop)
+                stream = TextStream(self.tokenizer, context=toks, stop=p.stop, strip_space=chat)
                 rows.append(Row(prompt=toks, params=p, max_new=max_new, stream=stream, sample=j, prefix=prefix))
         return rows
 
     def _complete(self, rows: List[Row]) -> List[Row]:
         """Run rows to completion: one static batch when they fit the cache, else continuous batching (a row
         starts as soon as a slot frees up), results in input order either way."""
-        with self.lock:
+        with self.using_cache():
             if len(rows) > self.max_batch_size:
                 from .engine import Engine
 

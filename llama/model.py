@@ -93,12 +93,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scales: Optional[torch.Tensor]
     """x @ weight.T; with scales, weight is int8 with one scale per output row (see llama/quantize.py).
 
     The int8 kernel is only fast with bf16 activations, so x is cast to the scales' dtype (bf16) around it. It
-    needs in_features % 16 == 0 (other widths give wrong results or crash), so tiny layers dequantize instead.
+    needs in_features % 16 == 0 (other widths give wrong results or crash), so tiny layers dequantize the weight
+    first instead (scaling after the product would be turned back into the same kernel by Inductor's patterns).
     """
     if scales is None:
         return F.linear(x, weight)
     if weight.shape[1] % 16:
-        return (F.linear(x, weight.to(x.dtype)) * scales).to(x.dtype)
+        return F.linear(x, weight.to(x.dtype) * scales[:, None].to(x.dtype))
     y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).to(scales.dtype), weight, scales)
     return y.view(*x.shape[:-1], -1).to(x.dtype)
 

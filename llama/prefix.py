@@ -101,12 +101,12 @@ class ChatSession:
                 "allows: start a new session or build the generator with a larger max_seq_len"
             )
         # The template already holds the history; the cache only spares recomputing its common start.
-        row = llama._rows([tokens], llama._params(1, **params), prefix=self.cache)[0]
+        row = llama._rows([tokens], llama._params(1, **params), prefix=self.cache, chat=True)[0]
         return self._turn(dialog, row)
 
     def _turn(self, dialog, row):
         llama = self.llama
-        with llama.lock:
+        with llama.using_cache(streaming=True):
             for deltas in llama._run([row]):
                 for _, text in deltas:
                     yield text

@@ -15,8 +15,9 @@ class TextStream:
     """Text of generated tokens, in deltas; `text` is always the concatenation of the deltas released so far
     plus the held-back tail, and equals decode(context + tokens) minus decode(context)."""
 
-    def __init__(self, tokenizer, context: Sequence[int] = (), stop: Sequence[str] = ()):
+    def __init__(self, tokenizer, context: Sequence[int] = (), stop: Sequence[str] = (), strip_space: bool = False):
         self.tokenizer = tokenizer
+        self.strip_space = strip_space  # drop one leading space (a chat reply: the template's separator)
         self.ids: List[int] = list(context[-4:])  # a few tokens of context keep the first piece's leading space
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -36,7 +37,7 @@ class TextStream:
         new_text = self.tokenizer.decode(self.ids[self.prefix_offset :])
         if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT):
             old_len = len(self.text)
-            self.text += new_text[len(prefix_text) :]
+            self._append(new_text[len(prefix_text) :])
             # Tokens held for an incomplete character end with it; recorded before a stop truncates the text,
             # so the tokens that make up a stop string never count as before it.
             pending = len(self.ids) - self.read_offset
@@ -51,7 +52,7 @@ class TextStream:
             prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
             new_text = self.tokenizer.decode(self.ids[self.prefix_offset :])
             old_len = len(self.text)
-            self.text += new_text[len(prefix_text) :]
+            self._append(new_text[len(prefix_text) :])
             self.read_offset = len(self.ids)
             self._find_stop(old_len)
             if self.ends:
@@ -67,6 +68,12 @@ class TextStream:
     def tokens_before_stop(self) -> int:
         """How many generated tokens lie wholly before the stop string."""
         return sum(1 for end in self.ends if end <= self.stopped_at)
+
+    def _append(self, new: str) -> None:
+        if self.strip_space and new:
+            self.strip_space = False
+            new = new[1:] if new.startswith(" ") else new
+        self.text += new
 
     def _find_stop(self, old_len: int) -> None:
         best = None

@@ -90,6 +90,11 @@ def test_offline_chat_stop_echo_and_prefix_match_alone(gen):
     with_prefix = gen.text_completion(tails, prefix=prefix, temperature=0.0, max_gen_len=15)
     for t, got in zip(tails, with_prefix):
         assert got == gen.text_completion([t], prefix=prefix, temperature=0.0, max_gen_len=15)[0]
+    scored = gen.text_completion(tails, prefix=prefix, temperature=0.0, max_gen_len=4, echo=True, logprobs=True)
+    for t, got in zip(tails, scored):
+        expected = gen.text_completion([t], prefix=prefix, temperature=0.0, max_gen_len=4, echo=True, logprobs=True)[0]
+        assert got["tokens"] == expected["tokens"]
+        assert got["logprobs"] == pytest.approx(expected["logprobs"], abs=1e-4)
 
 
 # ------------------------------------------------------------------------------------------------------ online
@@ -247,6 +252,25 @@ def test_submit_from_many_threads(gen):
             t.join()
     for i, p in enumerate(PROMPTS):
         assert results[i] == alone(gen, p, temperature=0.0, max_gen_len=LENGTHS[i])
+
+
+def test_compiled_decode_step_gets_one_batch_size(gen, monkeypatch):
+    """With a compiled decode step (llama.compile) the engine always decodes over every slot, so one graph serves
+    all steps; the step is stood in for by the eager decode_step it would compile."""
+    sizes = []
+
+    def step(tokens, pos, rows=None):
+        sizes.append((tokens.shape[0], rows is None))
+        return gen.model.decode_step(tokens, pos, rows)
+
+    monkeypatch.setattr(gen.model, "compiled_step", step)
+    with gen.engine() as engine:
+        handles = [engine.submit(p, temperature=0.0, max_gen_len=n) for p, n in zip(PROMPTS, LENGTHS)]
+        results = [h.result(timeout=60) for h in handles]
+    monkeypatch.setattr(gen.model, "compiled_step", None)
+    assert set(sizes) == {(SLOTS, True)} and len(sizes) >= max(LENGTHS) - 1
+    for p, n, got in zip(PROMPTS, LENGTHS, results):
+        assert got == alone(gen, p, temperature=0.0, max_gen_len=n)
 
 
 # ------------------------------------------------------------------------------------------------------ model parallel

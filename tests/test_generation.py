@@ -89,8 +89,10 @@ def test_chat_completion_and_special_tags(stories):
     assert results[0]["generation"] == alone["generation"]
     prompt = stories.formatter.encode_dialog_prompt(dialogs[2])
     tokens, _ = stories.generate([prompt], max_gen_len=16, temperature=0)
-    assert results[2]["generation"]["content"] == stories.tokenizer.decode(prompt + tokens[0])[
-        len(stories.tokenizer.decode(prompt)):]
+    # The reply is the text after the template's "[/INST] " separator: the reference's decode of the new tokens.
+    full = stories.tokenizer.decode(prompt + tokens[0])
+    assert full.endswith(results[2]["generation"]["content"])
+    assert results[2]["generation"]["content"] == stories.tokenizer.decode(tokens[0])
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -156,3 +158,16 @@ def test_bf16_runs_on_cpu(stories_dir, goldens):
     prompt, expected = golden_pairs(goldens)[0]
     tokens, _ = g.generate([prompt], max_gen_len=8, temperature=0)
     assert len(tokens[0]) == 8
+
+
+def test_a_second_call_while_a_stream_is_open_is_refused(stories):
+    stream = stories.stream_completion("Once upon a time", temperature=0, max_gen_len=20)
+    first = next(stream)
+    with pytest.raises(RuntimeError, match="unfinished stream"):
+        stories.text_completion(["Lily"], max_gen_len=4)
+    rest = "".join(stream)  # the open stream is intact
+    assert first + rest == stories.text_completion(["Once upon a time"], temperature=0, max_gen_len=20)[0]["generation"]
+    stream = stories.stream_completion("Once upon a time", max_gen_len=20)
+    next(stream)
+    stream.close()  # closing releases the cache
+    assert stories.score(["Once upon a time"])[0]["token_ids"]
