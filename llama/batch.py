@@ -126,6 +126,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         torch.set_num_threads(args.threads)
     if not os.path.isfile(args.input):
         ap.error(f"--input {args.input!r} does not exist")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+        ap.error(f"the directory of --output {args.output!r} does not exist")
     generator = Llama.build(args.ckpt_dir, args.tokenizer_path, max_seq_len=args.max_seq_len,
                             max_batch_size=args.max_batch_size)
     if parallel.model_parallel_rank() != 0:  # under torchrun: replay rank 0's steps; rank 0 does all the I/O

@@ -250,13 +250,19 @@ class Engine:
                     self._forward(op)
 
     # ------------------------------------------------------------------------------------------------ offline
-    def complete(self, rows: List[Row]) -> List[Row]:
-        """Run rows to completion in the calling thread (Llama._complete); rows are filled in place."""
+    def complete(self, rows: List[Row], longest_first: bool = True) -> List[Row]:
+        """Run rows to completion in the calling thread (Llama._complete); rows are filled in place.
+
+        With the whole workload known, rows are admitted longest max_new first (longest-processing-time
+        scheduling): a long request then never starts last and keeps one slot busy alone at the end.
+        Seeded sampling makes the order invisible in the results.
+        """
         with self._cv:
             if self._thread is not None:
                 raise RuntimeError("complete() cannot run while the engine's thread serves submitted requests")
         self._offline = True
-        self._waiting.extend(_Request(r) for r in rows)
+        order = sorted(rows, key=lambda r: -r.max_new) if longest_first else rows
+        self._waiting.extend(_Request(r) for r in order)
         with self.llama.lock:
             while self._step():
                 pass

@@ -430,23 +430,23 @@ class Llama:
                 r.reused = r.prefix.load_into(self.model, b, r.prompt)
                 if full:
                     r.prompt_logprobs = r.prefix.prompt_logprobs(r.prompt, r.reused)
-        width = max(len(rows[b].prompt) - rows[b].reused for b in lead)
-        x = torch.tensor([rows[b].prompt[rows[b].reused :] + [0] * (width - len(rows[b].prompt) + rows[b].reused)
-                          for b in lead], device=self.device)
-        starts = [rows[b].reused for b in lead]
-        begin = starts[0] if len(set(starts)) == 1 else torch.tensor(starts, device=self.device)
-        slots = None if lead == list(range(len(lead))) else torch.tensor(lead, device=self.device)
-        last = torch.tensor([len(rows[b].prompt) - rows[b].reused - 1 for b in lead], device=self.device)
-        logits = self.model(x, begin, rows=slots, logit_index=None if full else last)
         next_logits = {}
-        for k, b in enumerate(lead):
-            r = rows[b]
-            if full:
-                n_new = len(r.prompt) - r.reused
-                r.prompt_logprobs = r.prompt_logprobs + _token_logprobs(logits[k, :n_new], r.prompt[r.reused :])
-                next_logits[b] = logits[k, n_new - 1]
-            else:
-                next_logits[b] = logits[k, 0]
+        by_start: Dict[int, List[int]] = {}
+        for b in lead:  # one pass per start position, so right-padding never runs past the cache
+            by_start.setdefault(rows[b].reused, []).append(b)
+        for start, group in by_start.items():
+            width = max(len(rows[b].prompt) for b in group) - start
+            x = torch.tensor([rows[b].prompt[start:] + [0] * (width - len(rows[b].prompt) + start) for b in group],
+                             device=self.device)
+            slots = None if group == list(range(len(group))) else torch.tensor(group, device=self.device)
+            last = torch.tensor([len(rows[b].prompt) - start - 1 for b in group], device=self.device)
+            logits = self.model(x, start, rows=slots, logit_index=None if full else last)
+            for k, b in enumerate(group):
+                r = rows[b]
+                n_new = len(r.prompt) - start
+                if full:
+                    r.prompt_logprobs = r.prompt_logprobs + _token_logprobs(logits[k, :n_new], r.prompt[start:])
+                next_logits[b] = logits[k, n_new - 1 if full else 0]
         for b, a in enumerate(lead_of):
             if a != b:
                 src, dst = torch.tensor([a], device=self.device), torch.tensor([b], device=self.device)

@@ -171,3 +171,15 @@ def test_a_second_call_while_a_stream_is_open_is_refused(stories):
     next(stream)
     stream.close()  # closing releases the cache
     assert stories.score(["Once upon a time"])[0]["token_ids"]
+
+
+def test_rows_reusing_different_amounts_of_a_prefix(stories):
+    """An empty prompt reuses one token less of the prefix than the others: prefilled in its own pass, and every
+    row equals running prefix + prompt from scratch."""
+    prefix = stories.prefill([1] + [400] * 200)
+    prompts = ["", " upon a time"]
+    results = stories.text_completion(prompts, prefix=prefix, temperature=0, max_gen_len=8)
+    rows = [prefix.tokens + stories.tokenizer.encode(p, bos=False, eos=False) for p in prompts]
+    tokens, _ = stories.generate(rows, max_gen_len=8, temperature=0)
+    for row, gen, result in zip(rows, tokens, results):
+        assert result["generation"] == stories.tokenizer.decode(row + gen)[len(stories.tokenizer.decode(row)):]
