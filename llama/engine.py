@@ -546,25 +546,9 @@ class Engine:
             if b in failed:
                 continue
             r = req.row
-            if tok == eos:
-                r.finish_reason, text = "eos", r.stream.finish()
-            else:
-                r.generated.append(tok)
-                if lp is not None and r.params.logprobs:
-                    r.logprobs.append(lp[b])
-                text = r.stream.add(tok)
-                if r.stream.stopped:
-                    r.finish_reason = "stop"
-                    keep = r.stream.tokens_before_stop()
-                    del r.generated[keep:], r.logprobs[keep:]
-                    r.fed = min(r.fed, keep)
-                elif len(r.generated) >= r.max_new:
-                    r.finish_reason = "length"
-                else:
-                    req.feed, req.feed_pos = tok, len(r.prompt) + len(r.generated) - 1
-                    r.fed = len(r.generated)
-                if r.finish_reason is not None:
-                    text += r.stream.finish()
+            text = r.advance(tok, eos, lp[b] if lp is not None else None)
+            if r.finish_reason is None:
+                req.feed, req.feed_pos = tok, r.next_pos
             if text and req.handle is not None:
                 req.handle._put(text)
             if r.finish_reason is not None:

@@ -75,6 +75,31 @@ class Row:
     fed: int = 0  # generated tokens whose keys/values are in the cache
     reused: int = 0  # prompt positions taken from the prefix instead of computed
 
+    def advance(self, tok: int, eos_id: int, logprob: Optional[float] = None) -> str:
+        """Take one sampled token; return the text now safe to release. While unfinished, the caller feeds
+        `tok` at position `next_pos` in its next forward pass (so it counts as fed)."""
+        if tok == eos_id:
+            self.finish_reason = "eos"
+            return self.stream.finish()
+        self.generated.append(tok)
+        if logprob is not None and self.params.logprobs:
+            self.logprobs.append(logprob)
+        text = self.stream.add(tok)
+        if self.stream.stopped:
+            self.finish_reason = "stop"
+            keep = self.stream.tokens_before_stop()
+            del self.generated[keep:], self.logprobs[keep:]
+            self.fed = min(self.fed, keep)
+        elif len(self.generated) >= self.max_new:
+            self.finish_reason = "length"
+        else:
+            self.fed = len(self.generated)
+        return text + self.stream.finish() if self.finish_reason is not None else text
+
+    @property
+    def next_pos(self) -> int:
+        return len(self.prompt) + len(self.generated) - 1
+
 
 class Llama:
     @staticmethod
@@ -484,25 +509,9 @@ class Llama:
             for b, (r, tok) in enumerate(zip(rows, next_tok.tolist())):
                 if r.finish_reason is not None:
                     continue
-                if tok == self.tokenizer.eos_id:
-                    r.finish_reason, text = "eos", r.stream.finish()
-                else:
-                    r.generated.append(tok)
-                    if lp is not None:
-                        r.logprobs.append(lp[b])
-                    text = r.stream.add(tok)
-                    if r.stream.stopped:
-                        r.finish_reason = "stop"
-                        keep = r.stream.tokens_before_stop()
-                        del r.generated[keep:], r.logprobs[keep:]
-                        r.fed = min(r.fed, keep)
-                    elif len(r.generated) >= r.max_new:
-                        r.finish_reason = "length"
-                    else:
-                        feed_tok[b], feed_pos[b] = tok, len(r.prompt) + len(r.generated) - 1
-                        r.fed = len(r.generated)  # the forward below writes its keys/values
-                    if r.finish_reason is not None:
-                        text += r.stream.finish()
+                text = r.advance(tok, self.tokenizer.eos_id, lp[b] if lp is not None else None)
+                if r.finish_reason is None:
+                    feed_tok[b], feed_pos[b] = tok, r.next_pos
                 if text:
                     deltas.append((b, text))
             yield deltas
