@@ -11,7 +11,6 @@ tokens, which the benchmark checks.
 """
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -22,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llama import Llama  # noqa: E402
+from llama.demo import write_random_checkpoint  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 STORIES = SHARED / "models" / "stories260K"
@@ -33,28 +33,7 @@ def random_checkpoint(out_dir: Path, dim: int, n_layers: int, n_heads: int, voca
     """A Meta-layout checkpoint with random weights: compute of a real model of that size, no download."""
     params = {"dim": dim, "n_layers": n_layers, "n_heads": n_heads, "n_kv_heads": n_heads, "multiple_of": 256,
               "norm_eps": 1e-5, "vocab_size": vocab}
-    from llama.model import ffn_hidden_dim
-
-    hidden = ffn_hidden_dim(dim, 256)
-    g = torch.Generator().manual_seed(0)
-
-    def w(*shape):
-        return torch.randn(*shape, generator=g) * (1.0 / shape[-1] ** 0.5)
-
-    state = {"tok_embeddings.weight": w(vocab, dim), "norm.weight": torch.ones(dim), "output.weight": w(vocab, dim)}
-    for i in range(n_layers):
-        p = f"layers.{i}."
-        for name in ("wq", "wk", "wv", "wo"):
-            state[p + f"attention.{name}.weight"] = w(dim, dim)
-        state[p + "feed_forward.w1.weight"] = w(hidden, dim)
-        state[p + "feed_forward.w3.weight"] = w(hidden, dim)
-        state[p + "feed_forward.w2.weight"] = w(dim, hidden)
-        state[p + "attention_norm.weight"] = torch.ones(dim)
-        state[p + "ffn_norm.weight"] = torch.ones(dim)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    torch.save(state, out_dir / "consolidated.00.pth")
-    (out_dir / "params.json").write_text(json.dumps(params))
-    return out_dir
+    return write_random_checkpoint(out_dir, params)
 
 
 def workload(n_requests: int = 32, slots: int = 8, long: int = 100, short: int = 10):

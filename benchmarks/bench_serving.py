@@ -15,8 +15,6 @@ banned with a logits processor so every call generates exactly max_gen_len token
 """
 
 import argparse
-import json
-import os
 import random
 import sys
 import tempfile
@@ -29,8 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from llama import Llama  # noqa: E402
-from llama.checkpoint import expected_shapes  # noqa: E402
-from llama.model import ModelArgs  # noqa: E402
+from llama.demo import write_random_checkpoint  # noqa: E402
 
 DEFAULT_TOKENIZER = ROOT.parent / "shared" / "models" / "stories260K" / "tokenizer.model"
 WORDS = ("the cat dog girl boy park ball tree sun happy little big red blue went saw played ran jumped found "
@@ -39,22 +36,11 @@ WORDS = ("the cat dog girl boy park ball tree sun happy little big red blue went
 
 def make_model(dirpath: Path, tokenizer: Path, dim: int, n_layers: int, n_heads: int) -> None:
     """A Meta-layout checkpoint with random weights (scaled so activations stay sane)."""
-    params = {"dim": dim, "n_layers": n_layers, "n_heads": n_heads, "multiple_of": 256, "norm_eps": 1e-5,
-              "vocab_size": 512}
     from llama.tokenizer import Tokenizer
-    params["vocab_size"] = Tokenizer(str(tokenizer)).n_words
-    (dirpath / "params.json").write_text(json.dumps(params))
-    g = torch.Generator().manual_seed(0)
-    state = {}
-    for name, shape in expected_shapes(ModelArgs.from_params(params)).items():
-        if len(shape) == 1:
-            state[name] = torch.ones(shape)
-        elif name == "tok_embeddings.weight":
-            state[name] = torch.randn(shape, generator=g)
-        else:
-            state[name] = torch.randn(shape, generator=g) * shape[1] ** -0.5
-    torch.save(state, dirpath / "consolidated.00.pth")
-    os.symlink(tokenizer, dirpath / "tokenizer.model")
+
+    params = {"dim": dim, "n_layers": n_layers, "n_heads": n_heads, "multiple_of": 256, "norm_eps": 1e-5,
+              "vocab_size": Tokenizer(str(tokenizer)).n_words}
+    write_random_checkpoint(dirpath, params, tokenizer_path=tokenizer)
 
 
 def text_of(tokenizer, n_tokens: int, seed: int) -> str:

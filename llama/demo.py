@@ -13,7 +13,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .checkpoint import save_checkpoint
+from .checkpoint import expected_shapes, save_checkpoint
 from .model import ModelArgs
 
 DEMO_PARAMS = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 32, "norm_eps": 1e-5,
@@ -23,37 +23,29 @@ DEMO_NOTE = ("Using the demo checkpoint: random weights, so its text is meaningl
              "See 'Getting weights' in README.md to run a real model.")
 
 
-def random_state_dict(args: ModelArgs, seed: int = 0, std: float = 0.02) -> Dict[str, torch.Tensor]:
-    """Full (unsharded) Meta-layout weights drawn from N(0, std), norms at 1; fp32 on CPU."""
+def random_state_dict(args: ModelArgs, seed: int = 0, std: Optional[float] = None) -> Dict[str, torch.Tensor]:
+    """Full (unsharded) Meta-layout weights, fp32 on CPU, norms at 1.
+
+    std None scales each matrix by 1/sqrt(fan_in) (embeddings N(0, 1)) so activations and logits stay in a
+    realistic range at any size; otherwise every matrix is N(0, std).
+    """
     g = torch.Generator().manual_seed(seed)
-    hd, hidden = args.head_dim, args.hidden_dim
-
-    def w(*shape):
-        return torch.randn(*shape, generator=g) * std
-
-    state = {"tok_embeddings.weight": w(args.vocab_size, args.dim), "norm.weight": torch.ones(args.dim),
-             "output.weight": w(args.vocab_size, args.dim)}
-    for i in range(args.n_layers):
-        p = f"layers.{i}."
-        state.update({
-            p + "attention.wq.weight": w(args.n_heads * hd, args.dim),
-            p + "attention.wk.weight": w(args.n_kv_heads * hd, args.dim),
-            p + "attention.wv.weight": w(args.n_kv_heads * hd, args.dim),
-            p + "attention.wo.weight": w(args.dim, args.n_heads * hd),
-            p + "feed_forward.w1.weight": w(hidden, args.dim),
-            p + "feed_forward.w2.weight": w(args.dim, hidden),
-            p + "feed_forward.w3.weight": w(hidden, args.dim),
-            p + "attention_norm.weight": torch.ones(args.dim),
-            p + "ffn_norm.weight": torch.ones(args.dim),
-        })
+    state = {}
+    for name, shape in expected_shapes(args).items():
+        if len(shape) == 1:
+            state[name] = torch.ones(shape)
+        else:
+            scale = std if std is not None else (1.0 if name == "tok_embeddings.weight" else shape[1] ** -0.5)
+            state[name] = torch.randn(shape, generator=g) * scale
     return state
 
 
 def write_random_checkpoint(out_dir, params: dict, tokenizer_path=None, seed: int = 0, shards: int = 1,
-                            dtype: torch.dtype = torch.float32) -> Path:
-    """A Meta-layout checkpoint of random weights (params.json, consolidated.XX.pth, checklist.chk)."""
+                            dtype: torch.dtype = torch.float32, std: Optional[float] = None) -> Path:
+    """A Meta-layout checkpoint of random weights (params.json, consolidated.XX.pth, checklist.chk, and a copy
+    of the tokenizer when given): the compute of a real model of that shape, with no download."""
     args = ModelArgs.from_params(params)
-    state = {k: v.to(dtype) for k, v in random_state_dict(args, seed).items()}
+    state = {k: v.to(dtype) for k, v in random_state_dict(args, seed, std).items()}
     extra = {"tokenizer.model": Path(tokenizer_path)} if tokenizer_path else None
     save_checkpoint(state, params, out_dir, shards=shards, extra_files=extra)
     return Path(out_dir)

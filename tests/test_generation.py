@@ -1,7 +1,6 @@
 """Reference parity on the real stories260K model: golden greedy ids, text fidelity, logprobs, errors."""
 
 import json
-import shutil
 
 import pytest
 import torch

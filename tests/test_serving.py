@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from llama import Llama
-from llama.checkpoint import expected_shapes
-from llama.model import ModelArgs
+from llama.demo import write_random_checkpoint
 from llama.tokenizer import UNSAFE_ERROR
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
@@ -67,12 +66,7 @@ def rand_gen(tmp_path_factory):
     d = tmp_path_factory.mktemp("rand_llama2")
     params = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 32, "norm_eps": 1e-5,
               "vocab_size": 32000}
-    (d / "params.json").write_text(json.dumps(params))
-    g = torch.Generator().manual_seed(0)
-    state = {name: (torch.ones(shape) if len(shape) == 1 else torch.randn(shape, generator=g) * 0.5)
-             for name, shape in expected_shapes(ModelArgs.from_params(params)).items()}
-    torch.save(state, d / "consolidated.00.pth")
-    os.symlink(LLAMA2_TOKENIZER, d / "tokenizer.model")
+    write_random_checkpoint(d, params, tokenizer_path=LLAMA2_TOKENIZER, std=0.5)
     return Llama.build(str(d), str(d / "tokenizer.model"), max_seq_len=128, max_batch_size=4)
 
 
