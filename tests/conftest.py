@@ -4,6 +4,10 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+
+# The test models are tiny: one thread is as fast, and never oversubscribes a shared 2-core machine.
+torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
