@@ -303,7 +303,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokenizer", help="tokenizer.model (default: the checkpoint's, else the Llama 2 tokenizer)")
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16", "int8"], choices=["fp32", "bf16", "int8"])
     ap.add_argument("--compile", nargs="+", default=["off", "on"], choices=["off", "on"])
-    ap.add_argument("--compile-mode", default="max-autotune", choices=["max-autotune", "default"])
+    ap.add_argument("--compile-mode", default="auto", choices=["auto", "max-autotune", "default"])
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 8, 32])
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens P")
     ap.add_argument("--gen", type=int, default=64, help="tokens generated per decode run N")

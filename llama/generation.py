@@ -119,7 +119,7 @@ class Llama:
         """Load a Meta-layout checkpoint; works in plain python and under torchrun, on CPU or CUDA.
 
         quantize="int8": int8 weight-only linear layers (activations bf16 unless dtype says otherwise).
-        compile: True / "max-autotune" or "default" compiles the one-token decode step (llama/compile.py);
+        compile: True ("auto"), "max-autotune" or "default" compiles the one-token decode step (llama/compile.py);
         it costs tens of seconds per batch size on first use, so it is off by default.
         """
         _positive_int("max_seq_len", max_seq_len)
