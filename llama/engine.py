@@ -25,7 +25,8 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from .generation import Row, _token_logprobs
+from .sampling import token_logprobs
+from .sequence import Row
 from .handle import Handle
 from .sampling import sample, seeded_uniform
 from .tokenizer import UNSAFE_ERROR, has_special_tags, validate_dialog
@@ -419,7 +420,7 @@ class Engine:
                 if op["last"] is None:
                     if row.params.echo and row.params.logprobs:
                         end = min(s + c + 1, len(row.prompt))
-                        row.prompt_logprobs = row.prompt_logprobs + _token_logprobs(out[i, :c], row.prompt[s:end])
+                        row.prompt_logprobs = row.prompt_logprobs + token_logprobs(out[i, :c], row.prompt[s:end])
                     logits = out[i, c - 1]
                 else:
                     logits = out[i, 0]

@@ -8,17 +8,18 @@ cache slot and position, so batching never changes a request's text.
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple, TypedDict, Union
 
 import torch
 
-from .model import ModelArgs, Transformer
 from . import checkpoint, parallel
-from . import compile as compilation, quantize as quantization
+from . import compile as compilation
+from . import quantize as quantization
+from .model import ModelArgs, Transformer
 from .params import SamplingParams, per_prompt
 from .prefix import ChatSession, Prefix
-from .sampling import sample, seeded_uniform
+from .sampling import sample, seeded_uniform, token_logprobs
+from .sequence import Row
 from .textstream import TextStream
 from .tokenizer import UNSAFE_ERROR, ChatFormat, Dialog, Message, Tokenizer, has_special_tags, validate_dialog
 
@@ -35,70 +36,10 @@ class ChatPrediction(TypedDict, total=False):
     logprobs: List[float]  # not required
 
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-
-
-def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
-    """bf16 on CUDA when supported (else fp16), fp32 on CPU, unless dtype says otherwise."""
-    if dtype is None:
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
-    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
-        return dtype
-    if isinstance(dtype, str) and dtype in _DTYPES:
-        return _DTYPES[dtype]
-    raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or the matching torch.dtype, got {dtype!r}")
-
-
 def _positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return value
-
-
-@dataclass
-class Row:
-    """One sequence being generated: one sample of one prompt, in one cache slot."""
-
-    prompt: List[int]
-    params: SamplingParams
-    max_new: int
-    stream: TextStream
-    sample: int = 0
-    prefix: Optional[Prefix] = None
-    generated: List[int] = field(default_factory=list)
-    logprobs: List[float] = field(default_factory=list)
-    prompt_logprobs: List[float] = field(default_factory=list)
-    finish_reason: Optional[str] = None  # "eos", "stop" or "length"
-    fed: int = 0  # generated tokens whose keys/values are in the cache
-    reused: int = 0  # prompt positions taken from the prefix instead of computed
-
-    def advance(self, tok: int, eos_id: int, logprob: Optional[float] = None) -> str:
-        """Take one sampled token; return the text now safe to release. While unfinished, the caller feeds
-        `tok` at position `next_pos` in its next forward pass (so it counts as fed)."""
-        if tok == eos_id:
-            self.finish_reason = "eos"
-            return self.stream.finish()
-        self.generated.append(tok)
-        if logprob is not None and self.params.logprobs:
-            self.logprobs.append(logprob)
-        text = self.stream.add(tok)
-        if self.stream.stopped:
-            self.finish_reason = "stop"
-            keep = self.stream.tokens_before_stop()
-            del self.generated[keep:], self.logprobs[keep:]
-            self.fed = min(self.fed, keep)
-        elif len(self.generated) >= self.max_new:
-            self.finish_reason = "length"
-        else:
-            self.fed = len(self.generated)
-        return text + self.stream.finish() if self.finish_reason is not None else text
-
-    @property
-    def next_pos(self) -> int:
-        return len(self.prompt) + len(self.generated) - 1
 
 
 class Llama:
@@ -131,7 +72,7 @@ class Llama:
         if compile not in (False, None, True) + compilation.MODES:
             raise ValueError(f"compile must be a bool or one of {compilation.MODES}, got {compile!r}")
         device = torch.device(device) if device is not None else parallel.default_device()
-        dtype = resolve_dtype(torch.bfloat16 if dtype is None and quantize else dtype, device)
+        dtype = parallel.resolve_dtype(torch.bfloat16 if dtype is None and quantize else dtype, device)
         start = time.time()
         mp_size = parallel.init_distributed(model_parallel_size, device)
         torch.manual_seed(seed)  # every rank seeds alike, so unseeded sampling agrees across ranks
@@ -314,7 +255,7 @@ class Llama:
             raise ValueError(f"prefix has {len(tokens)} tokens; it needs 1 to {self.max_seq_len - 1} (max_seq_len - 1)")
         with self.using_cache():
             logits = self.model(torch.tensor([tokens], device=self.device), 0)[0]
-            return Prefix.snapshot(self.model, slot=0, tokens=tokens, logprobs=_token_logprobs(logits, tokens),
+            return Prefix.snapshot(self.model, slot=0, tokens=tokens, logprobs=token_logprobs(logits, tokens),
                                    next_logprobs=torch.log_softmax(logits[-1], dim=-1))
 
     def chat_session(self, system: Optional[str] = None) -> ChatSession:
@@ -353,7 +294,7 @@ class Llama:
                 width = max(map(len, batch))
                 logits = self.model(torch.tensor([s + [0] * (width - len(s)) for s in batch], device=self.device), 0)
                 for b, toks in enumerate(batch):
-                    lps = _token_logprobs(logits[b, : len(toks)], toks)
+                    lps = token_logprobs(logits[b, : len(toks)], toks)
                     total = sum(lps)
                     results.append({
                         "tokens": [self.tokenizer.decode([t]) for t in toks[1:]],
@@ -470,7 +411,7 @@ class Llama:
                 r = rows[b]
                 n_new = len(r.prompt) - start
                 if full:
-                    r.prompt_logprobs = r.prompt_logprobs + _token_logprobs(logits[k, :n_new], r.prompt[start:])
+                    r.prompt_logprobs = r.prompt_logprobs + token_logprobs(logits[k, :n_new], r.prompt[start:])
                 next_logits[b] = logits[k, n_new - 1 if full else 0]
         for b, a in enumerate(lead_of):
             if a != b:
@@ -520,12 +461,6 @@ class Llama:
             x = torch.tensor(feed_tok, device=dev)[:, None]
             pos = feed_pos[0] if len(set(feed_pos)) == 1 else torch.tensor(feed_pos, device=dev)
             logits = self.model(x, pos)[:, 0]
-
-
-def _token_logprobs(logits: torch.Tensor, tokens: List[int]) -> List[float]:
-    """log p(tokens[i+1] | tokens[:i+1]) from the logits (T, V) at tokens' positions: T-1 values."""
-    target = torch.tensor(tokens[1:], device=logits.device)
-    return torch.log_softmax(logits[: len(tokens) - 1].float(), dim=-1).gather(1, target[:, None])[:, 0].tolist()
 
 
 def _count(values, name: str) -> int:

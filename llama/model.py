@@ -7,7 +7,6 @@ left unexpanded.
 """
 
 import json
-import math
 from dataclasses import dataclass, fields
 from typing import Optional, Union
 
@@ -469,7 +468,6 @@ class Transformer(nn.Module):
         max_seq_len cache under a mask instead of a position-dependent slice, so torch.compile traces one graph per
         batch size and Inductor can treat the weights as constants. Same logits as forward() (fp32, (B, 1, V)).
         """
-        B = tokens.shape[0]
         positions = pos[:, None]  # (B, 1)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         key_pos = torch.arange(self.max_seq_len, device=tokens.device)

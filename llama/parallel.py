@@ -27,6 +27,23 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    """bf16 on CUDA when supported (else fp16), fp32 on CPU, unless dtype says otherwise."""
+    if dtype is None:
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or the matching torch.dtype, got {dtype!r}")
+
+
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 

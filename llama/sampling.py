@@ -6,7 +6,7 @@ No generator state is shared between rows, so a request gives the same text alon
 max_batch_size and on every model-parallel rank.
 """
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -91,3 +91,9 @@ def sample(
     out = greedy.clone()
     out[rows] = torch.gather(probs_idx, -1, choice[:, None]).squeeze(1)
     return out
+
+
+def token_logprobs(logits: torch.Tensor, tokens: List[int]) -> List[float]:
+    """log p(tokens[i+1] | tokens[:i+1]) from the logits (T, V) at tokens' positions: T-1 values."""
+    target = torch.tensor(tokens[1:], device=logits.device)
+    return torch.log_softmax(logits[: len(tokens) - 1].float(), dim=-1).gather(1, target[:, None])[:, 0].tolist()
