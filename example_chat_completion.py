@@ -24,12 +24,16 @@ def main(
     stream: bool = False,
     seed: Optional[int] = None,
     verify: bool = False,
+    quantize: Optional[str] = None,
+    compile: bool = False,
+    dtype: Optional[str] = None,
 ):
     if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 prints
         sys.stdout = open(os.devnull, "w")
     ckpt_dir, tokenizer_path = resolve_checkpoint(ckpt_dir, tokenizer_path)
     generator = Llama.build(ckpt_dir=ckpt_dir, tokenizer_path=tokenizer_path, max_seq_len=max_seq_len,
-                            max_batch_size=max_batch_size, verify=verify)
+                            max_batch_size=max_batch_size, verify=verify, quantize=quantize, compile=compile,
+                            dtype=dtype)
     dialogs: List[Dialog] = [
         [{"role": "user", "content": "what is the recipe of mayonnaise?"}],
         [
