@@ -25,10 +25,9 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from .sampling import token_logprobs
+from .sampling import RowSampler, token_logprobs
 from .sequence import Row
 from .handle import Handle
-from .sampling import sample, seeded_uniform
 from .tokenizer import UNSAFE_ERROR, has_special_tags, validate_dialog
 
 @dataclass
@@ -443,21 +442,7 @@ class Engine:
                     raise
                 failed.add(b)
                 self._retire(r, ValueError(f"request {r.handle.id}: a logits processor raised {e!r}"), "error")
-        dev = self.device
-        temperature = torch.tensor([r.params.temperature for r in rows], device=dev)
-        top_p = torch.tensor([r.params.top_p for r in rows], device=dev)
-        top_k = torch.tensor([r.params.top_k for r in rows], device=dev)
-        uniform = None
-        if any(r.params.seed is not None for r in rows):
-            seeded = torch.tensor([r.params.seed is not None for r in rows])
-            u = seeded_uniform(torch.tensor([r.params.seed or 0 for r in rows]), torch.tensor([r.sample for r in rows]),
-                               torch.tensor([len(r.generated) for r in rows]))
-            uniform = torch.where(seeded, u, torch.full_like(u, float("nan"))).to(dev)
-        next_tok = sample(logits, temperature, top_p, top_k, uniform).tolist()
-        lp = None
-        if any(r.params.logprobs for r in rows):
-            idx = torch.tensor(next_tok, device=logits.device)[:, None]
-            lp = torch.log_softmax(logits, dim=-1).gather(1, idx)[:, 0].tolist()
+        next_tok, lp = RowSampler(rows, self.device)(logits)
         eos = self.llama.tokenizer.eos_id
         for b, (req, tok) in enumerate(zip(reqs, next_tok)):
             if b in failed:

@@ -18,7 +18,7 @@ from . import quantize as quantization
 from .model import ModelArgs, Transformer
 from .params import SamplingParams, per_prompt
 from .prefix import ChatSession, Prefix
-from .sampling import sample, seeded_uniform, token_logprobs
+from .sampling import RowSampler, token_logprobs
 from .sequence import Row
 from .textstream import TextStream
 from .tokenizer import UNSAFE_ERROR, ChatFormat, Dialog, Message, Tokenizer, has_special_tags, validate_dialog
@@ -424,13 +424,7 @@ class Llama:
         """The decode loop for one batch: yields, per step, (row index, text delta) for rows with new text."""
         dev = self.device
         logits = self._prefill(rows)
-        temperature = torch.tensor([r.params.temperature for r in rows], device=dev)
-        top_p = torch.tensor([r.params.top_p for r in rows], device=dev)
-        top_k = torch.tensor([r.params.top_k for r in rows], device=dev)
-        seeded = torch.tensor([r.params.seed is not None for r in rows])
-        seeds = torch.tensor([r.params.seed or 0 for r in rows])
-        samples = torch.tensor([r.sample for r in rows])
-        want_lp = any(r.params.logprobs for r in rows)
+        draw = RowSampler(rows, dev)
         feed_tok = [r.prompt[-1] for r in rows]
         feed_pos = [len(r.prompt) - 1 for r in rows]
         while True:
@@ -440,14 +434,9 @@ class Llama:
                 if r.finish_reason is None:
                     for proc in r.params.logits_processors:
                         logits[b] = proc(list(r.generated), logits[b])
-            uniform = None
-            if bool(seeded.any()):
-                u = seeded_uniform(seeds, samples, torch.tensor([len(r.generated) for r in rows]))
-                uniform = torch.where(seeded, u, torch.full_like(u, float("nan"))).to(dev)
-            next_tok = sample(logits, temperature, top_p, top_k, uniform)
-            lp = torch.log_softmax(logits, dim=-1).gather(1, next_tok[:, None])[:, 0].tolist() if want_lp else None
+            next_tok, lp = draw(logits)
             deltas = []
-            for b, (r, tok) in enumerate(zip(rows, next_tok.tolist())):
+            for b, (r, tok) in enumerate(zip(rows, next_tok)):
                 if r.finish_reason is not None:
                     continue
                 text = r.advance(tok, self.tokenizer.eos_id, lp[b] if lp is not None else None)

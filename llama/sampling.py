@@ -6,7 +6,7 @@ No generator state is shared between rows, so a request gives the same text alon
 max_batch_size and on every model-parallel rank.
 """
 
-from typing import List, Optional
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -97,3 +97,32 @@ def token_logprobs(logits: torch.Tensor, tokens: List[int]) -> List[float]:
     """log p(tokens[i+1] | tokens[:i+1]) from the logits (T, V) at tokens' positions: T-1 values."""
     target = torch.tensor(tokens[1:], device=logits.device)
     return torch.log_softmax(logits[: len(tokens) - 1].float(), dim=-1).gather(1, target[:, None])[:, 0].tolist()
+
+
+class RowSampler:
+    """Draws one token per row for a fixed list of rows (anything with .params, .sample and .generated), with
+    their parameters turned into tensors once rather than at every step."""
+
+    def __init__(self, rows: Sequence, device):
+        self.rows = rows
+        self.device = device
+        self.temperature = torch.tensor([r.params.temperature for r in rows], device=device)
+        self.top_p = torch.tensor([r.params.top_p for r in rows], device=device)
+        self.top_k = torch.tensor([r.params.top_k for r in rows], device=device)
+        self.seeded = torch.tensor([r.params.seed is not None for r in rows])
+        self.any_seeded = bool(self.seeded.any())
+        self.seeds = torch.tensor([r.params.seed or 0 for r in rows])
+        self.samples = torch.tensor([r.sample for r in rows])
+        self.want_logprobs = any(r.params.logprobs for r in rows)
+
+    def __call__(self, logits: torch.Tensor) -> Tuple[List[int], Optional[List[float]]]:
+        """(token per row, its log-probability under the raw logits or None when no row asked for them)."""
+        uniform = None
+        if self.any_seeded:  # the draw of generated token t of sample j depends on (seed, j, t) only
+            u = seeded_uniform(self.seeds, self.samples, torch.tensor([len(r.generated) for r in self.rows]))
+            uniform = torch.where(self.seeded, u, torch.full_like(u, float("nan"))).to(self.device)
+        tokens = sample(logits, self.temperature, self.top_p, self.top_k, uniform)
+        logprobs = None
+        if self.want_logprobs:
+            logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0].tolist()
+        return tokens.tolist(), logprobs
