@@ -3,14 +3,12 @@
 Also runs as plain `python example_chat_completion.py`; with no --ckpt_dir it uses a random demo checkpoint.
 """
 
-import os
-import sys
 from typing import List, Optional
 
 import fire
 
-from llama import Dialog, Llama
-from llama.demo import resolve_checkpoint
+from llama import Dialog
+from llama.demo import build_for_example
 
 
 def main(
@@ -28,12 +26,8 @@ def main(
     compile: bool = False,
     dtype: Optional[str] = None,
 ):
-    if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 prints
-        sys.stdout = open(os.devnull, "w")
-    ckpt_dir, tokenizer_path = resolve_checkpoint(ckpt_dir, tokenizer_path)
-    generator = Llama.build(ckpt_dir=ckpt_dir, tokenizer_path=tokenizer_path, max_seq_len=max_seq_len,
-                            max_batch_size=max_batch_size, verify=verify, quantize=quantize, compile=compile,
-                            dtype=dtype)
+    generator = build_for_example(ckpt_dir, tokenizer_path, max_seq_len=max_seq_len, max_batch_size=max_batch_size,
+                                  verify=verify, quantize=quantize, compile=compile, dtype=dtype)
     dialogs: List[Dialog] = [
         [{"role": "user", "content": "what is the recipe of mayonnaise?"}],
         [

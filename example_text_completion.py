@@ -3,14 +3,11 @@
 Also runs as plain `python example_text_completion.py`; with no --ckpt_dir it uses a random demo checkpoint.
 """
 
-import os
-import sys
 from typing import Optional
 
 import fire
 
-from llama import Llama
-from llama.demo import resolve_checkpoint
+from llama.demo import build_for_example
 
 
 def main(
@@ -28,12 +25,8 @@ def main(
     compile: bool = False,
     dtype: Optional[str] = None,
 ):
-    if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 prints
-        sys.stdout = open(os.devnull, "w")
-    ckpt_dir, tokenizer_path = resolve_checkpoint(ckpt_dir, tokenizer_path)
-    generator = Llama.build(ckpt_dir=ckpt_dir, tokenizer_path=tokenizer_path, max_seq_len=max_seq_len,
-                            max_batch_size=max_batch_size, verify=verify, quantize=quantize, compile=compile,
-                            dtype=dtype)
+    generator = build_for_example(ckpt_dir, tokenizer_path, max_seq_len=max_seq_len, max_batch_size=max_batch_size,
+                                  verify=verify, quantize=quantize, compile=compile, dtype=dtype)
     prompts = [
         # For these prompts, the expected answer is the natural continuation of the prompt
         "I believe the meaning of life is",

@@ -102,3 +102,16 @@ def resolve_checkpoint(ckpt_dir: Optional[str], tokenizer_path: Optional[str]) -
             print(DEMO_NOTE)
         return ensure_demo_checkpoint()
     return str(ckpt_dir), str(tokenizer_path or Path(ckpt_dir) / "tokenizer.model")
+
+
+def build_for_example(ckpt_dir: Optional[str], tokenizer_path: Optional[str], **build_options):
+    """What both example scripts do first: silence ranks other than 0 under torchrun, fall back to the demo
+    checkpoint, and build the generator."""
+    import sys
+
+    from .generation import Llama
+
+    if os.environ.get("RANK", "0") != "0":
+        sys.stdout = open(os.devnull, "w")
+    ckpt_dir, tokenizer_path = resolve_checkpoint(ckpt_dir, tokenizer_path)
+    return Llama.build(ckpt_dir=ckpt_dir, tokenizer_path=tokenizer_path, **build_options)
