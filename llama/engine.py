@@ -83,8 +83,10 @@ class Engine:
             self._thread.start()
 
     # ------------------------------------------------------------------------------------------------ online
-    def submit(self, prompt, **params) -> Handle:
+    def submit(self, prompt, *, prefix=None, **params) -> Handle:
         """Queue a prompt (str or token ids) or a dialog (list of messages) with SamplingParams keywords.
+
+        prefix: a Llama.prefill() Prefix that a text or token prompt continues (its cache is copied, not recomputed).
 
         Never raises for a bad request: a prompt that cannot fit or bad parameters make result() raise, and the
         engine keeps serving the others.
@@ -97,7 +99,7 @@ class Engine:
         chat = isinstance(prompt, (list, tuple)) and any(isinstance(m, dict) for m in prompt)
         handle = Handle(self, next(self._ids), chat)
         try:
-            row = self._make_row(prompt, params, chat)
+            row = self._make_row(prompt, params, chat, prefix)
         except (ValueError, TypeError) as e:
             handle._settle(None, e, "error")
             return handle
@@ -185,8 +187,10 @@ class Engine:
         return rows
 
     # ------------------------------------------------------------------------------------------------ internals
-    def _make_row(self, prompt, params: Dict, chat: bool) -> Optional[Row]:
+    def _make_row(self, prompt, params: Dict, chat: bool, prefix=None) -> Optional[Row]:
         llama = self.llama
+        if chat and prefix is not None:
+            raise ValueError("prefix applies to text or token prompts, not dialogs: use Llama.chat_session()")
         if chat:
             validate_dialog(prompt)
             if has_special_tags(prompt):
@@ -194,9 +198,9 @@ class Engine:
                 return None
             tokens = llama.formatter.encode_dialog_prompt(prompt)
         elif isinstance(prompt, str):
-            tokens = llama.tokenizer.encode(prompt, bos=True, eos=False)
+            tokens = llama._with_prefix(prefix, llama.tokenizer.encode(prompt, bos=prefix is None, eos=False))
         elif isinstance(prompt, (list, tuple)):
-            tokens = llama._check_tokens("prompt", prompt)
+            tokens = llama._with_prefix(prefix, llama._check_tokens("prompt", prompt))
         else:
             raise ValueError(f"expected a str, a list of token ids or a dialog, got {type(prompt).__name__}")
         if not tokens:
@@ -206,7 +210,7 @@ class Engine:
                 f"the prompt has {len(tokens)} tokens; it must be shorter than "
                 f"max_seq_len={llama.max_seq_len} (shorten it or build the generator with a larger max_seq_len)"
             )
-        return llama._rows([tokens], llama._params(1, **params), chat=chat)[0]
+        return llama._rows([tokens], llama._params(1, **params), prefix=prefix, chat=chat)[0]
 
     def _wake(self) -> None:
         with self._cv:

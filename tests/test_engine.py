@@ -119,6 +119,18 @@ def test_online_requests_match_alone_and_reuse_slots(gen):
     assert all(r is None for r in engine.slots)
 
 
+def test_online_prompts_continue_a_prefix(gen):
+    prefix = gen.prefill("Once upon a time there was a dog named Max. Max liked bones.")
+    prompts = [" One day, Max", " Lily saw the dog", " The end"]
+    with gen.engine(prefill_chunk=8) as engine:
+        handles = [engine.submit(p, prefix=prefix, temperature=0.0, max_gen_len=12) for p in prompts]
+        bad = engine.submit([{"role": "user", "content": "hi"}], prefix=prefix)
+        results = [h.result(timeout=60) for h in handles]
+    assert results == gen.text_completion(prompts, prefix=prefix, temperature=0.0, max_gen_len=12)
+    with pytest.raises(ValueError, match="prefix applies to text or token prompts"):
+        bad.result(timeout=60)
+
+
 def test_prompt_longer_than_the_chunk_alone(gen):
     prompt = "Once upon a time, there was a little girl named Lily."
     with gen.engine(prefill_chunk=3) as engine:  # several steps with nothing to sample
