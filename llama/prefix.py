@@ -92,6 +92,8 @@ class ChatSession:
         """Add a user message and yield the reply as text deltas; the turn is recorded once it completes."""
         if not isinstance(message, str):
             raise ValueError(f"message must be a str, got {type(message).__name__}")
+        if params.get("echo"):
+            raise ValueError("echo is not available in a chat session: the dialog so far is session.dialog")
         llama = self.llama
         dialog = self.dialog + [{"role": "user", "content": message}]
         tokens = llama.formatter.encode_dialog_prompt(dialog)

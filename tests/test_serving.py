@@ -527,6 +527,8 @@ def test_chat_session_too_long(gen):
     assert session.dialog == before  # the failed turn left the conversation as it was
     with pytest.raises(ValueError, match="message"):
         session.send(42)
+    with pytest.raises(ValueError, match="echo is not available in a chat session"):
+        session.send("Hi again", echo=True, logprobs=True)
     # Still usable, and still equal to the from-scratch answer.
     reply = session.send("Bye", temperature=0, max_gen_len=10)
     dialog = before + [{"role": "user", "content": "Bye"}]
