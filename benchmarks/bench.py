@@ -92,7 +92,8 @@ def random_checkpoint(shape: str, out_dir: Path, seed: int = 0) -> Path:
 
 def weight_bytes(model) -> int:
     """Bytes one decode step reads: every parameter but the embedding table (of which it reads B rows)."""
-    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("tok_embeddings"))
+    named = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if n.endswith(".packed")]
+    return sum(p.numel() * p.element_size() for n, p in named if not n.startswith("tok_embeddings"))
 
 
 def prompt_tokens(vocab: int, length: int, seed: int = 0):
@@ -144,7 +145,7 @@ def run_llama(cfg: dict) -> dict:
     P, N, batches, repeat = cfg["prompt"], cfg["gen"], cfg["batch"], cfg["repeat"]
     start = time.perf_counter()
     llm = Llama.build(cfg["ckpt"], cfg["tokenizer"], max_seq_len=P + N, max_batch_size=max(batches),
-                      dtype=DTYPES[cfg["dtype"]], quantize=cfg["quantize"], compile=cfg["compile"])
+                      dtype=DTYPES.get(cfg["dtype"]), quantize=cfg["quantize"], compile=cfg["compile"])
     out = {"load_s": time.perf_counter() - start}
     llm.tokenizer.eos_id = -1  # random weights: never stop early, every run decodes N tokens
     prompt = prompt_tokens(llm.model.vocab_size, P)
@@ -196,7 +197,7 @@ def spawn(cfg: dict, timeout: float) -> dict:
 # --------------------------------------------------------------------------------------------- report
 def label(cfg: dict) -> str:
     if cfg["engine"] == "llama":
-        prec = "int8" if cfg["quantize"] else cfg["dtype"]
+        prec = cfg["quantize"] or cfg["dtype"]
         return f"llama {prec} {'compiled' if cfg['compile'] else 'eager'}"
     if cfg["engine"] == "llamacpp":
         return f"llama.cpp {cfg['gguf_type']}"
@@ -247,8 +248,8 @@ def report(results, batches, bandwidth: float) -> str:
 
 # --------------------------------------------------------------------------------------------- int8 accuracy
 def int8_accuracy(ckpt: str, tokenizer: str, goldens: Path) -> dict:
-    """Greedy agreement and logit differences of int8 (bf16 activations), and of plain bf16, against fp32 on the
-    goldens' prompts (128 tokens each).
+    """Greedy agreement and logit differences of int8 (bf16 activations), int8-dynamic (fp32 activations) and plain
+    bf16 against fp32 on the goldens' prompts (128 tokens each).
 
     Logits are compared teacher-forced on the fp32 greedy sequence, so one early divergence does not make every
     later position differ; tokens_before_divergence is from free-running greedy decoding.
@@ -262,7 +263,8 @@ def int8_accuracy(ckpt: str, tokenizer: str, goldens: Path) -> dict:
     ref_logits = [ref.model(torch.tensor([p + a]), 0)[0] for p, a in zip(prompts, ref_out)]
     scale = float(torch.cat([lg.flatten() for lg in ref_logits]).std())
     report = {"logit_std_fp32": scale}
-    for name, extra in (("int8", dict(dtype="bf16", quantize="int8")), ("bf16", dict(dtype="bf16"))):
+    for name, extra in (("int8", dict(dtype="bf16", quantize="int8")), ("int8-dynamic", dict(quantize="int8-dynamic")),
+                        ("bf16", dict(dtype="bf16"))):
         other = Llama.build(ckpt, tokenizer, **extra, **kw)
         r = {"tokens_before_divergence": [], "max_abs_logit_diff": 0.0}
         diffs, same = [], []
@@ -286,14 +288,14 @@ def configs(args, ckpt: str, tokenizer: str):
     out = []
     for prec in args.dtypes:
         for comp in args.compile:
-            out.append(dict(base, engine="llama", dtype="bf16" if prec == "int8" else prec,
-                            quantize="int8" if prec == "int8" else None,
+            quantized = prec.startswith("int8")
+            out.append(dict(base, engine="llama", dtype=None if quantized else prec, quantize=prec if quantized else None,
                             compile=args.compile_mode if comp == "on" else False))
-        if "hf" in args.compare and prec != "int8":
+        if "hf" in args.compare and not prec.startswith("int8"):
             out.append(dict(base, engine="hf", dtype=prec))
-        if "llamacpp" in args.compare:
-            out.append(dict(base, engine="llamacpp", gguf_type={"fp32": "f32", "bf16": "bf16", "int8": "q8_0"}[prec],
-                            batch=[1], workdir=args.workdir))
+        gguf_type = {"fp32": "f32", "bf16": "bf16", "int8": "q8_0", "int8-dynamic": "q8_0"}[prec]
+        if "llamacpp" in args.compare and not any(c.get("gguf_type") == gguf_type for c in out):
+            out.append(dict(base, engine="llamacpp", gguf_type=gguf_type, batch=[1], workdir=args.workdir))
     return out
 
 
@@ -301,7 +303,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="110m", help="checkpoint directory or shape: " + ", ".join(SHAPES))
     ap.add_argument("--tokenizer", help="tokenizer.model (default: the checkpoint's, else the Llama 2 tokenizer)")
-    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16", "int8"], choices=["fp32", "bf16", "int8"])
+    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16", "int8", "int8-dynamic"],
+                    choices=["fp32", "bf16", "int8", "int8-dynamic"], help="int8 schemes: see llama/quantize.py")
     ap.add_argument("--compile", nargs="+", default=["off", "on"], choices=["off", "on"])
     ap.add_argument("--compile-mode", default="auto", choices=["auto", "max-autotune", "default"])
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 8, 32])

@@ -12,6 +12,7 @@ after compiling. Prefill and other calls stay eager.
 """
 
 import time
+import warnings
 from typing import Dict, Optional, Union
 
 import torch
@@ -20,6 +21,9 @@ import torch._inductor.config as inductor_config
 from . import parallel
 
 MODES = ("auto", "max-autotune", "default")
+
+# Inductor's own lowering of oneDNN's int8 linear (int8-dynamic) warns about its internal tensor copy: not ours.
+warnings.filterwarnings("ignore", message="To copy construct from a tensor", module="torch._inductor.mkldnn_lowerings")
 
 
 class CompiledDecode:
@@ -118,8 +122,5 @@ def compile_decode(model, mode: Union[bool, str] = True) -> Optional[CompiledDec
         return None
     if mode is True:
         mode = "auto"
-    if parallel.model_parallel_size() > 1:
-        raise ValueError("compile is not supported with model parallel (collectives inside the graph): "
-                         "use compile=False when model_parallel_size > 1")
     model.compiled_step = CompiledDecode(model, mode)
     return model.compiled_step

@@ -59,7 +59,8 @@ class Llama:
     ) -> "Llama":
         """Load a Meta-layout checkpoint; works in plain python and under torchrun, on CPU or CUDA.
 
-        quantize="int8": int8 weight-only linear layers (activations bf16 unless dtype says otherwise).
+        quantize="int8": int8 weight-only linear layers (activations bf16 unless dtype says otherwise);
+        "int8-dynamic" (CPU): int8 weights and per-row dynamic int8 activations in oneDNN (llama/quantize.py).
         compile: True ("auto"), "max-autotune" or "default" compiles the one-token decode step (llama/compile.py);
         it costs tens of seconds per batch size on first use, so it is off by default.
         """
@@ -72,7 +73,7 @@ class Llama:
         if compile not in (False, None, True) + compilation.MODES:
             raise ValueError(f"compile must be a bool or one of {compilation.MODES}, got {compile!r}")
         device = torch.device(device) if device is not None else parallel.default_device()
-        dtype = parallel.resolve_dtype(torch.bfloat16 if dtype is None and quantize else dtype, device)
+        dtype = parallel.resolve_dtype(torch.bfloat16 if dtype is None and quantize == "int8" else dtype, device)
         start = time.time()
         mp_size = parallel.init_distributed(model_parallel_size, device)
         torch.manual_seed(seed)  # every rank seeds alike, so unseeded sampling agrees across ranks
@@ -100,10 +101,11 @@ class Llama:
         except RuntimeError as e:
             raise ValueError(f"checkpoint in {ckpt_dir} does not match its params.json: {e}") from None
         del state  # the model owns the tensors now: lets casting and fusing free the originals
-        model.to(device=device, dtype=dtype).eval()
+        model.to(device=device).eval()
         model.fuse()
-        if quantize is not None:
+        if quantize is not None:  # from the checkpoint's dtype: no full-size fp32 copy on the way
             quantization.quantize(model, quantize)
+        quantization.cast_floating(model, dtype)
         model.setup_caches(max_batch_size, max_seq_len, dtype=dtype, device=device)
         compilation.compile_decode(model, compile)
         if parallel.is_main_process():

@@ -14,12 +14,10 @@ import torch
 import torch.nn.functional as F
 from fairscale.nn.model_parallel.initialize import get_model_parallel_world_size
 from fairscale.nn.model_parallel.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
-from fairscale.nn.model_parallel.mappings import (
-    copy_to_model_parallel_region,
-    gather_from_model_parallel_region,
-    reduce_from_model_parallel_region,
-)
 from torch import nn
+
+from .parallel import gather_last_dim, reduce_sum
+from .quantize import product
 
 
 @dataclass
@@ -88,21 +86,6 @@ def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[floa
     return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, scales: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x @ weight.T; with scales, weight is int8 with one scale per output row (see llama/quantize.py).
-
-    The int8 kernel is only fast with bf16 activations, so x is cast to the scales' dtype (bf16) around it. It
-    needs in_features % 16 == 0 (other widths give wrong results or crash), so tiny layers dequantize the weight
-    first instead (scaling after the product would be turned back into the same kernel by Inductor's patterns).
-    """
-    if scales is None:
-        return F.linear(x, weight)
-    if weight.shape[1] % 16:
-        return F.linear(x, weight.to(x.dtype) * scales[:, None].to(x.dtype))
-    y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).to(scales.dtype), weight, scales)
-    return y.view(*x.shape[:-1], -1).to(x.dtype)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -135,7 +118,7 @@ class ColumnLinear(ColumnParallelLinear):
     """fairscale's column-parallel linear (output features split across ranks), without bias.
 
     Skips fairscale's master-weight initialisation: weights come from the checkpoint, so the layer can be built on
-    the meta device and loaded with no second copy. The local product is `linear`, so int8 weights work at any
+    the meta device and loaded with no second copy. The local product is quantize.product, so int8 weights work at any
     model-parallel size; with one rank there is no communication at all.
     """
 
@@ -145,14 +128,16 @@ class ColumnLinear(ColumnParallelLinear):
         self.in_features, self.out_features, self.gather_output = in_features, out_features, gather_output
         self.output_size_per_partition = out_features // self.mp
         self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, in_features))
-        self.register_parameter("scales", None)  # set by quantize_int8
+        self.register_parameter("scales", None)  # set by llama/quantize.py, as are:
+        self.register_buffer("packed", None, persistent=False)  # int8-dynamic's prepacked weight
+        self.register_buffer("zero_points", None, persistent=False)
         self.bias = self.master_weight = None
 
     def forward(self, x):
         if self.mp == 1:
-            return linear(x, self.weight, self.scales)
-        y = linear(copy_to_model_parallel_region(x), self.weight, self.scales)
-        return gather_from_model_parallel_region(y) if self.gather_output else y
+            return product(self, x)
+        y = product(self, x)  # fairscale's copy_to_model_parallel_region is the identity going forward
+        return gather_last_dim(y) if self.gather_output else y
 
 
 class RowLinear(RowParallelLinear):
@@ -165,11 +150,13 @@ class RowLinear(RowParallelLinear):
         self.input_size_per_partition = in_features // self.mp
         self.weight = nn.Parameter(torch.empty(out_features, self.input_size_per_partition))
         self.register_parameter("scales", None)
+        self.register_buffer("packed", None, persistent=False)
+        self.register_buffer("zero_points", None, persistent=False)
         self.bias = self.master_weight = None
 
     def forward(self, x):
-        y = linear(x, self.weight, self.scales)
-        return y if self.mp == 1 else reduce_from_model_parallel_region(y)
+        y = product(self, x)
+        return y if self.mp == 1 else reduce_sum(y)
 
 
 class Embedding(ParallelEmbedding):
@@ -185,7 +172,8 @@ class Embedding(ParallelEmbedding):
         self.weight = nn.Parameter(torch.empty(num_embeddings, self.embedding_dim_per_partition))
 
     def forward(self, tokens):
-        return F.embedding(tokens, self.weight) if self.mp == 1 else super().forward(tokens)
+        y = F.embedding(tokens, self.weight)
+        return y if self.mp == 1 else gather_last_dim(y)
 
 
 @torch.no_grad()

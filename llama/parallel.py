@@ -11,7 +11,9 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from fairscale.nn.model_parallel import initialize as fs_init
+from fairscale.nn.model_parallel.mappings import gather_from_model_parallel_region, reduce_from_model_parallel_region
 
 
 def default_device() -> torch.device:
@@ -100,3 +102,21 @@ def model_parallel_size() -> int:
 def is_main_process() -> bool:
     """Rank 0 of the whole job: the only one that prints."""
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum of x over the model-parallel ranks (row-parallel outputs).
+
+    Eager calls go through fairscale's region functions; inside torch.compile the same collective is a functional
+    one, which Inductor can place in the compiled decode step (in-place c10d calls would break the graph).
+    """
+    if torch.compiler.is_compiling():
+        return funcol.all_reduce(x, "sum", fs_init.get_model_parallel_group())
+    return reduce_from_model_parallel_region(x)
+
+
+def gather_last_dim(x: torch.Tensor) -> torch.Tensor:
+    """The model-parallel ranks' x concatenated along the last dimension (column-parallel outputs, embeddings)."""
+    if torch.compiler.is_compiling():
+        return funcol.all_gather_tensor(x, x.dim() - 1, fs_init.get_model_parallel_group())
+    return gather_from_model_parallel_region(x)
