@@ -3,7 +3,7 @@
 Also runs as plain `python example_text_completion.py`; with no --ckpt_dir it uses a random demo checkpoint.
 """
 
-from typing import Optional
+from typing import Optional, Union
 
 import fire
 
@@ -22,7 +22,7 @@ def main(
     seed: Optional[int] = None,
     verify: bool = False,
     quantize: Optional[str] = None,
-    compile: bool = False,
+    compile: Union[bool, str] = "auto",
     dtype: Optional[str] = None,
 ):
     generator = build_for_example(ckpt_dir, tokenizer_path, max_seq_len=max_seq_len, max_batch_size=max_batch_size,

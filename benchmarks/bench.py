@@ -198,7 +198,8 @@ def spawn(cfg: dict, timeout: float) -> dict:
 def label(cfg: dict) -> str:
     if cfg["engine"] == "llama":
         prec = cfg["quantize"] or cfg["dtype"]
-        return f"llama {prec} {'compiled' if cfg['compile'] else 'eager'}"
+        state = {False: "eager", "auto": "compile=auto"}.get(cfg["compile"], "compiled")
+        return f"llama {prec} {state}"
     if cfg["engine"] == "llamacpp":
         return f"llama.cpp {cfg['gguf_type']}"
     return f"transformers {cfg['dtype']}"
@@ -288,9 +289,10 @@ def configs(args, ckpt: str, tokenizer: str):
     out = []
     for prec in args.dtypes:
         for comp in args.compile:
+            compile_arg = {"off": False, "auto": "auto", "on": True if args.compile_mode == "dtype" else args.compile_mode}
             quantized = prec.startswith("int8")
             out.append(dict(base, engine="llama", dtype=None if quantized else prec, quantize=prec if quantized else None,
-                            compile=args.compile_mode if comp == "on" else False))
+                            compile=compile_arg[comp]))
         if "hf" in args.compare and not prec.startswith("int8"):
             out.append(dict(base, engine="hf", dtype=prec))
         gguf_type = {"fp32": "f32", "bf16": "bf16", "int8": "q8_0", "int8-dynamic": "q8_0"}[prec]
@@ -305,8 +307,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tokenizer", help="tokenizer.model (default: the checkpoint's, else the Llama 2 tokenizer)")
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16", "int8", "int8-dynamic"],
                     choices=["fp32", "bf16", "int8", "int8-dynamic"], help="int8 schemes: see llama/quantize.py")
-    ap.add_argument("--compile", nargs="+", default=["off", "on"], choices=["off", "on"])
-    ap.add_argument("--compile-mode", default="auto", choices=["auto", "max-autotune", "default"])
+    ap.add_argument("--compile", nargs="+", default=["off", "on"], choices=["off", "on", "auto"],
+                    help="off: eager; on: compile each batch size up front; auto: Llama.build's default rule")
+    ap.add_argument("--compile-mode", default="dtype", choices=["dtype", "max-autotune", "default"],
+                    help="Inductor mode for --compile on (dtype: the fastest measured for the model's dtype)")
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 8, 32])
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens P")
     ap.add_argument("--gen", type=int, default=64, help="tokens generated per decode run N")

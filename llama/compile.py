@@ -8,7 +8,9 @@ over the whole cache under a mask, so one graph serves every position of a given
 
 Costs: compiling takes tens of seconds per batch size (Inductor caches compiled graphs and autotuning results on
 disk, so later runs are faster), and frozen weights are copied into the compiled graph. Weights must not change
-after compiling. Prefill and other calls stay eager.
+after compiling. Prefill and other calls stay eager. Hence compile="auto", Llama.build's default, compiles a batch
+size only once eager decoding at it has cost about what compiling will (CompiledDecode), and only when the copy
+fits in memory.
 """
 
 import time
@@ -22,14 +24,25 @@ from . import parallel
 
 MODES = ("auto", "max-autotune", "default")
 
+# compile="auto" (Llama.build's default) compiles only models at least this large: below it an eager step takes a
+# few milliseconds and a compile stall of seconds is never repaid by ordinary use.
+AUTO_MIN_PARAMS = 50_000_000
+
 # Inductor's own lowering of oneDNN's int8 linear (int8-dynamic) warns about its internal tensor copy: not ours.
 warnings.filterwarnings("ignore", message="To copy construct from a tensor", module="torch._inductor.mkldnn_lowerings")
 
 
 class CompiledDecode:
-    """Transformer.decode_step under torch.compile, one graph per padded batch size (and per rows given or not)."""
+    """Transformer.decode_step under torch.compile, one graph per padded batch size (and per rows given or not).
 
-    def __init__(self, model, mode: str = "auto"):
+    lazy=True is compile="auto"'s ski-rental rule: a batch size keeps decoding eagerly (the call returns None and
+    the model runs its eager path, then reports the time with spent_eager) until the eager time spent at that size
+    reaches what compiling it is expected to cost; then it compiles. Total time is thus never more than twice that
+    of the better choice made in hindsight, and a long-running generator or server ends up compiled. The expected
+    cost starts as an estimate from the weights' size and becomes the measured time once a graph has compiled.
+    """
+
+    def __init__(self, model, mode: str = "auto", lazy: bool = False):
         if mode not in MODES:
             raise ValueError(f"compile mode must be one of {MODES}, got {mode!r}")
         if mode == "auto":
@@ -38,10 +51,39 @@ class CompiledDecode:
         self.config = {"freezing": True, "max_autotune": mode == "max-autotune",
                        # no per-GEMM autotuning tables on stderr
                        "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
-        self.model, self.mode = model, mode
+        self.model, self.mode, self.lazy = model, mode, lazy
         own_storage(model)
         self.seen: Dict[tuple, float] = {}  # (batch size, rows given) -> seconds the first call took
+        self.eager: Dict[tuple, float] = {}  # lazy: eager decode seconds spent per key so far
+        self.refused: set = set()  # keys left eager because compiling would not fit in memory
+        self.estimate = 10.0 + 10.0 * weight_bytes(model) / 1e9  # seconds; measured: 134M fp32 15, 1.38B int8 30
         self.reset()
+
+    def key(self, batch: int, rows) -> tuple:
+        return bucket(batch, self.model.max_batch_size), rows is not None
+
+    def spent_eager(self, batch: int, rows, seconds: float) -> None:
+        """Record an eager decode step the lazy rule sent back to the model."""
+        key = self.key(batch, rows)
+        self.eager[key] = self.eager.get(key, 0.0) + seconds
+
+    def ready(self, key: tuple) -> bool:
+        """Whether this key runs compiled now (compiling it first if that is due)."""
+        if key in self.seen:
+            return True
+        if key in self.refused or (self.lazy and self.eager.get(key, 0.0) < self.cost()):
+            return False
+        if not memory_allows(self.model):
+            self.refused.add(key)
+            if parallel.is_main_process():
+                print(f"Not compiling the decode step for batch size {key[0]}: a compiled graph keeps its own copy "
+                      "of the weights and there is not enough free memory; that batch size stays eager")
+            return False
+        return True
+
+    def cost(self) -> float:
+        """Expected seconds to compile one more graph: the slowest measured so far, else the estimate."""
+        return max(self.seen.values()) if self.seen else self.estimate
 
     def reset(self) -> None:
         """Forget compiled graphs (the caches were reallocated)."""
@@ -49,13 +91,16 @@ class CompiledDecode:
         self.seen.clear()
 
     def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, rows: Optional[torch.Tensor] = None):
-        """Logits (B, 1, V); a batch is padded up to a power of two (capped at max_batch_size) so that a
-        continuous-batching engine whose batch size keeps changing compiles a handful of graphs, not one per size.
+        """Logits (B, 1, V), or None when this batch size should run eagerly for now (lazy rule, memory).
 
-        Padding rows repeat the last row (same cache row, token and position): they write the same keys and values
-        to the same place, and their logits are dropped.
+        A batch is padded up to a power of two (capped at max_batch_size) so that a continuous-batching engine
+        whose batch size keeps changing compiles a handful of graphs, not one per size. Padding rows repeat the
+        last row (same cache row, token and position): they write the same keys and values to the same place,
+        and their logits are dropped.
         """
         B = tokens.shape[0]
+        if not self.ready(self.key(B, rows)):
+            return None
         size = bucket(B, self.model.max_batch_size)
         if size != B:
             if rows is None:
@@ -111,16 +156,54 @@ def auto_mode(model) -> str:
     return "max-autotune" if fp32 and not quantized else "default"
 
 
-def compile_decode(model, mode: Union[bool, str] = True) -> Optional[CompiledDecode]:
-    """Make model.forward run one-token steps through a compiled decode_step; False removes it.
+def weight_bytes(model) -> int:
+    """Bytes of the linear layers' weights (what a compiled graph may copy), int8-dynamic's packed ones included."""
+    total = 0
+    for module in model.modules():
+        for name in ("weight", "packed"):
+            t = getattr(module, name, None) if hasattr(module, "scales") else None
+            if t is not None:
+                total += t.numel() * t.element_size()
+    return total
 
-    mode: True or "auto" (the fastest measured mode for the model's dtype), "max-autotune" (Inductor's own GEMM
-    templates, slowest to compile), "default" (freezing, library GEMMs).
+
+def memory_allows(model) -> bool:
+    """Whether another compiled graph fits: freezing copies (and prepacks) fp32/bf16 weights into every graph.
+
+    int8 weights are not copied. Reads MemAvailable (Linux); elsewhere it cannot tell and says yes.
     """
-    if mode is False or mode is None:
+    if model.norm.weight.device.type != "cpu" or not any(p.is_floating_point() for p in linear_weights(model)):
+        return True
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return True
+    return available > 1.2 * weight_bytes(model) + 2**30
+
+
+def linear_weights(model):
+    return [m.weight for m in model.modules() if hasattr(m, "scales") and getattr(m, "weight", None) is not None]
+
+
+def wants_auto(model) -> bool:
+    """compile="auto" considers compiling: on CPU (where it was measured), for models of AUTO_MIN_PARAMS or more."""
+    params = sum(p.numel() for p in model.parameters())
+    params += sum(b.numel() for name, b in model.named_buffers() if name.endswith(".packed"))  # int8-dynamic
+    return model.norm.weight.device.type == "cpu" and params >= AUTO_MIN_PARAMS
+
+
+def compile_decode(model, mode: Union[bool, str, None] = True) -> Optional[CompiledDecode]:
+    """Make model.forward run one-token steps through a compiled decode_step; False or None removes it.
+
+    mode: True (compile each batch size on first use, Inductor mode chosen by dtype), "max-autotune" (Inductor's
+    own GEMM templates, slowest to compile), "default" (freezing, library GEMMs), or "auto": on CPU, for models of
+    AUTO_MIN_PARAMS or more, compile a batch size once eager decoding at it has cost as much as compiling would
+    (CompiledDecode's lazy rule); otherwise stay eager.
+    """
+    if mode is False or mode is None or (mode == "auto" and not wants_auto(model)):
         model.compiled_step = None
         return None
-    if mode is True:
-        mode = "auto"
-    model.compiled_step = CompiledDecode(model, mode)
+    lazy = mode == "auto"
+    model.compiled_step = CompiledDecode(model, "auto" if mode in (True, "auto") else mode, lazy=lazy)
     return model.compiled_step

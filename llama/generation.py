@@ -54,15 +54,17 @@ class Llama:
         device: Optional[Union[str, torch.device]] = None,
         dtype: Optional[Union[str, torch.dtype]] = None,
         verify: bool = False,
-        compile: Union[bool, str] = False,
+        compile: Union[bool, str, None] = "auto",
         quantize: Optional[str] = None,
     ) -> "Llama":
         """Load a Meta-layout checkpoint; works in plain python and under torchrun, on CPU or CUDA.
 
         quantize="int8": int8 weight-only linear layers (activations bf16 unless dtype says otherwise);
         "int8-dynamic" (CPU): int8 weights and per-row dynamic int8 activations in oneDNN (llama/quantize.py).
-        compile: True ("auto"), "max-autotune" or "default" compiles the one-token decode step (llama/compile.py);
-        it costs tens of seconds per batch size on first use, so it is off by default.
+        compile="auto" (default): on CPU, models of 50M+ parameters compile their one-token decode step for a batch
+        size once eager decoding at it has cost what compiling would (tens of seconds), so short runs never wait
+        and long ones end up compiled; True compiles each batch size on first use; "max-autotune"/"default" pick
+        Inductor's mode; False never compiles (llama/compile.py).
         """
         _positive_int("max_seq_len", max_seq_len)
         _positive_int("max_batch_size", max_batch_size)
@@ -70,8 +72,8 @@ class Llama:
             raise ValueError(f"seed must be an integer, got {seed!r}")
         if quantize is not None and quantize not in quantization.SCHEMES:
             raise ValueError(f"quantize must be one of {quantization.SCHEMES} or None, got {quantize!r}")
-        if compile not in (False, None, True) + compilation.MODES:
-            raise ValueError(f"compile must be a bool or one of {compilation.MODES}, got {compile!r}")
+        if not any(compile is v for v in (False, None, True)) and compile not in compilation.MODES:
+            raise ValueError(f"compile must be a bool, None or one of {compilation.MODES}, got {compile!r}")
         device = torch.device(device) if device is not None else parallel.default_device()
         dtype = parallel.resolve_dtype(torch.bfloat16 if dtype is None and quantize == "int8" else dtype, device)
         start = time.time()

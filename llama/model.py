@@ -7,6 +7,7 @@ left unexpanded.
 """
 
 import json
+import time
 from dataclasses import dataclass, fields
 from typing import Optional, Union
 
@@ -416,6 +417,7 @@ class Transformer(nn.Module):
             raise RuntimeError("call setup_caches() before forward()")
         B, T = tokens.shape
         device = tokens.device
+        eager_since = None
         if T == 1 and self.compiled_step is not None and logit_index is None and kv_len is None:
             if isinstance(start_pos, int):
                 pos, fits = torch.full((B,), start_pos, device=device), start_pos < self.max_seq_len
@@ -423,7 +425,10 @@ class Transformer(nn.Module):
                 pos = start_pos.to(device)
                 fits = int(pos.max()) < self.max_seq_len
             if fits:  # out-of-range positions take the eager path and its error
-                return self.compiled_step(tokens, pos, rows)
+                logits = self.compiled_step(tokens, pos, rows)
+                if logits is not None:
+                    return logits
+                eager_since = time.perf_counter()  # compile="auto" is still decoding this batch size eagerly
         steps = torch.arange(T, device=device)
         if isinstance(start_pos, int):
             start, positions = start_pos, start_pos + steps  # (T,)
@@ -447,7 +452,10 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin, start, positions, rows, kv_len, mask)
         if logit_index is not None:
             h = h[torch.arange(B, device=device), logit_index.to(device)][:, None]
-        return self.output(self.norm(h)).float()
+        logits = self.output(self.norm(h)).float()
+        if eager_since is not None:
+            self.compiled_step.spent_eager(B, rows, time.perf_counter() - eager_since)
+        return logits
 
     def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor, rows: Optional[torch.Tensor] = None):
         """One token per row, with shapes that depend only on the batch size (gpt-fast's static decode step).

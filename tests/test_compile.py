@@ -6,6 +6,7 @@ Compiling costs seconds to tens of seconds per graph, so this module compiles fe
 cache makes reruns faster. Skipped when there is no C++ compiler for Inductor's CPU backend.
 """
 
+import io
 import json
 import os
 import shutil
@@ -17,7 +18,9 @@ import pytest
 import torch
 
 from llama import Llama
-from llama.compile import bucket, compile_decode, own_storage
+from llama import compile as compilation
+from llama.compile import CompiledDecode, bucket, compile_decode, own_storage
+from llama.quantize import quantize_int8
 from llama.reshard import reshard
 
 pytestmark = pytest.mark.skipif(
@@ -117,3 +120,47 @@ def test_compiled_under_model_parallel_matches_goldens(stories_dir, goldens, tmp
         assert rank["seen"] == [[2, False]]  # every decode step ran in the compiled graph
         for got, g in zip(rank["greedy"], goldens.values()):
             assert got == g["generated_tokens"][:64]
+
+
+# ------------------------------------------------------------------------------------------ compile="auto" (default)
+def test_auto_leaves_small_models_eager(stories_dir):
+    llama = build(stories_dir)  # the default, compile="auto": stories260K is far below AUTO_MIN_PARAMS
+    assert llama.model.compiled_step is None
+
+
+def test_auto_compiles_a_batch_size_once_eager_decoding_has_cost_as_much(stories_dir, goldens):
+    """The lazy rule: decode eagerly at a batch size until that has taken the expected compile time (set tiny
+    here), then compile it; both paths give the goldens, so the switch is invisible in the output."""
+    llama = build(stories_dir, compile=False)
+    step = llama.model.compiled_step = CompiledDecode(llama.model, "default", lazy=True)
+    step.estimate = 0.05  # seconds of eager decoding before compiling
+    prompts = [g["prompt_tokens"] for g in goldens.values()]
+    out, _ = llama.generate(prompts, max_gen_len=128, temperature=0)
+    assert step.eager[(2, False)] >= 0.05 and (2, False) in step.seen
+    assert step.cost() == step.seen[(2, False)]  # later batch sizes wait for the measured compile time
+    for got, g in zip(out, goldens.values()):
+        assert got == g["generated_tokens"]
+
+
+def test_a_batch_size_that_would_not_fit_in_memory_stays_eager(stories_dir, goldens, monkeypatch, capsys):
+    monkeypatch.setattr(compilation, "memory_allows", lambda model: False)
+    llama = build(stories_dir, compile=True)
+    prompts = [g["prompt_tokens"] for g in goldens.values()]
+    out, _ = llama.generate(prompts, max_gen_len=16, temperature=0)
+    assert llama.model.compiled_step.refused == {(2, False)} and not llama.model.compiled_step.seen
+    assert "not enough free memory" in capsys.readouterr().out
+    for got, g in zip(out, goldens.values()):
+        assert got == g["generated_tokens"][:16]
+
+
+def test_memory_check_counts_copied_weights_only(monkeypatch):
+    from test_model import random_model
+
+    model = random_model()
+    assert compilation.memory_allows(model)  # a few KB of weights
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: io.StringIO("MemAvailable:  1024 kB\n")
+                        if path == "/proc/meminfo" else real_open(path, *a, **k))
+    assert not compilation.memory_allows(model)  # 1 MB free: no room for another copy
+    quantize_int8(model)
+    assert compilation.memory_allows(model)  # int8 weights are not copied into graphs
