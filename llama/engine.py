@@ -17,6 +17,7 @@ agree across ranks. Offline use (`Llama._complete`) runs the same deterministic 
 
 import itertools
 import threading
+import time
 from collections import deque
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
@@ -381,9 +382,11 @@ class Engine:
         Slots in the range that are not decoding get a dummy token at a position no one has filled yet (their
         next prefill position, or 0 for a free slot), which is always rewritten before it is read. With a compiled
         decode step (llama.compile) every step spans all slots, so one graph serves them all, and kv_len is left
-        unset since that is what selects the compiled path.
+        unset since that is what selects the compiled path. While compile="auto" still decodes eagerly, steps
+        span only the slots in use (see _forward).
         """
-        compiled = getattr(self.model, "compiled_step", None) is not None
+        step = getattr(self.model, "compiled_step", None)
+        compiled = step is not None and step.ready(step.key(len(self.slots), None))
         width = len(self.slots) if compiled else max(r.slot for r in decoding) + 1
         tokens, pos = [0] * width, [0] * width
         for s in range(width):
@@ -403,7 +406,13 @@ class Engine:
             return None
         if op["kind"] == "decode":
             x = torch.tensor(op["tokens"], device=dev)[:, None]
-            return self.model(x, torch.tensor(op["pos"], device=dev), kv_len=op["kv_len"])[:, 0]
+            start = time.perf_counter()
+            logits = self.model(x, torch.tensor(op["pos"], device=dev), kv_len=op["kv_len"])[:, 0]
+            step = getattr(self.model, "compiled_step", None)
+            if op["kv_len"] is not None and step is not None and step.lazy:
+                # compile="auto": an eager step counts toward compiling the all-slots graph that would replace it
+                step.spent_eager(len(self.slots), None, time.perf_counter() - start)
+            return logits
         x = torch.tensor(op["tokens"], device=dev)
         start = op["start"] if isinstance(op["start"], int) else torch.tensor(op["start"], device=dev)
         slots = None if op["slots"] == list(range(len(op["slots"]))) else torch.tensor(op["slots"], device=dev)

@@ -164,3 +164,15 @@ def test_memory_check_counts_copied_weights_only(monkeypatch):
     assert not compilation.memory_allows(model)  # 1 MB free: no room for another copy
     quantize_int8(model)
     assert compilation.memory_allows(model)  # int8 weights are not copied into graphs
+
+
+def test_auto_applies_to_cpu_models_above_the_size_threshold(monkeypatch):
+    from test_model import random_model
+
+    model = random_model()
+    monkeypatch.setattr(compilation, "AUTO_MIN_PARAMS", 0)
+    step = compile_decode(model, "auto")
+    assert step is model.compiled_step and step.lazy and not step.seen
+    monkeypatch.setattr(compilation, "AUTO_MIN_PARAMS", 10**12)
+    assert compile_decode(model, "auto") is None and model.compiled_step is None
+    assert compile_decode(model, True).lazy is False  # True compiles on first use

@@ -271,11 +271,20 @@ def test_compiled_decode_step_gets_one_batch_size(gen, monkeypatch):
     all steps; the step is stood in for by the eager decode_step it would compile."""
     sizes = []
 
-    def step(tokens, pos, rows=None):
-        sizes.append((tokens.shape[0], rows is None))
-        return gen.model.decode_step(tokens, pos, rows)
+    class Step:  # CompiledDecode's interface, already compiled for every size
+        lazy = False
 
-    monkeypatch.setattr(gen.model, "compiled_step", step)
+        def key(self, batch, rows):
+            return batch, rows is not None
+
+        def ready(self, key):
+            return True
+
+        def __call__(self, tokens, pos, rows=None):
+            sizes.append((tokens.shape[0], rows is None))
+            return gen.model.decode_step(tokens, pos, rows)
+
+    monkeypatch.setattr(gen.model, "compiled_step", Step())
     with gen.engine() as engine:
         handles = [engine.submit(p, temperature=0.0, max_gen_len=n) for p, n in zip(PROMPTS, LENGTHS)]
         results = [h.result(timeout=60) for h in handles]
@@ -283,6 +292,25 @@ def test_compiled_decode_step_gets_one_batch_size(gen, monkeypatch):
     assert set(sizes) == {(SLOTS, True)} and len(sizes) >= max(LENGTHS) - 1
     for p, n, got in zip(PROMPTS, LENGTHS, results):
         assert got == alone(gen, p, temperature=0.0, max_gen_len=n)
+
+
+def test_auto_compile_still_eager_decodes_only_the_slots_in_use(gen, monkeypatch):
+    """compile="auto" before its graph is due: steps span only the slots in use (not all of them, as a compiled
+    graph would), and their time counts toward compiling the all-slots graph."""
+    from llama.compile import CompiledDecode
+
+    step = CompiledDecode(gen.model, "default", lazy=True)
+    step.estimate = float("inf")  # never due in this test: nothing is compiled
+    widths = []
+    forward = gen.model.forward
+    monkeypatch.setattr(gen.model, "compiled_step", step)
+    monkeypatch.setattr(gen.model, "forward", lambda x, *a, **k: widths.append(x.shape) or forward(x, *a, **k))
+    with gen.engine() as engine:
+        result = engine.submit(PROMPTS[0], temperature=0.0, max_gen_len=12).result(timeout=60)
+    monkeypatch.setattr(gen.model, "compiled_step", None)
+    assert result == alone(gen, PROMPTS[0], temperature=0.0, max_gen_len=12)
+    assert (1, 1) in widths and (SLOTS, 1) not in widths  # one request: one-row decode steps
+    assert step.eager[(SLOTS, False)] > 0 and not step.seen
 
 
 # ------------------------------------------------------------------------------------------------------ model parallel
