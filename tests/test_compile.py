@@ -176,3 +176,14 @@ def test_auto_applies_to_cpu_models_above_the_size_threshold(monkeypatch):
     monkeypatch.setattr(compilation, "AUTO_MIN_PARAMS", 10**12)
     assert compile_decode(model, "auto") is None and model.compiled_step is None
     assert compile_decode(model, True).lazy is False  # True compiles on first use
+
+
+def test_large_fp32_batches_stay_eager():
+    """oneDNN's eager fp32 GEMM beats Inductor's template from batch 32 (measured): such graphs are not compiled."""
+    from test_model import random_model
+
+    model = random_model(max_batch=32)
+    step = CompiledDecode(model, "auto")  # fp32: max-autotune
+    assert step.mode == "max-autotune"
+    assert step.ready(step.key(8, None)) and not step.ready(step.key(20, None))  # 20 pads to 32
+    assert step(torch.zeros(20, 1, dtype=torch.long), torch.zeros(20, dtype=torch.long)) is None  # eager instead
