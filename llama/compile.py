@@ -180,9 +180,12 @@ def weight_bytes(model) -> int:
 def memory_allows(model) -> bool:
     """Whether another compiled graph fits: freezing copies (and prepacks) fp32/bf16 weights into every graph.
 
-    int8 weights are not copied. Reads MemAvailable (Linux); elsewhere it cannot tell and says yes.
+    int8 weights are not copied. Reads MemAvailable (Linux); elsewhere it cannot tell and says yes, as it does under
+    model parallel, where every rank must make the same choice.
     """
     if model.norm.weight.device.type != "cpu" or not any(p.is_floating_point() for p in linear_weights(model)):
+        return True
+    if parallel.model_parallel_size() > 1:
         return True
     try:
         with open("/proc/meminfo") as f:
@@ -197,10 +200,13 @@ def linear_weights(model):
 
 
 def wants_auto(model) -> bool:
-    """compile="auto" considers compiling: on CPU (where it was measured), for models of AUTO_MIN_PARAMS or more."""
+    """compile="auto" considers compiling: on CPU (where it was measured), for models of AUTO_MIN_PARAMS or more,
+    in a single process. Model-parallel ranks must switch to their graphs at the same step (eager and compiled
+    steps issue different collectives), which a rule based on each rank's own timing cannot promise: there, pass
+    compile=True."""
     params = sum(p.numel() for p in model.parameters())
     params += sum(b.numel() for name, b in model.named_buffers() if name.endswith(".packed"))  # int8-dynamic
-    return model.norm.weight.device.type == "cpu" and params >= AUTO_MIN_PARAMS
+    return model.norm.weight.device.type == "cpu" and params >= AUTO_MIN_PARAMS and parallel.model_parallel_size() == 1
 
 
 def compile_decode(model, mode: Union[bool, str, None] = True) -> Optional[CompiledDecode]:

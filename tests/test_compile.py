@@ -176,6 +176,9 @@ def test_auto_applies_to_cpu_models_above_the_size_threshold(monkeypatch):
     monkeypatch.setattr(compilation, "AUTO_MIN_PARAMS", 10**12)
     assert compile_decode(model, "auto") is None and model.compiled_step is None
     assert compile_decode(model, True).lazy is False  # True compiles on first use
+    monkeypatch.setattr(compilation, "AUTO_MIN_PARAMS", 0)
+    monkeypatch.setattr(compilation.parallel, "model_parallel_size", lambda: 2)
+    assert compile_decode(model, "auto") is None  # ranks could switch at different steps: eager
 
 
 def test_large_fp32_batches_stay_eager():
