@@ -21,6 +21,7 @@ import torch
 import torch._inductor.config as inductor_config
 
 from . import parallel
+from .quantize import linear_layers
 
 MODES = ("auto", "max-autotune", "default")
 
@@ -166,15 +167,14 @@ def auto_mode(model) -> str:
     return "max-autotune" if fp32 and not quantized else "default"
 
 
+def linear_weights(model) -> list:
+    """Every linear layer's weight tensor: the float or int8 weight, or int8-dynamic's prepacked copy."""
+    return [m.weight if m.packed is None else m.packed for m in linear_layers(model)]
+
+
 def weight_bytes(model) -> int:
-    """Bytes of the linear layers' weights (what a compiled graph may copy), int8-dynamic's packed ones included."""
-    total = 0
-    for module in model.modules():
-        for name in ("weight", "packed"):
-            t = getattr(module, name, None) if hasattr(module, "scales") else None
-            if t is not None:
-                total += t.numel() * t.element_size()
-    return total
+    """Bytes of the linear layers' weights (what a compiled graph may copy)."""
+    return sum(t.numel() * t.element_size() for t in linear_weights(model))
 
 
 def memory_allows(model) -> bool:
@@ -194,9 +194,6 @@ def memory_allows(model) -> bool:
         return True
     return available > 1.2 * weight_bytes(model) + 2**30
 
-
-def linear_weights(model):
-    return [m.weight for m in model.modules() if hasattr(m, "scales") and getattr(m, "weight", None) is not None]
 
 
 def wants_auto(model) -> bool:

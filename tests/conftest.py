@@ -43,3 +43,30 @@ def stories(stories_dir):
     from llama import Llama
 
     return Llama.build(str(stories_dir), str(stories_dir / "tokenizer.model"), max_seq_len=256, max_batch_size=4)
+
+
+@pytest.fixture
+def two_ranks(stories_dir, tmp_path):
+    """Run a script under `torchrun --standalone --nproc_per_node 2` on stories260K resharded into 2 shards.
+
+    The script gets argv: checkpoint dir, tokenizer, goldens path, output prefix, then `extra`; each rank writes
+    json to f"{prefix}.{RANK}.json". Returns the two ranks' json.
+    """
+    import os
+    import subprocess
+    import sys
+
+    from llama.reshard import reshard
+
+    def run(script: str, *extra: str, timeout: float = 600) -> list:
+        reshard(stories_dir, tmp_path / "two", 2)
+        (tmp_path / "run.py").write_text(script)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(tmp_path / "run.py"), str(tmp_path / "two"), str(stories_dir / "tokenizer.model"),
+               str(_need(GOLDENS)), str(tmp_path / "out"), *extra]
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return [json.loads((tmp_path / f"out.{r}.json").read_text()) for r in range(2)]
+
+    return run

@@ -7,11 +7,7 @@ cache makes reruns faster. Skipped when there is no C++ compiler for Inductor's 
 """
 
 import io
-import json
-import os
 import shutil
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -21,7 +17,6 @@ from llama import Llama
 from llama import compile as compilation
 from llama.compile import CompiledDecode, bucket, compile_decode, own_storage
 from llama.quantize import quantize_int8
-from llama.reshard import reshard
 
 pytestmark = pytest.mark.skipif(
     not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
@@ -102,20 +97,10 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_compiled_under_model_parallel_matches_goldens(stories_dir, goldens, tmp_path):
+def test_compiled_under_model_parallel_matches_goldens(goldens, two_ranks):
     """torchrun with 2 ranks on a 2-shard checkpoint: the all-reduces and all-gathers are functional collectives
     inside each rank's compiled graph, and both ranks give the reference's greedy ids."""
-    reshard(stories_dir, tmp_path / "two", 2)
-    (tmp_path / "run.py").write_text(SCRIPT)
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    gold = stories_dir.parent.parent / "goldens" / "stories260K_greedy.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(tmp_path / "run.py"), str(tmp_path / "two"), str(stories_dir / "tokenizer.model"), str(gold),
-           str(tmp_path / "out")]
-    env = {**os.environ, "PYTHONPATH": repo, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"out.{r}.json").read_text()) for r in range(2)]
+    ranks = two_ranks(SCRIPT)
     for rank in ranks:
         assert rank["seen"] == [[2, False]]  # every decode step ran in the compiled graph
         for got, g in zip(rank["greedy"], goldens.values()):

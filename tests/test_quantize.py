@@ -2,10 +2,6 @@
 bound, every linear layer converted, the products against dequantized references, agreement with fp32 on
 stories260K, batch == solo, Meta names kept, and model parallel (each rank quantizes its shard) under torchrun."""
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -21,7 +17,6 @@ from llama.quantize import (
     quantize_rows,
     quantize_weight,
 )
-from llama.reshard import reshard
 
 from test_model import random_model
 
@@ -94,19 +89,9 @@ SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("scheme, agree", [("int8", 32), ("int8-dynamic", 32)])  # 102/114 and 57/79 alone
-def test_int8_under_model_parallel(stories_dir, goldens, tmp_path, scheme, agree):
+def test_int8_under_model_parallel(goldens, two_ranks, scheme, agree):
     """Two ranks, each quantizing its own shard of a 2-shard checkpoint, follow the fp32 goldens."""
-    reshard(stories_dir, tmp_path / "two", 2)
-    (tmp_path / "run.py").write_text(SCRIPT)
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    gold = stories_dir.parent.parent / "goldens" / "stories260K_greedy.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(tmp_path / "run.py"), str(tmp_path / "two"), str(stories_dir / "tokenizer.model"), str(gold),
-           str(tmp_path / "out"), scheme]
-    env = {**os.environ, "PYTHONPATH": repo, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"out.{r}.json").read_text()) for r in range(2)]
+    ranks = two_ranks(SCRIPT, scheme, timeout=300)
     assert ranks[0]["greedy"] == ranks[1]["greedy"]
     assert ranks[0]["int8"]
     assert ranks[0]["wqkv_rows"] == (8 + 4 + 4) * 8 // 2  # this rank's q, k, v heads only
