@@ -6,7 +6,8 @@ from .model import ModelArgs, Transformer
 from .handle import Handle
 from .params import SamplingParams
 from .prefix import ChatSession, Prefix
-from .tokenizer import ChatFormat, Dialog, Message, Tokenizer
+from .chat import ChatFormat, Dialog, Message
+from .tokenizer import Tokenizer
 
 __all__ = ["Llama", "ModelArgs", "Transformer", "Tokenizer", "ChatFormat", "Dialog", "Message", "SamplingParams",
            "Prefix", "ChatSession", "Engine", "Handle", "CompletionPrediction", "ChatPrediction"]

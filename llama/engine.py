@@ -29,7 +29,7 @@ import torch.distributed as dist
 from .sampling import RowSampler, token_logprobs
 from .sequence import Row
 from .handle import Handle
-from .tokenizer import UNSAFE_ERROR, has_special_tags, validate_dialog
+from .chat import UNSAFE_ERROR, has_special_tags, validate_dialog
 
 @dataclass
 class _Request:

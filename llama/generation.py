@@ -21,7 +21,9 @@ from .prefix import ChatSession, Prefix
 from .sampling import RowSampler, token_logprobs
 from .sequence import Row
 from .textstream import TextStream
-from .tokenizer import UNSAFE_ERROR, ChatFormat, Dialog, Message, Tokenizer, has_special_tags, validate_dialog
+from . import loader
+from .chat import UNSAFE_ERROR, ChatFormat, Dialog, Message, has_special_tags, validate_dialog
+from .tokenizer import Tokenizer
 
 
 class CompletionPrediction(TypedDict, total=False):
@@ -66,52 +68,8 @@ class Llama:
         and long ones end up compiled; True compiles each batch size on first use; "max-autotune"/"default" pick
         Inductor's mode; False never compiles (llama/compile.py).
         """
-        _positive_int("max_seq_len", max_seq_len)
-        _positive_int("max_batch_size", max_batch_size)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed must be an integer, got {seed!r}")
-        if quantize is not None and quantize not in quantization.SCHEMES:
-            raise ValueError(f"quantize must be one of {quantization.SCHEMES} or None, got {quantize!r}")
-        if not any(compile is v for v in (False, None, True)) and compile not in compilation.MODES:
-            raise ValueError(f"compile must be a bool, None or one of {compilation.MODES}, got {compile!r}")
-        device = torch.device(device) if device is not None else parallel.default_device()
-        dtype = parallel.resolve_dtype(torch.bfloat16 if dtype is None and quantize == "int8" else dtype, device)
-        start = time.time()
-        mp_size = parallel.init_distributed(model_parallel_size, device)
-        torch.manual_seed(seed)  # every rank seeds alike, so unseeded sampling agrees across ranks
-
-        tokenizer = Tokenizer(tokenizer_path)
-        params = checkpoint.read_params(ckpt_dir)
-        try:
-            args = ModelArgs.from_params(params, max_seq_len=max_seq_len, max_batch_size=max_batch_size)
-        except TypeError as e:
-            raise ValueError(f"{ckpt_dir}/params.json has invalid values: {e}") from None
-        if args.vocab_size == -1:
-            args.vocab_size = tokenizer.n_words
-        if args.vocab_size != tokenizer.n_words:
-            raise ValueError(
-                f"params.json vocab_size is {args.vocab_size} but the tokenizer {tokenizer_path} has "
-                f"{tokenizer.n_words} tokens: they do not belong together"
-            )
-        if verify:
-            checkpoint.verify_checklist(ckpt_dir)
-        state = checkpoint.load_state_dict(ckpt_dir, args, parallel.model_parallel_rank(), mp_size)
-        with torch.device("meta"):
-            model = Transformer(args)
-        try:
-            model.load_state_dict(state, strict=True, assign=True)
-        except RuntimeError as e:
-            raise ValueError(f"checkpoint in {ckpt_dir} does not match its params.json: {e}") from None
-        del state  # the model owns the tensors now: lets casting and fusing free the originals
-        model.to(device=device).eval()
-        model.fuse()
-        if quantize is not None:  # from the checkpoint's dtype: no full-size fp32 copy on the way
-            quantization.quantize(model, quantize)
-        quantization.cast_floating(model, dtype)
-        model.setup_caches(max_batch_size, max_seq_len, dtype=dtype, device=device)
-        compilation.compile_decode(model, compile)
-        if parallel.is_main_process():
-            print(f"Loaded in {time.time() - start:.2f} seconds")
+        model, tokenizer, _ = loader.load(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, model_parallel_size,
+                                          seed, device, dtype, verify, compile, quantize)
         return Llama(model, tokenizer)
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer):

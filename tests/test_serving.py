@@ -15,7 +15,7 @@ import torch
 
 from llama import Llama
 from llama.demo import write_random_checkpoint
-from llama.tokenizer import UNSAFE_ERROR
+from llama.chat import UNSAFE_ERROR
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 STORIES = SHARED / "models" / "stories260K"

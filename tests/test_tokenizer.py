@@ -2,7 +2,8 @@
 
 import pytest
 
-from llama.tokenizer import ChatFormat, Tokenizer
+from llama.chat import ChatFormat
+from llama.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,89 @@
+"""Loading a generator's parts: checkpoint -> model (cast, fused, quantized, compiled policy) and tokenizer.
+
+Works in plain python and under torchrun, on CPU or CUDA: the device and the process group's backend are picked
+at run time (llama/parallel.py).
+"""
+
+import time
+from typing import Optional, Tuple, Union
+
+import torch
+
+from . import checkpoint, parallel
+from . import compile as compilation
+from . import quantize as quantization
+from .model import ModelArgs, Transformer
+from .tokenizer import load_tokenizer
+
+
+def positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def check_options(max_seq_len, max_batch_size, seed, compile, quantize) -> None:
+    positive_int("max_seq_len", max_seq_len)
+    positive_int("max_batch_size", max_batch_size)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    if quantize is not None and quantize not in quantization.SCHEMES:
+        raise ValueError(f"quantize must be one of {quantization.SCHEMES} or None, got {quantize!r}")
+    if not any(compile is v for v in (False, None, True)) and compile not in compilation.MODES:
+        raise ValueError(f"compile must be a bool, None or one of {compilation.MODES}, got {compile!r}")
+
+
+def load(
+    ckpt_dir: str,
+    tokenizer_path: str,
+    max_seq_len: int,
+    max_batch_size: int,
+    model_parallel_size: Optional[int] = None,
+    seed: int = 1,
+    device: Optional[Union[str, torch.device]] = None,
+    dtype: Optional[Union[str, torch.dtype]] = None,
+    verify: bool = False,
+    compile: Union[bool, str, None] = "auto",
+    quantize: Optional[str] = None,
+) -> Tuple[Transformer, object, Optional[compilation.CompiledDecode]]:
+    """(model, tokenizer, compiled decode policy or None) for Llama.build; see its docstring for the options."""
+    check_options(max_seq_len, max_batch_size, seed, compile, quantize)
+    device = torch.device(device) if device is not None else parallel.default_device()
+    dtype = parallel.resolve_dtype(torch.bfloat16 if dtype is None and quantize == "int8" else dtype, device)
+    start = time.time()
+    mp_size = parallel.init_distributed(model_parallel_size, device)
+    torch.manual_seed(seed)  # every rank seeds alike, so unseeded sampling agrees across ranks
+
+    tokenizer = load_tokenizer(tokenizer_path)
+    params = checkpoint.read_params(ckpt_dir)
+    try:
+        args = ModelArgs.from_params(params, max_seq_len=max_seq_len, max_batch_size=max_batch_size)
+    except TypeError as e:
+        raise ValueError(f"{ckpt_dir}/params.json has invalid values: {e}") from None
+    if args.vocab_size == -1:
+        args.vocab_size = tokenizer.n_words
+    if args.vocab_size != tokenizer.n_words:
+        raise ValueError(
+            f"params.json vocab_size is {args.vocab_size} but the tokenizer {tokenizer_path} has "
+            f"{tokenizer.n_words} tokens: they do not belong together"
+        )
+    if verify:
+        checkpoint.verify_checklist(ckpt_dir)
+    state = checkpoint.load_state_dict(ckpt_dir, args, parallel.model_parallel_rank(), mp_size)
+    with torch.device("meta"):
+        model = Transformer(args)
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as e:
+        raise ValueError(f"checkpoint in {ckpt_dir} does not match its params.json: {e}") from None
+    del state  # the model owns the tensors now: lets casting and fusing free the originals
+    model.to(device=device).eval()
+    model.fuse()
+    if quantize is not None:  # from the checkpoint's dtype: no full-size fp32 copy on the way
+        quantization.quantize(model, quantize)
+    quantization.cast_floating(model, dtype)
+    model.setup_caches(max_batch_size, max_seq_len, dtype=dtype, device=device)
+    compiled = compilation.compile_decode(model, compile)
+    if parallel.is_main_process():
+        print(f"Loaded in {time.time() - start:.2f} seconds")
+    return model, tokenizer, compiled
