@@ -74,25 +74,42 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scales=None) -> torch.Tensor:
     return y.view(*x.shape[:-1], -1).to(x.dtype)
 
 
-def quantize_rows(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(M, K) float -> (uint8 codes with zero point 128, fp32 scales (M, 1)): x ~= (codes - 128) * scales.
+def _has_int8_dot_product() -> bool:
+    """Whether this CPU has VNNI (or AMX) int8 dot products. Without them, oneDNN multiplies uint8 by int8 with
+    AVX2's vpmaddubsw, which adds pairs of products into saturating int16: full-range codes overflow it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return any(flag in flags for flag in ("avx512_vnni", "avx_vnni", "amx_int8"))
 
-    Symmetric per row (codes 1..255); an all-zero row gets codes 128 and a tiny scale, never a division by zero.
+
+# Activation codes are zero_point +- ACT_HALF_RANGE. 7 bits without VNNI (PyTorch's "reduce_range"): then a pair of
+# products, 2 * 127 * 127, still fits in int16 and the integer sum stays exact.
+ACT_HALF_RANGE = 127 if _has_int8_dot_product() else 63
+ACT_ZERO_POINT = ACT_HALF_RANGE + 1
+
+
+def quantize_rows(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) float -> (uint8 codes, fp32 scales (M, 1)): x ~= (codes - ACT_ZERO_POINT) * scales.
+
+    Symmetric per row; an all-zero row gets the zero point and a tiny scale, never a division by zero.
     """
     xf = x.float()
-    scales = xf.abs().amax(dim=1, keepdim=True).clamp_min(1e-20) / 127.0
-    return (torch.round(xf / scales) + 128.0).to(torch.uint8), scales
+    scales = xf.abs().amax(dim=1, keepdim=True).clamp_min(1e-20) / ACT_HALF_RANGE
+    return (torch.round(xf / scales) + float(ACT_ZERO_POINT)).to(torch.uint8), scales
 
 
 def dynamic_int8_linear(x, packed, scales, zero_points) -> torch.Tensor:
     """int8 activations (per-row dynamic scales) times prepacked int8 weights, in oneDNN; result in x's dtype.
 
     oneDNN applies one activation scale per call, so the rows' scales are applied to the fp32 output instead:
-    sum_k (xq[m,k] - 128) * q[n,k] is exact in int32, then times scales[n] (by oneDNN) and row_scales[m].
+    sum_k (xq[m,k] - zero point) * q[n,k] is exact in int32, then times scales[n] (by oneDNN) and row_scales[m].
     """
     rows = x.reshape(-1, x.shape[-1])
     codes, row_scales = quantize_rows(rows)
-    y = torch.ops.onednn.qlinear_pointwise(codes, 1.0, 128, packed, scales, zero_points, None, 1.0, 0,
+    y = torch.ops.onednn.qlinear_pointwise(codes, 1.0, ACT_ZERO_POINT, packed, scales, zero_points, None, 1.0, 0,
                                            torch.float32, "none", [], "")
     return (y * row_scales).to(x.dtype).view(*x.shape[:-1], -1)
 
