@@ -1,13 +1,15 @@
 """llama: Meta's Llama reference API, correct on every device, with serving features."""
 
+from .chat import ChatFormat, Dialog, Message
 from .engine import Engine
 from .generation import ChatPrediction, CompletionPrediction, Llama
 from .model import ModelArgs, Transformer
-from .handle import Handle
 from .params import SamplingParams
-from .prefix import ChatSession, Prefix
-from .chat import ChatFormat, Dialog, Message
+from .prefix import Prefix
+from .request import BatchError, Handle, Request
+from .session import ChatSession
 from .tokenizer import Tokenizer
 
 __all__ = ["Llama", "ModelArgs", "Transformer", "Tokenizer", "ChatFormat", "Dialog", "Message", "SamplingParams",
-           "Prefix", "ChatSession", "Engine", "Handle", "CompletionPrediction", "ChatPrediction"]
+           "Prefix", "ChatSession", "Engine", "Request", "Handle", "BatchError", "CompletionPrediction",
+           "ChatPrediction"]

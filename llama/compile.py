@@ -40,8 +40,8 @@ warnings.filterwarnings("ignore", message="To copy construct from a tensor", mod
 class CompiledDecode:
     """Transformer.decode_step under torch.compile, one graph per padded batch size (and per rows given or not).
 
-    lazy=True is compile="auto"'s ski-rental rule: a batch size keeps decoding eagerly (the call returns None and
-    the model runs its eager path, then reports the time with spent_eager) until the eager time spent at that size
+    lazy=True is compile="auto"'s ski-rental rule: a batch size keeps decoding eagerly (ready() says no, the runner
+    runs the eager step and reports its time with spent_eager) until the eager time spent at that size
     reaches what compiling it is expected to cost; then it compiles. Total time is thus never more than twice that
     of the better choice made in hindsight, and a long-running generator or server ends up compiled. The expected
     cost starts as an estimate from the weights' size and becomes the measured time once a graph has compiled.
@@ -97,10 +97,11 @@ class CompiledDecode:
         return max(self.seen.values()) if self.seen else self.estimate
 
     def reset(self) -> None:
-        """Forget compiled graphs (the caches were reallocated)."""
+        """Forget compiled graphs (for a model whose caches were reallocated)."""
         self.fn = torch.compile(self.model.decode_step, dynamic=False, fullgraph=True)
         self.seen.clear()
 
+    @torch.inference_mode()  # freezing folds the weights in only for inference graphs
     def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, rows: Optional[torch.Tensor] = None):
         """Logits (B, 1, V), or None when this batch size should run eagerly for now (lazy rule, memory).
 
@@ -207,16 +208,13 @@ def wants_auto(model) -> bool:
 
 
 def compile_decode(model, mode: Union[bool, str, None] = True) -> Optional[CompiledDecode]:
-    """Make model.forward run one-token steps through a compiled decode_step; False or None removes it.
+    """The compiled one-token decode step the runner uses, or None for eager decoding.
 
     mode: True (compile each batch size on first use, Inductor mode chosen by dtype), "max-autotune" (Inductor's
     own GEMM templates, slowest to compile), "default" (freezing, library GEMMs), or "auto": on CPU, for models of
     AUTO_MIN_PARAMS or more, compile a batch size once eager decoding at it has cost as much as compiling would
-    (CompiledDecode's lazy rule); otherwise stay eager.
+    (CompiledDecode's lazy rule); otherwise stay eager. False or None: eager.
     """
     if mode is False or mode is None or (mode == "auto" and not wants_auto(model)):
-        model.compiled_step = None
         return None
-    lazy = mode == "auto"
-    model.compiled_step = CompiledDecode(model, "auto" if mode in (True, "auto") else mode, lazy=lazy)
-    return model.compiled_step
+    return CompiledDecode(model, "auto" if mode in (True, "auto") else mode, lazy=mode == "auto")

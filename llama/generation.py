@@ -1,29 +1,25 @@
-"""Llama: build a generator from a checkpoint and run text/chat completion, streaming and scoring.
+"""Llama: Meta's reference API (build, generate, text_completion, chat_completion) as a thin facade.
 
-The public surface is Meta's reference (Llama.build, generate, text_completion, chat_completion) with its return
-shapes; everything runs through one decode loop (`_run`) over `Row`s, each with its own prompt, parameters,
-cache slot and position, so batching never changes a request's text.
+Every method builds Requests (llama/inputs.py) and runs them through the one decode core (llama/core.py) while
+holding the KV cache (llama/cache.py); the return shapes are the reference's.
 """
 
-import threading
-import time
-from contextlib import contextmanager
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple, TypedDict, Union
 
 import torch
 
-from . import checkpoint, parallel
-from . import compile as compilation
-from . import quantize as quantization
-from .model import ModelArgs, Transformer
-from .params import SamplingParams, per_prompt
-from .prefix import ChatSession, Prefix
-from .sampling import RowSampler, token_logprobs
-from .sequence import Row
-from .textstream import TextStream
 from . import loader
-from .chat import UNSAFE_ERROR, ChatFormat, Dialog, Message, has_special_tags, validate_dialog
-from .tokenizer import Tokenizer
+from .cache import KVCache
+from .chat import Dialog, Message, chat_format_for
+from .core import DecodeCore
+from .engine import Engine
+from .inputs import RequestBuilder, count, expand_params, refusal_prediction, string_list
+from .params import SamplingParams
+from .prefix import Prefix
+from .request import BatchError, Request
+from .runner import Runner
+from .sampling import token_logprobs
+from .session import ChatSession
 
 
 class CompletionPrediction(TypedDict, total=False):
@@ -36,12 +32,6 @@ class ChatPrediction(TypedDict, total=False):
     generation: Message
     tokens: List[str]  # not required
     logprobs: List[float]  # not required
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
 
 
 class Llama:
@@ -63,30 +53,37 @@ class Llama:
 
         quantize="int8": int8 weight-only linear layers (activations bf16 unless dtype says otherwise);
         "int8-dynamic" (CPU): int8 weights and per-row dynamic int8 activations in oneDNN (llama/quantize.py).
-        compile="auto" (default): on CPU, models of 50M+ parameters compile their one-token decode step for a batch
-        size once eager decoding at it has cost what compiling would (tens of seconds), so short runs never wait
-        and long ones end up compiled; True compiles each batch size on first use; "max-autotune"/"default" pick
-        Inductor's mode; False never compiles (llama/compile.py).
+        compile="auto" (default): on CPU, models of 50M+ parameters compile their one-token decode step once eager
+        decoding has cost what compiling would, so short runs never wait and long ones end up compiled; True
+        compiles on first use; "max-autotune"/"default" pick Inductor's mode; False never compiles (llama/compile.py).
         """
-        model, tokenizer, _ = loader.load(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, model_parallel_size,
-                                          seed, device, dtype, verify, compile, quantize)
-        return Llama(model, tokenizer)
+        model, tokenizer, compiled = loader.load(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size,
+                                                 model_parallel_size, seed, device, dtype, verify, compile, quantize)
+        return Llama(model, tokenizer, max_batch_size, max_seq_len, compiled)
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer):
+    def __init__(self, model, tokenizer, max_batch_size: int, max_seq_len: int, compiled=None):
         self.model = model
         self.tokenizer = tokenizer
-        self.formatter = ChatFormat(tokenizer)
-        self.device = model.norm.weight.device
-        self.lock = threading.RLock()  # the KV cache is one resource: one decode loop at a time
-        self._stream_thread: Optional[int] = None  # the thread whose unfinished stream holds the cache
+        self.formatter = chat_format_for(tokenizer)
+        ref = model.norm.weight
+        self.cache = KVCache(model, max_batch_size, max_seq_len, dtype=ref.dtype, device=ref.device)
+        self.device = self.cache.device
+        self.runner = Runner(model, self.cache, compiled)
+        self.inputs = RequestBuilder(tokenizer, self.formatter, max_seq_len, model.vocab_size)
+        self.core = DecodeCore(self.runner, self.inputs.settle, max_batch_size, max_seq_len)
 
     @property
     def max_seq_len(self) -> int:
-        return self.model.max_seq_len
+        return self.cache.max_seq_len
 
     @property
     def max_batch_size(self) -> int:
-        return self.model.max_batch_size
+        return self.cache.max_batch_size
+
+    @property
+    def lock(self):
+        """The KV cache's lock: held by whatever is decoding (a call, a stream, the engine)."""
+        return self.cache.lock
 
     # ----------------------------------------------------------------------------------------- reference API
     def generate(
@@ -104,9 +101,10 @@ class Llama:
         """
         params = SamplingParams(temperature=temperature, top_p=top_p, max_gen_len=max_gen_len, logprobs=logprobs,
                                 echo=echo)
-        rows = self._complete(self._rows(prompt_tokens, [params] * _count(prompt_tokens, "prompt_tokens")))
-        out_tokens = [(r.prompt if echo else []) + r.generated for r in rows]
-        out_logprobs = [([0.0] + r.prompt_logprobs if echo else []) + r.logprobs for r in rows]
+        reqs = self._complete(self.inputs.requests(prompt_tokens, [params] * count(prompt_tokens, "prompt_tokens")),
+                              lambda r: r)
+        out_tokens = [(r.prompt if echo else []) + r.generated for r in reqs]
+        out_logprobs = [([0.0] + r.prompt_logprobs if echo else []) + r.logprobs for r in reqs]
         return out_tokens, (out_logprobs if logprobs else None)
 
     def text_completion(
@@ -125,13 +123,13 @@ class Llama:
         """Complete each prompt; with n > 1 the result is prompt-major (result[i * n + j]).
 
         With a prefix (from prefill), each prompt continues it: its tokens are prefix.tokens + the prompt's.
+        Options: any SamplingParams field (top_k, seed, stop, logits_processors), once or one per prompt.
         """
-        prompts = _string_list("prompts", prompts)
-        toks = [self._with_prefix(prefix, self.tokenizer.encode(p, bos=prefix is None, eos=False)) for p in prompts]
-        params = self._params(len(prompts), temperature=temperature, top_p=top_p, max_gen_len=max_gen_len,
-                              logprobs=logprobs, echo=echo, **options)
-        rows = self._complete(self._rows(toks, params, n=n, prefix=prefix))
-        return [self._prediction(r) for r in rows]
+        prompts = string_list("prompts", prompts)
+        toks = [self.inputs.encode_text(p, prefix) for p in prompts]
+        params = expand_params(len(prompts), temperature=temperature, top_p=top_p, max_gen_len=max_gen_len,
+                               logprobs=logprobs, echo=echo, **options)
+        return self._complete(self.inputs.requests(toks, params, n=n, prefix=prefix))
 
     def chat_completion(
         self,
@@ -144,67 +142,47 @@ class Llama:
         n: int = 1,
         **options,
     ) -> List[ChatPrediction]:
-        """Answer each dialog as the assistant, using the Llama 2 chat template.
+        """Answer each dialog as the assistant, in the checkpoint's chat format.
 
-        A dialog containing the template's special tags gets the reference's error text as its answer; the rest
-        of the batch runs normally.
+        A dialog the format refuses (Llama 2: one containing its special tags) gets the reference's error text as
+        its answer; the rest of the batch runs normally.
         """
-        _count(dialogs, "dialogs")
-        for i, dialog in enumerate(dialogs):
-            validate_dialog(dialog, i)
-        params = self._params(len(dialogs), temperature=temperature, top_p=top_p, max_gen_len=max_gen_len,
-                              logprobs=logprobs, **options)
-        safe = [i for i, d in enumerate(dialogs) if not has_special_tags(d)]
-        toks = [self.formatter.encode_dialog_prompt(dialogs[i]) for i in safe]
-        rows = self._complete(self._rows(toks, [params[i] for i in safe], n=n, index=safe, chat=True))
-        by_prompt = {i: rows[k * n : (k + 1) * n] for k, i in enumerate(safe)}
-        out: List[ChatPrediction] = []
-        for i in range(len(dialogs)):
-            for j in range(n):
-                if i in by_prompt:
-                    pred = self._prediction(by_prompt[i][j])
-                else:
-                    pred = {"generation": UNSAFE_ERROR, **({"tokens": [], "logprobs": []} if logprobs else {})}
-                pred["generation"] = {"role": "assistant", "content": pred["generation"]}
-                out.append(pred)
+        count(dialogs, "dialogs")
+        encoded = [self.inputs.encode_dialog(d, i) for i, d in enumerate(dialogs)]
+        params = expand_params(len(dialogs), temperature=temperature, top_p=top_p, max_gen_len=max_gen_len,
+                               logprobs=logprobs, **options)
+        run = [i for i, (toks, _) in enumerate(encoded) if toks is not None]
+        reqs = self.inputs.requests([encoded[i][0] for i in run], [params[i] for i in run], n=n, index=run, chat=True)
+        preds = iter(self._complete(reqs, partial=True))
+        out: List = []
+        for toks, refusal in encoded:
+            for _ in range(n):
+                out.append(next(preds) if toks is not None else refusal_prediction(refusal, logprobs))
+        _raise_failed(out, reqs)
         return out
 
     # ----------------------------------------------------------------------------------------- streaming
     def stream_completion(self, prompt: str, *, prefix: Optional[Prefix] = None, **options) -> Iterator[str]:
         """Yield text deltas of one completion as tokens arrive; their concatenation is the final text."""
-        prompt = _string_list("prompt", [prompt])[0]
-        toks = self._with_prefix(prefix, self.tokenizer.encode(prompt, bos=prefix is None, eos=False))
-        return self._stream(self._rows([toks], self._params(1, **options), prefix=prefix)[0])
+        prompt = string_list("prompt", [prompt])[0]
+        toks = self.inputs.encode_text(prompt, prefix)
+        return self._stream(self.inputs.requests([toks], expand_params(1, **options), prefix=prefix)[0])
 
     def stream_chat(self, dialog: Dialog, **options) -> Iterator[str]:
         """Yield the assistant's reply to one dialog as text deltas."""
-        validate_dialog(dialog)
-        params = self._params(1, **options)
-        if has_special_tags(dialog):
-            return iter([UNSAFE_ERROR])
-        return self._stream(self._rows([self.formatter.encode_dialog_prompt(dialog)], params, chat=True)[0])
+        toks, refusal = self.inputs.encode_dialog(dialog)
+        params = expand_params(1, **options)
+        if refusal is not None:
+            return iter([refusal])
+        return self._stream(self.inputs.requests([toks], params, chat=True)[0])
 
-    @contextmanager
-    def using_cache(self, streaming: bool = False):
-        """Hold the KV cache for one call. Other threads wait; in the thread of an unfinished stream (which holds
-        the cache between its deltas) any other call would corrupt that stream, so it raises instead."""
-        with self.lock:
-            if self._stream_thread == threading.get_ident():
-                raise RuntimeError("an unfinished stream of this Llama is open in this thread: "
-                                   "consume it or close() it before another call")
-            if streaming:
-                self._stream_thread = threading.get_ident()
-            try:
-                yield
-            finally:
-                if streaming:
-                    self._stream_thread = None
-
-    def _stream(self, row: Row) -> Iterator[str]:
-        with self.using_cache(streaming=True):
-            for deltas in self._run([row]):
+    def _stream(self, req: Request) -> Iterator[str]:
+        with self.cache.hold(streaming=True):
+            for deltas in self.core.run([req]):
                 for _, text in deltas:
                     yield text
+        if req.error is not None:
+            raise req.error
 
     # ----------------------------------------------------------------------------------------- prefixes, chat
     def prefill(self, text_or_tokens: Union[str, List[int]]) -> Prefix:
@@ -212,25 +190,23 @@ class Llama:
         if isinstance(text_or_tokens, str):
             tokens = self.tokenizer.encode(text_or_tokens, bos=True, eos=False)
         else:
-            tokens = self._check_tokens("prefix", text_or_tokens)
+            tokens = self.inputs.check_tokens("prefix", text_or_tokens)
         if not tokens or len(tokens) >= self.max_seq_len:
             raise ValueError(f"prefix has {len(tokens)} tokens; it needs 1 to {self.max_seq_len - 1} (max_seq_len - 1)")
-        with self.using_cache():
-            logits = self.model(torch.tensor([tokens], device=self.device), 0)[0]
-            return Prefix.snapshot(self.model, slot=0, tokens=tokens, logprobs=token_logprobs(logits, tokens),
-                                   next_logprobs=torch.log_softmax(logits[-1], dim=-1))
+        with self.cache.hold():
+            logits = self.runner.logits([tokens])[0]
+            return Prefix.from_slot(self.cache, 0, tokens, logprobs=token_logprobs(logits, tokens),
+                                    next_logprobs=torch.log_softmax(logits[-1], dim=-1))
 
     def chat_session(self, system: Optional[str] = None) -> ChatSession:
         """A multi-turn conversation that keeps its KV cache between turns."""
         return ChatSession(self, system)
 
-    def engine(self, prefill_chunk: int = 128):
+    def engine(self, prefill_chunk: int = 128) -> Engine:
         """A continuous-batching engine over this generator's KV cache: submit requests from any thread.
 
         While it has requests in flight it owns the cache, so other calls on this generator wait until it is idle.
         """
-        from .engine import Engine
-
         return Engine(self, prefill_chunk=prefill_chunk)
 
     # ----------------------------------------------------------------------------------------- scoring
@@ -240,21 +216,20 @@ class Llama:
         Per text: tokens (pieces as text), token_ids, logprobs, total_logprob, perplexity. One forward pass per
         batch of max_batch_size texts.
         """
-        _count(texts, "texts")
+        count(texts, "texts")
         seqs = []
         for i, t in enumerate(texts):
-            toks = self.tokenizer.encode(t, bos=True, eos=False) if isinstance(t, str) else self._check_tokens(f"text {i}", t)
+            toks = self.tokenizer.encode(t, bos=True, eos=False) if isinstance(t, str) else self.inputs.check_tokens(f"text {i}", t)
             if len(toks) < 2:
                 raise ValueError(f"text {i} has {len(toks)} token(s): at least 2 are needed to score one")
             if len(toks) > self.max_seq_len:
                 raise ValueError(f"text {i} has {len(toks)} tokens, more than max_seq_len={self.max_seq_len}")
             seqs.append(toks)
         results = []
-        with self.using_cache():
+        with self.cache.hold():
             for start in range(0, len(seqs), self.max_batch_size):
                 batch = seqs[start : start + self.max_batch_size]
-                width = max(map(len, batch))
-                logits = self.model(torch.tensor([s + [0] * (width - len(s)) for s in batch], device=self.device), 0)
+                logits = self.runner.logits(batch)
                 for b, toks in enumerate(batch):
                     lps = token_logprobs(logits[b, : len(toks)], toks)
                     total = sum(lps)
@@ -268,159 +243,24 @@ class Llama:
         return results
 
     # ----------------------------------------------------------------------------------------- internals
-    def _params(self, count: int, **options) -> List[SamplingParams]:
-        """One SamplingParams per prompt from keyword options given once or once per prompt."""
-        unknown = set(options) - set(SamplingParams.__dataclass_fields__)
-        if unknown:
-            raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
-        expanded = {k: per_prompt(k, v, count) for k, v in options.items()}
-        return [SamplingParams(**{k: v[i] for k, v in expanded.items()}) for i in range(count)]
+    def _complete(self, reqs: List[Request], result=None, partial: bool = False) -> List:
+        """Run requests through the decode core; each one's result (its prediction by default), in input order.
 
-    def _check_tokens(self, name: str, tokens) -> List[int]:
-        if not isinstance(tokens, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-            raise ValueError(f"{name} must be a list of token ids (ints)")
-        bad = [t for t in tokens if not 0 <= t < self.model.vocab_size]
-        if bad:
-            raise ValueError(f"{name} has token id {bad[0]} outside the vocabulary [0, {self.model.vocab_size})")
-        return list(tokens)
-
-    def _with_prefix(self, prefix: Optional[Prefix], tokens: List[int]) -> List[int]:
-        if prefix is None:
-            return tokens
-        if not isinstance(prefix, Prefix):
-            raise ValueError(f"prefix must come from Llama.prefill(), got {type(prefix).__name__}")
-        return prefix.tokens + tokens
-
-    def _rows(self, prompts: List[List[int]], params: List[SamplingParams], n: int = 1,
-              prefix: Optional[Prefix] = None, index: Optional[List[int]] = None, chat: bool = False) -> List[Row]:
-        """Validate every prompt before any work starts; one Row per (prompt, sample), prompt-major.
-
-        chat: the reply's first space is the template's separator after [/INST], not part of the content.
+        If some failed, BatchError names them and keeps the others' results (unless partial: the caller raises).
         """
-        _positive_int("n", n)
-        full = []
-        for k, toks in enumerate(prompts):
-            i = index[k] if index is not None else k
-            toks = self._check_tokens(f"prompt {i}", toks)
-            if not toks:
-                raise ValueError(f"prompt {i} is empty: it needs at least one token")
-            if len(toks) >= self.max_seq_len:
-                raise ValueError(
-                    f"prompt {i} has {len(toks)} tokens; it must be shorter than max_seq_len={self.max_seq_len}"
-                )
-            full.append(toks)
-        rows = []
-        for toks, p in zip(full, params):
-            room = self.max_seq_len - len(toks)
-            max_new = min(p.max_gen_len, room) if p.max_gen_len is not None else room
-            for j in range(n):
-                stream = TextStream(self.tokenizer, context=toks, stop=p.stop, strip_space=chat)
-                rows.append(Row(prompt=toks, params=p, max_new=max_new, stream=stream, sample=j, prefix=prefix))
-        return rows
-
-    def _complete(self, rows: List[Row]) -> List[Row]:
-        """Run rows to completion: one static batch when they fit the cache, else continuous batching (a row
-        starts as soon as a slot frees up), results in input order either way."""
-        with self.using_cache():
-            if len(rows) > self.max_batch_size:
-                from .engine import Engine
-
-                return Engine(self, mode="local").complete(rows)
-            for start in range(0, len(rows), self.max_batch_size):
-                for _ in self._run(rows[start : start + self.max_batch_size]):
-                    pass
-        return rows
-
-    def _prediction(self, r: Row) -> Dict:
-        text = r.stream.text
-        if r.params.echo:
-            text = self.tokenizer.decode(r.prompt) + text
-        pred = {"generation": text}
-        if r.params.logprobs:
-            toks = (r.prompt if r.params.echo else []) + r.generated
-            pred["tokens"] = [self.tokenizer.decode([t]) for t in toks]
-            pred["logprobs"] = ([0.0] + r.prompt_logprobs if r.params.echo else []) + r.logprobs
-        return pred
-
-    def _prefill(self, rows: List[Row]) -> torch.Tensor:
-        """Fill cache slots 0..len(rows)-1 with the prompts; return each row's next-token logits (B, V).
-
-        Rows with the same prompt (n samples) are prefilled once and their cache copied; a prefix's cached
-        positions are copied in instead of recomputed.
-        """
-        leaders: Dict[Tuple, int] = {}
-        lead_of = [leaders.setdefault((tuple(r.prompt), id(r.prefix)), b) for b, r in enumerate(rows)]
-        lead = sorted(leaders.values())
-        full = any(rows[b].params.echo and rows[b].params.logprobs for b in lead)
-        for b in lead:
-            r = rows[b]
-            if r.prefix is not None:
-                r.reused = r.prefix.load_into(self.model, b, r.prompt)
-                if full:
-                    r.prompt_logprobs = r.prefix.prompt_logprobs(r.prompt, r.reused)
-        next_logits = {}
-        by_start: Dict[int, List[int]] = {}
-        for b in lead:  # one pass per start position, so right-padding never runs past the cache
-            by_start.setdefault(rows[b].reused, []).append(b)
-        for start, group in by_start.items():
-            width = max(len(rows[b].prompt) for b in group) - start
-            x = torch.tensor([rows[b].prompt[start:] + [0] * (width - len(rows[b].prompt) + start) for b in group],
-                             device=self.device)
-            slots = None if group == list(range(len(group))) else torch.tensor(group, device=self.device)
-            last = torch.tensor([len(rows[b].prompt) - start - 1 for b in group], device=self.device)
-            logits = self.model(x, start, rows=slots, logit_index=None if full else last)
-            for k, b in enumerate(group):
-                r = rows[b]
-                n_new = len(r.prompt) - start
-                if full:
-                    r.prompt_logprobs = r.prompt_logprobs + token_logprobs(logits[k, :n_new], r.prompt[start:])
-                next_logits[b] = logits[k, n_new - 1 if full else 0]
-        for b, a in enumerate(lead_of):
-            if a != b:
-                src, dst = torch.tensor([a], device=self.device), torch.tensor([b], device=self.device)
-                self.model.copy_cache(src, dst, len(rows[b].prompt))
-                rows[b].prompt_logprobs, rows[b].reused = rows[a].prompt_logprobs, rows[a].reused
-        return torch.stack([next_logits[a] for a in lead_of])
-
-    def _run(self, rows: List[Row]) -> Iterator[List[Tuple[int, str]]]:
-        """The decode loop for one batch: yields, per step, (row index, text delta) for rows with new text."""
-        dev = self.device
-        logits = self._prefill(rows)
-        draw = RowSampler(rows, dev)
-        feed_tok = [r.prompt[-1] for r in rows]
-        feed_pos = [len(r.prompt) - 1 for r in rows]
-        while True:
-            if any(r.params.logits_processors for r in rows):
-                logits = logits.clone()  # the model returns inference tensors, which processors cannot edit in place
-            for b, r in enumerate(rows):
-                if r.finish_reason is None:
-                    for proc in r.params.logits_processors:
-                        logits[b] = proc(list(r.generated), logits[b])
-            next_tok, lp = draw(logits)
-            deltas = []
-            for b, (r, tok) in enumerate(zip(rows, next_tok)):
-                if r.finish_reason is not None:
-                    continue
-                text = r.advance(tok, self.tokenizer.eos_id, lp[b] if lp is not None else None)
-                if r.finish_reason is None:
-                    feed_tok[b], feed_pos[b] = tok, r.next_pos
-                if text:
-                    deltas.append((b, text))
-            yield deltas
-            if all(r.finish_reason is not None for r in rows):
-                return
-            x = torch.tensor(feed_tok, device=dev)[:, None]
-            pos = feed_pos[0] if len(set(feed_pos)) == 1 else torch.tensor(feed_pos, device=dev)
-            logits = self.model(x, pos)[:, 0]
+        with self.cache.hold():
+            for _ in self.core.run(reqs):
+                pass
+        out = [(result(r) if result else r.prediction) if r.error is None else None for r in reqs]
+        if not partial:
+            _raise_failed(out, reqs)
+        return out
 
 
-def _count(values, name: str) -> int:
-    if not isinstance(values, (list, tuple)):
-        raise ValueError(f"{name} must be a list, got {type(values).__name__}")
-    return len(values)
-
-
-def _string_list(name: str, values) -> List[str]:
-    if not isinstance(values, (list, tuple)) or not all(isinstance(v, str) for v in values):
-        raise ValueError(f"{name} must be a list of strings")
-    return list(values)
+def _raise_failed(results: List, reqs: List[Request]) -> None:
+    failed = [r for r in reqs if r.error is not None]
+    if failed:
+        errors = {i: None for i, res in enumerate(results) if res is None}
+        for i, r in zip(sorted(errors), failed):
+            errors[i] = r.error
+        raise BatchError(errors, results)

@@ -46,7 +46,10 @@ def load(
     compile: Union[bool, str, None] = "auto",
     quantize: Optional[str] = None,
 ) -> Tuple[Transformer, object, Optional[compilation.CompiledDecode]]:
-    """(model, tokenizer, compiled decode policy or None) for Llama.build; see its docstring for the options."""
+    """(model, tokenizer, compiled decode policy or None) for Llama.build; see its docstring for the options.
+
+    The KV cache is not allocated here: the generator that owns it does (llama/cache.py).
+    """
     check_options(max_seq_len, max_batch_size, seed, compile, quantize)
     device = torch.device(device) if device is not None else parallel.default_device()
     dtype = parallel.resolve_dtype(torch.bfloat16 if dtype is None and quantize == "int8" else dtype, device)
@@ -82,7 +85,6 @@ def load(
     if quantize is not None:  # from the checkpoint's dtype: no full-size fp32 copy on the way
         quantization.quantize(model, quantize)
     quantization.cast_floating(model, dtype)
-    model.setup_caches(max_batch_size, max_seq_len, dtype=dtype, device=device)
     compiled = compilation.compile_decode(model, compile)
     if parallel.is_main_process():
         print(f"Loaded in {time.time() - start:.2f} seconds")

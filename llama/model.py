@@ -7,7 +7,6 @@ left unexpanded.
 """
 
 import json
-import time
 from dataclasses import dataclass, fields
 from typing import Optional, Union
 
@@ -287,23 +286,17 @@ class Attention(Fusable):
         qk = apply_rotary(qkv[..., : (nq + nkv) * hd].view(B, T, nq + nkv, hd), cos, sin)  # one rotation for both
         return qk[:, :, :nq], qk[:, :, nq:], qkv[..., (nq + nkv) * hd :].view(B, T, nkv, hd)
 
-    def forward(self, x, cos, sin, start, positions, rows, kv_len, mask):
+    def forward(self, x, cos, sin, positions, rows, kv_len, mask):
         B, T, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)
         ck, cv = self.cache_k, self.cache_v
-        if rows is None and start is not None:  # one start position for every row: plain slices
-            ck[:B, :, start : start + T] = k.transpose(1, 2)
-            cv[:B, :, start : start + T] = v.transpose(1, 2)
+        idx = torch.arange(B, device=x.device) if rows is None else rows
+        ck[idx[:, None], :, positions.expand(B, T)] = k.to(ck.dtype)  # the one cache write
+        cv[idx[:, None], :, positions.expand(B, T)] = v.to(cv.dtype)
+        if rows is None:  # rows 0..B-1: read the cache in place
             keys, values = ck[:B, :, :kv_len], cv[:B, :, :kv_len]
         else:
-            idx = torch.arange(B, device=x.device) if rows is None else rows
-            pos = positions if positions.dim() == 2 else positions.expand(B, T)
-            ck[idx[:, None], :, pos] = k.to(ck.dtype)
-            cv[idx[:, None], :, pos] = v.to(cv.dtype)
-            if rows is None:
-                keys, values = ck[:B, :, :kv_len], cv[:B, :, :kv_len]
-            else:
-                keys, values = ck[rows, :, :kv_len], cv[rows, :, :kv_len]
+            keys, values = ck[rows, :, :kv_len], cv[rows, :, :kv_len]
         if T == 1 and torch.compiler.is_compiling():
             out = decode_attention(q, keys, values, mask)
         else:
@@ -342,8 +335,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
-    def forward(self, x, cos, sin, start, positions, rows, kv_len, mask):
-        h = x + self.attention(self.attention_norm(x), cos, sin, start, positions, rows, kv_len, mask)
+    def forward(self, x, cos, sin, positions, rows, kv_len, mask):
+        h = x + self.attention(self.attention_norm(x), cos, sin, positions, rows, kv_len, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -362,7 +355,6 @@ class Transformer(nn.Module):
         self.output = ColumnLinear(params.dim, params.vocab_size, gather_output=True)
         self.register_buffer("rope_cos", None, persistent=False)
         self.register_buffer("rope_sin", None, persistent=False)
-        self.compiled_step = None  # set by llama.compile.compile_decode
 
     def fuse(self) -> "Transformer":
         """Merge q/k/v and gate/up projections into one product each (fewer, larger GEMVs per layer).
@@ -374,29 +366,22 @@ class Transformer(nn.Module):
             layer.feed_forward.fuse()
         return self
 
-    def setup_caches(self, max_batch_size: int, max_seq_len: int, dtype=None, device=None):
-        """Allocate the per-layer KV cache (max_batch_size x max_seq_len) and rotary tables."""
-        ref = self.norm.weight
-        dtype = dtype or ref.dtype
-        device = device or ref.device
-        for layer in self.layers:
-            attn = layer.attention
-            shape = (max_batch_size, attn.n_local_kv_heads, max_seq_len, attn.head_dim)
-            attn.cache_k = torch.zeros(shape, dtype=dtype, device=device)
-            attn.cache_v = torch.zeros(shape, dtype=dtype, device=device)
-        # Twice the context like the reference, so positions past max_seq_len stay defined.
-        cos, sin = rope_tables(self.params.head_dim, max_seq_len * 2, self.params.rope_theta)
-        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
-        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
-        if self.compiled_step is not None:
-            self.compiled_step.reset()  # new cache tensors: graphs compiled against the old ones are stale
+    def setup_rope(self, max_seq_len: int, device=None) -> None:
+        """Rotary tables for positions up to twice max_seq_len, like the reference (positions past it stay defined).
 
-    def copy_cache(self, src_rows: torch.Tensor, dst_rows: torch.Tensor, length: int):
-        """Copy positions [0, length) of cache rows src_rows into dst_rows (prefix reuse, n samples)."""
-        for layer in self.layers:
-            attn = layer.attention
-            attn.cache_k[dst_rows, :, :length] = attn.cache_k[src_rows, :, :length]
-            attn.cache_v[dst_rows, :, :length] = attn.cache_v[src_rows, :, :length]
+        The KV cache itself belongs to llama.cache.KVCache, which calls this when it allocates.
+        """
+        cos, sin = rope_tables(self.params.head_dim, max_seq_len * 2, self.params.rope_theta)
+        device = device or self.norm.weight.device
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.layers[0].attention.cache_k.shape[2]
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.layers[0].attention.cache_k.shape[0]
 
     @torch.inference_mode()
     def forward(
@@ -407,35 +392,20 @@ class Transformer(nn.Module):
         logit_index: Optional[torch.Tensor] = None,
         kv_len: Optional[int] = None,
     ) -> torch.Tensor:
-        """Logits (fp32) for tokens (B, T) placed at start_pos (an int, or one position per row).
+        """Logits (fp32) for tokens (B, T) placed at start_pos (an int, or one position per row): pure compute.
 
         rows: cache rows to use (default 0..B-1). logit_index: one index per row into T; return only those
         logits, shape (B, 1, V). kv_len: how many cache positions attention reads (default: just enough).
-        One-token steps go through the compiled decode step when there is one (see decode_step).
         """
-        if self.rope_cos is None:
-            raise RuntimeError("call setup_caches() before forward()")
+        if self.rope_cos is None or self.layers[0].attention.cache_k is None:
+            raise RuntimeError("allocate a KV cache (llama.cache.KVCache) before calling the model")
         B, T = tokens.shape
         device = tokens.device
-        eager_since = None
-        if T == 1 and self.compiled_step is not None and logit_index is None and kv_len is None:
-            if isinstance(start_pos, int):
-                pos, fits = torch.full((B,), start_pos, device=device), start_pos < self.max_seq_len
-            else:
-                pos = start_pos.to(device)
-                fits = int(pos.max()) < self.max_seq_len
-            if fits:  # out-of-range positions take the eager path and its error
-                logits = self.compiled_step(tokens, pos, rows)
-                if logits is not None:
-                    return logits
-                eager_since = time.perf_counter()  # compile="auto" is still decoding this batch size eagerly
         steps = torch.arange(T, device=device)
         if isinstance(start_pos, int):
-            start, positions = start_pos, start_pos + steps  # (T,)
-            last = start_pos + T
+            positions, last = (start_pos + steps)[None], start_pos + T  # (1, T)
         else:
-            start, positions = None, start_pos.to(device)[:, None] + steps  # (B, T)
-            last = None
+            positions, last = start_pos.to(device)[:, None] + steps, None  # (B, T)
         if kv_len is None:
             kv_len = last if last is not None else int(positions.max()) + 1
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
@@ -444,18 +414,14 @@ class Transformer(nn.Module):
             mask = None  # a single query at the newest position sees every cached key
         else:
             key_pos = torch.arange(kv_len, device=device)
-            qpos = positions if positions.dim() == 2 else positions[None]
-            mask = (key_pos[None, None, :] <= qpos[:, :, None])[:, None]  # (B|1, 1, T, kv_len)
+            mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # (B|1, 1, T, kv_len)
 
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, cos, sin, start, positions, rows, kv_len, mask)
+            h = layer(h, cos, sin, positions, rows, kv_len, mask)
         if logit_index is not None:
             h = h[torch.arange(B, device=device), logit_index.to(device)][:, None]
-        logits = self.output(self.norm(h)).float()
-        if eager_since is not None:
-            self.compiled_step.spent_eager(B, rows, time.perf_counter() - eager_since)
-        return logits
+        return self.output(self.norm(h)).float()
 
     def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor, rows: Optional[torch.Tensor] = None):
         """One token per row, with shapes that depend only on the batch size (gpt-fast's static decode step).
@@ -470,5 +436,5 @@ class Transformer(nn.Module):
         mask = (key_pos[None, :] <= pos[:, None])[:, None, None, :]  # (B, 1, 1, max_seq_len)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, cos, sin, None, positions, rows, self.max_seq_len, mask)
+            h = layer(h, cos, sin, positions, rows, self.max_seq_len, mask)
         return self.output(self.norm(h)).float()

@@ -1,5 +1,6 @@
 """Per-request generation parameters and their validation."""
 
+import math
 import numbers
 from dataclasses import dataclass, field, replace
 from typing import Callable, List, Optional, Sequence
@@ -26,8 +27,8 @@ class SamplingParams:
 
     def __post_init__(self):
         _number("temperature", self.temperature)
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # NaN fails this too
+            raise ValueError(f"temperature must be >= 0 and finite (0 is greedy), got {self.temperature}")
         _number("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")

@@ -33,7 +33,7 @@ def test_compiled_greedy_matches_goldens(stories_dir, goldens):
     llama = build(stories_dir, compile=True)
     prompts = [g["prompt_tokens"] for g in goldens.values()]
     out, _ = llama.generate(prompts, max_gen_len=128, temperature=0)
-    assert llama.model.compiled_step.seen.keys() == {(2, False)}  # every decode step went through the graph
+    assert llama.runner.compiled.seen.keys() == {(2, False)}  # every decode step went through the graph
     for got, g in zip(out, goldens.values()):
         assert got == g["generated_tokens"]
 
@@ -49,11 +49,11 @@ def test_compiled_int8_follows_eager_int8_with_a_padded_batch(stories_dir, golde
     nxt = torch.tensor([[300], [301], [302]])
     pos = torch.tensor([5, 5, 4])
     eager = model(nxt, pos)
-    compile_decode(model, True)
+    step = compile_decode(model, True)
     model(prompts, 0)
-    compiled = model(nxt, pos)
+    compiled = step(nxt, pos, torch.arange(3))
     assert compiled.shape == eager.shape
-    assert model.compiled_step.seen.keys() == {(4, True)}
+    assert step.seen.keys() == {(4, True)}
     # int8: bf16 activations, and Inductor keeps fused intermediates in fp32, so logits differ by bf16 rounding
     # (max 0.11 measured, logit std ~7), not more; int8-dynamic: an activation code can round the other way.
     # The greedy choice is the same.
@@ -90,7 +90,7 @@ SCRIPT = textwrap.dedent("""
     prompts = [g["prompt_tokens"] for g in json.load(open(goldens)).values()]
     llama = Llama.build(ckpt, tokenizer, max_seq_len=160, max_batch_size=2, device="cpu", compile=True)
     greedy, _ = llama.generate(prompts, max_gen_len=64, temperature=0.0)
-    seen = [list(k) for k in llama.model.compiled_step.seen]
+    seen = [list(k) for k in llama.runner.compiled.seen]
     with open(f"{out}.{os.environ['RANK']}.json", "w") as f:
         json.dump({"greedy": greedy, "seen": seen}, f)
     dist.barrier()
@@ -110,14 +110,14 @@ def test_compiled_under_model_parallel_matches_goldens(goldens, two_ranks):
 # ------------------------------------------------------------------------------------------ compile="auto" (default)
 def test_auto_leaves_small_models_eager(stories_dir):
     llama = build(stories_dir)  # the default, compile="auto": stories260K is far below AUTO_MIN_PARAMS
-    assert llama.model.compiled_step is None
+    assert llama.runner.compiled is None
 
 
 def test_auto_compiles_a_batch_size_once_eager_decoding_has_cost_as_much(stories_dir, goldens):
     """The lazy rule: decode eagerly at a batch size until that has taken the expected compile time (set tiny
     here), then compile it; both paths give the goldens, so the switch is invisible in the output."""
     llama = build(stories_dir, compile=False)
-    step = llama.model.compiled_step = CompiledDecode(llama.model, "default", lazy=True)
+    step = llama.runner.compiled = CompiledDecode(llama.model, "default", lazy=True)
     step.estimate = 0.05  # seconds of eager decoding before compiling
     prompts = [g["prompt_tokens"] for g in goldens.values()]
     out, _ = llama.generate(prompts, max_gen_len=128, temperature=0)
@@ -132,7 +132,7 @@ def test_a_batch_size_that_would_not_fit_in_memory_stays_eager(stories_dir, gold
     llama = build(stories_dir, compile=True)
     prompts = [g["prompt_tokens"] for g in goldens.values()]
     out, _ = llama.generate(prompts, max_gen_len=16, temperature=0)
-    assert llama.model.compiled_step.refused == {(2, False)} and not llama.model.compiled_step.seen
+    assert llama.runner.compiled.refused == {(2, False)} and not llama.runner.compiled.seen
     assert "not enough free memory" in capsys.readouterr().out
     for got, g in zip(out, goldens.values()):
         assert got == g["generated_tokens"][:16]
@@ -157,9 +157,9 @@ def test_auto_applies_to_cpu_models_above_the_size_threshold(monkeypatch):
     model = random_model()
     monkeypatch.setattr(compilation, "AUTO_MIN_PARAMS", 0)
     step = compile_decode(model, "auto")
-    assert step is model.compiled_step and step.lazy and not step.seen
+    assert step.lazy and not step.seen
     monkeypatch.setattr(compilation, "AUTO_MIN_PARAMS", 10**12)
-    assert compile_decode(model, "auto") is None and model.compiled_step is None
+    assert compile_decode(model, "auto") is None
     assert compile_decode(model, True).lazy is False  # True compiles on first use
     monkeypatch.setattr(compilation, "AUTO_MIN_PARAMS", 0)
     monkeypatch.setattr(compilation.parallel, "model_parallel_size", lambda: 2)

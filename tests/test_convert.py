@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from llama.checkpoint import expected_shapes, read_params, verify_checklist
 from llama.convert import derive_ffn, main, read_safetensors
+from llama.cache import KVCache
 from llama.model import ModelArgs, Transformer, ffn_hidden_dim
 
 REPO = Path(__file__).resolve().parents[1]
@@ -224,7 +225,7 @@ def meta_logits(ckpt_dir, tokens):
     args = ModelArgs.from_params(read_params(ckpt_dir))
     model = Transformer(args)
     model.load_state_dict(load_state_dict(ckpt_dir, args, 0, 1))
-    model.setup_caches(1, len(tokens))
+    KVCache(model, 1, len(tokens))
     return model(torch.tensor([tokens]))[0]
 
 

@@ -284,11 +284,11 @@ def test_compiled_decode_step_gets_one_batch_size(gen, monkeypatch):
             sizes.append((tokens.shape[0], rows is None))
             return gen.model.decode_step(tokens, pos, rows)
 
-    monkeypatch.setattr(gen.model, "compiled_step", Step())
+    monkeypatch.setattr(gen.runner, "compiled", Step())
     with gen.engine() as engine:
         handles = [engine.submit(p, temperature=0.0, max_gen_len=n) for p, n in zip(PROMPTS, LENGTHS)]
         results = [h.result(timeout=60) for h in handles]
-    monkeypatch.setattr(gen.model, "compiled_step", None)
+    monkeypatch.setattr(gen.runner, "compiled", None)
     assert set(sizes) == {(SLOTS, True)} and len(sizes) >= max(LENGTHS) - 1
     for p, n, got in zip(PROMPTS, LENGTHS, results):
         assert got == alone(gen, p, temperature=0.0, max_gen_len=n)
@@ -303,11 +303,11 @@ def test_auto_compile_still_eager_decodes_only_the_slots_in_use(gen, monkeypatch
     step.estimate = float("inf")  # never due in this test: nothing is compiled
     widths = []
     forward = gen.model.forward
-    monkeypatch.setattr(gen.model, "compiled_step", step)
+    monkeypatch.setattr(gen.runner, "compiled", step)
     monkeypatch.setattr(gen.model, "forward", lambda x, *a, **k: widths.append(x.shape) or forward(x, *a, **k))
     with gen.engine() as engine:
         result = engine.submit(PROMPTS[0], temperature=0.0, max_gen_len=12).result(timeout=60)
-    monkeypatch.setattr(gen.model, "compiled_step", None)
+    monkeypatch.setattr(gen.runner, "compiled", None)
     assert result == alone(gen, PROMPTS[0], temperature=0.0, max_gen_len=12)
     assert (1, 1) in widths and (SLOTS, 1) not in widths  # one request: one-row decode steps
     assert step.eager[(SLOTS, False)] > 0 and not step.seen

@@ -4,6 +4,7 @@ the int8 fallback, on random tiny models and on stories260K's goldens. All eager
 import pytest
 import torch
 
+from llama.cache import KVCache
 from llama.model import ModelArgs, Transformer
 from llama.quantize import linear
 from llama.parallel import init_distributed
@@ -19,7 +20,7 @@ def random_model(seed=0, dtype=torch.float32, max_batch=3, max_seq=24, **overrid
         for name, p in model.named_parameters():
             p.copy_(torch.randn_like(p) * (0.3 if "norm" not in name else 0.05) + (1.0 if "norm" in name else 0.0))
     model.to(dtype).eval()
-    model.setup_caches(max_batch, max_seq)
+    KVCache(model, max_batch, max_seq)
     return model
 
 
@@ -91,7 +92,7 @@ def test_decode_step_greedy_goldens(stories, goldens):
 
 def test_bf16_model_keeps_a_bf16_cache_and_returns_fp32():
     model = random_model(dtype=torch.bfloat16).fuse()
-    model.setup_caches(2, 16)
+    KVCache(model, 2, 16)
     assert model.layers[0].attention.cache_k.dtype == torch.bfloat16
     ref = random_model().fuse()
     tokens = torch.randint(0, 96, (2, 5))

@@ -1,0 +1,164 @@
+"""The runner: turns a step's plan into forward passes and cache copies, then samples and advances every request
+that got logits. It holds the only calls of the model's forward pass that decode, and the compile policy: a
+one-token step runs through the compiled decode graph when it is ready (llama/compile.py), else eagerly.
+"""
+
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .cache import KVCache
+from .compile import CompiledDecode
+from .request import Request
+from .sampling import RowSampler, token_logprobs
+
+
+@dataclass
+class Plan:
+    """One step: `ops` in order (what model-parallel followers replay), and which requests they serve."""
+
+    ops: List[Dict] = field(default_factory=list)
+    prefill: List[Tuple[Request, int, int]] = field(default_factory=list)  # (request, start, length), in op order
+    twins: List[Tuple[Request, Request]] = field(default_factory=list)  # (request, the source it copies)
+    decoding: List[Request] = field(default_factory=list)
+
+
+def _name(proc) -> str:
+    return getattr(proc, "__qualname__", None) or type(proc).__name__
+
+
+class Runner:
+    def __init__(self, model, cache: KVCache, compiled: Optional[CompiledDecode] = None):
+        self.model, self.cache, self.compiled = model, cache, compiled
+        self.device = cache.device
+        self._sampler: Optional[Tuple[List[Request], RowSampler]] = None
+
+    # ------------------------------------------------------------------------------------------ forward passes
+    @torch.inference_mode()  # also what lets Inductor freeze the weights into the compiled graph
+    def execute(self, ops: List[Dict]) -> List[Optional[torch.Tensor]]:
+        return [self._op(op) for op in ops]
+
+    def _op(self, op: Dict) -> Optional[torch.Tensor]:
+        kind = op["kind"]
+        if kind == "copy":
+            self.cache.copy_rows(op["src"], op["dst"], op["length"])
+        elif kind == "load":
+            self.cache.load(self.cache.prefix(op["prefix"]).kv, op["slot"], op["length"])
+        elif kind == "prefill":
+            dev = self.device
+            start = op["start"] if isinstance(op["start"], int) else torch.tensor(op["start"], device=dev)
+            slots = None if op["slots"] == list(range(len(op["slots"]))) else torch.tensor(op["slots"], device=dev)
+            last = None if op["last"] is None else torch.tensor(op["last"], device=dev)
+            return self.model(torch.tensor(op["tokens"], device=dev), start, rows=slots, logit_index=last,
+                              kv_len=op["kv_len"])
+        elif kind == "decode":
+            return self._decode(op["tokens"], op["pos"], op["slots"])
+        else:
+            raise ValueError(f"unknown op {kind!r}")
+        return None
+
+    def _decode(self, tokens: List[int], pos: List[int], active: List[int]) -> torch.Tensor:
+        """Logits (rows, V) of one token per slot, rows indexed by slot.
+
+        Compiled, the step spans every slot, so one graph (one copy of the weights) serves any mix of requests.
+        Eager, it spans only slots 0..highest active; under compile="auto" its time counts toward compiling.
+        """
+        dev, c = self.device, self.compiled
+        n_slots = len(tokens)
+        if c is not None and c.ready(c.key(n_slots, None)):
+            return c(torch.tensor(tokens, device=dev)[:, None], torch.tensor(pos, device=dev))[:, 0]
+        width = max(active) + 1
+        x = torch.tensor(tokens[:width], device=dev)[:, None]
+        same = len(set(pos[:width])) == 1
+        start = time.perf_counter()
+        logits = self.model(x, pos[0] if same else torch.tensor(pos[:width], device=dev))[:, 0]
+        if c is not None and c.lazy:
+            c.spent_eager(n_slots, None, time.perf_counter() - start)
+        return logits
+
+    @torch.inference_mode()
+    def logits(self, batch: List[List[int]]) -> torch.Tensor:
+        """Every position's logits (B, T, V) of token lists placed in slots 0..B-1 from position 0 (scoring and
+        prefixes; right-padded, so only each list's own positions mean anything)."""
+        width = max(map(len, batch))
+        return self.model(torch.tensor([s + [0] * (width - len(s)) for s in batch], device=self.device), 0)
+
+    # ------------------------------------------------------------------------------------------ one step
+    def run(self, plan: Plan) -> List[Tuple[Request, str]]:
+        """Execute a plan; sample and advance each request that has logits now. Returns (request, text delta)
+        for new text. A request that fails is marked (finish_reason "error") and the others go on."""
+        outs = self.execute(plan.ops)
+        ready: List[Tuple[Request, torch.Tensor]] = []
+        jobs = iter(plan.prefill)
+        for op, out in zip(plan.ops, outs):
+            if op["kind"] != "prefill":
+                continue
+            for i in range(len(op["slots"])):
+                r, s, c = next(jobs)
+                if op["last"] is None:  # every position's logits: some request echoes its prompt's scores
+                    if r.params.echo and r.params.logprobs:
+                        end = min(s + c + 1, len(r.prompt))
+                        r.prompt_logprobs = r.prompt_logprobs + token_logprobs(out[i, :c], r.prompt[s:end])
+                    logits = out[i, c - 1]
+                else:
+                    logits = out[i, 0]
+                if s + c == len(r.prompt):
+                    ready.append((r, logits))
+                    if r.has_twins:
+                        r.first_logits = logits.clone()
+        for r, src in plan.twins:
+            r.prompt_logprobs, r.reused = list(src.prompt_logprobs), src.reused
+            ready.append((r, src.first_logits))
+        if plan.decoding:
+            out = outs[-1]
+            ready += [(r, out[r.slot]) for r in plan.decoding]
+        return self.sample(ready) if ready else []
+
+    def sample(self, ready: List[Tuple[Request, torch.Tensor]]) -> List[Tuple[Request, str]]:
+        reqs = [r for r, _ in ready]
+        logits = torch.stack([lg for _, lg in ready])
+        ok = [self._process(b, r, logits) for b, r in enumerate(reqs)]
+        peak = logits.amax(dim=-1)  # NaN anywhere -> NaN; all -inf -> -inf; any +inf -> +inf
+        bad = (torch.isnan(peak) | torch.isinf(peak)).tolist()
+        for b, r in enumerate(reqs):
+            if ok[b] and bad[b]:
+                procs = r.params.logits_processors
+                after = f" after logits processor(s) {', '.join(map(_name, procs))}" if procs else ""
+                r.fail(ValueError(f"request {r.id}: its next-token logits{after} are all -inf or contain NaN or "
+                                  f"+inf (max {float(peak[b])}), so no token can be sampled"))
+                ok[b] = False
+        if not all(ok):
+            logits[torch.tensor([not k for k in ok])] = 0.0  # failed rows: keep the sampler's arithmetic finite
+        last = self._sampler[0] if self._sampler is not None else []
+        if len(last) != len(reqs) or any(a is not b for a, b in zip(last, reqs)):  # same rows: reuse the tensors
+            self._sampler = (reqs, RowSampler(reqs, self.device))
+        tokens, lps = self._sampler[1](logits)
+        deltas = []
+        for b, r in enumerate(reqs):
+            if ok[b]:
+                text = r.advance(tokens[b], lps[b] if lps is not None else None)
+                if text:
+                    deltas.append((r, text))
+        return deltas
+
+    def _process(self, b: int, r: Request, logits: torch.Tensor) -> bool:
+        """Apply a request's logits processors to its row; on a broken one, fail the request (False)."""
+        row = logits[b]
+        for proc in r.params.logits_processors:
+            try:
+                out = proc(list(r.generated), row)
+            except Exception as e:
+                r.fail(ValueError(f"request {r.id}: logits processor {_name(proc)} raised {e!r}"))
+                return False
+            if not isinstance(out, torch.Tensor) or out.shape != row.shape:
+                got = "None" if out is None else (f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor)
+                                                  else type(out).__name__)
+                r.fail(ValueError(f"request {r.id}: logits processor {_name(proc)} returned {got}; it must return "
+                                  f"the logits, a tensor of shape {tuple(row.shape)}"))
+                return False
+            row = out
+        if r.params.logits_processors:
+            logits[b] = row
+        return True
