@@ -16,7 +16,7 @@ GOLDENS = SHARED / "goldens" / "stories260K_greedy.json"
 LLAMA2_TOKENIZER = SHARED / "tokenizers" / "llama2" / "tokenizer.model"
 
 
-def _need(path: Path) -> Path:
+def need(path: Path) -> Path:
     if not path.exists():
         pytest.skip(f"{path} not found: these tests need ../shared beside the repository")
     return path
@@ -24,17 +24,17 @@ def _need(path: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def stories_dir() -> Path:
-    return _need(STORIES)
+    return need(STORIES)
 
 
 @pytest.fixture(scope="session")
 def goldens() -> dict:
-    return json.loads(_need(GOLDENS).read_text())
+    return json.loads(need(GOLDENS).read_text())
 
 
 @pytest.fixture(scope="session")
 def llama2_tokenizer_path() -> Path:
-    return _need(LLAMA2_TOKENIZER)
+    return need(LLAMA2_TOKENIZER)
 
 
 @pytest.fixture(scope="session")
@@ -43,6 +43,20 @@ def stories(stories_dir):
     from llama import Llama
 
     return Llama.build(str(stories_dir), str(stories_dir / "tokenizer.model"), max_seq_len=256, max_batch_size=4)
+
+
+@pytest.fixture(scope="session")
+def rand_gen(tmp_path_factory):
+    """A random-weight model with the real 32000-piece Llama 2 tokenizer (byte fallback, multi-byte UTF-8)."""
+    from llama import Llama
+    from llama.demo import write_random_checkpoint
+
+    tokenizer = need(LLAMA2_TOKENIZER)
+    d = tmp_path_factory.mktemp("rand_llama2")
+    params = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 32, "norm_eps": 1e-5,
+              "vocab_size": 32000}
+    write_random_checkpoint(d, params, tokenizer_path=tokenizer, std=0.5)
+    return Llama.build(str(d), str(d / "tokenizer.model"), max_seq_len=128, max_batch_size=4)
 
 
 @pytest.fixture
@@ -63,7 +77,7 @@ def two_ranks(stories_dir, tmp_path):
         (tmp_path / "run.py").write_text(script)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(tmp_path / "run.py"), str(tmp_path / "two"), str(stories_dir / "tokenizer.model"),
-               str(_need(GOLDENS)), str(tmp_path / "out"), *extra]
+               str(need(GOLDENS)), str(tmp_path / "out"), *extra]
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
         assert proc.returncode == 0, proc.stderr[-3000:]

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 STORIES = REPO.parent / "shared" / "models" / "stories260K"
 MODEL_ARGS = ["--ckpt_dir", str(STORIES), "--tokenizer_path", str(STORIES / "tokenizer.model"),
               "--max_seq_len", "192", "--max_batch_size", "4", "--threads", "1", "--no_progress"]

@@ -18,10 +18,8 @@ from llama.checkpoint import (
     expected_shapes, load_shard, load_state_dict, parallel_dim, read_params, save_checkpoint, verify_checklist,
 )
 from llama.model import ModelArgs
+from conftest import REPO, STORIES
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
-STORIES = SHARED / "models" / "stories260K"
 
 
 def stories():

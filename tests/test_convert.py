@@ -16,10 +16,8 @@ from llama.checkpoint import expected_shapes, read_params, verify_checklist
 from llama.convert import derive_ffn, main, read_safetensors
 from llama.cache import KVCache
 from llama.model import ModelArgs, Transformer, ffn_hidden_dim
+from conftest import REPO, STORIES
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
-STORIES = SHARED / "models" / "stories260K"
 BIN = STORIES / "llama2c" / "stories260K.bin"
 
 

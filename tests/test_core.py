@@ -4,24 +4,18 @@ or unusable logits fail only their own request, and the model's forward pass is 
 
 import math
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
 from llama import BatchError
 
-from conftest import STORIES
+from conftest import REPO, STORIES
 
 PROMPTS = ["Once upon a time", "Lily and Ben went to the park", "The little dog"]
 DIALOG = [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Tell me about a cat"}]
 GREEDY = dict(temperature=0.0, max_gen_len=24)
 SEEDED = dict(temperature=0.9, top_p=0.95, top_k=50, seed=11, max_gen_len=24)
-
-
-@pytest.fixture(scope="module")
-def gen(stories):
-    return stories  # stories260K, 4 slots
 
 
 def wide(slots):
@@ -35,10 +29,10 @@ def texts(preds):
     return [p["generation"] for p in preds]
 
 
-def prompt_tokens_computed(gen, monkeypatch):
+def prompt_tokens_computed(stories, monkeypatch):
     """Count prompt positions the model computes (prefill ops, padding excluded)."""
     counted = []
-    execute = gen.runner.execute
+    execute = stories.runner.execute
 
     def spy(ops):
         for op in ops:
@@ -46,66 +40,66 @@ def prompt_tokens_computed(gen, monkeypatch):
                 counted.append(sum(last + 1 for last in op["last"]))
         return execute(ops)
 
-    monkeypatch.setattr(gen.runner, "execute", spy)
+    monkeypatch.setattr(stories.runner, "execute", spy)
     return counted
 
 
 @pytest.mark.parametrize("opts", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_every_path_gives_the_same_text(gen, opts):
-    alone = [gen.text_completion([p], **opts)[0]["generation"] for p in PROMPTS]
-    assert texts(gen.text_completion(PROMPTS, **opts)) == alone
-    assert texts(gen.text_completion(PROMPTS * 3, **opts)) == alone * 3  # more prompts than slots
-    assert ["".join(gen.stream_completion(p, **opts)) for p in PROMPTS] == alone
-    with gen.engine(prefill_chunk=5) as engine:
+def test_every_path_gives_the_same_text(stories, opts):
+    alone = [stories.text_completion([p], **opts)[0]["generation"] for p in PROMPTS]
+    assert texts(stories.text_completion(PROMPTS, **opts)) == alone
+    assert texts(stories.text_completion(PROMPTS * 3, **opts)) == alone * 3  # more prompts than slots
+    assert ["".join(stories.stream_completion(p, **opts)) for p in PROMPTS] == alone
+    with stories.engine(prefill_chunk=5) as engine:
         handles = [engine.submit(p, **opts) for p in PROMPTS]
         assert [h.result(timeout=60)["generation"] for h in handles] == alone
     if opts is GREEDY:
-        ids = [gen.tokenizer.encode(p, bos=True, eos=False) for p in PROMPTS]
-        out, _ = gen.generate(ids, max_gen_len=24, temperature=0.0)
-        assert [continuation(gen, i, o) for i, o in zip(ids, out)] == alone
+        ids = [stories.tokenizer.encode(p, bos=True, eos=False) for p in PROMPTS]
+        out, _ = stories.generate(ids, max_gen_len=24, temperature=0.0)
+        assert [continuation(stories, i, o) for i, o in zip(ids, out)] == alone
 
-    reply = gen.chat_completion([DIALOG], **opts)[0]["generation"]["content"]
-    assert [c["generation"]["content"] for c in gen.chat_completion([DIALOG, DIALOG[1:], DIALOG], **opts)][::2] == [reply] * 2
-    assert "".join(gen.stream_chat(DIALOG, **opts)) == reply
-    assert gen.chat_session(system="Be brief").send(DIALOG[1]["content"], **opts) == reply
-    with gen.engine() as engine:
+    reply = stories.chat_completion([DIALOG], **opts)[0]["generation"]["content"]
+    assert [c["generation"]["content"] for c in stories.chat_completion([DIALOG, DIALOG[1:], DIALOG], **opts)][::2] == [reply] * 2
+    assert "".join(stories.stream_chat(DIALOG, **opts)) == reply
+    assert stories.chat_session(system="Be brief").send(DIALOG[1]["content"], **opts) == reply
+    with stories.engine() as engine:
         assert engine.submit(DIALOG, **opts).result(timeout=60)["generation"]["content"] == reply
 
 
-def continuation(gen, context, generated):
-    tok = gen.tokenizer
+def continuation(stories, context, generated):
+    tok = stories.tokenizer
     return tok.decode(context + generated)[len(tok.decode(context)):]
 
 
-def test_n_samples_prefill_once_on_every_path(gen, monkeypatch):
-    counted = prompt_tokens_computed(gen, monkeypatch)
-    lengths = [len(gen.tokenizer.encode(p, bos=True, eos=False)) for p in PROMPTS[:2]]
+def test_n_samples_prefill_once_on_every_path(stories, monkeypatch):
+    counted = prompt_tokens_computed(stories, monkeypatch)
+    lengths = [len(stories.tokenizer.encode(p, bos=True, eos=False)) for p in PROMPTS[:2]]
     sampled = dict(temperature=1.0, max_gen_len=6, seed=3)
 
-    res = gen.text_completion(PROMPTS[:1], n=4, **sampled)  # all four fit: one static batch
+    res = stories.text_completion(PROMPTS[:1], n=4, **sampled)  # all four fit: one static batch
     assert len(set(texts(res))) > 1 and sum(counted) == lengths[0]
     counted.clear()
     # 2 prompts x 3 samples in 4 slots: continuous batching; a prompt's samples are admitted together.
-    expected = [r for r in texts(gen.text_completion(PROMPTS[:2], temperature=0.0, max_gen_len=6)) for _ in range(3)]
+    expected = [r for r in texts(stories.text_completion(PROMPTS[:2], temperature=0.0, max_gen_len=6)) for _ in range(3)]
     counted.clear()
-    res = gen.text_completion(PROMPTS[:2], n=3, temperature=0.0, max_gen_len=6)
+    res = stories.text_completion(PROMPTS[:2], n=3, temperature=0.0, max_gen_len=6)
     assert texts(res) == expected
     assert sum(counted) == sum(lengths)
     counted.clear()
     # More samples than slots: the first four start together; the rest copy whichever sample is still running,
     # or one of them computes the prompt again if none is. Seeded draws make the order invisible.
-    many = gen.text_completion(PROMPTS[1:2], n=6, **sampled)
+    many = stories.text_completion(PROMPTS[1:2], n=6, **sampled)
     assert sum(counted) <= 2 * lengths[1]
     assert texts(wide(8).text_completion(PROMPTS[1:2], n=6, **sampled)) == texts(many)
     counted.clear()
-    chat = gen.chat_completion([DIALOG], n=3, **sampled)
-    assert len(chat) == 3 and sum(counted) == len(gen.formatter.encode_dialog_prompt(DIALOG))
+    chat = stories.chat_completion([DIALOG], n=3, **sampled)
+    assert len(chat) == 3 and sum(counted) == len(stories.formatter.encode_dialog_prompt(DIALOG))
     counted.clear()
-    with gen.engine(prefill_chunk=4) as engine:  # a prompt prefilled over several steps, then copied
+    with stories.engine(prefill_chunk=4) as engine:  # a prompt prefilled over several steps, then copied
         handles = engine.submit_samples(PROMPTS[1], 3, **sampled)
         got = [h.result(timeout=60) for h in handles]
     assert sum(counted) == lengths[1]
-    assert got == gen.text_completion(PROMPTS[1:2], n=3, **sampled)
+    assert got == stories.text_completion(PROMPTS[1:2], n=3, **sampled)
     assert engine.stats["prefill_tokens"] == lengths[1]
 
 
@@ -134,27 +128,27 @@ BROKEN = {raising: "raised RuntimeError", returns_none: "returned None", wrong_s
 
 
 @pytest.mark.parametrize("proc", list(BROKEN), ids=[p.__name__ for p in BROKEN])
-def test_a_broken_processor_fails_only_its_request_on_every_path(gen, proc):
+def test_a_broken_processor_fails_only_its_request_on_every_path(stories, proc):
     message = BROKEN[proc]
-    clean = texts(gen.text_completion(PROMPTS, **SEEDED))
+    clean = texts(stories.text_completion(PROMPTS, **SEEDED))
     procs = [[], [proc], []]
     for prompts, expected in ((PROMPTS, clean), (PROMPTS * 2, clean * 2)):  # static batch, continuous batching
         with pytest.raises(BatchError, match=message) as info:
-            gen.text_completion(prompts, logits_processors=procs * (len(prompts) // 3), **SEEDED)
+            stories.text_completion(prompts, logits_processors=procs * (len(prompts) // 3), **SEEDED)
         failed = [i for i in range(len(prompts)) if i % 3 == 1]
         assert sorted(info.value.errors) == failed and proc.__name__ in str(info.value)
         assert [p and p["generation"] for p in info.value.predictions] == [
             None if i in failed else t for i, t in enumerate(expected)]
     with pytest.raises(ValueError, match=message):
-        "".join(gen.stream_completion(PROMPTS[0], logits_processors=[proc], **SEEDED))
+        "".join(stories.stream_completion(PROMPTS[0], logits_processors=[proc], **SEEDED))
     with pytest.raises(BatchError, match=message) as info:
-        gen.chat_completion([DIALOG, DIALOG], logits_processors=[[proc], []], **SEEDED)
-    assert info.value.predictions[1] == gen.chat_completion([DIALOG], **SEEDED)[0]
-    session = gen.chat_session()
+        stories.chat_completion([DIALOG, DIALOG], logits_processors=[[proc], []], **SEEDED)
+    assert info.value.predictions[1] == stories.chat_completion([DIALOG], **SEEDED)[0]
+    session = stories.chat_session()
     with pytest.raises(ValueError, match=message):
         session.send("Hello", logits_processors=[proc], **SEEDED)
     assert session.dialog == [] and session.send("Hello", **GREEDY)
-    with gen.engine() as engine:
+    with stories.engine() as engine:
         handles = [engine.submit(p, logits_processors=q, **SEEDED) for p, q in zip(PROMPTS, procs)]
         with pytest.raises(ValueError, match=message):
             handles[1].result(timeout=60)
@@ -163,17 +157,17 @@ def test_a_broken_processor_fails_only_its_request_on_every_path(gen, proc):
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
-def test_non_finite_temperature_is_refused(gen, value):
+def test_non_finite_temperature_is_refused(stories, value):
     with pytest.raises(ValueError, match="temperature must be >= 0 and finite"):
-        gen.text_completion(PROMPTS, temperature=value)
-    with gen.engine() as engine:
+        stories.text_completion(PROMPTS, temperature=value)
+    with stories.engine() as engine:
         with pytest.raises(ValueError, match="temperature"):
             engine.submit(PROMPTS[0], temperature=value).result(timeout=60)
 
 
 def test_one_module_calls_the_model_to_decode():
     """Only the runner calls the model's forward pass (the rest of the package plans, builds and formats)."""
-    package = Path(__file__).resolve().parents[1] / "llama"
+    package = REPO / "llama"
     callers = set()
     for path in package.rglob("*.py"):
         if re.search(r"\bmodel\(|\.model\.forward\(|\bmodel\.decode_step\(", path.read_text()):

@@ -13,12 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import GOLDENS, REPO, STORIES, need
+from helpers import ONCE, build_stories
 from llama.reshard import reshard
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
-STORIES = SHARED / "models" / "stories260K"
-GOLDENS = SHARED / "goldens" / "stories260K_greedy.json"
+
 TIMEOUT = 300
 
 # Run by every rank: build from each checkpoint, sample then decode greedily, write this rank's tokens.
@@ -45,7 +44,7 @@ SCRIPT = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     if not (STORIES / "consolidated.00.pth").is_file() or not GOLDENS.is_file():
-        pytest.skip(f"shared stories260K model or goldens not found under {SHARED} (expected <repo root>/../shared)")
+        pytest.skip(f"shared stories260K model or goldens not found under {STORIES.parent.parent} (expected <repo root>/../shared)")
     tmp = tmp_path_factory.mktemp("dist")
     reshard(STORIES, tmp / "two", 2)
     (tmp / "run.py").write_text(SCRIPT)
@@ -176,3 +175,46 @@ def test_pickle_carrying_code_is_refused(setup, tmp_path):
     with pytest.raises(ValueError, match=r"refusing to load .*consolidated\.00\.pth: it pickles objects other than"):
         Llama.build(str(d), str(d / "tokenizer.model"), max_seq_len=32, max_batch_size=1, device="cpu")
     assert not (tmp_path / "pwned").exists()
+
+
+# --------------------------------------------------------------------------------------------- model parallel
+def mp_outputs(g):
+    """Seeded, streamed, stopped and chat outputs: what must not change with the model-parallel size."""
+    kw = dict(temperature=1.0, top_p=1.0, max_gen_len=40)
+    res = [r["generation"] for r in g.text_completion([ONCE, "Lily"], seed=[7, 8], **kw)]
+    res.append("".join(g.stream_completion(ONCE, seed=7, stop=["Lily"], **kw)))
+    session = g.chat_session()
+    return res + [session.send("Hi", temperature=0, max_gen_len=10), session.send("More", seed=3, **kw)]
+
+
+MP_SCRIPT = r'''
+import json, sys, torch
+torch.set_num_threads(1)
+import torch.distributed as dist
+from llama import Llama
+sys.path.insert(0, sys.argv[3])
+from test_distributed import mp_outputs
+ckpt, out = sys.argv[1], sys.argv[2]
+res = mp_outputs(Llama.build(ckpt, ckpt + "/tokenizer.model", max_seq_len=128, max_batch_size=2))
+if dist.get_rank() == 0:
+    json.dump(res, open(out, "w"))
+'''
+
+
+def test_seeded_outputs_identical_at_mp2(tmp_path):
+    """Two model-parallel ranks (torchrun, gloo on CPU) give the same texts as one process."""
+    import subprocess
+    import sys
+    need(STORIES / "consolidated.00.pth")
+    script, out = tmp_path / "mp.py", tmp_path / "mp2.json"
+    script.write_text(MP_SCRIPT)
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script),
+                           str(STORIES), str(out), str(root / "tests")], env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    mp2 = json.loads(out.read_text())
+    mp1 = mp_outputs(build_stories(max_batch_size=2, max_seq_len=128))
+    assert mp2 == mp1
+    assert mp1[2] == mp1[0][: mp1[0].find("Lily")] and mp1[0] != mp1[1]

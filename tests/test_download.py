@@ -11,8 +11,8 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "download.sh"
 MODELS = {"7B": ("llama-2-7b", 1), "7B-chat": ("llama-2-7b-chat", 1), "13B": ("llama-2-13b", 2),
           "13B-chat": ("llama-2-13b-chat", 2), "70B": ("llama-2-70b", 8), "70B-chat": ("llama-2-70b-chat", 8)}

@@ -10,13 +10,11 @@ import sys
 import textwrap
 import threading
 from concurrent.futures import CancelledError
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-STORIES = REPO.parent / "shared" / "models" / "stories260K"
+from conftest import REPO, STORIES
 
 PROMPTS = ["Once upon a time", "Lily and her mom", "The little dog", "One day, Tom saw", "There was a big tree",
            "Sam liked to play", "The sun was hot", "A bird sat on"]

@@ -4,7 +4,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,11 +11,8 @@ import torch
 from llama.checkpoint import load_state_dict, parallel_dim, read_params, verify_checklist
 from llama.model import ModelArgs
 from llama.reshard import main, reshard
+from conftest import GOLDENS, REPO, SHARED, STORIES
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
-STORIES = SHARED / "models" / "stories260K"
-GOLDENS = SHARED / "goldens" / "stories260K_greedy.json"
 
 
 @pytest.fixture(scope="module")

@@ -2,17 +2,15 @@
 
 import json
 import random
-from pathlib import Path
 
 import pytest
 
 from llama.textstream import REPLACEMENT, TextStream
 from llama.tokenizer import Tokenizer
+from conftest import GOLDENS, LLAMA2_TOKENIZER, STORIES
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-STORIES_TOK = SHARED / "models" / "stories260K" / "tokenizer.model"
-LLAMA2_TOK = SHARED / "tokenizers" / "llama2" / "tokenizer.model"
-GOLDENS = SHARED / "goldens" / "stories260K_greedy.json"
+STORIES_TOK = STORIES / "tokenizer.model"
+LLAMA2_TOK = LLAMA2_TOKENIZER
 
 
 def _load(path):
