@@ -18,6 +18,7 @@ import sys
 from typing import Dict, List, Optional
 
 from . import parallel
+from .generation import Llama
 
 
 def windows(n_tokens: int, window: int, stride: int) -> List[tuple]:
@@ -77,8 +78,6 @@ def default_tokenizer(ckpt_dir: str) -> str:
 def main(file: str, ckpt_dir: str, tokenizer_path: Optional[str] = None, max_seq_len: int = 512,
          stride: Optional[int] = None, max_batch_size: int = 4) -> Dict:
     """Load the model, score the file, print one summary line (rank 0) and return the figures."""
-    from .generation import Llama
-
     with open(file, encoding="utf-8") as f:
         text = f.read()
     generator = Llama.build(ckpt_dir, tokenizer_path or default_tokenizer(ckpt_dir), max_seq_len=max_seq_len,
