@@ -4,7 +4,7 @@ Every method builds Requests (llama/inputs.py) and runs them through the one dec
 holding the KV cache (llama/cache.py); the return shapes are the reference's.
 """
 
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple, TypedDict, Union
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypedDict, Union
 
 import torch
 
@@ -166,7 +166,7 @@ class Llama:
         """Yield text deltas of one completion as tokens arrive; their concatenation is the final text."""
         prompt = string_list("prompt", [prompt])[0]
         toks = self.inputs.encode_text(prompt, prefix)
-        return self._stream(self.inputs.requests([toks], expand_params(1, **options), prefix=prefix)[0])
+        return self.stream_request(self.inputs.requests([toks], expand_params(1, **options), prefix=prefix)[0])
 
     def stream_chat(self, dialog: Dialog, **options) -> Iterator[str]:
         """Yield the assistant's reply to one dialog as text deltas."""
@@ -174,15 +174,19 @@ class Llama:
         params = expand_params(1, **options)
         if refusal is not None:
             return iter([refusal])
-        return self._stream(self.inputs.requests([toks], params, chat=True)[0])
+        return self.stream_request(self.inputs.requests([toks], params, chat=True)[0])
 
-    def _stream(self, req: Request) -> Iterator[str]:
+    def stream_request(self, req: Request, finish: Optional[Callable[[Request], None]] = None) -> Iterator[str]:
+        """Run one built request, yielding its text deltas; the stream holds the cache until it ends. finish(req)
+        runs before the cache is released (a chat session snapshots the request's slot there)."""
         with self.cache.hold(streaming=True):
             for deltas in self.core.run([req]):
                 for _, text in deltas:
                     yield text
-        if req.error is not None:
-            raise req.error
+            if req.error is not None:
+                raise req.error
+            if finish is not None:
+                finish(req)
 
     # ----------------------------------------------------------------------------------------- prefixes, chat
     def prefill(self, text_or_tokens: Union[str, List[int]]) -> Prefix:

@@ -44,13 +44,9 @@ class ChatSession:
         return self._turn(dialog, req)
 
     def _turn(self, dialog, req) -> Iterator[str]:
-        llama = self.llama
-        with llama.cache.hold(streaming=True):
-            for deltas in llama.core.run([req]):
-                for _, text in deltas:
-                    yield text
-            if req.error is not None:
-                raise req.error
+        def keep_cache(req):  # the slot still holds this turn: snapshot it before the cache is released
             self.last_prefilled = len(req.prompt) - req.reused
-            self.cache = Prefix.from_slot(llama.cache, req.slot, req.cached)
+            self.cache = Prefix.from_slot(self.llama.cache, req.slot, req.cached)
+
+        yield from self.llama.stream_request(req, keep_cache)
         self.dialog = dialog + [{"role": "assistant", "content": req.stream.text}]
