@@ -29,8 +29,8 @@ MODES = ("auto", "max-autotune", "default")
 # few milliseconds and a compile stall of seconds is never repaid by ordinary use.
 AUTO_MIN_PARAMS = 50_000_000
 
-# fp32 batches this large stay eager: oneDNN's eager fp32 GEMM beats Inductor's template there (134M, batch 32:
-# 676 vs 535 tok/s; batch 8: 315 vs 376, so smaller batches compile).
+# fp32 batches this large stay eager: oneDNN's eager fp32 GEMM beats Inductor's template there, and smaller
+# batches are faster compiled (docs/performance.md, "Why these defaults").
 FP32_EAGER_MIN_BATCH = 32
 
 # Inductor's own lowering of oneDNN's int8 linear (int8-dynamic) warns about its internal tensor copy: not ours.
@@ -55,8 +55,8 @@ class CompiledDecode:
         # Set around every call, not as torch.compile options: Inductor reads `freezing` outside the options' scope.
         self.config = {"freezing": True, "max_autotune": mode == "max-autotune",
                        # Only Inductor's own GEMM template: picking between it and ATen's by timing them once is
-                       # at the mercy of a noisy machine, and a bad pick is cached on disk for later runs (measured:
-                       # 38 vs 74 tok/s, 134M fp32). The template won every fp32 case measured, batch 1 to 32.
+                       # at the mercy of a noisy machine, and a bad pick is cached on disk for later runs. The
+                       # template won every fp32 case measured, batch 1 to 32 (docs/performance.md).
                        "max_autotune_gemm_backends": "CPP",
                        # no per-GEMM autotuning tables on stderr
                        "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
@@ -65,7 +65,7 @@ class CompiledDecode:
         self.seen: Dict[tuple, float] = {}  # (batch size, rows given) -> seconds the first call took
         self.eager: Dict[tuple, float] = {}  # lazy: eager decode seconds spent per key so far
         self.refused: set = set()  # keys left eager because compiling would not fit in memory
-        self.estimate = 10.0 + 10.0 * weight_bytes(model) / 1e9  # seconds; measured: 134M fp32 15, 1.38B int8 30
+        self.estimate = 10.0 + 10.0 * weight_bytes(model) / 1e9  # seconds, fitted to measured compile times
         self.reset()
 
     def key(self, batch: int, rows) -> tuple:
@@ -157,12 +157,8 @@ def own_storage(model) -> None:
 
 
 def auto_mode(model) -> str:
-    """max-autotune for fp32 weights, default (freezing only) for bf16 and int8.
-
-    Measured on 2 AVX-512 cores (110m shape, batch 1): fp32 eager 35, default 45, max-autotune 89-94 tok/s (its
-    own GEMV template); bf16 eager 83, default 121, max-autotune 96-101 (oneDNN's prepacked bf16 GEMV beats the
-    template); int8 default 173-220, max-autotune 169.
-    """
+    """max-autotune for fp32 weights (Inductor's own GEMV template wins there), default (freezing only) for bf16
+    and int8 (oneDNN's prepacked GEMV wins there); the measurements are in docs/performance.md."""
     fp32 = model.norm.weight.dtype == torch.float32
     quantized = any(getattr(m, "scales", None) is not None for m in model.modules())
     return "max-autotune" if fp32 and not quantized else "default"

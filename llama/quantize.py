@@ -8,8 +8,8 @@ Decoding reads every weight once per token, so halving the bytes (vs bf16) nearl
 - "int8-dynamic" (CPU): each activation row is also quantized to int8 on the fly (one scale per row, so a row's
   result never depends on the other rows of its batch) and the product runs in oneDNN's int8 GEMM on prepacked
   weights (VNNI dot products, int32 accumulation). This is what llama.cpp's q8_0 does on CPU (it quantizes
-  activations to 8 bits in blocks of 32): measured on 1.38B-shaped layers it streams ~38 GB/s at batch 1 vs
-  ~30 for the weight-only kernel, and is 2x faster at batch 8, at a small accuracy cost (README, int8 accuracy).
+  activations to 8 bits in blocks of 32): faster than the weight-only kernel, most of all at batch 8, at a small
+  accuracy cost (docs/performance.md: speed and int8 accuracy). Without VNNI the activations get 7-bit codes.
 
 Both are symmetric, per-output-channel, round-to-nearest: q8_0's scheme with one scale per row instead of per
 32 values. Under model parallel each rank quantizes its own shard: a column-parallel shard holds whole output
@@ -50,8 +50,8 @@ def product(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return linear(x, layer.weight, layer.scales)
 
 
-# oneDNN's fp32 linear, when this build has it: eager F.linear runs MKL's sgemm for fp32 on CPU, which measured
-# 2.1-2.5x slower at every batch (1 to 256 rows, 134M-shaped layers; bf16 already goes to oneDNN).
+# oneDNN's fp32 linear, when this build has it: eager F.linear runs MKL's sgemm for fp32 on CPU, which is slower at
+# every batch size measured (docs/performance.md; bf16 already goes to oneDNN).
 ONEDNN_FP32 = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
