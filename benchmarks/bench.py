@@ -17,9 +17,7 @@ runs. The machine is shared and noisy: medians resist short stalls, but compare 
 
 import argparse
 import json
-import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,115 +26,11 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-SHARED = REPO.parent / "shared"
-LLAMA2_TOKENIZER = SHARED / "tokenizers" / "llama2" / "tokenizer.model"
-
-# Shapes of the issue's table (vocab 32000: the Llama 2 tokenizer).
-SHAPES = {
-    "tiny": dict(dim=288, n_layers=6, n_heads=6, vocab_size=32000, multiple_of=256),  # stories15M's shape
-    "110m": dict(dim=768, n_layers=12, n_heads=12, vocab_size=32000, multiple_of=256),  # 134M with the output
-    "1b": dict(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, vocab_size=32000, multiple_of=512,
-               ffn_dim_multiplier=1.4),  # FFN 7680, 1.38B
-}
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-# --------------------------------------------------------------------------------------------- machine and weights
-def read_bandwidth(mb: int = 256, repeat: int = 10) -> float:
-    """Streaming read GB/s: best of `repeat` sums over an mb-MB fp32 tensor, with torch's threads."""
-    x = torch.ones(mb * 2**20 // 4)
-    x.sum()
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return x.numel() * 4 / best / 1e9
-
-
-def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, torch {torch.__version__}, {torch.get_num_threads()} threads"
-
-
-def random_checkpoint(shape: str, out_dir: Path, seed: int = 0) -> Path:
-    """Random bf16 weights of a named shape in Meta's layout (std 0.02, norms 1), written to out_dir."""
-    from llama.checkpoint import expected_shapes, save_checkpoint
-    from llama.model import ModelArgs
-
-    spec = SHAPES[shape]
-    args = ModelArgs(**spec)
-    g = torch.Generator().manual_seed(seed)
-    state = {}
-    for name, size in expected_shapes(args).items():
-        if name.endswith("norm.weight"):
-            state[name] = torch.ones(size, dtype=torch.bfloat16)
-        else:
-            state[name] = (torch.randn(size, generator=g) * 0.02).to(torch.bfloat16)
-    params = {k: v for k, v in spec.items()}
-    params["norm_eps"] = 1e-5
-    save_checkpoint(state, params, out_dir)
-    return out_dir
-
-
-def weight_bytes(model) -> int:
-    """Bytes one decode step reads: every parameter but the embedding table (of which it reads B rows)."""
-    named = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if n.endswith(".packed")]
-    return sum(p.numel() * p.element_size() for n, p in named if not n.startswith("tok_embeddings"))
-
-
-def prompt_tokens(vocab: int, length: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    return [1] + torch.randint(3, vocab, (length - 1,), generator=g).tolist()
-
-
-def peak_rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def best_time(fn, repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+from common import (DTYPES, LLAMA2_TOKENIZER, SHAPES, SHARED, best_time, machine, peak_rss, prompt_tokens,
+                    read_bandwidth, run_requests, shape_checkpoint, summarize, weight_bytes)
 
 
 # --------------------------------------------------------------------------------------------- one configuration
-def step_times(steps) -> list:
-    """perf_counter() after each item of an iterator of decode steps, the start first."""
-    times = [time.perf_counter()]
-    for _ in steps:
-        times.append(time.perf_counter())
-    return times
-
-
-def summarize(runs, batch: int) -> dict:
-    """TTFT and decode tok/s from per-step timestamps of several runs: medians, robust to a busy machine.
-
-    Step 1's interval is prefill + first sample (time to first token); later intervals are one decode step each.
-    """
-    ttft = statistics.median(t[1] - t[0] for t in runs)
-    step = statistics.median(b - a for t in runs for a, b in zip(t[1:], t[2:]))
-    return {"ttft_ms": ttft * 1e3, "decode_tps": batch / step}
-
-
 def run_llama(cfg: dict) -> dict:
     """Measure this package on one (dtype, quantize, compile) configuration."""
     from llama import Llama
@@ -147,16 +41,14 @@ def run_llama(cfg: dict) -> dict:
     llm = Llama.build(cfg["ckpt"], cfg["tokenizer"], max_seq_len=P + N, max_batch_size=max(batches),
                       dtype=DTYPES.get(cfg["dtype"]), quantize=cfg["quantize"], compile=cfg["compile"])
     out = {"load_s": time.perf_counter() - start}
-    llm.tokenizer.eos_id = -1  # random weights: never stop early, every run decodes N tokens
+    llm.tokenizer.stop_tokens = {}  # random weights: never stop early, every run decodes N tokens
     prompt = prompt_tokens(llm.model.vocab_size, P)
     x = torch.tensor([prompt])
     llm.model(x, 0)
     out["prefill_tps"] = P / best_time(lambda: llm.model(x, 0), repeat)
 
     def run(b, n):
-        rows = llm._rows([prompt] * b, [SamplingParams(temperature=0, max_gen_len=n)] * b)
-        with llm.lock:
-            return step_times(llm._run(rows))
+        return run_requests(llm, [prompt] * b, SamplingParams(temperature=0, max_gen_len=n))
 
     out["compile_s"], out["decode_tps"] = {}, {}
     for b in batches:
@@ -343,7 +235,7 @@ def main(argv=None) -> int:
             ckpt = Path(args.workdir) / f"random-{args.model}"
             if not (ckpt / "params.json").exists():
                 t = time.perf_counter()
-                random_checkpoint(args.model, ckpt)
+                shape_checkpoint(args.model, ckpt)
                 print(f"wrote random {args.model} weights to {ckpt} in {time.perf_counter() - t:.0f} s", flush=True)
         else:
             ckpt = Path(args.model)

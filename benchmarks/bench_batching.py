@@ -18,22 +18,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import STORIES, random_checkpoint
 
-from llama import Llama  # noqa: E402
-from llama.demo import write_random_checkpoint  # noqa: E402
+from llama import Llama
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-STORIES = SHARED / "models" / "stories260K"
 PROMPTS = ["Once upon a time", "Lily and her mom", "The little dog", "One day, Tom saw", "There was a big tree",
            "Sam liked to play", "The sun was hot", "A bird sat on"]
-
-
-def random_checkpoint(out_dir: Path, dim: int, n_layers: int, n_heads: int, vocab: int) -> Path:
-    """A Meta-layout checkpoint with random weights: compute of a real model of that size, no download."""
-    params = {"dim": dim, "n_layers": n_layers, "n_heads": n_heads, "n_kv_heads": n_heads, "multiple_of": 256,
-              "norm_eps": 1e-5, "vocab_size": vocab}
-    return write_random_checkpoint(out_dir, params)
 
 
 def workload(n_requests: int = 32, slots: int = 8, long: int = 100, short: int = 10):
@@ -49,22 +39,22 @@ def run(generator: Llama, prompts, lengths, mode: str):
     """(seconds, generated tokens, token ids per request) for one scheduling mode:
     static sub-batches; the engine fed online in arrival order (FIFO); offline text_completion, which admits the
     known workload longest first."""
-    eos = generator.tokenizer.eos_id
+    stops = list(generator.tokenizer.stop_tokens)
 
     def ban_eos(_tokens, logits):
-        logits[eos] = float("-inf")
+        logits[stops] = float("-inf")
         return logits
 
     opts = dict(temperature=0.0, logprobs=True, logits_processors=ban_eos)
     b = generator.max_batch_size
     start = time.perf_counter()
-    if mode == "longest_first":  # more prompts than slots: Llama._complete hands them to the engine
+    if mode == "longest_first":  # more prompts than slots: the decode core admits the longest first
         preds = generator.text_completion(prompts, max_gen_len=lengths, **opts)
     elif mode == "fifo":
         with generator.engine() as engine:
             handles = [engine.submit(p, max_gen_len=n, **opts) for p, n in zip(prompts, lengths)]
             preds = [h.result() for h in handles]
-    else:  # the static sub-batch path: _complete on chunks that fit the cache
+    else:  # static sub-batches: calls whose prompts all fit the cache
         preds = []
         for i in range(0, len(prompts), b):
             preds += generator.text_completion(prompts[i : i + b], max_gen_len=lengths[i : i + b], **opts)
@@ -112,7 +102,9 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models.split(","):
             if model == "random":
-                ckpt = random_checkpoint(Path(tmp) / "random", args.dim, args.n_layers, args.n_heads, 512)
+                params = dict(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, multiple_of=256,
+                              vocab_size=512)
+                ckpt = random_checkpoint(Path(tmp) / "random", params)
                 name = f"random dim {args.dim}, {args.n_layers} layers"
             elif model == "stories260K":
                 ckpt, name = STORIES, "stories260K"

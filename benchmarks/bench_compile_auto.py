@@ -14,13 +14,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import LLAMA2_TOKENIZER, SHAPES, prompt_tokens, random_checkpoint  # noqa: E402
+from common import LLAMA2_TOKENIZER, SHAPES, prompt_tokens, run_requests, shape_checkpoint
 
 
 def worker(cfg: dict) -> dict:
@@ -30,14 +28,11 @@ def worker(cfg: dict) -> dict:
     compile_arg = {"False": False, "True": True, "auto": "auto"}[cfg["compile"]]
     llm = Llama.build(cfg["ckpt"], cfg["tokenizer"], max_seq_len=16 + cfg["gen"], max_batch_size=1,
                       dtype=cfg["dtype"], compile=compile_arg)
-    llm.tokenizer.eos_id = -1  # random weights: decode every requested token
-    rows = llm._rows([prompt_tokens(llm.model.vocab_size, 16)], [SamplingParams(temperature=0, max_gen_len=cfg["gen"])])
-    start = time.perf_counter()
-    with llm.lock:
-        for _ in llm._run(rows):
-            pass
-    step = llm.model.compiled_step
-    return {"seconds": time.perf_counter() - start, "compiled": bool(step and step.seen),
+    llm.tokenizer.stop_tokens = {}  # random weights: decode every requested token
+    times = run_requests(llm, [prompt_tokens(llm.model.vocab_size, 16)], SamplingParams(temperature=0,
+                                                                                           max_gen_len=cfg["gen"]))
+    step = llm.runner.compiled
+    return {"seconds": times[-1] - times[0], "compiled": bool(step and step.seen),
             "compile_s": max(step.seen.values()) if step and step.seen else 0.0}
 
 
@@ -53,7 +48,7 @@ def main() -> int:
         return 0
     tmp = Path(tempfile.mkdtemp(prefix="llama-bench-"))
     try:
-        ckpt = random_checkpoint(args.model, tmp / args.model)
+        ckpt = shape_checkpoint(args.model, tmp / args.model)
         print(f"model {args.model} {args.dtype}, batch 1, prompt 16; total seconds of the generation (compile included)")
         print("| tokens | compile=False | compile=True | compile=\"auto\" | auto vs the better of the two |")
         print("|---|---|---|---|---|")

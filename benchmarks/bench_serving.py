@@ -1,4 +1,4 @@
-"""Serving benchmarks for issue 4: what reusing a KV cache saves.
+"""Serving benchmarks: what reusing a KV cache saves.
 
     python benchmarks/bench_serving.py [--dim 768 --n_layers 8 --threads 1 --repeats 3]
 
@@ -18,18 +18,15 @@ import argparse
 import random
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from common import STORIES, best, random_checkpoint, timed
 
-from llama import Llama  # noqa: E402
-from llama.demo import write_random_checkpoint  # noqa: E402
+from llama import Llama
 
-DEFAULT_TOKENIZER = ROOT.parent / "shared" / "models" / "stories260K" / "tokenizer.model"
+DEFAULT_TOKENIZER = STORIES / "tokenizer.model"
 WORDS = ("the cat dog girl boy park ball tree sun happy little big red blue went saw played ran jumped found "
          "a an and with to in on she he they was were very one day friend mom dad home garden bird flower").split()
 
@@ -38,9 +35,9 @@ def make_model(dirpath: Path, tokenizer: Path, dim: int, n_layers: int, n_heads:
     """A Meta-layout checkpoint with random weights (scaled so activations stay sane)."""
     from llama.tokenizer import Tokenizer
 
-    params = {"dim": dim, "n_layers": n_layers, "n_heads": n_heads, "multiple_of": 256, "norm_eps": 1e-5,
+    params = {"dim": dim, "n_layers": n_layers, "n_heads": n_heads, "multiple_of": 256,
               "vocab_size": Tokenizer(str(tokenizer)).n_words}
-    write_random_checkpoint(dirpath, params, tokenizer_path=tokenizer)
+    random_checkpoint(dirpath, params, tokenizer=tokenizer)
 
 
 def text_of(tokenizer, n_tokens: int, seed: int) -> str:
@@ -50,20 +47,6 @@ def text_of(tokenizer, n_tokens: int, seed: int) -> str:
     while len(tokenizer.encode(" ".join(words), bos=True, eos=False)) < n_tokens:
         words.append(rng.choice(WORDS))
     return " ".join(words)
-
-
-def timed(fn):
-    """(wall seconds, CPU seconds of this process, result). With one thread, CPU time is the work done,
-    unaffected by other processes competing for the cores."""
-    w, c = time.perf_counter(), time.process_time()
-    out = fn()
-    return time.perf_counter() - w, time.process_time() - c, out
-
-
-def best(fn, repeats: int):
-    """(best wall time, best CPU time, last result) over repeats."""
-    runs = [timed(fn) for _ in range(repeats)]
-    return min(r[0] for r in runs), min(r[1] for r in runs), runs[-1][2]
 
 
 def main():

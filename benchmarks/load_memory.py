@@ -10,6 +10,7 @@ pages of the memory-mapped shards count in RSS, so the figures are what the rank
 
 import argparse
 import json
+import math
 import os
 import resource
 import subprocess
@@ -19,34 +20,26 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import peak_rss, random_checkpoint
 
-from llama.checkpoint import expected_shapes, load_state_dict, read_params, save_checkpoint, shard_paths  # noqa: E402
-from llama.model import ModelArgs  # noqa: E402
+from llama.checkpoint import expected_shapes, load_state_dict, read_params, shard_paths
+from llama.model import ModelArgs
 
 MIB = 2**20
-
-
-def hwm() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def measure(ckpt: str, rank: int, world: int, naive: bool) -> dict:
     """Run in a child process: peak RSS growth while loading rank `rank` of `world`."""
     args = ModelArgs.from_params(read_params(ckpt))
     torch.zeros(1).sum()  # settle the allocator and kernels before the baseline
-    base = hwm()
+    base = peak_rss()
     if naive:  # the reference's way: read this rank's whole shard into RAM (only possible at S == W)
         state = torch.load(shard_paths(ckpt)[rank], map_location="cpu", weights_only=True)
     else:
         state = load_state_dict(ckpt, args, rank, world)
     total = sum(float(t.max()) for t in state.values())  # reads every byte, allocates nothing
     held = sum(t.numel() * t.element_size() for t in state.values())
-    return {"peak_growth": hwm() - base, "slice": held, "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"peak_growth": peak_rss() - base, "slice": held, "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             * 1024, "check": total}
 
 
@@ -69,15 +62,13 @@ def main():
         print(json.dumps(measure(a.measure[0], int(a.measure[1]), int(a.measure[2]), a.naive)))
         return
     params = {"dim": a.dim, "n_layers": a.layers, "n_heads": a.dim // 64, "n_kv_heads": a.dim // 128,
-              "multiple_of": 256, "norm_eps": 1e-5, "vocab_size": a.vocab}
+              "multiple_of": 256, "vocab_size": a.vocab}
     dtype = getattr(torch, a.dtype)
     with tempfile.TemporaryDirectory() as tmp:
-        args = ModelArgs.from_params(params)
-        full = {n: torch.randn(s, dtype=dtype) for n, s in expected_shapes(args).items()}
-        save_checkpoint(full, params, Path(tmp) / "s2", 2)
-        save_checkpoint(full, params, Path(tmp) / "s1", 1)
-        total = sum(t.numel() * t.element_size() for t in full.values())
-        del full
+        for name, shards in (("s2", 2), ("s1", 1)):  # the same seed: the same weights, sharded two ways
+            random_checkpoint(Path(tmp) / name, params, dtype=dtype, std=1.0, shards=shards)
+        shapes = expected_shapes(ModelArgs.from_params(params)).values()
+        total = sum(math.prod(s) for s in shapes) * dtype.itemsize
         print(f"checkpoint: {params}, {a.dtype}, {total / MIB:.0f} MiB of weights")
         print(f"{'case':34} {'rank':>4} {'slice MiB':>10} {'peak RSS growth MiB':>20}")
         cases = [("2 shards at W=1 (merge)", "s2", 1, False), ("2 shards at W=2 (own shard, mmap)", "s2", 2, False),

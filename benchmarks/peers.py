@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from bench import DTYPES, best_time, peak_rss, prompt_tokens, step_times, summarize
+from common import DTYPES, best_time, peak_rss, prompt_tokens, step_times, summarize
 
 
 def meta_state(ckpt: str):

@@ -286,13 +286,25 @@ class Attention(Fusable):
         qk = apply_rotary(qkv[..., : (nq + nkv) * hd].view(B, T, nq + nkv, hd), cos, sin)  # one rotation for both
         return qk[:, :, :nq], qk[:, :, nq:], qkv[..., (nq + nkv) * hd :].view(B, T, nkv, hd)
 
-    def forward(self, x, cos, sin, positions, rows, kv_len, mask):
+    def store(self, k, v, start, positions, rows) -> None:
+        """Write new keys/values (B, T, heads, head_dim): the model's one cache write. Rows 0..B-1 that share
+        positions start..start+T-1 take plain slices (no index tensors, the cheapest step); any other layout
+        (per-row positions, chosen rows) is a scatter."""
+        B, T = k.shape[:2]
+        ck, cv = self.cache_k, self.cache_v
+        if rows is None and start is not None:
+            ck[:B, :, start : start + T] = k.transpose(1, 2)
+            cv[:B, :, start : start + T] = v.transpose(1, 2)
+            return
+        idx = (torch.arange(B, device=k.device) if rows is None else rows)[:, None]
+        ck[idx, :, positions.expand(B, T)] = k.to(ck.dtype)
+        cv[idx, :, positions.expand(B, T)] = v.to(cv.dtype)
+
+    def forward(self, x, cos, sin, start, positions, rows, kv_len, mask):
         B, T, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)
+        self.store(k, v, start, positions, rows)
         ck, cv = self.cache_k, self.cache_v
-        idx = torch.arange(B, device=x.device) if rows is None else rows
-        ck[idx[:, None], :, positions.expand(B, T)] = k.to(ck.dtype)  # the one cache write
-        cv[idx[:, None], :, positions.expand(B, T)] = v.to(cv.dtype)
         if rows is None:  # rows 0..B-1: read the cache in place
             keys, values = ck[:B, :, :kv_len], cv[:B, :, :kv_len]
         else:
@@ -335,8 +347,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
-    def forward(self, x, cos, sin, positions, rows, kv_len, mask):
-        h = x + self.attention(self.attention_norm(x), cos, sin, positions, rows, kv_len, mask)
+    def forward(self, x, cos, sin, start, positions, rows, kv_len, mask):
+        h = x + self.attention(self.attention_norm(x), cos, sin, start, positions, rows, kv_len, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -403,9 +415,9 @@ class Transformer(nn.Module):
         device = tokens.device
         steps = torch.arange(T, device=device)
         if isinstance(start_pos, int):
-            positions, last = (start_pos + steps)[None], start_pos + T  # (1, T)
+            start, positions, last = start_pos, (start_pos + steps)[None], start_pos + T  # (1, T)
         else:
-            positions, last = start_pos.to(device)[:, None] + steps, None  # (B, T)
+            start, positions, last = None, start_pos.to(device)[:, None] + steps, None  # (B, T)
         if kv_len is None:
             kv_len = last if last is not None else int(positions.max()) + 1
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
@@ -418,7 +430,7 @@ class Transformer(nn.Module):
 
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, cos, sin, positions, rows, kv_len, mask)
+            h = layer(h, cos, sin, start, positions, rows, kv_len, mask)
         if logit_index is not None:
             h = h[torch.arange(B, device=device), logit_index.to(device)][:, None]
         return self.output(self.norm(h)).float()
@@ -436,5 +448,5 @@ class Transformer(nn.Module):
         mask = (key_pos[None, :] <= pos[:, None])[:, None, None, :]  # (B, 1, 1, max_seq_len)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, cos, sin, positions, rows, self.max_seq_len, mask)
+            h = layer(h, cos, sin, None, positions, rows, self.max_seq_len, mask)
         return self.output(self.norm(h)).float()

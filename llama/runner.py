@@ -121,7 +121,7 @@ class Runner:
         logits = torch.stack([lg for _, lg in ready])
         ok = [self._process(b, r, logits) for b, r in enumerate(reqs)]
         peak = logits.amax(dim=-1)  # NaN anywhere -> NaN; all -inf -> -inf; any +inf -> +inf
-        bad = (torch.isnan(peak) | torch.isinf(peak)).tolist()
+        bad = (~torch.isfinite(peak)).tolist()
         for b, r in enumerate(reqs):
             if ok[b] and bad[b]:
                 procs = r.params.logits_processors

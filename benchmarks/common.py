@@ -1,0 +1,133 @@
+"""What the benchmarks share: paths, model shapes, random checkpoints (through llama.demo), timing, memory and a
+description of the machine. Every script here imports this module; none imports another script."""
+
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from llama.demo import write_random_checkpoint  # noqa: E402
+
+SHARED = REPO.parent / "shared"
+STORIES = SHARED / "models" / "stories260K"
+LLAMA2_TOKENIZER = SHARED / "tokenizers" / "llama2" / "tokenizer.model"
+
+# Named model shapes (vocab 32000: the Llama 2 tokenizer).
+SHAPES = {
+    "tiny": dict(dim=288, n_layers=6, n_heads=6, vocab_size=32000, multiple_of=256),  # stories15M's shape
+    "110m": dict(dim=768, n_layers=12, n_heads=12, vocab_size=32000, multiple_of=256),  # 134M with the output
+    "1b": dict(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, vocab_size=32000, multiple_of=512,
+               ffn_dim_multiplier=1.4),  # FFN 7680, 1.38B
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+# --------------------------------------------------------------------------------------------- weights
+def random_checkpoint(out_dir: Path, params: Dict, tokenizer: Optional[Path] = None, seed: int = 0,
+                      dtype: torch.dtype = torch.float32, std: Optional[float] = None, shards: int = 1) -> Path:
+    """Random Meta-layout weights of any shape (llama.demo's writer), norm_eps defaulted; never in the repository."""
+    return write_random_checkpoint(out_dir, {"norm_eps": 1e-5, **params}, tokenizer_path=tokenizer, seed=seed,
+                                   dtype=dtype, std=std, shards=shards)
+
+
+def shape_checkpoint(shape: str, out_dir: Path, seed: int = 0) -> Path:
+    """A named shape in bf16 with std-0.02 weights (what bench.py and bench_compile_auto.py time)."""
+    return random_checkpoint(out_dir, SHAPES[shape], seed=seed, dtype=torch.bfloat16, std=0.02)
+
+
+def prompt_tokens(vocab: int, length: int, seed: int = 0) -> List[int]:
+    """BOS and length - 1 random ids (no specials)."""
+    g = torch.Generator().manual_seed(seed)
+    return [1] + torch.randint(3, vocab, (length - 1,), generator=g).tolist()
+
+
+def weight_bytes(model) -> int:
+    """Bytes one decode step reads: every parameter but the embedding table (of which it reads B rows)."""
+    named = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if n.endswith(".packed")]
+    return sum(p.numel() * p.element_size() for n, p in named if not n.startswith("tok_embeddings"))
+
+
+# --------------------------------------------------------------------------------------------- timing and memory
+def best_time(fn, repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def timed(fn):
+    """(wall seconds, CPU seconds of this process, result). With one thread, CPU time is the work done,
+    unaffected by other processes competing for the cores."""
+    w, c = time.perf_counter(), time.process_time()
+    out = fn()
+    return time.perf_counter() - w, time.process_time() - c, out
+
+
+def best(fn, repeats: int):
+    """(best wall time, best CPU time, last result) over repeats."""
+    runs = [timed(fn) for _ in range(repeats)]
+    return min(r[0] for r in runs), min(r[1] for r in runs), runs[-1][2]
+
+
+def step_times(steps: Iterable) -> List[float]:
+    """perf_counter() after each item of an iterator of decode steps, the start first."""
+    times = [time.perf_counter()]
+    for _ in steps:
+        times.append(time.perf_counter())
+    return times
+
+
+def summarize(runs, batch: int) -> dict:
+    """TTFT and decode tok/s from per-step timestamps of several runs: medians, robust to a busy machine.
+
+    Step 1's interval is prefill + first sample (time to first token); later intervals are one decode step each.
+    """
+    ttft = statistics.median(t[1] - t[0] for t in runs)
+    step = statistics.median(b - a for t in runs for a, b in zip(t[1:], t[2:]))
+    return {"ttft_ms": ttft * 1e3, "decode_tps": batch / step}
+
+
+def peak_rss() -> int:
+    """This process's peak resident set (VmHWM), bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def read_bandwidth(mb: int = 256, repeat: int = 10) -> float:
+    """Streaming read GB/s: best of `repeat` sums over an mb-MB fp32 tensor, with torch's threads."""
+    x = torch.ones(mb * 2**20 // 4)
+    x.sum()
+    return x.numel() * 4 / best_time(x.sum, repeat) / 1e9
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (f"{cpu} ({torch.backends.cpu.get_cpu_capability()}), {os.cpu_count()} cores, {mem:.0f} GiB RAM, "
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+
+
+def run_requests(llm, prompts: List[List[int]], params) -> List[float]:
+    """Step timestamps of running token prompts through the decode core (one SamplingParams for all)."""
+    reqs = llm.inputs.requests(prompts, [params] * len(prompts))
+    with llm.cache.hold():
+        return step_times(llm.core.run(reqs))
