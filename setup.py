@@ -10,6 +10,6 @@ setup(
     packages=find_packages(include=["llama", "llama.*"]),
     package_data={"llama": ["data/*.txt"]},
     python_requires=">=3.9",
-    install_requires=["torch>=2.5", "fairscale", "sentencepiece", "fire", "tqdm"],
-    extras_require={"test": ["pytest"]},
+    install_requires=["torch>=2.5", "fairscale", "sentencepiece", "tiktoken", "fire", "tqdm"],
+    extras_require={"test": ["pytest", "transformers"]},
 )

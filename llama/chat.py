@@ -8,7 +8,7 @@ tokenizer's for chat replies). `chat_format_for(tokenizer)` picks the format tha
 
 from typing import Dict, List, Literal, Optional, Sequence, TypedDict
 
-Role = Literal["system", "user", "assistant"]
+Role = Literal["system", "user", "assistant", "ipython", "tool"]
 
 
 class Message(TypedDict):
@@ -102,6 +102,56 @@ class ChatFormat:
         return tokens + self.encode_prompt_turn(msgs[-1]["content"])
 
 
-def chat_format_for(tokenizer) -> ChatFormat:
+class Llama3ChatFormat:
+    """Llama 3.x's header format, token for token as Meta's llama-models builds it:
+    <|begin_of_text|>, then per message <|start_header_id|>role<|end_header_id|>\n\n content <|eot_id|>, then the
+    assistant header. Content is kept as given (llama-models; the original llama3 code and Hugging Face's template
+    strip it). Role "tool" is an alias of "ipython" (a tool's output). An assistant message whose content starts
+    with "<|python_tag|>" is a built-in tool call: the tag is its special token and the message ends in <|eom_id|>,
+    as the model wrote it."""
+
+    strip_reply_space = False
+    ROLES = ("system", "user", "assistant", "ipython", "tool")
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.special = tokenizer.special_tokens
+        self.stop_tokens: Dict[int, str] = {}  # the tokenizer's eos/eot/eom already stop every generation
+
+    def validate(self, dialog, index: int = 0) -> None:
+        validate_messages(dialog, index, self.ROLES)
+        for i, msg in enumerate(dialog):
+            if msg["role"] == "system" and i > 0:
+                raise ValueError(f"dialog {index}, message {i}: a system message may only come first")
+        if dialog[-1]["role"] in ("assistant", "system"):
+            raise ValueError(f"dialog {index}: the last message must be from the user or a tool (ipython), got "
+                             f"{dialog[-1]['role']!r}")
+
+    def refusal(self, dialog: Dialog) -> Optional[str]:
+        return None  # special-token text in content is encoded as plain text, so nothing needs refusing
+
+    def encode_header(self, role: str) -> List[int]:
+        role = "ipython" if role == "tool" else role
+        return ([self.special["<|start_header_id|>"]] + self.tokenizer.encode(role, bos=False, eos=False)
+                + [self.special["<|end_header_id|>"]] + self.tokenizer.encode("\n\n", bos=False, eos=False))
+
+    def encode_message(self, message: Message) -> List[int]:
+        tokens, content, end = self.encode_header(message["role"]), message["content"], "<|eot_id|>"
+        if message["role"] == "assistant" and content.startswith("<|python_tag|>"):
+            tokens.append(self.special["<|python_tag|>"])
+            content, end = content[len("<|python_tag|>"):], "<|eom_id|>"
+        return tokens + self.tokenizer.encode(content, bos=False, eos=False) + [self.special[end]]
+
+    def encode_dialog_prompt(self, dialog: Dialog) -> List[int]:
+        self.validate(dialog)
+        tokens = [self.special["<|begin_of_text|>"]]
+        for message in dialog:
+            tokens += self.encode_message(message)
+        return tokens + self.encode_header("assistant")
+
+
+def chat_format_for(tokenizer):
     """The chat format that belongs to a tokenizer (the family is decided by the tokenizer, not by a flag)."""
+    if "<|start_header_id|>" in getattr(tokenizer, "special_tokens", {}):
+        return Llama3ChatFormat(tokenizer)
     return ChatFormat(tokenizer)

@@ -14,7 +14,7 @@ import os
 import pickle
 import re
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -152,7 +152,7 @@ def expected_shapes(args: ModelArgs) -> Dict[str, Tuple[int, ...]]:
 def check_shapes(shapes: Dict[str, Tuple[int, ...]], args: ModelArgs, source: str) -> None:
     """ValueError unless `shapes` (full tensor shapes) are exactly what params.json describes."""
     expected = expected_shapes(args)
-    missing = [k for k in expected if k not in shapes]
+    missing = [k for k in expected if k not in shapes and TIED.get(k) not in shapes]
     extra = [k for k in shapes if k not in expected]
     if missing:
         raise ValueError(
@@ -165,6 +165,8 @@ def check_shapes(shapes: Dict[str, Tuple[int, ...]], args: ModelArgs, source: st
             f"first {extra[0]!r}"
         )
     for name, want in expected.items():
+        if name not in shapes:  # tied: checked through the tensor that stands in for it
+            continue
         if tuple(shapes[name]) != want:
             raise ValueError(
                 f"params.json is inconsistent with the weights: {name} in {source} has shape "
@@ -179,21 +181,36 @@ def with_vocab(args: ModelArgs, vocab_size: int) -> ModelArgs:
     return replace(args, vocab_size=vocab_size) if args.vocab_size < 1 else args
 
 
+# Tensors a checkpoint may leave out, and the tensor that stands in for them (tied embeddings, Llama 3.2 1B/3B).
+TIED = {"output.weight": "tok_embeddings.weight"}
+
+
 @dataclass
 class ShardSet:
-    """S memory-mapped shards of one checkpoint, validated against each other and params.json."""
+    """S memory-mapped shards of one checkpoint, validated against each other and params.json.
+
+    source_dims: the dimension each tensor is split along in these files, where it differs from this model's
+    (Meta's Llama 3 shards split tok_embeddings by vocabulary, Llama 2's by the embedding dimension). sources:
+    names served by another file tensor (a tied output projection reads the embedding).
+    """
 
     paths: List[Path]
     shards: List[Dict[str, torch.Tensor]]
     mapped: List[bool]
     args: ModelArgs
+    source_dims: Dict[str, Optional[int]] = field(default_factory=dict)
+    sources: Dict[str, str] = field(default_factory=dict)
 
     @property
     def names(self) -> List[str]:
-        return list(self.shards[0])
+        return list(self.shards[0]) + list(self.sources)
+
+    def source_dim(self, name: str) -> Optional[int]:
+        name = self.sources.get(name, name)
+        return self.source_dims.get(name, parallel_dim(name))
 
     def full_shape(self, name: str) -> Tuple[int, ...]:
-        shape, dim = list(self.shards[0][name].shape), parallel_dim(name)
+        shape, dim = list(self.shards[0][self.sources.get(name, name)].shape), self.source_dim(name)
         if dim is not None:
             shape[dim] *= len(self.shards)
         return tuple(shape)
@@ -201,11 +218,15 @@ class ShardSet:
     def slice(self, name: str, rank: int, world_size: int) -> torch.Tensor:
         """Rank `rank`'s part of `name` at model-parallel size world_size: the shard's own tensor when the
         layout already matches, else a fresh contiguous tensor holding only that slice."""
-        parts = [s[name] for s in self.shards]
-        S, dim = len(parts), parallel_dim(name)
-        if S == world_size:
+        parts = [s[self.sources.get(name, name)] for s in self.shards]
+        S, dim, src = len(parts), parallel_dim(name), self.source_dim(name)
+        if S == world_size and (S == 1 or src == dim):
             return parts[rank]
-        if dim is None:
+        if src != dim and S > 1:  # split another way in the files: assemble the whole tensor, then cut it
+            full = torch.cat(parts, src)
+            size = full.shape[dim] // world_size
+            out = full.narrow(dim, rank * size, size).clone(memory_format=torch.contiguous_format)
+        elif dim is None:
             out = parts[0].clone(memory_format=torch.contiguous_format)
         else:
             n = parts[0].shape[dim]
@@ -249,17 +270,23 @@ def open_shards(ckpt_dir, args: ModelArgs) -> ShardSet:
                     f"shards disagree on {name}: {first.name} has {tuple(ref[name].shape)} {ref[name].dtype}, "
                     f"{p.name} has {tuple(t.shape)} {t.dtype}"
                 )
+    source_dims = {}
+    if "tok_embeddings.weight" in ref and len(shards) > 1:
+        rows, cols = ref["tok_embeddings.weight"].shape
+        if cols == args.dim:  # whole embedding rows in every shard: split by vocabulary (Llama 3)
+            source_dims["tok_embeddings.weight"] = 0
     if "tok_embeddings.weight" in ref:
-        vocab = ref["tok_embeddings.weight"].shape[0]
+        vocab = ref["tok_embeddings.weight"].shape[0] * (len(shards) if source_dims else 1)
         if args.vocab_size >= 1 and args.vocab_size != vocab:
             raise ValueError(
                 f"vocab_size is {args.vocab_size} (params.json or tokenizer) but tok_embeddings.weight in "
                 f"{first} has {vocab} rows"
             )
         args = with_vocab(args, vocab)
-    sset = ShardSet(paths, shards, mapped, args)
+    sources = {name: src for name, src in TIED.items() if name not in ref and src in ref}
+    sset = ShardSet(paths, shards, mapped, args, source_dims, sources)
     source = str(paths[0]) if len(paths) == 1 else f"{Path(ckpt_dir)} ({paths[0].name}..{paths[-1].name} merged)"
-    check_shapes({name: sset.full_shape(name) for name in ref}, args, source)
+    check_shapes({name: sset.full_shape(name) for name in sset.names}, args, source)
     return sset
 
 

@@ -48,6 +48,7 @@ class Llama:
         verify: bool = False,
         compile: Union[bool, str, None] = "auto",
         quantize: Optional[str] = None,
+        rope_scaling_factor: Optional[float] = None,
     ) -> "Llama":
         """Load a Meta-layout checkpoint; works in plain python and under torchrun, on CPU or CUDA.
 
@@ -56,9 +57,12 @@ class Llama:
         compile="auto" (default): on CPU, models of 50M+ parameters compile their one-token decode step once eager
         decoding has cost what compiling would, so short runs never wait and long ones end up compiled; True
         compiles on first use; "max-autotune"/"default" pick Inductor's mode; False never compiles (llama/compile.py).
+        rope_scaling_factor: Llama 3.1 rotary scaling with this factor (32 for Llama 3.2 1B/3B, whose params.json
+        cannot say so).
         """
         model, tokenizer, compiled = loader.load(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size,
-                                                 model_parallel_size, seed, device, dtype, verify, compile, quantize)
+                                                 model_parallel_size, seed, device, dtype, verify, compile, quantize,
+                                                 rope_scaling_factor)
         return Llama(model, tokenizer, max_batch_size, max_seq_len, compiled)
 
     def __init__(self, model, tokenizer, max_batch_size: int, max_seq_len: int, compiled=None):

@@ -45,6 +45,7 @@ def load(
     verify: bool = False,
     compile: Union[bool, str, None] = "auto",
     quantize: Optional[str] = None,
+    rope_scaling_factor: Optional[float] = None,
 ) -> Tuple[Transformer, object, Optional[compilation.CompiledDecode]]:
     """(model, tokenizer, compiled decode policy or None) for Llama.build; see its docstring for the options.
 
@@ -59,8 +60,14 @@ def load(
 
     tokenizer = load_tokenizer(tokenizer_path)
     params = checkpoint.read_params(ckpt_dir)
+    overrides = {}
+    if rope_scaling_factor is not None:
+        if isinstance(rope_scaling_factor, bool) or not isinstance(rope_scaling_factor, (int, float)) \
+                or not 1 <= rope_scaling_factor < float("inf"):
+            raise ValueError(f"rope_scaling_factor must be a finite number >= 1, got {rope_scaling_factor!r}")
+        overrides = {"rope_scaling_factor": float(rope_scaling_factor), "use_scaled_rope": True}
     try:
-        args = ModelArgs.from_params(params, max_seq_len=max_seq_len, max_batch_size=max_batch_size)
+        args = ModelArgs.from_params(params, max_seq_len=max_seq_len, max_batch_size=max_batch_size, **overrides)
     except TypeError as e:
         raise ValueError(f"{ckpt_dir}/params.json has invalid values: {e}") from None
     if args.vocab_size == -1:
@@ -81,10 +88,13 @@ def load(
         raise ValueError(f"checkpoint in {ckpt_dir} does not match its params.json: {e}") from None
     del state  # the model owns the tensors now: lets casting and fusing free the originals
     model.to(device=device).eval()
+    tied = model.output.weight.data_ptr() == model.tok_embeddings.weight.data_ptr()  # no output.weight in the files
     model.fuse()
     if quantize is not None:  # from the checkpoint's dtype: no full-size fp32 copy on the way
         quantization.quantize(model, quantize)
     quantization.cast_floating(model, dtype)
+    if tied and model.output.scales is None:  # casting copied each: share the embedding again
+        model.output.weight = model.tok_embeddings.weight
     compiled = compilation.compile_decode(model, compile)
     if parallel.is_main_process():
         print(f"Loaded in {time.time() - start:.2f} seconds")

@@ -7,6 +7,8 @@ left unexpanded.
 """
 
 import json
+import math
+import warnings
 from dataclasses import dataclass, fields
 from typing import Optional, Union
 
@@ -31,6 +33,13 @@ class ModelArgs:
     ffn_dim_multiplier: Optional[float] = None
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # Llama 3.1's rotary frequency scaling ("use_scaled_rope" in params.json). Meta's 3.2 1B/3B params.json cannot
+    # say their factor is 32 (Meta's own code applies 8): pass rope_scaling_factor to Llama.build for those.
+    use_scaled_rope: bool = False
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_context: int = 8192
     max_batch_size: int = 32
     max_seq_len: int = 2048
 
@@ -58,8 +67,12 @@ class ModelArgs:
 
     @classmethod
     def from_params(cls, params: dict, **overrides) -> "ModelArgs":
-        """Build from a params.json dict; keys this architecture does not use are ignored."""
+        """Build from a params.json dict; keys this architecture does not use are ignored with a warning."""
         known = {f.name for f in fields(cls)}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            warnings.warn(f"params.json keys {', '.join(unknown)} are not used by this architecture; ignored",
+                          stacklevel=2)
         kwargs = {k: v for k, v in params.items() if k in known}
         kwargs.update(overrides)
         return cls(**kwargs)
@@ -97,9 +110,23 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).type_as(x) * self.weight
 
 
-def rope_tables(head_dim: int, end: int, theta: float = 10000.0):
-    """cos/sin of the reference's rotary frequencies, shape (end, head_dim // 2), fp32."""
+def scale_rope_frequencies(freqs: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                           original_context: int) -> torch.Tensor:
+    """Llama 3.1's long-context rotary scaling: frequencies whose wavelength is short against the original context
+    stay, long ones are divided by `factor`, and those in between are blended linearly in context / wavelength."""
+    wavelen = 2 * math.pi / freqs
+    smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * freqs / factor + smooth * freqs
+    out = torch.where(wavelen > original_context / low_freq_factor, freqs / factor, blended)
+    return torch.where(wavelen < original_context / high_freq_factor, freqs, out)
+
+
+def rope_tables(head_dim: int, end: int, theta: float = 10000.0, scaling: Optional[dict] = None):
+    """cos/sin of the reference's rotary frequencies, shape (end, head_dim // 2), fp32; scaling: the keyword
+    arguments of scale_rope_frequencies (Llama 3.1+), or None."""
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
+    if scaling is not None:
+        freqs = scale_rope_frequencies(freqs, **scaling)
     angles = torch.outer(torch.arange(end, dtype=torch.float32), freqs)
     return torch.cos(angles), torch.sin(angles)
 
@@ -383,7 +410,12 @@ class Transformer(nn.Module):
 
         The KV cache itself belongs to llama.cache.KVCache, which calls this when it allocates.
         """
-        cos, sin = rope_tables(self.params.head_dim, max_seq_len * 2, self.params.rope_theta)
+        a = self.params
+        scaling = None
+        if a.use_scaled_rope:
+            scaling = dict(factor=a.rope_scaling_factor, low_freq_factor=a.rope_low_freq_factor,
+                           high_freq_factor=a.rope_high_freq_factor, original_context=a.rope_original_context)
+        cos, sin = rope_tables(a.head_dim, max_seq_len * 2, a.rope_theta, scaling)
         device = device or self.norm.weight.device
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
 

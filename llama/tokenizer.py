@@ -1,4 +1,5 @@
-"""Tokenizers: Meta's SentencePiece model (Llama 2), and `load_tokenizer`, which picks the kind from the file.
+"""Tokenizers: Meta's SentencePiece model (Llama 2) here, tiktoken (Llama 3) in tokenizer_llama3.py, and
+`load_tokenizer`, which picks the kind from the file.
 
 Every tokenizer offers: n_words, bos_id, eos_id, pad_id, encode(s, bos, eos), decode(ids), piece(id), and
 stop_tokens: {token id: finish_reason} for the tokens that end a generation (the stop token is not part of the
@@ -9,6 +10,8 @@ import os
 from typing import Dict, List
 
 from sentencepiece import SentencePieceProcessor
+
+from .tokenizer_llama3 import Llama3Tokenizer, is_rank_file
 
 
 def _check_path(model_path) -> str:
@@ -53,6 +56,14 @@ class Tokenizer:
         return self.sp_model.id_to_piece(token_id)
 
 
-def load_tokenizer(path) -> Tokenizer:
-    """The tokenizer stored in `path`, of whichever kind the file is."""
-    return Tokenizer(_check_path(path))
+def load_tokenizer(path):
+    """The tokenizer stored in `path`, of whichever kind the file is: Meta's sentencepiece model (Llama 2) or
+    tiktoken rank file (Llama 3). No flag: the file says which."""
+    path = _check_path(path)
+    if is_rank_file(path):
+        return Llama3Tokenizer(path)
+    try:
+        return Tokenizer(path)
+    except ValueError:
+        raise ValueError(f"{path} is neither a sentencepiece model (Llama 2) nor a tiktoken BPE rank file "
+                         "(Llama 3)") from None

@@ -1,0 +1,272 @@
+"""Llama 3.x: Meta's tiktoken tokenizer and header chat format against Meta's published test vectors, and a
+random Llama-3.1-shaped checkpoint against Hugging Face transformers' LlamaForCausalLM with llama3 rope scaling
+(logits, greedy ids alone, batched and through the engine), tied embeddings, vocabulary-split shards, and
+generation that stops at <|eot_id|> / <|eom_id|>."""
+
+import pytest
+import torch
+
+from conftest import SHARED, need
+from llama import Llama
+from llama.chat import Llama3ChatFormat, chat_format_for
+from llama.demo import random_state_dict
+from llama.checkpoint import save_checkpoint
+from llama.model import ModelArgs
+from llama.tokenizer import load_tokenizer
+from llama.tokenizer_llama3 import MAX_RUN, Llama3Tokenizer, split_runs
+
+LLAMA3_TOKENIZER = SHARED / "tokenizers" / "llama3" / "tokenizer.model"
+PARAMS = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 32, "ffn_dim_multiplier": 1.3,
+          "norm_eps": 1e-5, "rope_theta": 500000.0, "use_scaled_rope": True, "vocab_size": 128256}
+SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 8192}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(need(LLAMA3_TOKENIZER))
+
+
+# ------------------------------------------------------------------------------------------------- tokenizer
+def test_meta_published_vectors(tok):
+    """llama-models' tests/api/test_tokenizer.py."""
+    assert isinstance(tok, Llama3Tokenizer) and tok.n_words == 128256
+    assert tok.special_tokens["<|begin_of_text|>"] == 128000
+    assert [tok.special_tokens[t] for t in ("<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                                            "<|eom_id|>", "<|eot_id|>", "<|python_tag|>")] == [128001, 128006, 128007,
+                                                                                               128008, 128009, 128010]
+    ids = [128000, 2028, 374, 264, 1296, 11914, 13, 128001]
+    assert tok.encode("This is a test sentence.", bos=True, eos=True) == ids
+    assert tok.decode(ids) == "<|begin_of_text|>This is a test sentence.<|end_of_text|>"
+
+
+@pytest.mark.parametrize("text", [
+    "Hello, world!", "  leading and   inner   spaces\n\n\ttabs", "digits 1234567 and 3.14159", "emoji 🦙🔥👍🏽",
+    "中文字符和日本語のテキスト", "def f(x):\n    return x ** 2  # code\n", "Ünïcödé çåsé", "\n\n\n", "",
+])
+def test_round_trip(tok, text):
+    ids = tok.encode(text, bos=False, eos=False)
+    assert tok.decode(ids) == text
+    assert all(i < 128000 for i in ids)
+
+
+def test_special_token_text_in_content_is_plain_text(tok):
+    ids = tok.encode("say <|eot_id|> and <|begin_of_text|>", bos=False, eos=False)
+    assert not set(ids) & set(tok.special_tokens.values())
+    assert tok.decode(ids) == "say <|eot_id|> and <|begin_of_text|>"
+
+
+def test_long_runs_are_split_as_meta_does(tok):
+    assert [len(p) for p in split_runs("a" * 30000)] == [MAX_RUN, 30000 - MAX_RUN]
+    assert [len(p) for p in split_runs("ab" * 10 + " " * 30000 + "x")] == [20 + MAX_RUN, 30000 - MAX_RUN + 1]
+    text = "word " + "a" * 30000 + " tail"
+    ids = tok.encode(text, bos=True, eos=False)
+    assert tok.decode(ids[1:]) == text
+    # A cut run encodes as its pieces do: the cut is the only difference from one unbroken call.
+    pieces = list(split_runs(text))
+    assert ids[1:] == [i for p in pieces for i in tok.model.encode(p, disallowed_special=())]
+
+
+def test_a_file_of_neither_kind_is_refused(tmp_path):
+    bad = tmp_path / "tokenizer.model"
+    bad.write_text("not a tokenizer\n")
+    with pytest.raises(ValueError, match="neither a sentencepiece model .* nor a tiktoken BPE rank file"):
+        load_tokenizer(bad)
+
+
+# ------------------------------------------------------------------------------------------------- chat format
+def header(tok, role):
+    return [128006] + tok.encode(role, bos=False, eos=False) + [128007, 271]
+
+
+def test_chat_format_meta_vectors_and_multi_turn(tok):
+    fmt = chat_format_for(tok)
+    assert isinstance(fmt, Llama3ChatFormat) and not fmt.strip_reply_space
+    # llama-models' test_encode_dialog: system + user, then the assistant header.
+    assert fmt.encode_dialog_prompt([{"role": "system", "content": "This is a test sentence."},
+                                     {"role": "user", "content": "This is a response."}]) == [
+        128000, 128006, 9125, 128007, 271, 2028, 374, 264, 1296, 11914, 13, 128009,
+        128006, 882, 128007, 271, 2028, 374, 264, 2077, 13, 128009, 128006, 78191, 128007, 271]
+    enc = lambda s: tok.encode(s, bos=False, eos=False)  # noqa: E731
+    turns = [{"role": "user", "content": " Hi there "}, {"role": "assistant", "content": "Hello!"},
+             {"role": "user", "content": "Weather?"}]
+    expected = [128000]
+    for m in turns:  # content kept as given (llama-models), no stripping
+        expected += header(tok, m["role"]) + enc(m["content"]) + [128009]
+    assert fmt.encode_dialog_prompt(turns) == expected + header(tok, "assistant")
+
+
+def test_tool_call_and_tool_output(tok):
+    fmt = chat_format_for(tok)
+    enc = lambda s: tok.encode(s, bos=False, eos=False)  # noqa: E731
+    dialog = [{"role": "user", "content": "What is 2**10?"},
+              {"role": "assistant", "content": "<|python_tag|>print(2**10)"},
+              {"role": "tool", "content": "1024"}]
+    assert fmt.encode_dialog_prompt(dialog) == (
+        [128000] + header(tok, "user") + enc("What is 2**10?") + [128009]
+        + header(tok, "assistant") + [128010] + enc("print(2**10)") + [128008]
+        + header(tok, "ipython") + enc("1024") + [128009] + header(tok, "assistant"))
+    with pytest.raises(ValueError, match="last message must be from the user or a tool"):
+        fmt.encode_dialog_prompt(dialog[:2])
+    with pytest.raises(ValueError, match="unknown role"):
+        fmt.encode_dialog_prompt([{"role": "robot", "content": "x"}])
+
+
+# ------------------------------------------------------------------------------------------------- model
+def hf_state(state, args):
+    """Meta names and interleaved rotary pairs -> transformers' names and rotate-half layout."""
+    def permute(w, heads):
+        rows, cols = w.shape
+        return w.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+    out = {"model.embed_tokens.weight": state["tok_embeddings.weight"], "model.norm.weight": state["norm.weight"]}
+    if "output.weight" in state:
+        out["lm_head.weight"] = state["output.weight"]
+    for i in range(args.n_layers):
+        m, h = f"layers.{i}.", f"model.layers.{i}."
+        out[h + "self_attn.q_proj.weight"] = permute(state[m + "attention.wq.weight"], args.n_heads)
+        out[h + "self_attn.k_proj.weight"] = permute(state[m + "attention.wk.weight"], args.n_kv_heads)
+        out[h + "self_attn.v_proj.weight"] = state[m + "attention.wv.weight"]
+        out[h + "self_attn.o_proj.weight"] = state[m + "attention.wo.weight"]
+        out[h + "mlp.gate_proj.weight"] = state[m + "feed_forward.w1.weight"]
+        out[h + "mlp.down_proj.weight"] = state[m + "feed_forward.w2.weight"]
+        out[h + "mlp.up_proj.weight"] = state[m + "feed_forward.w3.weight"]
+        out[h + "input_layernorm.weight"] = state[m + "attention_norm.weight"]
+        out[h + "post_attention_layernorm.weight"] = state[m + "ffn_norm.weight"]
+    return out
+
+
+def hf_model(state, args, tied=False, scaled=True, factor=8.0):
+    transformers = pytest.importorskip("transformers", reason="transformers is the independent reference here")
+    config = transformers.LlamaConfig(
+        vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.hidden_dim,
+        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
+        rms_norm_eps=args.norm_eps, max_position_embeddings=16384, tie_word_embeddings=tied,
+        rope_parameters={"rope_theta": args.rope_theta,
+                         **({**SCALING, "factor": factor} if scaled else {"rope_type": "default"})})
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.load_state_dict(hf_state(state, args), strict=not tied)
+    return model
+
+
+@pytest.fixture(scope="module")
+def llama3(tmp_path_factory):
+    """A random Llama-3.1-shaped checkpoint with the real tokenizer, its full weights, and a generator."""
+    need(LLAMA3_TOKENIZER)
+    d = tmp_path_factory.mktemp("llama31")
+    args = ModelArgs.from_params(PARAMS)
+    state = random_state_dict(args, seed=3)
+    save_checkpoint(state, PARAMS, d, extra_files={"tokenizer.model": LLAMA3_TOKENIZER})
+    gen = Llama.build(str(d), str(d / "tokenizer.model"), max_seq_len=1280, max_batch_size=3)
+    return d, args, state, gen
+
+
+def long_prompt(gen, n=1100):
+    text = " ".join(f"The number {i} follows {i - 1}." for i in range(1, 400))
+    return gen.tokenizer.encode(text, bos=True, eos=False)[:n]
+
+
+def test_logits_and_greedy_ids_equal_transformers_with_llama3_rope_scaling(llama3):
+    d, args, state, gen = llama3
+    ref = hf_model(state, args)
+    prompt = long_prompt(gen)
+    with torch.no_grad():
+        want = ref(torch.tensor([prompt])).logits[0]
+        got = gen.model(torch.tensor([prompt]), 0)[0]
+    assert len(prompt) == 1100
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)  # every position, past 1000 included
+    with torch.no_grad():
+        hf_ids = ref.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):].tolist()
+    gen.tokenizer.stop_tokens, stops = {}, gen.tokenizer.stop_tokens  # the reference does not stop either
+    try:
+        alone, _ = gen.generate([prompt], max_gen_len=12, temperature=0)
+        short = gen.tokenizer.encode("Once upon a time", bos=True, eos=False)
+        batched, _ = gen.generate([short, prompt, short[:3]], max_gen_len=12, temperature=0)
+        with gen.engine(prefill_chunk=300) as engine:  # the prompt prefilled over 4 steps
+            request = engine.submit(prompt, max_gen_len=12, temperature=0)
+            request.result(timeout=120)
+    finally:
+        gen.tokenizer.stop_tokens = stops
+    assert alone[0] == hf_ids and batched[1] == hf_ids and request.generated == hf_ids
+
+    unscaled = hf_model(state, args, scaled=False)  # the scaling is really applied: without it, other logits
+    with torch.no_grad():
+        assert (unscaled(torch.tensor([prompt])).logits[0, -1] - want[-1]).abs().max() > 1e-2
+
+
+def test_two_vocabulary_split_shards_load_at_world_size_1(llama3, tmp_path):
+    """Meta's Llama 3 shards split tok_embeddings by vocabulary (dim 0), unlike Llama 2's (dim 1)."""
+    d, args, state, gen = llama3
+    shards = []
+    for r in range(2):
+        part = {}
+        for name, t in state.items():
+            if name == "tok_embeddings.weight":
+                part[name] = t.chunk(2, 0)[r].clone()
+            elif t.dim() == 1:
+                part[name] = t.clone()
+            else:
+                split = 1 if name.endswith(("wo.weight", "w2.weight")) else 0
+                part[name] = t.chunk(2, split)[r].clone()
+        shards.append(part)
+    for r, part in enumerate(shards):
+        torch.save(part, tmp_path / f"consolidated.{r:02d}.pth")
+    (tmp_path / "params.json").write_text((d / "params.json").read_text())
+    two = Llama.build(str(tmp_path), str(d / "tokenizer.model"), max_seq_len=64, max_batch_size=1)
+    prompt = long_prompt(gen, 40)
+    torch.testing.assert_close(two.model(torch.tensor([prompt]), 0), gen.model(torch.tensor([prompt]), 0),
+                               rtol=0, atol=1e-5)
+
+
+def test_tied_embeddings_share_the_table(tmp_path):
+    """A 3.2-style checkpoint without output.weight: the output projection is the embedding, with no copy."""
+    need(LLAMA3_TOKENIZER)
+    params = {**PARAMS, "rope_theta": 500000.0}
+    args = ModelArgs.from_params(params)
+    state = random_state_dict(args, seed=4)
+    del state["output.weight"]
+    save_checkpoint(state, params, tmp_path, extra_files={"tokenizer.model": LLAMA3_TOKENIZER})
+    gen = Llama.build(str(tmp_path), str(tmp_path / "tokenizer.model"), max_seq_len=64, max_batch_size=1,
+                      rope_scaling_factor=32.0)
+    m = gen.model
+    assert m.output.weight.data_ptr() == m.tok_embeddings.weight.data_ptr()
+    assert m.params.rope_scaling_factor == 32.0 and m.params.use_scaled_rope
+    ref = hf_model(state, args, tied=True, factor=32.0)
+    prompt = long_prompt(gen, 48)
+    with torch.no_grad():
+        torch.testing.assert_close(m(torch.tensor([prompt]), 0)[0], ref(torch.tensor([prompt])).logits[0],
+                                   rtol=0, atol=1e-4)
+    with pytest.raises(ValueError, match="rope_scaling_factor must be"):
+        Llama.build(str(tmp_path), str(tmp_path / "tokenizer.model"), max_seq_len=64, max_batch_size=1,
+                    rope_scaling_factor=float("nan"))
+
+
+# ------------------------------------------------------------------------------------------------- stopping
+def forcing(seq):
+    def force(ids, logits):
+        out = torch.full_like(logits, float("-inf"))
+        out[seq[min(len(ids), len(seq) - 1)]] = 0.0
+        return out
+    return force
+
+
+def test_generation_stops_at_eot_and_eom(llama3):
+    d, args, state, gen = llama3
+    tok = gen.tokenizer
+    words = tok.encode(" Paris is the capital.", bos=False, eos=False)
+    dialog = [{"role": "user", "content": "What is the capital of France?"}]
+    reply = gen.chat_completion([dialog], logits_processors=[forcing(words + [128009])], max_gen_len=30)[0]
+    assert reply["generation"] == {"role": "assistant", "content": " Paris is the capital."}
+    code = [128010] + tok.encode("print(2**10)", bos=False, eos=False) + [128008]
+    with gen.engine() as engine:
+        eot = engine.submit(dialog, logits_processors=[forcing(words + [128009])], max_gen_len=30)
+        eom = engine.submit(dialog, logits_processors=[forcing(code)], max_gen_len=30)
+        assert eot.result(timeout=60)["generation"]["content"] == " Paris is the capital."
+        call = eom.result(timeout=60)["generation"]["content"]
+    assert (eot.finish_reason, eom.finish_reason) == ("eot", "eom")
+    assert call == "<|python_tag|>print(2**10)"  # the tool call, intact, to run and answer with an ipython turn
+    follow = dialog + [{"role": "assistant", "content": call}, {"role": "tool", "content": "1024"}]
+    assert 128010 in gen.formatter.encode_dialog_prompt(follow)
+    end = gen.text_completion(["Hello"], logits_processors=[forcing(words + [128001])], max_gen_len=30)[0]
+    assert end["generation"] == tok.decode(words)
