@@ -18,6 +18,7 @@ from llama.demo import write_random_checkpoint  # noqa: E402
 SHARED = REPO.parent / "shared"
 STORIES = SHARED / "models" / "stories260K"
 LLAMA2_TOKENIZER = SHARED / "tokenizers" / "llama2" / "tokenizer.model"
+LLAMA3_TOKENIZER = SHARED / "tokenizers" / "llama3" / "tokenizer.model"
 
 # Named model shapes (vocab 32000: the Llama 2 tokenizer).
 SHAPES = {

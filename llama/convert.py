@@ -58,6 +58,12 @@ def meta_params(args: ModelArgs) -> dict:
         p["ffn_dim_multiplier"] = args.ffn_dim_multiplier
     if args.rope_theta != 10000.0:
         p["rope_theta"] = args.rope_theta
+    if args.use_scaled_rope:
+        p["use_scaled_rope"] = True
+        defaults = ModelArgs()
+        for name in ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_context"):
+            if getattr(args, name) != getattr(defaults, name):
+                p[name] = getattr(args, name)
     return p
 
 
@@ -241,9 +247,10 @@ def hf_args(config: dict, source) -> ModelArgs:
     """ModelArgs from a Llama config.json; refuses features this architecture does not implement."""
     if config.get("model_type", "llama") != "llama":
         raise ValueError(f"{source}: model_type {config.get('model_type')!r} is not 'llama'")
-    for key, ok in (("rope_scaling", None), ("attention_bias", False), ("mlp_bias", False)):
+    for key, ok in (("attention_bias", False), ("mlp_bias", False)):
         if config.get(key, ok) not in (ok, None):
             raise ValueError(f"{source}: {key}={config[key]!r} is not supported by this Llama implementation")
+    rope = hf_rope(config, source)
     if config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{source}: hidden_act {config['hidden_act']!r} is not silu")
     try:
@@ -257,7 +264,29 @@ def hf_args(config: dict, source) -> ModelArgs:
     return ModelArgs(dim=dim, n_layers=layers, n_heads=n_heads,
                      n_kv_heads=config.get("num_key_value_heads") or n_heads, vocab_size=vocab,
                      multiple_of=multiple_of, ffn_dim_multiplier=mult, norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                     rope_theta=float(config.get("rope_theta", 10000.0)))
+                     **rope)
+
+
+def hf_rope(config: dict, source) -> dict:
+    """ModelArgs' rotary fields from config.json: rope_theta, and Llama 3.1's scaling from `rope_scaling` (older
+    transformers) or `rope_parameters` (newer, which also holds rope_theta). Other scaling types are refused."""
+    params = dict(config.get("rope_parameters") or {})
+    scaling = config.get("rope_scaling") or params
+    out = {"rope_theta": float(params.get("rope_theta", config.get("rope_theta", 10000.0)))}
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind == "default":
+        return out
+    key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+    if kind != "llama3":
+        raise ValueError(f"{source}: {key} of type {kind!r} is not supported by this Llama implementation "
+                         "(only Llama 3.1's 'llama3' scaling is)")
+    try:
+        return {**out, "use_scaled_rope": True, "rope_scaling_factor": float(scaling["factor"]),
+                "rope_low_freq_factor": float(scaling["low_freq_factor"]),
+                "rope_high_freq_factor": float(scaling["high_freq_factor"]),
+                "rope_original_context": int(scaling["original_max_position_embeddings"])}
+    except KeyError as e:
+        raise ValueError(f"{source}: {key} of type 'llama3' lacks {e.args[0]!r}") from None
 
 
 def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -311,7 +340,13 @@ def convert_hf(hf_dir, out_dir, shards: int = 1, dtype: Optional[torch.dtype] = 
         raise ValueError(f"{config_path} is not valid JSON: {e}") from None
     args = hf_args(config, config_path)
     state = hf_to_meta(read_hf_weights(hf_dir), args, dtype)
-    extra = {"tokenizer.model": hf_dir / "tokenizer.model"} if (hf_dir / "tokenizer.model").is_file() else None
+    # Llama 3 repositories keep Meta's tiktoken file under original/; tokenizer.json alone is not Meta's format.
+    found = [p for p in (hf_dir / "tokenizer.model", hf_dir / "original" / "tokenizer.model") if p.is_file()]
+    extra = {"tokenizer.model": found[0]} if found else None
+    if not found and (hf_dir / "tokenizer.json").is_file():
+        print(f"note: {hf_dir} has tokenizer.json but no tokenizer.model: the converted checkpoint has no tokenizer; "
+              "pass Meta's tokenizer.model (for Llama 3, original/tokenizer.model of the same repository) as "
+              "--tokenizer_path", file=sys.stderr)
     return save_checkpoint(state, meta_params(args), out_dir, shards, extra_files=extra)
 
 

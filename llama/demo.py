@@ -20,7 +20,7 @@ DEMO_PARAMS = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multipl
                "vocab_size": 2048}
 CORPUS = Path(__file__).parent / "data" / "demo_corpus.txt"
 DEMO_NOTE = ("Using the demo checkpoint: random weights, so its text is meaningless. "
-             "See docs/checkpoints.md to run a real model.")
+             "See README.md (and docs/checkpoints.md) to run a real model.")
 
 
 def random_state_dict(args: ModelArgs, seed: int = 0, std: Optional[float] = None) -> Dict[str, torch.Tensor]:

@@ -50,3 +50,20 @@ def test_streamed_example_matches_batch_output(stories_dir, tmp_path):
     first_batch = batch.split("I believe the meaning of life is\n> ", 1)[1].split("\n", 1)[0]
     first_stream = streamed.split("I believe the meaning of life is", 1)[1].split("\n", 1)[0]
     assert first_stream == first_batch
+
+
+def test_chat_example_on_a_llama3_checkpoint(tmp_path):
+    """The same script with a Llama 3 checkpoint: the tokenizer file picks the header format, and a tool turn is
+    added to the dialogs; streamed replies equal the batch's (seeded)."""
+    from conftest import SHARED, need
+    from llama.demo import write_random_checkpoint
+
+    tokenizer = need(SHARED / "tokenizers" / "llama3" / "tokenizer.model")
+    params = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 32, "norm_eps": 1e-5,
+              "rope_theta": 500000.0, "use_scaled_rope": True, "vocab_size": 128256}
+    write_random_checkpoint(tmp_path / "l3", params, tokenizer_path=tokenizer)
+    args = [sys.executable, "example_chat_completion.py", "--ckpt_dir", str(tmp_path / "l3"), "--max_gen_len", "6",
+            "--max_seq_len", "1024", "--seed", "5"]
+    out = run(args, tmp_path)
+    assert out.count("> Assistant:") == 7 and "Tool: 1024" in out and "Error: special tags" not in out
+    assert run(args + ["--stream"], tmp_path) == out

@@ -50,6 +50,53 @@ def test_round_trip(tok, text):
     assert all(i < 128000 for i in ids)
 
 
+@pytest.fixture(scope="module")
+def meta():
+    """Meta's own Llama 3 tokenizer and chat format (llama-models), the reference these are checked against."""
+    pytest.importorskip("llama_models", reason="llama-models (Meta's reference code) is a test dependency")
+    from llama_models.llama3.chat_format import ChatFormat
+    from llama_models.llama3.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(need(LLAMA3_TOKENIZER))
+    return tokenizer, ChatFormat(tokenizer)
+
+
+VARIED = ["Hello, world!", "  leading and   inner   spaces\n\n\ttabs  ", "digits 1234567 and 3.14159e-10",
+          "emoji 🦙🔥👍🏽 and flags 🇫🇷", "中文字符和日本語のテキスト、한국어", "def f(x):\n    return x ** 2  # code\n",
+          "a literal <|eot_id|> and <|begin_of_text|> in user text", "x" * 30000, " " * 30001 + "end",
+          "word " * 9000, "Ünïcödé çåsé\r\nwindows lines"]
+
+
+@pytest.mark.parametrize("text", VARIED, ids=range(len(VARIED)))
+def test_encode_and_decode_equal_metas(tok, meta, text):
+    ids = tok.encode(text, bos=True, eos=True)
+    assert ids == meta[0].encode(text, bos=True, eos=True)
+    assert tok.decode(ids) == meta[0].decode(ids)
+
+
+def test_chat_prompts_equal_metas(tok, meta):
+    from llama_models.datatypes import BuiltinTool, RawMessage, StopReason, ToolCall
+
+    fmt = chat_format_for(tok)
+    dialogs = [
+        [{"role": "system", "content": "Always answer with Haiku"}, {"role": "user", "content": "I am going to Paris"}],
+        [{"role": "user", "content": " Hi "}, {"role": "assistant", "content": "Hello! How can I help?"},
+         {"role": "user", "content": "Tell me a joke\n"}],
+        [{"role": "user", "content": "What is 2**10?"}, {"role": "assistant", "content": "<|python_tag|>print(2**10)"},
+         {"role": "tool", "content": "1024"}],
+    ]
+    call = ToolCall(call_id="1", tool_name=BuiltinTool.code_interpreter, arguments={"code": "print(2**10)"})
+    for dialog in dialogs:
+        messages = []
+        for m in dialog:
+            if m["content"].startswith("<|python_tag|>"):
+                messages.append(RawMessage(role="assistant", content="", tool_calls=[call],
+                                           stop_reason=StopReason.end_of_message))
+            else:
+                messages.append(RawMessage(role=m["role"], content=m["content"]))
+        assert fmt.encode_dialog_prompt(dialog) == meta[1].encode_dialog_prompt(messages).tokens
+
+
 def test_special_token_text_in_content_is_plain_text(tok):
     ids = tok.encode("say <|eot_id|> and <|begin_of_text|>", bos=False, eos=False)
     assert not set(ids) & set(tok.special_tokens.values())
@@ -190,29 +237,18 @@ def test_logits_and_greedy_ids_equal_transformers_with_llama3_rope_scaling(llama
         gen.tokenizer.stop_tokens = stops
     assert alone[0] == hf_ids and batched[1] == hf_ids and request.generated == hf_ids
 
-    unscaled = hf_model(state, args, scaled=False)  # the scaling is really applied: without it, other logits
+    unscaled = hf_model(state, args, scaled=False)  # the scaling is really applied: without it, other ids
     with torch.no_grad():
         assert (unscaled(torch.tensor([prompt])).logits[0, -1] - want[-1]).abs().max() > 1e-2
+        other = unscaled.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                  attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):]
+    assert other.tolist() != hf_ids
 
 
 def test_two_vocabulary_split_shards_load_at_world_size_1(llama3, tmp_path):
     """Meta's Llama 3 shards split tok_embeddings by vocabulary (dim 0), unlike Llama 2's (dim 1)."""
     d, args, state, gen = llama3
-    shards = []
-    for r in range(2):
-        part = {}
-        for name, t in state.items():
-            if name == "tok_embeddings.weight":
-                part[name] = t.chunk(2, 0)[r].clone()
-            elif t.dim() == 1:
-                part[name] = t.clone()
-            else:
-                split = 1 if name.endswith(("wo.weight", "w2.weight")) else 0
-                part[name] = t.chunk(2, split)[r].clone()
-        shards.append(part)
-    for r, part in enumerate(shards):
-        torch.save(part, tmp_path / f"consolidated.{r:02d}.pth")
-    (tmp_path / "params.json").write_text((d / "params.json").read_text())
+    vocab_split(state, tmp_path, d / "params.json")
     two = Llama.build(str(tmp_path), str(d / "tokenizer.model"), max_seq_len=64, max_batch_size=1)
     prompt = long_prompt(gen, 40)
     torch.testing.assert_close(two.model(torch.tensor([prompt]), 0), gen.model(torch.tensor([prompt]), 0),
@@ -270,3 +306,108 @@ def test_generation_stops_at_eot_and_eom(llama3):
     assert 128010 in gen.formatter.encode_dialog_prompt(follow)
     end = gen.text_completion(["Hello"], logits_processors=[forcing(words + [128001])], max_gen_len=30)[0]
     assert end["generation"] == tok.decode(words)
+
+
+# ------------------------------------------------------------------------------------------------- conversion, parallel
+@pytest.mark.parametrize("tied", [False, True])
+def test_hf_llama3_checkpoint_converts(llama3, tmp_path, tied, capsys):
+    """A Llama 3.x Hugging Face directory (llama3 rope scaling, tied lm_head, tokenizer.json only) converts to
+    Meta's layout and gives transformers' logits."""
+    from llama.convert import main
+
+    d, args, state, gen = llama3
+    ref = hf_model(state, args, tied=tied)
+    hf_dir = tmp_path / "hf"
+    ref.save_pretrained(hf_dir)
+    (hf_dir / "tokenizer.json").write_text("{}")
+    assert main(["hf", str(hf_dir), str(tmp_path / "meta")]) == 0
+    assert "no tokenizer.model" in capsys.readouterr().err
+    params = (tmp_path / "meta" / "params.json").read_text()
+    assert '"use_scaled_rope": true' in params and '"rope_theta": 500000.0' in params
+    out = Llama.build(str(tmp_path / "meta"), str(LLAMA3_TOKENIZER), max_seq_len=1200, max_batch_size=1)
+    prompt = long_prompt(gen, 1050)
+    with torch.no_grad():
+        torch.testing.assert_close(out.model(torch.tensor([prompt]), 0)[0], ref(torch.tensor([prompt])).logits[0],
+                                   rtol=0, atol=1e-4)
+
+
+def vocab_split(state, tmp_path, params_src):
+    """Meta's Llama 3 two-shard layout: tok_embeddings split by vocabulary, the rest as Llama 2's shards."""
+    for r in range(2):
+        part = {}
+        for name, t in state.items():
+            if name == "tok_embeddings.weight":
+                part[name] = t.chunk(2, 0)[r].clone()
+            elif t.dim() == 1:
+                part[name] = t.clone()
+            else:
+                part[name] = t.chunk(2, 1 if name.endswith(("wo.weight", "w2.weight")) else 0)[r].clone()
+        torch.save(part, tmp_path / f"consolidated.{r:02d}.pth")
+    (tmp_path / "params.json").write_text(params_src.read_text())
+    return tmp_path
+
+
+MP_SCRIPT = """
+import json, os, sys
+import torch
+import torch.distributed as dist
+from llama import Llama
+torch.set_num_threads(1)
+tokenizer, out, *dirs = sys.argv[1:]
+prompt = json.load(open(out + ".prompt"))
+res = {}
+for d in dirs:
+    g = Llama.build(d, tokenizer, max_seq_len=1200, max_batch_size=2, device="cpu")
+    g.tokenizer.stop_tokens = {}
+    res[d] = g.generate([prompt, prompt[:20]], max_gen_len=8, temperature=0)[0]
+json.dump(res, open(f"{out}.{dist.get_rank()}.json", "w"))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_one_and_two_shards_at_world_size_2(llama3, tmp_path):
+    """torchrun with 2 gloo ranks: the 1-shard and the vocabulary-split 2-shard checkpoints give the greedy ids of
+    one process (positions past 1000 included)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    d, args, state, gen = llama3
+    (tmp_path / "two").mkdir()
+    two = vocab_split(state, tmp_path / "two", d / "params.json")
+    prompt = long_prompt(gen, 1100)
+    out = tmp_path / "out"
+    (tmp_path / "out.prompt").write_text(json.dumps(prompt))
+    (tmp_path / "run.py").write_text(MP_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(tmp_path / "run.py"), str(LLAMA3_TOKENIZER), str(out), str(d), str(two)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    gen.tokenizer.stop_tokens, stops = {}, gen.tokenizer.stop_tokens
+    try:
+        want = gen.generate([prompt, prompt[:20]], max_gen_len=8, temperature=0)[0]
+    finally:
+        gen.tokenizer.stop_tokens = stops
+    for rank in range(2):
+        res = json.loads((tmp_path / f"out.{rank}.json").read_text())
+        assert res[str(d)] == want and res[str(two)] == want
+
+
+def test_reshard_a_vocabulary_split_checkpoint(llama3, tmp_path):
+    from llama.reshard import reshard
+
+    d, args, state, gen = llama3
+    (tmp_path / "two").mkdir()
+    two = vocab_split(state, tmp_path / "two", d / "params.json")
+    prompt = long_prompt(gen, 30)
+    want = gen.model(torch.tensor([prompt]), 0)
+    for shards in (1, 2):
+        reshard(two, tmp_path / f"r{shards}", shards)
+        g = Llama.build(str(tmp_path / f"r{shards}"), str(d / "tokenizer.model"), max_seq_len=64, max_batch_size=1,
+                        verify=True)
+        torch.testing.assert_close(g.model(torch.tensor([prompt]), 0), want, rtol=0, atol=1e-5)
