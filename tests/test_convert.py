@@ -16,6 +16,7 @@ from llama.checkpoint import expected_shapes, read_params, verify_checklist
 from llama.convert import derive_ffn, main, read_safetensors
 from llama.cache import KVCache
 from llama.model import ModelArgs, Transformer, ffn_hidden_dim
+import helpers
 from conftest import REPO, STORIES
 
 BIN = STORIES / "llama2c" / "stories260K.bin"
@@ -138,12 +139,6 @@ def write_safetensors(path, tensors):
         f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
 
 
-def hf_permute(w, n_heads):
-    """transformers' convert_llama_weights_to_hf permute(): interleaved pairs -> rotate-half halves."""
-    rows, cols = w.shape
-    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 200,
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 96,
           "rms_norm_eps": 1e-6, "rope_theta": 50000.0, "max_position_embeddings": 128, "hidden_act": "silu",
@@ -151,21 +146,8 @@ CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_
 
 
 def meta_to_hf(meta, cfg):
-    hf = {"model.embed_tokens.weight": meta["tok_embeddings.weight"], "model.norm.weight": meta["norm.weight"]}
-    if not cfg["tie_word_embeddings"]:
-        hf["lm_head.weight"] = meta["output.weight"]
-    for i in range(cfg["num_hidden_layers"]):
-        p, m = f"model.layers.{i}.", f"layers.{i}."
-        hf[p + "self_attn.q_proj.weight"] = hf_permute(meta[m + "attention.wq.weight"], cfg["num_attention_heads"])
-        hf[p + "self_attn.k_proj.weight"] = hf_permute(meta[m + "attention.wk.weight"], cfg["num_key_value_heads"])
-        hf[p + "self_attn.v_proj.weight"] = meta[m + "attention.wv.weight"]
-        hf[p + "self_attn.o_proj.weight"] = meta[m + "attention.wo.weight"]
-        hf[p + "mlp.gate_proj.weight"] = meta[m + "feed_forward.w1.weight"]
-        hf[p + "mlp.up_proj.weight"] = meta[m + "feed_forward.w3.weight"]
-        hf[p + "mlp.down_proj.weight"] = meta[m + "feed_forward.w2.weight"]
-        hf[p + "input_layernorm.weight"] = meta[m + "attention_norm.weight"]
-        hf[p + "post_attention_layernorm.weight"] = meta[m + "ffn_norm.weight"]
-    return hf
+    return helpers.meta_to_hf(meta, cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
+                              cfg["tie_word_embeddings"])
 
 
 def random_meta(cfg, seed=0):

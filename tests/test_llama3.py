@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import SHARED, need
+from helpers import meta_to_hf
 from llama import Llama
 from llama.chat import Llama3ChatFormat, chat_format_for
 from llama.demo import random_state_dict
@@ -160,29 +161,6 @@ def test_tool_call_and_tool_output(tok):
 
 
 # ------------------------------------------------------------------------------------------------- model
-def hf_state(state, args):
-    """Meta names and interleaved rotary pairs -> transformers' names and rotate-half layout."""
-    def permute(w, heads):
-        rows, cols = w.shape
-        return w.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-
-    out = {"model.embed_tokens.weight": state["tok_embeddings.weight"], "model.norm.weight": state["norm.weight"]}
-    if "output.weight" in state:
-        out["lm_head.weight"] = state["output.weight"]
-    for i in range(args.n_layers):
-        m, h = f"layers.{i}.", f"model.layers.{i}."
-        out[h + "self_attn.q_proj.weight"] = permute(state[m + "attention.wq.weight"], args.n_heads)
-        out[h + "self_attn.k_proj.weight"] = permute(state[m + "attention.wk.weight"], args.n_kv_heads)
-        out[h + "self_attn.v_proj.weight"] = state[m + "attention.wv.weight"]
-        out[h + "self_attn.o_proj.weight"] = state[m + "attention.wo.weight"]
-        out[h + "mlp.gate_proj.weight"] = state[m + "feed_forward.w1.weight"]
-        out[h + "mlp.down_proj.weight"] = state[m + "feed_forward.w2.weight"]
-        out[h + "mlp.up_proj.weight"] = state[m + "feed_forward.w3.weight"]
-        out[h + "input_layernorm.weight"] = state[m + "attention_norm.weight"]
-        out[h + "post_attention_layernorm.weight"] = state[m + "ffn_norm.weight"]
-    return out
-
-
 def hf_model(state, args, tied=False, scaled=True, factor=8.0):
     transformers = pytest.importorskip("transformers", reason="transformers is the independent reference here")
     config = transformers.LlamaConfig(
@@ -192,7 +170,7 @@ def hf_model(state, args, tied=False, scaled=True, factor=8.0):
         rope_parameters={"rope_theta": args.rope_theta,
                          **({**SCALING, "factor": factor} if scaled else {"rope_type": "default"})})
     model = transformers.LlamaForCausalLM(config).eval()
-    model.load_state_dict(hf_state(state, args), strict=not tied)
+    model.load_state_dict(meta_to_hf(state, args.n_layers, args.n_heads, args.n_kv_heads, tied), strict=not tied)
     return model
 
 
