@@ -11,5 +11,5 @@ setup(
     package_data={"llama": ["data/*.txt"]},
     python_requires=">=3.9",
     install_requires=["torch>=2.5", "fairscale", "sentencepiece", "tiktoken", "fire", "tqdm"],
-    extras_require={"test": ["pytest", "transformers", "llama-models==0.3.0"]},
+    extras_require={"test": ["pytest", "transformers", "llama-models==0.3.0; python_version >= '3.10'"]},
 )
