@@ -157,12 +157,13 @@ class Llama:
                                logprobs=logprobs, **options)
         run = [i for i, (toks, _) in enumerate(encoded) if toks is not None]
         reqs = self.inputs.requests([encoded[i][0] for i in run], [params[i] for i in run], n=n, index=run, chat=True)
-        preds = iter(self._complete(reqs, partial=True))
-        out: List = []
+        preds, errors = iter(self._complete(reqs, check=False)), iter(r.error for r in reqs)
+        out, failed = [], []
         for toks, refusal in encoded:
             for _ in range(n):
                 out.append(next(preds) if toks is not None else refusal_prediction(refusal, logprobs))
-        _raise_failed(out, reqs)
+                failed.append(next(errors) if toks is not None else None)
+        _check(out, failed)
         return out
 
     # ----------------------------------------------------------------------------------------- streaming
@@ -251,24 +252,19 @@ class Llama:
         return results
 
     # ----------------------------------------------------------------------------------------- internals
-    def _complete(self, reqs: List[Request], result=None, partial: bool = False) -> List:
-        """Run requests through the decode core; each one's result (its prediction by default), in input order.
-
-        If some failed, BatchError names them and keeps the others' results (unless partial: the caller raises).
-        """
+    def _complete(self, reqs: List[Request], result=None, check: bool = True) -> List:
+        """Run requests through the decode core; each one's result (its prediction by default), None where it
+        failed, in input order. check: raise BatchError if any failed (it keeps the others' results)."""
         with self.cache.hold():
             for _ in self.core.run(reqs):
                 pass
-        out = [(result(r) if result else r.prediction) if r.error is None else None for r in reqs]
-        if not partial:
-            _raise_failed(out, reqs)
+        out = [None if r.error is not None else (result(r) if result else r.prediction) for r in reqs]
+        if check:
+            _check(out, [r.error for r in reqs])
         return out
 
 
-def _raise_failed(results: List, reqs: List[Request]) -> None:
-    failed = [r for r in reqs if r.error is not None]
+def _check(results: List, errors: List[Optional[BaseException]]) -> None:
+    failed = {i: e for i, e in enumerate(errors) if e is not None}
     if failed:
-        errors = {i: None for i, res in enumerate(results) if res is None}
-        for i, r in zip(sorted(errors), failed):
-            errors[i] = r.error
-        raise BatchError(errors, results)
+        raise BatchError(failed, results)

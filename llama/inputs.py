@@ -6,16 +6,10 @@ requests here, so validation, messages and limits are the same everywhere.
 import itertools
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .params import SamplingParams, per_prompt
+from .params import SamplingParams, per_prompt, positive_int
 from .prefix import Prefix
 from .request import Request
 from .textstream import TextStream
-
-
-def positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
 
 
 def count(values, name: str) -> int:
@@ -105,7 +99,7 @@ class RequestBuilder:
             if len(toks) >= self.max_seq_len:
                 raise ValueError(f"{name} has {len(toks)} tokens; it must be shorter than max_seq_len="
                                  f"{self.max_seq_len} (shorten it or build the generator with a larger max_seq_len)")
-            if prefix is not None and p_wants_prompt_scores(params[k]):
+            if prefix is not None and params[k].scores_prompt:
                 prefix.prompt_logprobs(toks, prefix.reusable(toks))  # raises now if the scores are unknowable
             checked.append(toks)
         stops = dict(self.tokenizer.stop_tokens)
@@ -167,10 +161,6 @@ class RequestBuilder:
     def settle(self, r: Request) -> None:
         """Publish a finished request's outcome to whoever holds it."""
         r.settle(self.prediction(r) if r.error is None else None)
-
-
-def p_wants_prompt_scores(p: SamplingParams) -> bool:
-    return p.echo and p.logprobs
 
 
 def refusal_prediction(text: str, logprobs: bool) -> Dict:

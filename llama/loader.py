@@ -13,13 +13,8 @@ from . import checkpoint, parallel
 from . import compile as compilation
 from . import quantize as quantization
 from .model import ModelArgs, Transformer
+from .params import positive_int
 from .tokenizer import load_tokenizer
-
-
-def positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
 
 
 def check_options(max_seq_len, max_batch_size, seed, compile, quantize) -> None:

@@ -54,8 +54,19 @@ class SamplingParams:
             raise ValueError("logits_processors must be callables (token_ids_so_far, logits) -> logits")
         self.logits_processors = tuple(self.logits_processors)
 
+    @property
+    def scores_prompt(self) -> bool:
+        """echo with logprobs: the prompt's own tokens get scores too (every prefill position's logits)."""
+        return self.echo and self.logprobs
+
     def with_(self, **changes) -> "SamplingParams":
         return replace(self, **changes)
+
+
+def positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
 
 
 def _number(name, value):

@@ -98,7 +98,7 @@ class Runner:
             for i in range(len(op["slots"])):
                 r, s, c = next(jobs)
                 if op["last"] is None:  # every position's logits: some request echoes its prompt's scores
-                    if r.params.echo and r.params.logprobs:
+                    if r.params.scores_prompt:
                         end = min(s + c + 1, len(r.prompt))
                         r.prompt_logprobs = r.prompt_logprobs + token_logprobs(out[i, :c], r.prompt[s:end])
                     logits = out[i, c - 1]

@@ -89,7 +89,7 @@ class Scheduler:
             n = r.prefix.reusable(r.prompt)
             if n:
                 plan.ops.append({"kind": "load", "prefix": r.prefix.id, "slot": s, "length": n})
-                if r.params.echo and r.params.logprobs:
+                if r.params.scores_prompt:
                     r.prompt_logprobs = r.prefix.prompt_logprobs(r.prompt, n)
             r.prefilled = r.reused = n
         self.slots[s] = r
@@ -169,7 +169,7 @@ class Scheduler:
         for g in groups:
             width = max(c for _, _, c in g)
             starts = [s for _, s, _ in g]
-            full = any(r.params.echo and r.params.logprobs for r, _, _ in g)
+            full = any(r.params.scores_prompt for r, _, _ in g)
             ops.append({
                 "kind": "prefill",
                 "tokens": [r.prompt[s : s + c] + [0] * (width - c) for r, s, c in g],
