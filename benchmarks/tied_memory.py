@@ -42,7 +42,7 @@ def main() -> None:
     if a.child:
         print(json.dumps(child(a.child)))
         return
-    params = {"dim": a.dim, "n_layers": a.layers, "n_heads": a.dim // 64, "n_kv_heads": 8, "multiple_of": 256,
+    params = {"dim": a.dim, "n_layers": a.layers, "n_heads": a.dim // 64, "n_kv_heads": min(8, a.dim // 64), "multiple_of": 256,
               "rope_theta": 500000.0, "use_scaled_rope": True, "vocab_size": 128256}
     with tempfile.TemporaryDirectory() as tmp:
         untied = random_checkpoint(Path(tmp) / "untied", params, dtype=torch.bfloat16, std=0.02)

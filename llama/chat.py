@@ -1,4 +1,6 @@
-"""Chat formats: turning a dialog into prompt tokens, one interface for every model family.
+"""Chat formats: turning a dialog into prompt tokens, one interface for every model family: Meta's Llama 2 and
+Llama 3 formats token for token, and a model's own Jinja template (GGUF, Hugging Face), rendered as Hugging Face
+renders it.
 
 A chat format offers validate(dialog, index), encode_dialog_prompt(dialog) -> token ids, refusal(dialog) (the
 answer to give instead of running a dialog the format forbids, or None), strip_reply_space (drop the reply's
@@ -7,6 +9,9 @@ tokenizer's for chat replies). `chat_format_for(tokenizer)` picks the format tha
 """
 
 from typing import Dict, List, Literal, Optional, Sequence, TypedDict
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 Role = Literal["system", "user", "assistant", "ipython", "tool"]
 
@@ -150,8 +155,59 @@ class Llama3ChatFormat:
         return tokens + self.encode_header("assistant")
 
 
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+
+
+def _raise(message):
+    raise TemplateError(message)
+
+
+class TemplateChatFormat:
+    """The chat-format interface over a Jinja template; its end-of-turn token stops replies."""
+
+    strip_reply_space = False
+    ROLES = ("system", "user", "assistant", "tool", "ipython")
+
+    def __init__(self, tokenizer, template: str):
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        try:
+            self.template = env.from_string(template)
+        except TemplateError as e:
+            raise ValueError(f"the chat template of {getattr(tokenizer, 'source', 'the tokenizer')} does not "
+                             f"compile: {e}") from None
+        self.tokenizer = tokenizer
+        special = getattr(tokenizer, "special_ids", {})
+        self.stop_tokens: Dict[int, str] = {special[t]: "eot" for t in END_OF_TURN
+                                            if t in special and t in template and special[t] != tokenizer.eos_id}
+
+    def validate(self, dialog, index: int = 0) -> None:
+        validate_messages(dialog, index, self.ROLES)
+        if dialog[-1]["role"] == "assistant":
+            raise ValueError(f"dialog {index}: the last message must not be the assistant's (the reply comes next)")
+
+    def refusal(self, dialog: Dialog) -> Optional[str]:
+        return None
+
+    def render(self, dialog: Dialog) -> str:
+        tok = self.tokenizer
+        piece = lambda i: tok.piece(i) if i is not None and i >= 0 else ""  # noqa: E731
+        try:
+            return self.template.render(messages=[dict(m) for m in dialog], add_generation_prompt=True,
+                                        bos_token=piece(tok.bos_id), eos_token=piece(tok.eos_id))
+        except TemplateError as e:
+            raise ValueError(f"the chat template refused the dialog: {e}") from None
+
+    def encode_dialog_prompt(self, dialog: Dialog) -> List[int]:
+        self.validate(dialog)
+        return self.tokenizer.encode(self.render(dialog), bos=False, eos=False)
+
+
 def chat_format_for(tokenizer):
-    """The chat format that belongs to a tokenizer (the family is decided by the tokenizer, not by a flag)."""
+    """The chat format that belongs to a tokenizer (the family is decided by the tokenizer, not by a flag): the
+    model's own Jinja template when it carries one, else Meta's Llama 3 or Llama 2 format."""
+    if getattr(tokenizer, "chat_template", None):
+        return TemplateChatFormat(tokenizer, tokenizer.chat_template)
     if "<|start_header_id|>" in getattr(tokenizer, "special_tokens", {}):
         return Llama3ChatFormat(tokenizer)
     return ChatFormat(tokenizer)

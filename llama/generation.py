@@ -38,7 +38,7 @@ class Llama:
     @staticmethod
     def build(
         ckpt_dir: str,
-        tokenizer_path: str,
+        tokenizer_path: Optional[str],
         max_seq_len: int,
         max_batch_size: int,
         model_parallel_size: Optional[int] = None,
@@ -50,7 +50,9 @@ class Llama:
         quantize: Optional[str] = None,
         rope_scaling_factor: Optional[float] = None,
     ) -> "Llama":
-        """Load a Meta-layout checkpoint; works in plain python and under torchrun, on CPU or CUDA.
+        """Load a checkpoint: a Meta-layout directory, or a GGUF file (or a directory holding one; its embedded
+        tokenizer and chat template are used unless tokenizer_path is given). Works in plain python and under
+        torchrun, on CPU or CUDA.
 
         quantize="int8": int8 weight-only linear layers (activations bf16 unless dtype says otherwise);
         "int8-dynamic" (CPU): int8 weights and per-row dynamic int8 activations in oneDNN (llama/quantize.py).

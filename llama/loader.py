@@ -12,7 +12,8 @@ import torch
 from . import checkpoint, parallel
 from . import compile as compilation
 from . import quantize as quantization
-from .model import ModelArgs, Transformer
+from . import gguf_checkpoint, tokenizer_hf
+from .model import ModelArgs, Transformer, check_model_parallel
 from .params import positive_int
 from .tokenizer import load_tokenizer
 
@@ -28,9 +29,22 @@ def check_options(max_seq_len, max_batch_size, seed, compile, quantize) -> None:
         raise ValueError(f"compile must be a bool, None or one of {compilation.MODES}, got {compile!r}")
 
 
+def gguf_state(reader, path, args: ModelArgs, rank: int, world_size: int, dtype) -> dict:
+    """This rank's slice of a GGUF file's weights, dequantized straight to dtype (a missing output.weight is the
+    embedding: shared at world size 1, cut along the vocabulary above)."""
+    check_model_parallel(args, world_size)
+    full = gguf_checkpoint.read_state_dict(reader, path, dtype)
+    checkpoint.check_shapes({k: tuple(v.shape) for k, v in full.items()}, args, str(path))
+    state = {name: checkpoint.split_tensor(name, t, rank, world_size) for name, t in full.items()}
+    if "output.weight" not in state:
+        state["output.weight"] = (state["tok_embeddings.weight"] if world_size == 1 else
+                                  checkpoint.split_tensor("output.weight", full["tok_embeddings.weight"], rank, world_size))
+    return state
+
+
 def load(
     ckpt_dir: str,
-    tokenizer_path: str,
+    tokenizer_path: Optional[str],
     max_seq_len: int,
     max_batch_size: int,
     model_parallel_size: Optional[int] = None,
@@ -53,8 +67,16 @@ def load(
     mp_size = parallel.init_distributed(model_parallel_size, device)
     torch.manual_seed(seed)  # every rank seeds alike, so unseeded sampling agrees across ranks
 
-    tokenizer = load_tokenizer(tokenizer_path)
-    params = checkpoint.read_params(ckpt_dir)
+    gguf_path = gguf_checkpoint.find_gguf(ckpt_dir)
+    if gguf_path is not None:  # one file: hyperparameters, weights and (unless one is given) the tokenizer
+        reader = gguf_checkpoint.open_reader(gguf_path)
+        params = gguf_checkpoint.read_params(reader, gguf_path)
+        tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else tokenizer_hf.from_gguf(reader, gguf_path)
+    else:
+        if tokenizer_path is None:
+            raise ValueError(f"tokenizer_path is needed for {ckpt_dir} (only a GGUF file carries its tokenizer)")
+        tokenizer = load_tokenizer(tokenizer_path)
+        params = checkpoint.read_params(ckpt_dir)
     overrides = {}
     if rope_scaling_factor is not None:
         if isinstance(rope_scaling_factor, bool) or not isinstance(rope_scaling_factor, (int, float)) \
@@ -69,12 +91,16 @@ def load(
         args.vocab_size = tokenizer.n_words
     if args.vocab_size != tokenizer.n_words:
         raise ValueError(
-            f"params.json vocab_size is {args.vocab_size} but the tokenizer {tokenizer_path} has "
+            f"{'params.json' if gguf_path is None else gguf_path} vocab_size is {args.vocab_size} but the tokenizer "
+            f"{tokenizer_path or gguf_path} has "
             f"{tokenizer.n_words} tokens: they do not belong together"
         )
-    if verify:
+    if verify and gguf_path is None:
         checkpoint.verify_checklist(ckpt_dir)
-    state = checkpoint.load_state_dict(ckpt_dir, args, parallel.model_parallel_rank(), mp_size)
+    if gguf_path is not None:
+        state = gguf_state(reader, gguf_path, args, parallel.model_parallel_rank(), mp_size, dtype)
+    else:
+        state = checkpoint.load_state_dict(ckpt_dir, args, parallel.model_parallel_rank(), mp_size)
     with torch.device("meta"):
         model = Transformer(args)
     try:

@@ -11,6 +11,7 @@ from typing import Dict, List
 
 from sentencepiece import SentencePieceProcessor
 
+from . import tokenizer_hf
 from .tokenizer_llama3 import Llama3Tokenizer, is_rank_file
 
 
@@ -57,11 +58,13 @@ class Tokenizer:
 
 
 def load_tokenizer(path):
-    """The tokenizer stored in `path`, of whichever kind the file is: Meta's sentencepiece model (Llama 2) or
-    tiktoken rank file (Llama 3). No flag: the file says which."""
+    """The tokenizer stored in `path`, of whichever kind the file is: Meta's sentencepiece model (Llama 2), tiktoken
+    rank file (Llama 3) or Hugging Face tokenizer.json. No flag: the file says which."""
     path = _check_path(path)
     if is_rank_file(path):
         return Llama3Tokenizer(path)
+    if path.endswith(".json"):
+        return tokenizer_hf.from_tokenizer_json(path)
     try:
         return Tokenizer(path)
     except ValueError:

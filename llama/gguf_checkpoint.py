@@ -1,0 +1,119 @@
+"""GGUF files (llama.cpp's format: weights, hyperparameters, tokenizer and chat template in one file), read with
+the `gguf` package and turned into this package's parameters, Meta-named weights and tokenizer.
+
+Only the `llama` architecture is accepted. Quantized tensors (Q8_0, Q4_0, Q4_1) are dequantized at load, tensor
+by tensor, to the requested dtype; F32/F16/BF16 are cast. llama.cpp's converter stores q/k rows in Meta's
+interleaved rotary order already (it undoes Hugging Face's permutation), so they are used as they are.
+"""
+
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import gguf
+import numpy as np
+import torch
+from gguf.quants import dequantize
+from tqdm import tqdm
+
+from .convert import derive_ffn
+
+SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+_GLOBAL = {"token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight",
+           "output.weight": "output.weight"}
+_LAYER = {"attn_q.weight": "attention.wq.weight", "attn_k.weight": "attention.wk.weight",
+          "attn_v.weight": "attention.wv.weight", "attn_output.weight": "attention.wo.weight",
+          "ffn_gate.weight": "feed_forward.w1.weight", "ffn_down.weight": "feed_forward.w2.weight",
+          "ffn_up.weight": "feed_forward.w3.weight", "attn_norm.weight": "attention_norm.weight",
+          "ffn_norm.weight": "ffn_norm.weight"}
+
+
+def find_gguf(path) -> Optional[Path]:
+    """The GGUF file `path` names: the file itself, or the one .gguf inside a directory without params.json."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and not (path / "params.json").exists():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) > 1:
+            raise ValueError(f"{path} holds {len(found)} .gguf files: pass the one to load")
+        return found[0] if found else None
+    return None
+
+
+def open_reader(path: Path):
+    try:
+        return gguf.GGUFReader(str(path))
+    except (ValueError, OSError, IndexError, KeyError) as e:  # the reader's errors for truncated/corrupt files
+        raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {e}") from None
+
+
+def field(reader, key: str, default=None, path=None):
+    f = reader.fields.get(key)
+    if f is None:
+        if default is not None:
+            return default
+        raise ValueError(f"{path}: GGUF metadata lacks {key!r}")
+    return f.contents()
+
+
+def read_params(reader, path: Path) -> dict:
+    """params.json-style hyperparameters from the metadata; refuses architectures and rotary schemes it cannot run."""
+    arch = field(reader, "general.architecture", path=path)
+    if arch != "llama":
+        raise ValueError(f"{path}: architecture {arch!r} is not supported (only 'llama')")
+    g = lambda key, default=None: field(reader, f"llama.{key}", default, path)  # noqa: E731
+    dim, n_heads = int(g("embedding_length")), int(g("attention.head_count"))
+    rot = int(g("rope.dimension_count", dim // n_heads))
+    if rot != dim // n_heads:
+        raise ValueError(f"{path}: llama.rope.dimension_count {rot} differs from the head dimension {dim // n_heads}")
+    scaling = reader.fields.get("llama.rope.scaling.type")
+    if scaling is not None and scaling.contents() not in ("none", ""):
+        raise ValueError(f"{path}: llama.rope.scaling.type {scaling.contents()!r} is not supported")
+    multiple_of, mult = derive_ffn(dim, int(g("feed_forward_length")))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = int(g("vocab_size", len(tokens.data) if tokens is not None else 0))
+    params = {"dim": dim, "n_layers": int(g("block_count")), "n_heads": n_heads,
+              "n_kv_heads": int(g("attention.head_count_kv", n_heads)), "vocab_size": vocab,
+              "multiple_of": multiple_of, "norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+              "rope_theta": float(g("rope.freq_base", 10000.0))}
+    if mult is not None:
+        params["ffn_dim_multiplier"] = mult
+    return params
+
+
+def meta_name(name: str, path: Path) -> str:
+    if name in _GLOBAL:
+        return _GLOBAL[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER:
+        return f"layers.{parts[1]}.{_LAYER[parts[2]]}"
+    raise ValueError(f"{path}: tensor {name!r} is not a parameter of the Llama architecture")
+
+
+def read_state_dict(reader, path: Path, dtype: torch.dtype = torch.float32) -> Dict[str, torch.Tensor]:
+    """Every tensor, Meta-named, dequantized or cast to dtype (a missing output.weight means tied embeddings)."""
+    state = {}
+    big = sum(int(t.n_bytes) for t in reader.tensors) > 1 << 30
+    for t in tqdm(reader.tensors, desc=f"reading {path.name}", unit="tensor", disable=not big):
+        kind = t.tensor_type.name
+        if kind not in SUPPORTED:
+            raise ValueError(f"{path}: tensor {t.name} has type {kind}, which is not supported "
+                             f"(supported: {', '.join(SUPPORTED)})")
+        try:
+            values = dequantize(t.data, t.tensor_type)
+        except (ValueError, IndexError) as e:
+            raise ValueError(f"{path}: tensor {t.name} ({kind}) cannot be read (truncated or corrupt?): {e}") from None
+        shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists the fastest dimension first
+        values = np.ascontiguousarray(values)
+        if not values.flags.writeable:  # F32 data is a read-only view of the memory-mapped file
+            values = values.copy()
+        state[meta_name(t.name, path)] = torch.from_numpy(values).reshape(shape).to(dtype)
+    return state
+
+
+def load(path, dtype: torch.dtype = torch.float32) -> Tuple[dict, Dict[str, torch.Tensor], object]:
+    """(params, full state dict, reader) of a GGUF file."""
+    path = Path(path)
+    reader = open_reader(path)
+    params = read_params(reader, path)
+    return params, read_state_dict(reader, path, dtype), reader

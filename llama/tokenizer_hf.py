@@ -1,0 +1,85 @@
+"""Byte-level BPE tokenizers as Hugging Face builds them (the `tokenizers` package), from a GGUF file's embedded
+vocabulary and merges (GPT-2 style, as SmolLM, Llama 3 on Hugging Face, Qwen...) or from a tokenizer.json.
+
+Control tokens of the vocabulary become special tokens, so a chat template's `<|im_start|>` text encodes to its id.
+The file's add-BOS rule is kept: `encode(s, bos=True)` adds BOS only where the model was trained with one.
+"""
+
+import json
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+CONTROL = 3  # llama.cpp's token type for control (special) tokens
+
+
+class HFTokenizer:
+    """The interface of llama.tokenizer.Tokenizer over a `tokenizers.Tokenizer`."""
+
+    def __init__(self, tok: Tokenizer, bos_id: int, eos_id: int, add_bos: bool, chat_template: Optional[str] = None,
+                 source: str = ""):
+        self.tok, self.source = tok, source
+        self.n_words: int = tok.get_vocab_size(with_added_tokens=True)
+        self.bos_id, self.eos_id, self.pad_id, self.add_bos = bos_id, eos_id, -1, add_bos
+        self.chat_template = chat_template
+        self.stop_tokens: Dict[int, str] = {eos_id: "eos"}
+        self.special_ids = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+
+    def encode(self, s: str, bos: bool, eos: bool) -> List[int]:
+        if not isinstance(s, str):
+            raise TypeError(f"encode expects a str, got {type(s).__name__}")
+        ids = self.tok.encode(s, add_special_tokens=False).ids
+        if bos and self.add_bos:
+            ids = [self.bos_id] + ids
+        return ids + [self.eos_id] if eos else ids
+
+    def decode(self, t: List[int]) -> str:
+        return self.tok.decode(list(t), skip_special_tokens=False)
+
+    def piece(self, token_id: int) -> str:
+        return self.tok.id_to_token(token_id)
+
+
+def from_gguf(reader, path: Path) -> HFTokenizer:
+    """The tokenizer embedded in a GGUF file (tokenizer.ggml.model 'gpt2': byte-level BPE with merges)."""
+    f = reader.fields
+    kind = f["tokenizer.ggml.model"].contents() if "tokenizer.ggml.model" in f else None
+    if kind != "gpt2":
+        raise ValueError(f"{path}: embedded tokenizer model {kind!r} is not supported yet (only 'gpt2', byte-level "
+                         "BPE): pass tokenizer_path")
+    tokens = f["tokenizer.ggml.tokens"].contents()
+    merges = [tuple(m.split(" ", 1)) for m in f["tokenizer.ggml.merges"].contents()]
+    types = f["tokenizer.ggml.token_type"].contents() if "tokenizer.ggml.token_type" in f else [1] * len(tokens)
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False,
+                               byte_fallback=False))
+    # GPT-2's byte-level split with digits kept apart, as SmolLM's and Llama 3's pre-tokenizers do.
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty == CONTROL])
+    get = lambda key, default: f[key].contents() if key in f else default  # noqa: E731
+    return HFTokenizer(tok, int(get("tokenizer.ggml.bos_token_id", 1)), int(get("tokenizer.ggml.eos_token_id", 2)),
+                       bool(get("tokenizer.ggml.add_bos_token", False)), get("tokenizer.chat_template", None),
+                       str(path))
+
+
+def from_tokenizer_json(path) -> HFTokenizer:
+    """A tokenizer.json, with BOS/EOS, the add-BOS rule and the chat template from tokenizer_config.json beside it."""
+    path = Path(path)
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # the library raises a plain Exception for a bad file
+        raise ValueError(f"{path} is not a valid tokenizer.json: {e}") from None
+    config_path = path.with_name("tokenizer_config.json")
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    text = lambda v: v.get("content") if isinstance(v, dict) else v  # noqa: E731
+    bos, eos = text(config.get("bos_token")), text(config.get("eos_token"))
+    bos_id = tok.token_to_id(bos) if bos else None
+    eos_id = tok.token_to_id(eos) if eos else None
+    if eos_id is None:
+        raise ValueError(f"{config_path} names no eos_token that {path} knows: it is needed to stop generation")
+    add_bos = bool(config.get("add_bos_token", False)) and bos_id is not None
+    return HFTokenizer(tok, bos_id if bos_id is not None else -1, eos_id, add_bos, config.get("chat_template"),
+                       str(path))

@@ -1,0 +1,115 @@
+"""GGUF: the shared SmolLM2-135M-Instruct (Q4_1 matrices, Q8_0 embedding, tied output, byte-level BPE, ChatML
+template) reproduces the independent fp32 goldens token for token, alone, batched and through the engine; its
+embedded tokenizer and chat template give the golden ids; and bad files fail with errors naming the file."""
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import SHARED, need
+from llama import Llama
+
+GGUF = SHARED / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+GOLDENS = SHARED / "goldens" / "smollm2_greedy.json"
+
+
+@pytest.fixture(scope="module")
+def smol():
+    pytest.importorskip("gguf", reason="the gguf package reads GGUF files")
+    return Llama.build(str(need(GGUF)), None, max_seq_len=256, max_batch_size=3, compile=False)
+
+
+@pytest.fixture(scope="module")
+def golden():
+    return json.loads(need(GOLDENS).read_text())
+
+
+def test_greedy_ids_equal_the_goldens_alone_batched_and_through_the_engine(smol, golden):
+    prompts = golden["prompts"]
+    for text, g in prompts.items():
+        assert smol.tokenizer.encode(text, bos=True, eos=False) == g["prompt_tokens"]  # the model adds no BOS
+    ids = [g["prompt_tokens"] for g in prompts.values()]
+    want = [g["generated_tokens"] for g in prompts.values()]
+    batched, _ = smol.generate(ids, max_gen_len=64, temperature=0)
+    assert batched == want
+    assert [smol.generate([p], max_gen_len=64, temperature=0)[0][0] for p in ids] == want
+    with smol.engine(prefill_chunk=3) as engine:
+        requests = [engine.submit(text, max_gen_len=64, temperature=0) for text in prompts]
+        texts = [r.result(timeout=120)["generation"] for r in requests]
+    assert [r.generated for r in requests] == want
+    assert texts == [g["text"] for g in prompts.values()]
+
+
+def test_chat_prompt_ids_and_a_reply_that_stops_at_the_end_of_turn(smol, golden):
+    chat = golden["chat"][0]
+    assert smol.formatter.encode_dialog_prompt(chat["dialog"]) == chat["prompt_tokens"]
+    reply = smol.chat_completion([chat["dialog"]], temperature=0, max_gen_len=40)[0]["generation"]["content"]
+    assert reply == "The capital of France is Paris."
+    assert "".join(smol.stream_chat(chat["dialog"], temperature=0, max_gen_len=40)) == reply
+    with smol.engine() as engine:
+        r = engine.submit(chat["dialog"], temperature=0, max_gen_len=40)
+        r.result(timeout=60)
+    assert r.finish_reason == "eos" and r.generated[-1] != smol.tokenizer.eos_id  # <|im_end|>, not in the text
+
+
+def test_streamed_non_ascii_text_equals_the_returned_text(smol):
+    target = " Café ☕ — 日本語のテキスト 🦙 naïve"
+    ids = smol.tokenizer.encode(target, bos=False, eos=False)
+    assert smol.tokenizer.decode(ids) == target
+
+    def force(generated, logits):
+        out = logits.new_full(logits.shape, float("-inf"))
+        out[ids[len(generated)] if len(generated) < len(ids) else smol.tokenizer.eos_id] = 0.0
+        return out
+
+    deltas = list(smol.stream_completion("Say it:", logits_processors=[force], max_gen_len=60))
+    assert "".join(deltas) == target == smol.text_completion(["Say it:"], logits_processors=[force],
+                                                             max_gen_len=60)[0]["generation"]
+    assert not any("\ufffd" in d for d in deltas) and len(deltas) > 5
+
+
+def test_a_tokenizer_json_gives_the_same_ids(smol, tmp_path):
+    from llama.tokenizer import load_tokenizer
+
+    tok = smol.tokenizer
+    tok.tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False,
+         "chat_template": tok.chat_template}))
+    again = load_tokenizer(tmp_path / "tokenizer.json")
+    text = "The three primary colors are red, 12345 and <|im_end|>"
+    assert again.encode(text, bos=True, eos=True) == tok.encode(text, bos=True, eos=True)
+    assert again.eos_id == tok.eos_id and again.chat_template == tok.chat_template
+
+
+# ------------------------------------------------------------------------------------------------- bad files
+def write_gguf(path, arch="llama", tensor=None):
+    gguf = pytest.importorskip("gguf")
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_uint32(f"{arch}.embedding_length", 64)
+    w.add_uint32(f"{arch}.block_count", 1)
+    w.add_uint32(f"{arch}.attention.head_count", 4)
+    w.add_uint32(f"{arch}.feed_forward_length", 192)
+    w.add_uint32(f"{arch}.vocab_size", 32)
+    w.add_tensor(*(tensor or ("token_embd.weight", np.zeros((32, 64), dtype=np.float32))))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_bad_gguf_files_name_the_file_and_the_reason(tmp_path):
+    need(GGUF)
+    with pytest.raises(ValueError, match=r"arch\.gguf: architecture 'gpt2' is not supported"):
+        Llama.build(str(write_gguf(tmp_path / "arch.gguf", "gpt2")), None, max_seq_len=16, max_batch_size=1)
+    odd = write_gguf(tmp_path / "odd.gguf", tensor=("token_embd.weight", np.zeros((32, 64), dtype=np.int8)))
+    from llama import gguf_checkpoint
+
+    with pytest.raises(ValueError, match=r"odd\.gguf: tensor token_embd\.weight has type I8, which is not supported"):
+        gguf_checkpoint.read_state_dict(gguf_checkpoint.open_reader(odd), odd)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(GGUF.read_bytes()[: 3 << 20])
+    with pytest.raises(ValueError, match=r"cut\.gguf"):
+        Llama.build(str(cut), None, max_seq_len=16, max_batch_size=1)
