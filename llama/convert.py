@@ -21,31 +21,10 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .checkpoint import load_shard, save_checkpoint
-from .model import ModelArgs, ffn_hidden_dim
+from . import gguf_checkpoint
+from .model import ModelArgs, derive_ffn
 
 LLAMA2C_MAGIC = 0x616B3432  # "ak42"
-_MULTIPLES = (4096, 2048, 1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1)
-
-
-def derive_ffn(dim: int, hidden_dim: int) -> Tuple[int, Optional[float]]:
-    """(multiple_of, ffn_dim_multiplier) whose ffn_hidden_dim(dim, ...) is exactly hidden_dim.
-
-    Prefers no multiplier and the largest multiple_of (stories260K: 4; Llama 2 7B: 256), then round multipliers
-    (Llama 2 70B: 1.3 with 4096).
-    """
-    if dim < 1 or hidden_dim < 1:
-        raise ValueError(f"dim ({dim}) and FFN hidden dim ({hidden_dim}) must be positive")
-    for m in _MULTIPLES:
-        if ffn_hidden_dim(dim, m) == hidden_dim:
-            return m, None
-    base = int(2 * (4 * dim) / 3)
-    ratio = hidden_dim / base
-    candidates = [round(ratio, k) for k in range(1, 7)] + [ratio, (hidden_dim + 0.5) / base]
-    for mult in dict.fromkeys(candidates):  # ordered, without repeats
-        for m in _MULTIPLES:
-            if mult > 0 and ffn_hidden_dim(dim, m, mult) == hidden_dim:
-                return m, mult
-    raise ValueError(f"no multiple_of/ffn_dim_multiplier reproduces FFN hidden dim {hidden_dim} for dim {dim}")
 
 
 def meta_params(args: ModelArgs) -> dict:
@@ -366,10 +345,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     h.add_argument("out_dir")
     h.add_argument("--shards", type=int, default=1)
     h.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), help="cast weights (default: keep)")
+    g = sub.add_parser("gguf", help="a llama-architecture GGUF file (weights dequantized; its tokenizer as tokenizer.json)")
+    g.add_argument("gguf_file")
+    g.add_argument("out_dir")
+    g.add_argument("--shards", type=int, default=1)
+    g.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     a = parser.parse_args(argv)
     try:
         if a.fmt == "llama2c":
             written = convert_llama2c(a.model_bin, a.out_dir, a.tokenizer, a.shards)
+        elif a.fmt == "gguf":
+            written = gguf_checkpoint.convert(a.gguf_file, a.out_dir, a.shards, getattr(torch, a.dtype))
         else:
             written = convert_hf(a.hf_dir, a.out_dir, a.shards, getattr(torch, a.dtype) if a.dtype else None)
     except (ValueError, FileNotFoundError, FileExistsError) as e:

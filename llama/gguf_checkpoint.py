@@ -6,6 +6,8 @@ by tensor, to the requested dtype; F32/F16/BF16 are cast. llama.cpp's converter 
 interleaved rotary order already (it undoes Hugging Face's permutation), so they are used as they are.
 """
 
+import json
+import tempfile
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -15,7 +17,9 @@ import torch
 from gguf.quants import dequantize
 from tqdm import tqdm
 
-from .convert import derive_ffn
+from . import tokenizer_hf
+from .checkpoint import save_checkpoint
+from .model import derive_ffn
 
 SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 _GLOBAL = {"token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight",
@@ -117,3 +121,20 @@ def load(path, dtype: torch.dtype = torch.float32) -> Tuple[dict, Dict[str, torc
     reader = open_reader(path)
     params = read_params(reader, path)
     return params, read_state_dict(reader, path, dtype), reader
+
+
+def convert(path, out_dir, shards: int = 1, dtype: torch.dtype = torch.float32) -> list:
+    """A Meta-layout copy of a GGUF file (`python -m llama.convert gguf`): dequantized weights, params.json, and the
+    tokenizer as tokenizer.json + tokenizer_config.json (with the chat template), which load back as tokenizer_path."""
+    path = Path(path)
+    reader = open_reader(path)
+    params = read_params(reader, path)
+    tok = tokenizer_hf.from_gguf(reader, path)
+    state = read_state_dict(reader, path, dtype)
+    with tempfile.TemporaryDirectory() as tmp:
+        tok.tok.save(str(Path(tmp) / "tokenizer.json"))
+        config = {"bos_token": tok.piece(tok.bos_id), "eos_token": tok.piece(tok.eos_id), "add_bos_token": tok.add_bos,
+                  "chat_template": tok.chat_template}
+        (Path(tmp) / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=1))
+        extra = {name: Path(tmp) / name for name in ("tokenizer.json", "tokenizer_config.json")}
+        return save_checkpoint(state, params, out_dir, shards, extra_files=extra)

@@ -113,3 +113,64 @@ def test_bad_gguf_files_name_the_file_and_the_reason(tmp_path):
     cut.write_bytes(GGUF.read_bytes()[: 3 << 20])
     with pytest.raises(ValueError, match=r"cut\.gguf"):
         Llama.build(str(cut), None, max_seq_len=16, max_batch_size=1)
+
+
+# ------------------------------------------------------------------------------------------------- conversion, parallel
+def test_convert_gguf_to_meta_layout_loads_back(smol, golden, tmp_path):
+    from llama.convert import main
+
+    assert main(["gguf", str(GGUF), str(tmp_path / "meta")]) == 0
+    back = Llama.build(str(tmp_path / "meta"), str(tmp_path / "meta" / "tokenizer.json"), max_seq_len=64,
+                       max_batch_size=1, compile=False)
+    g = golden["prompts"]["Once upon a time"]
+    assert back.generate([g["prompt_tokens"]], max_gen_len=16, temperature=0)[0][0] == g["generated_tokens"][:16]
+    chat = golden["chat"][0]
+    assert back.formatter.encode_dialog_prompt(chat["dialog"]) == chat["prompt_tokens"]
+
+
+def test_world_size_2_is_refused_clearly_for_9_heads(tmp_path):
+    """SmolLM2 has 9 query and 3 key/value heads: no model-parallel size but 1 and 3 divides them, and the
+    refusal says so before any weight is dequantized."""
+    from llama import gguf_checkpoint
+    from llama.loader import gguf_state
+    from llama.model import ModelArgs
+
+    reader = gguf_checkpoint.open_reader(need(GGUF))
+    args = ModelArgs.from_params(gguf_checkpoint.read_params(reader, GGUF))
+    with pytest.raises(ValueError, match=r"model parallel size 2 does not divide n_heads \(9\)"):
+        gguf_state(reader, GGUF, args, 0, 2, None)
+
+
+MP_SCRIPT = """
+import json, sys
+import torch
+import torch.distributed as dist
+from llama import Llama
+torch.set_num_threads(1)
+path, goldens, out = sys.argv[1:]
+g = Llama.build(path, None, max_seq_len=64, max_batch_size=2, device="cpu", compile=False)
+prompts = [v["prompt_tokens"] for v in json.load(open(goldens))["prompts"].values()]
+json.dump(g.generate(prompts, max_gen_len=16, temperature=0)[0], open(f"{out}.{dist.get_rank()}.json", "w"))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_gguf_under_model_parallel_gives_the_goldens(golden, tmp_path):
+    """torchrun with 3 gloo ranks (the smallest size above 1 that divides SmolLM2's 9 and 3 heads): each rank
+    cuts its slice of the dequantized GGUF, and every rank gives the goldens' greedy ids."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    (tmp_path / "run.py").write_text(MP_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "3",
+                           str(tmp_path / "run.py"), str(need(GGUF)), str(GOLDENS), str(tmp_path / "out")],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = [g["generated_tokens"][:16] for g in golden["prompts"].values()]
+    for rank in range(3):
+        assert json.loads((tmp_path / f"out.{rank}.json").read_text()) == want
