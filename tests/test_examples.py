@@ -67,3 +67,13 @@ def test_chat_example_on_a_llama3_checkpoint(tmp_path):
     out = run(args, tmp_path)
     assert out.count("> Assistant:") == 7 and "Tool: 1024" in out and "Error: special tags" not in out
     assert run(args + ["--stream"], tmp_path) == out
+
+
+def test_chat_example_on_the_shared_gguf(tmp_path):
+    """A GGUF file needs no --tokenizer_path: its tokenizer and chat template come from the file."""
+    from conftest import SHARED, need
+
+    gguf = need(SHARED / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    out = run([sys.executable, "example_chat_completion.py", "--ckpt_dir", str(gguf), "--max_gen_len", "4",
+               "--max_seq_len", "1024", "--temperature", "0", "--compile", "False"], tmp_path)
+    assert out.count("> Assistant:") == 6 and "Error: special tags" not in out
