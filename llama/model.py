@@ -320,8 +320,8 @@ class Attention(Fusable):
         self.wqkv: Optional[ColumnLinear] = None
         self.local_sizes = {"wq": self.n_local_heads * hd, "wk": self.n_local_kv_heads * hd,
                             "wv": self.n_local_kv_heads * hd}
-        # (max_batch, kv_heads, max_seq, head_dim), set by setup_caches. Buffers, so torch.compile sees them as
-        # the model's mutable state, but not persistent: they are never part of a checkpoint.
+        # (max_batch, kv_heads, max_seq, head_dim), allocated by llama.cache.KVCache. Buffers, so torch.compile sees
+        # them as the model's mutable state, but not persistent: they are never part of a checkpoint.
         self.register_buffer("cache_k", None, persistent=False)
         self.register_buffer("cache_v", None, persistent=False)
 
