@@ -297,7 +297,12 @@ def load_state_dict(ckpt_dir, args: ModelArgs, rank: int = 0, world_size: int = 
     check_model_parallel(with_vocab(args, world_size), world_size)  # heads, dim, FFN: before any file is read
     sset = open_shards(ckpt_dir, args)
     check_model_parallel(sset.args, world_size)  # vocab_size may only be known from the weights
-    return {name: sset.slice(name, rank, world_size) for name in sset.names}
+    state = {name: sset.slice(name, rank, world_size) for name in sset.shards[0]}
+    for name, src in sset.sources.items():
+        # Tied: at size 1 the whole table serves both (no copy, even when merged from several shards); above, the
+        # output's vocabulary rows are another cut than the embedding's columns.
+        state[name] = state[src] if world_size == 1 else sset.slice(name, rank, world_size)
+    return state
 
 
 # ---------------------------------------------------------------------------------------------------------------
