@@ -223,6 +223,64 @@ def test_logits_and_greedy_ids_equal_transformers_with_llama3_rope_scaling(llama
     assert other.tolist() != hf_ids
 
 
+@pytest.mark.parametrize("factor", [8.0, 32.0])
+def test_rope_frequencies_equal_transformers_llama3_init(factor):
+    """The scaled frequencies themselves, against transformers' own llama3 rope initialisation (3.1: 8, 3.2: 32)."""
+    transformers = pytest.importorskip("transformers", reason="transformers is the independent reference here")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from llama.model import rope_tables
+
+    head_dim, theta = 128, 500000.0
+    config = transformers.LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4, max_position_embeddings=131072,
+                                      rope_parameters={"rope_theta": theta, **SCALING, "factor": factor})
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    cos, sin = rope_tables(head_dim, 2, theta, dict(factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,
+                                                   original_context=8192))
+    freqs = torch.atan2(sin[1], cos[1])  # position 1's angles are the frequencies
+    torch.testing.assert_close(freqs, inv_freq.float(), rtol=1e-6, atol=0)
+    cos, sin = rope_tables(head_dim, 2, theta)
+    plain = torch.atan2(sin[1], cos[1])
+    assert torch.equal(freqs[:8], plain[:8])  # short wavelengths stay
+    torch.testing.assert_close(freqs[-8:], plain[-8:] / factor, rtol=1e-6, atol=0)  # long ones are divided
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"rope_theta": "500000"}, "rope_theta"), ({"rope_theta": 0}, "rope_theta"),
+    ({"use_scaled_rope": "yes"}, "use_scaled_rope"), ({"rope_scaling_factor": 0.5}, "rope_scaling_factor"),
+    ({"rope_low_freq_factor": 4.0}, "rope_low_freq_factor"), ({"rope_original_context": 0}, "rope_original_context"),
+])
+def test_bad_rope_settings_are_refused_naming_the_field(change, field):
+    with pytest.raises(ValueError, match=field):
+        ModelArgs.from_params({**PARAMS, **change})
+    ModelArgs.from_params({**PARAMS, "use_scaled_rope": False, "rope_scaling_factor": 0.5})  # unused: not checked
+
+
+def test_unknown_params_json_keys_warn_instead_of_failing():
+    with pytest.warns(UserWarning, match="future_key"):
+        args = ModelArgs.from_params({**PARAMS, "future_key": 1})
+    assert args.use_scaled_rope and args.rope_theta == 500000.0
+
+
+def test_without_use_scaled_rope_our_greedy_ids_differ(llama3, tmp_path):
+    """The same weights with use_scaled_rope false: other ids past the original context's long wavelengths."""
+    import json
+
+    d, args, state, gen = llama3
+    (tmp_path / "consolidated.00.pth").symlink_to(d / "consolidated.00.pth")
+    (tmp_path / "params.json").write_text(json.dumps({**PARAMS, "use_scaled_rope": False}))
+    plain = Llama.build(str(tmp_path), str(d / "tokenizer.model"), max_seq_len=1200, max_batch_size=1)
+    assert not plain.model.params.use_scaled_rope
+    prompt = long_prompt(gen)
+    plain.tokenizer.stop_tokens, gen.tokenizer.stop_tokens, stops = {}, {}, gen.tokenizer.stop_tokens
+    try:
+        scaled_ids, _ = gen.generate([prompt], max_gen_len=8, temperature=0)
+        plain_ids, _ = plain.generate([prompt], max_gen_len=8, temperature=0)
+    finally:
+        gen.tokenizer.stop_tokens = stops
+    assert plain_ids != scaled_ids
+
+
 def test_two_vocabulary_split_shards_load_at_world_size_1(llama3, tmp_path):
     """Meta's Llama 3 shards split tok_embeddings by vocabulary (dim 0), unlike Llama 2's (dim 1)."""
     d, args, state, gen = llama3
