@@ -223,9 +223,10 @@ class ShardSet:
         if S == world_size and (S == 1 or src == dim):
             return parts[rank]
         if src != dim and S > 1:  # split another way in the files: assemble the whole tensor, then cut it
-            full = torch.cat(parts, src)
+            full = _concat([(t, t, mapped) for t, mapped in zip(parts, self.mapped)], src)
             size = full.shape[dim] // world_size
-            out = full.narrow(dim, rank * size, size).clone(memory_format=torch.contiguous_format)
+            out = full if world_size == 1 else full.narrow(dim, rank * size, size).clone(
+                memory_format=torch.contiguous_format)
         elif dim is None:
             out = parts[0].clone(memory_format=torch.contiguous_format)
         else:
@@ -233,15 +234,30 @@ class ShardSet:
             size = n * S // world_size
             lo, hi = rank * size, (rank + 1) * size
             pieces = [
-                t.narrow(dim, max(lo, s * n) - s * n, min(hi, (s + 1) * n) - max(lo, s * n))
-                for s, t in enumerate(parts)
+                (t, t.narrow(dim, max(lo, s * n) - s * n, min(hi, (s + 1) * n) - max(lo, s * n)), mapped)
+                for s, (t, mapped) in enumerate(zip(parts, self.mapped))
                 if max(lo, s * n) < min(hi, (s + 1) * n)
             ]
-            out = torch.cat(pieces, dim) if len(pieces) > 1 else pieces[0].clone(memory_format=torch.contiguous_format)
+            out = _concat(pieces, dim)
         for t, mapped in zip(parts, self.mapped):
             if mapped:
                 _release(t)  # the source pages were only needed for this copy
         return out
+
+
+def _concat(pieces, dim: int) -> torch.Tensor:
+    """A fresh contiguous tensor of the pieces along dim, from (shard tensor, piece of it, memory-mapped) triples.
+    Each shard's pages are released as soon as its piece is copied, so the peak is the result plus one shard
+    rather than plus every shard (torch.cat would read them all first)."""
+    shape = list(pieces[0][1].shape)
+    shape[dim] = sum(piece.shape[dim] for _, piece, _ in pieces)
+    out, at = torch.empty(shape, dtype=pieces[0][1].dtype), 0
+    for t, piece, mapped in pieces:
+        out.narrow(dim, at, piece.shape[dim]).copy_(piece)
+        at += piece.shape[dim]
+        if mapped:
+            _release(t)
+    return out
 
 
 def open_shards(ckpt_dir, args: ModelArgs) -> ShardSet:

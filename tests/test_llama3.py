@@ -3,6 +3,9 @@ random Llama-3.1-shaped checkpoint against Hugging Face transformers' LlamaForCa
 (logits, greedy ids alone, batched and through the engine), tied embeddings, vocabulary-split shards, and
 generation that stops at <|eot_id|> / <|eom_id|>."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -113,6 +116,22 @@ def test_long_runs_are_split_as_meta_does(tok):
     # A cut run encodes as its pieces do: the cut is the only difference from one unbroken call.
     pieces = list(split_runs(text))
     assert ids[1:] == [i for p in pieces for i in tok.model.encode(p, disallowed_special=())]
+
+
+def test_streamed_text_never_splits_a_character(tok):
+    """Byte-level BPE spreads one emoji over several tokens (🦙: 3, none a character by itself): streamed deltas
+    hold only whole characters and add up to the text, stop strings included."""
+    from llama.textstream import TextStream
+
+    text = " Llamas 🦙 say 你好, 👍🏽 and stop here 🇫🇷 unseen"
+    ids = tok.encode(text, bos=False, eos=False)
+    assert len(tok.encode("🦙", bos=False, eos=False)) == 3
+    stream = TextStream(tok, context=tok.encode("Hi:", bos=True, eos=False))
+    deltas = [stream.add(i) for i in ids] + [stream.finish()]
+    assert "".join(deltas) == text and not any("\ufffd" in d for d in deltas)
+    stream = TextStream(tok, stop=["stop here"])
+    out = "".join(stream.add(i) for i in ids) + stream.finish()
+    assert out == " Llamas 🦙 say 你好, 👍🏽 and " and stream.stopped
 
 
 def test_a_file_of_neither_kind_is_refused(tmp_path):
@@ -314,6 +333,55 @@ def test_tied_embeddings_share_the_table(tmp_path):
                     rope_scaling_factor=float("nan"))
 
 
+RSS_CHILD = """
+import sys, torch
+from llama import Llama
+
+def hwm():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+before = hwm()
+m = Llama.build(sys.argv[1], sys.argv[2], max_seq_len=32, max_batch_size=1, compile=False).model
+with torch.no_grad():
+    float(m.tok_embeddings.weight.max()) + float(m.output.weight.max())  # page in every byte of both tables
+print(hwm() - before, m.output.weight.data_ptr() == m.tok_embeddings.weight.data_ptr())
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc for peak RSS")
+def test_tied_embeddings_add_no_copy_to_peak_rss(tmp_path):
+    """Peak RSS of Llama.build (fp32, 1 layer, vocab 128256, dim 512: a 251 MiB table) from a tied checkpoint of 1
+    shard and of 2 vocabulary-split shards: one table, plus at most one shard's half while merging. A second copy
+    of the table (an untied output) would add a whole table to either."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    need(LLAMA3_TOKENIZER)
+    params = {**PARAMS, "dim": 512, "n_layers": 1, "n_heads": 8, "n_kv_heads": 8}
+    state = random_state_dict(ModelArgs.from_params(params), seed=5)
+    del state["output.weight"]
+    table = state["tok_embeddings.weight"].numel() * 4
+    save_checkpoint(state, params, tmp_path / "one")
+    (tmp_path / "two").mkdir()
+    (tmp_path / "params.json").write_text(json.dumps(params))
+    vocab_split(state, tmp_path / "two", tmp_path / "params.json")
+    del state
+    (tmp_path / "child.py").write_text(RSS_CHILD)
+    for name, bound in (("one", 1.5), ("two", 2.25)):
+        out = subprocess.run([sys.executable, str(tmp_path / "child.py"), str(tmp_path / name), str(LLAMA3_TOKENIZER)],
+                             capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+        assert out.returncode == 0, out.stderr[-3000:]
+        grown, shared = out.stdout.split()[-2:]  # after the loader's "Loaded in" line
+        assert shared == "True"
+        assert int(grown) < bound * table, f"{name}: peak RSS grew {int(grown) / 2**20:.0f} MiB for a " \
+                                           f"{table / 2**20:.0f} MiB table"
+
+
 # ------------------------------------------------------------------------------------------------- stopping
 def forcing(seq):
     def force(ids, logits):
@@ -404,7 +472,8 @@ dist.destroy_process_group()
 
 def test_one_and_two_shards_at_world_size_2(llama3, tmp_path):
     """torchrun with 2 gloo ranks: the 1-shard and the vocabulary-split 2-shard checkpoints give the greedy ids of
-    one process (positions past 1000 included)."""
+    one process (positions past 1000 included); so do tied ones (no output.weight), 1 shard and 2 vocabulary-split
+    shards, whose output slice each rank cuts from the embedding."""
     import json
     import os
     import subprocess
@@ -415,23 +484,33 @@ def test_one_and_two_shards_at_world_size_2(llama3, tmp_path):
     d, args, state, gen = llama3
     (tmp_path / "two").mkdir()
     two = vocab_split(state, tmp_path / "two", d / "params.json")
+    tied_state = {k: v for k, v in state.items() if k != "output.weight"}
+    tied = tmp_path / "tied"
+    save_checkpoint(tied_state, PARAMS, tied)
+    (tmp_path / "tied2").mkdir()
+    tied2 = vocab_split(tied_state, tmp_path / "tied2", d / "params.json")
     prompt = long_prompt(gen, 1100)
     out = tmp_path / "out"
     (tmp_path / "out.prompt").write_text(json.dumps(prompt))
     (tmp_path / "run.py").write_text(MP_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(tmp_path / "run.py"), str(LLAMA3_TOKENIZER), str(out), str(d), str(two)],
+                           str(tmp_path / "run.py"), str(LLAMA3_TOKENIZER), str(out), str(d), str(two), str(tied),
+                           str(tied2)],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    gen.tokenizer.stop_tokens, stops = {}, gen.tokenizer.stop_tokens
+    one = Llama.build(str(tied), str(LLAMA3_TOKENIZER), max_seq_len=1200, max_batch_size=2)
+    gen.tokenizer.stop_tokens, one.tokenizer.stop_tokens, stops = {}, {}, gen.tokenizer.stop_tokens
     try:
         want = gen.generate([prompt, prompt[:20]], max_gen_len=8, temperature=0)[0]
+        want_tied = one.generate([prompt, prompt[:20]], max_gen_len=8, temperature=0)[0]
     finally:
         gen.tokenizer.stop_tokens = stops
+    assert want_tied != want  # another output projection: the tied runs are a check of their own
     for rank in range(2):
         res = json.loads((tmp_path / f"out.{rank}.json").read_text())
         assert res[str(d)] == want and res[str(two)] == want
+        assert res[str(tied)] == want_tied and res[str(tied2)] == want_tied
 
 
 def test_reshard_a_vocabulary_split_checkpoint(llama3, tmp_path):
