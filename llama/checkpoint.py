@@ -59,7 +59,21 @@ def read_params(ckpt_dir) -> dict:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(params, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(params).__name__}")
+    for key, what in UNSUPPORTED_PARAMS.items():
+        if key in params:
+            raise ValueError(f"{path} has {key!r}: {what}, which this Llama implementation cannot compute")
     return params
+
+
+# params.json keys of Meta checkpoints whose weights are not plain Llama matrices (other keys this architecture does
+# not use are ignored with a warning by ModelArgs.from_params).
+UNSUPPORTED_PARAMS = {
+    "quantization_args": "a Llama 3.2 int4 (QLoRA / SpinQuant) checkpoint, packed 4-bit weights with their own scales",
+    "lora_args": "a checkpoint with LoRA adapters to merge",
+    "vision_chunk_size": "a Llama 3.2 Vision checkpoint (image encoder and cross-attention layers)",
+    "vision_args": "a multimodal (Llama 4) checkpoint",
+    "moe_args": "a mixture-of-experts (Llama 4) checkpoint",
+}
 
 
 def shard_paths(ckpt_dir) -> List[Path]:
@@ -268,11 +282,15 @@ def open_shards(ckpt_dir, args: ModelArgs) -> ShardSet:
         state, is_mapped = _load_shard(p)
         for name in DROPPED:
             state.pop(name, None)
-        for name in state:
+        for name, t in state.items():
             try:
                 parallel_dim(name)
             except ValueError:
                 raise ValueError(f"{p} holds tensor {name!r}, which is not a parameter of the Llama architecture") from None
+            if not t.is_floating_point() or t.element_size() < 2:
+                raise ValueError(
+                    f"{p} holds {name} as {t.dtype}: only float32/16 and bfloat16 weights load (Meta's FP8 "
+                    "checkpoints need their fp8_scales_*.pt applied; download the BF16 variant instead)")
         shards.append(state)
         mapped.append(is_mapped)
     first, ref = paths[0], shards[0]

@@ -261,6 +261,25 @@ def test_unknown_tensor_name_is_named(tmp_path):
         load_state_dict(tmp_path, stories_args(), 0, 1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])
+def test_weights_that_need_scales_are_refused_naming_the_tensor(tmp_path, dtype):
+    """Meta's 405B FP8 download stores float8 weights whose scales live in fp8_scales_*.pt: casting them without
+    the scales would decode garbage silently, so they are refused."""
+    params = {"dim": 32, "n_layers": 1, "n_heads": 4, "multiple_of": 8, "vocab_size": 48, "norm_eps": 1e-5}
+    full = random_checkpoint(params)
+    full["layers.0.feed_forward.w1.weight"] = full["layers.0.feed_forward.w1.weight"].to(dtype)
+    save_checkpoint(full, params, tmp_path)
+    with pytest.raises(ValueError, match=rf"holds layers\.0\.feed_forward\.w1\.weight as {dtype}"):
+        load_state_dict(tmp_path, ModelArgs.from_params(params), 0, 1)
+
+
+@pytest.mark.parametrize("key", ["quantization_args", "lora_args", "vision_chunk_size", "moe_args"])
+def test_params_json_of_another_architecture_is_refused_naming_the_key(tmp_path, key):
+    (tmp_path / "params.json").write_text(json.dumps({"dim": 2048, "n_layers": 16, key: {"group_size": 256}}))
+    with pytest.raises(ValueError, match=rf"params\.json has '{key}': .* cannot compute"):
+        read_params(tmp_path)
+
+
 # --------------------------------------------------------------------------------------------- checklist
 
 
