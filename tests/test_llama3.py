@@ -134,6 +134,28 @@ def test_streamed_text_never_splits_a_character(tok):
     assert out == " Llamas 🦙 say 你好, 👍🏽 and " and stream.stopped
 
 
+def test_a_llama3_tokenizer_json_stops_on_every_stop_token(tmp_path):
+    """A Hugging Face Llama 3 directory's tokenizer.json (loaded by tokenizer_hf) names one eos_token, <|eot_id|> for
+    Instruct models: the family's other stops (<|end_of_text|>, <|eom_id|>) must end a generation too."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz ")}
+    hf = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    names = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
+             "<|eot_id|>", "<|python_tag|>"]
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in names])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|begin_of_text|>",
+                                                               "eos_token": "<|eot_id|>", "add_bos_token": True}))
+    tok = load_tokenizer(tmp_path / "tokenizer.json")
+    ids = {t: hf.token_to_id(t) for t in names}
+    assert tok.eos_id == ids["<|eot_id|>"]
+    assert tok.stop_tokens == {ids["<|end_of_text|>"]: "eos", ids["<|eot_id|>"]: "eot", ids["<|eom_id|>"]: "eom"}
+
+
 def test_a_file_of_neither_kind_is_refused(tmp_path):
     bad = tmp_path / "tokenizer.model"
     bad.write_text("not a tokenizer\n")
