@@ -59,7 +59,21 @@ def read_params(ckpt_dir) -> dict:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(params, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(params).__name__}")
+    for key, what in UNSUPPORTED_PARAMS.items():
+        if key in params:
+            raise ValueError(f"{path} has {key!r}: {what}, which this Llama implementation cannot compute")
     return params
+
+
+# params.json keys of Meta checkpoints whose weights are not plain Llama matrices (other keys this architecture does
+# not use are ignored with a warning by ModelArgs.from_params).
+UNSUPPORTED_PARAMS = {
+    "quantization_args": "a Llama 3.2 int4 (QLoRA / SpinQuant) checkpoint, packed 4-bit weights with their own scales",
+    "lora_args": "a checkpoint with LoRA adapters to merge",
+    "vision_chunk_size": "a Llama 3.2 Vision checkpoint (image encoder and cross-attention layers)",
+    "vision_args": "a multimodal (Llama 4) checkpoint",
+    "moe_args": "a mixture-of-experts (Llama 4) checkpoint",
+}
 
 
 def shard_paths(ckpt_dir) -> List[Path]:
@@ -223,9 +237,10 @@ class ShardSet:
         if S == world_size and (S == 1 or src == dim):
             return parts[rank]
         if src != dim and S > 1:  # split another way in the files: assemble the whole tensor, then cut it
-            full = torch.cat(parts, src)
+            full = _concat([(t, t, mapped) for t, mapped in zip(parts, self.mapped)], src)
             size = full.shape[dim] // world_size
-            out = full.narrow(dim, rank * size, size).clone(memory_format=torch.contiguous_format)
+            out = full if world_size == 1 else full.narrow(dim, rank * size, size).clone(
+                memory_format=torch.contiguous_format)
         elif dim is None:
             out = parts[0].clone(memory_format=torch.contiguous_format)
         else:
@@ -233,15 +248,30 @@ class ShardSet:
             size = n * S // world_size
             lo, hi = rank * size, (rank + 1) * size
             pieces = [
-                t.narrow(dim, max(lo, s * n) - s * n, min(hi, (s + 1) * n) - max(lo, s * n))
-                for s, t in enumerate(parts)
+                (t, t.narrow(dim, max(lo, s * n) - s * n, min(hi, (s + 1) * n) - max(lo, s * n)), mapped)
+                for s, (t, mapped) in enumerate(zip(parts, self.mapped))
                 if max(lo, s * n) < min(hi, (s + 1) * n)
             ]
-            out = torch.cat(pieces, dim) if len(pieces) > 1 else pieces[0].clone(memory_format=torch.contiguous_format)
+            out = _concat(pieces, dim)
         for t, mapped in zip(parts, self.mapped):
             if mapped:
                 _release(t)  # the source pages were only needed for this copy
         return out
+
+
+def _concat(pieces, dim: int) -> torch.Tensor:
+    """A fresh contiguous tensor of the pieces along dim, from (shard tensor, piece of it, memory-mapped) triples.
+    Each shard's pages are released as soon as its piece is copied, so the peak is the result plus one shard
+    rather than plus every shard (torch.cat would read them all first)."""
+    shape = list(pieces[0][1].shape)
+    shape[dim] = sum(piece.shape[dim] for _, piece, _ in pieces)
+    out, at = torch.empty(shape, dtype=pieces[0][1].dtype), 0
+    for t, piece, mapped in pieces:
+        out.narrow(dim, at, piece.shape[dim]).copy_(piece)
+        at += piece.shape[dim]
+        if mapped:
+            _release(t)
+    return out
 
 
 def open_shards(ckpt_dir, args: ModelArgs) -> ShardSet:
@@ -252,11 +282,15 @@ def open_shards(ckpt_dir, args: ModelArgs) -> ShardSet:
         state, is_mapped = _load_shard(p)
         for name in DROPPED:
             state.pop(name, None)
-        for name in state:
+        for name, t in state.items():
             try:
                 parallel_dim(name)
             except ValueError:
                 raise ValueError(f"{p} holds tensor {name!r}, which is not a parameter of the Llama architecture") from None
+            if not t.is_floating_point() or t.element_size() < 2:
+                raise ValueError(
+                    f"{p} holds {name} as {t.dtype}: only float32/16 and bfloat16 weights load (Meta's FP8 "
+                    "checkpoints need their fp8_scales_*.pt applied; download the BF16 variant instead)")
         shards.append(state)
         mapped.append(is_mapped)
     first, ref = paths[0], shards[0]
@@ -297,7 +331,12 @@ def load_state_dict(ckpt_dir, args: ModelArgs, rank: int = 0, world_size: int = 
     check_model_parallel(with_vocab(args, world_size), world_size)  # heads, dim, FFN: before any file is read
     sset = open_shards(ckpt_dir, args)
     check_model_parallel(sset.args, world_size)  # vocab_size may only be known from the weights
-    return {name: sset.slice(name, rank, world_size) for name in sset.names}
+    state = {name: sset.slice(name, rank, world_size) for name in sset.shards[0]}
+    for name, src in sset.sources.items():
+        # Tied: at size 1 the whole table serves both (no copy, even when merged from several shards); above, the
+        # output's vocabulary rows are another cut than the embedding's columns.
+        state[name] = state[src] if world_size == 1 else sset.slice(name, rank, world_size)
+    return state
 
 
 # ---------------------------------------------------------------------------------------------------------------

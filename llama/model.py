@@ -56,6 +56,25 @@ class ModelArgs:
             raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})")
         if (self.dim // self.n_heads) % 2:
             raise ValueError(f"head dimension dim/n_heads = {self.dim // self.n_heads} must be even for rotary embeddings")
+        self.check_rope()
+
+    def check_rope(self) -> None:
+        """ValueError naming the field for rotary settings that would silently give NaN or unscaled tables."""
+        number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
+        if not number(self.rope_theta) or self.rope_theta <= 0:
+            raise ValueError(f"rope_theta must be a positive number, got {self.rope_theta!r}")
+        if not isinstance(self.use_scaled_rope, bool):
+            raise ValueError(f"use_scaled_rope must be true or false, got {self.use_scaled_rope!r}")
+        if not self.use_scaled_rope:
+            return
+        low, high, ctx = self.rope_low_freq_factor, self.rope_high_freq_factor, self.rope_original_context
+        if not number(self.rope_scaling_factor) or self.rope_scaling_factor < 1:
+            raise ValueError(f"rope_scaling_factor must be a number >= 1, got {self.rope_scaling_factor!r}")
+        if not (number(low) and number(high) and 0 < low < high):
+            raise ValueError(f"rope_low_freq_factor ({low!r}) and rope_high_freq_factor ({high!r}) must be numbers "
+                             "with 0 < low < high")
+        if not isinstance(ctx, int) or isinstance(ctx, bool) or ctx < 1:
+            raise ValueError(f"rope_original_context must be a positive integer, got {ctx!r}")
 
     @property
     def head_dim(self) -> int:

@@ -11,6 +11,8 @@ from typing import Dict, List, Optional
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from .tokenizer_llama3 import STOP_REASONS
+
 CONTROL = 3  # llama.cpp's token type for control (special) tokens
 
 
@@ -25,6 +27,9 @@ class HFTokenizer:
         self.chat_template = chat_template
         self.stop_tokens: Dict[int, str] = {eos_id: "eos"}
         self.special_ids = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+        if "<|start_header_id|>" in self.special_ids:  # a Llama 3 vocabulary: stop on each of the family's stops
+            self.stop_tokens.update({self.special_ids[t]: reason for t, reason in STOP_REASONS.items()
+                                     if t in self.special_ids})
 
     def encode(self, s: str, bos: bool, eos: bool) -> List[int]:
         if not isinstance(s, str):

@@ -19,6 +19,9 @@ NUM_SPECIAL = 256
 NAMED_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
                  "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>", "<|start_header_id|>",
                  "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>", "<|image|>"]
+# The family's stop tokens and the finish_reason each gives: end of text, end of turn, end of message (a built-in
+# tool call the caller runs before the dialog continues). Also applied to a Llama 3 tokenizer.json (tokenizer_hf).
+STOP_REASONS = {"<|end_of_text|>": "eos", "<|eot_id|>": "eot", "<|eom_id|>": "eom"}
 MAX_CHARS = 400_000  # characters encoded per call
 MAX_RUN = 25_000  # consecutive whitespace or non-whitespace characters per piece
 
@@ -80,8 +83,7 @@ class Llama3Tokenizer:
         self.eot_id: int = self.special_tokens["<|eot_id|>"]
         self.eom_id: int = self.special_tokens["<|eom_id|>"]
         self.python_tag_id: int = self.special_tokens["<|python_tag|>"]
-        # End of text, end of turn, end of message (a built-in tool call the caller runs, then continues).
-        self.stop_tokens: Dict[int, str] = {self.eos_id: "eos", self.eot_id: "eot", self.eom_id: "eom"}
+        self.stop_tokens: Dict[int, str] = {self.special_tokens[t]: reason for t, reason in STOP_REASONS.items()}
 
     def encode(self, s: str, bos: bool, eos: bool) -> List[int]:
         """Ids of s; special-token text in s is encoded as plain text, never as the special id."""

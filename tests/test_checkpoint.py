@@ -89,6 +89,36 @@ def test_saved_shards_load_at_any_world_size(tmp_path, shards, world):
         assert torch.equal(merge(parts, name), t), name
 
 
+def save_vocab_split(full: dict, params: dict, out: Path, shards: int) -> None:
+    """Meta's Llama 3 layout: tok_embeddings split by vocabulary (dim 0), every other tensor as Llama 2's."""
+    save_checkpoint(full, params, out, shards)
+    emb = full["tok_embeddings.weight"].chunk(shards, 0)
+    for r in range(shards):
+        path = out / f"consolidated.{r:02d}.pth"
+        torch.save({**torch.load(path, weights_only=True), "tok_embeddings.weight": emb[r].clone()}, path)
+
+
+@pytest.mark.parametrize("layout", ["embedding-dim", "vocabulary"])
+@pytest.mark.parametrize("shards,world", [(1, 1), (2, 1), (1, 2), (2, 2), (2, 4)])
+def test_tied_output_at_any_shard_count_and_world_size(tmp_path, layout, shards, world):
+    """No output.weight (Llama 3.2 1B/3B): at world size 1 the output is the embedding's own tensor, even when the
+    table is merged from shards; above, each rank gets the embedding's vocabulary rows as its output slice."""
+    params = {"dim": 32, "n_layers": 1, "n_heads": 4, "multiple_of": 8, "vocab_size": 48, "norm_eps": 1e-5}
+    full = random_checkpoint(params, seed=2)
+    del full["output.weight"]
+    (save_vocab_split if layout == "vocabulary" else save_checkpoint)(full, params, tmp_path, shards)
+    if layout == "vocabulary" and shards > 1:
+        assert torch.load(tmp_path / "consolidated.00.pth", weights_only=True)["tok_embeddings.weight"].shape == \
+            (48 // shards, 32)
+    args = ModelArgs.from_params(params)
+    parts = [load_state_dict(tmp_path, args, r, world) for r in range(world)]
+    emb = full["tok_embeddings.weight"]
+    assert torch.equal(merge(parts, "tok_embeddings.weight"), emb)
+    assert torch.equal(merge(parts, "output.weight"), emb)
+    if world == 1:
+        assert parts[0]["output.weight"] is parts[0]["tok_embeddings.weight"]
+
+
 def test_slices_that_straddle_shards(tmp_path):
     """2 shards at world size 3: rank 1's slice is the end of shard 0 and the start of shard 1."""
     params = {"dim": 48, "n_layers": 1, "n_heads": 6, "multiple_of": 6, "vocab_size": 60, "norm_eps": 1e-5}
@@ -229,6 +259,25 @@ def test_unknown_tensor_name_is_named(tmp_path):
     shutil.copy(stories() / "params.json", tmp_path)
     with pytest.raises(ValueError, match=r"holds tensor 'layers\.0\.attention\.bias', which is not a parameter"):
         load_state_dict(tmp_path, stories_args(), 0, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])
+def test_weights_that_need_scales_are_refused_naming_the_tensor(tmp_path, dtype):
+    """Meta's 405B FP8 download stores float8 weights whose scales live in fp8_scales_*.pt: casting them without
+    the scales would decode garbage silently, so they are refused."""
+    params = {"dim": 32, "n_layers": 1, "n_heads": 4, "multiple_of": 8, "vocab_size": 48, "norm_eps": 1e-5}
+    full = random_checkpoint(params)
+    full["layers.0.feed_forward.w1.weight"] = full["layers.0.feed_forward.w1.weight"].to(dtype)
+    save_checkpoint(full, params, tmp_path)
+    with pytest.raises(ValueError, match=rf"holds layers\.0\.feed_forward\.w1\.weight as {dtype}"):
+        load_state_dict(tmp_path, ModelArgs.from_params(params), 0, 1)
+
+
+@pytest.mark.parametrize("key", ["quantization_args", "lora_args", "vision_chunk_size", "moe_args"])
+def test_params_json_of_another_architecture_is_refused_naming_the_key(tmp_path, key):
+    (tmp_path / "params.json").write_text(json.dumps({"dim": 2048, "n_layers": 16, key: {"group_size": 256}}))
+    with pytest.raises(ValueError, match=rf"params\.json has '{key}': .* cannot compute"):
+        read_params(tmp_path)
 
 
 # --------------------------------------------------------------------------------------------- checklist

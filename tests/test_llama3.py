@@ -3,6 +3,9 @@ random Llama-3.1-shaped checkpoint against Hugging Face transformers' LlamaForCa
 (logits, greedy ids alone, batched and through the engine), tied embeddings, vocabulary-split shards, and
 generation that stops at <|eot_id|> / <|eom_id|>."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -115,6 +118,44 @@ def test_long_runs_are_split_as_meta_does(tok):
     assert ids[1:] == [i for p in pieces for i in tok.model.encode(p, disallowed_special=())]
 
 
+def test_streamed_text_never_splits_a_character(tok):
+    """Byte-level BPE spreads one emoji over several tokens (🦙: 3, none a character by itself): streamed deltas
+    hold only whole characters and add up to the text, stop strings included."""
+    from llama.textstream import TextStream
+
+    text = " Llamas 🦙 say 你好, 👍🏽 and stop here 🇫🇷 unseen"
+    ids = tok.encode(text, bos=False, eos=False)
+    assert len(tok.encode("🦙", bos=False, eos=False)) == 3
+    stream = TextStream(tok, context=tok.encode("Hi:", bos=True, eos=False))
+    deltas = [stream.add(i) for i in ids] + [stream.finish()]
+    assert "".join(deltas) == text and not any("\ufffd" in d for d in deltas)
+    stream = TextStream(tok, stop=["stop here"])
+    out = "".join(stream.add(i) for i in ids) + stream.finish()
+    assert out == " Llamas 🦙 say 你好, 👍🏽 and " and stream.stopped
+
+
+def test_a_llama3_tokenizer_json_stops_on_every_stop_token(tmp_path):
+    """A Hugging Face Llama 3 directory's tokenizer.json (loaded by tokenizer_hf) names one eos_token, <|eot_id|> for
+    Instruct models: the family's other stops (<|end_of_text|>, <|eom_id|>) must end a generation too."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz ")}
+    hf = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    names = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
+             "<|eot_id|>", "<|python_tag|>"]
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in names])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|begin_of_text|>",
+                                                               "eos_token": "<|eot_id|>", "add_bos_token": True}))
+    tok = load_tokenizer(tmp_path / "tokenizer.json")
+    ids = {t: hf.token_to_id(t) for t in names}
+    assert tok.eos_id == ids["<|eot_id|>"]
+    assert tok.stop_tokens == {ids["<|end_of_text|>"]: "eos", ids["<|eot_id|>"]: "eot", ids["<|eom_id|>"]: "eom"}
+
+
 def test_a_file_of_neither_kind_is_refused(tmp_path):
     bad = tmp_path / "tokenizer.model"
     bad.write_text("not a tokenizer\n")
@@ -223,6 +264,64 @@ def test_logits_and_greedy_ids_equal_transformers_with_llama3_rope_scaling(llama
     assert other.tolist() != hf_ids
 
 
+@pytest.mark.parametrize("factor", [8.0, 32.0])
+def test_rope_frequencies_equal_transformers_llama3_init(factor):
+    """The scaled frequencies themselves, against transformers' own llama3 rope initialisation (3.1: 8, 3.2: 32)."""
+    transformers = pytest.importorskip("transformers", reason="transformers is the independent reference here")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from llama.model import rope_tables
+
+    head_dim, theta = 128, 500000.0
+    config = transformers.LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4, max_position_embeddings=131072,
+                                      rope_parameters={"rope_theta": theta, **SCALING, "factor": factor})
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    cos, sin = rope_tables(head_dim, 2, theta, dict(factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,
+                                                   original_context=8192))
+    freqs = torch.atan2(sin[1], cos[1])  # position 1's angles are the frequencies
+    torch.testing.assert_close(freqs, inv_freq.float(), rtol=1e-6, atol=0)
+    cos, sin = rope_tables(head_dim, 2, theta)
+    plain = torch.atan2(sin[1], cos[1])
+    assert torch.equal(freqs[:8], plain[:8])  # short wavelengths stay
+    torch.testing.assert_close(freqs[-8:], plain[-8:] / factor, rtol=1e-6, atol=0)  # long ones are divided
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"rope_theta": "500000"}, "rope_theta"), ({"rope_theta": 0}, "rope_theta"),
+    ({"use_scaled_rope": "yes"}, "use_scaled_rope"), ({"rope_scaling_factor": 0.5}, "rope_scaling_factor"),
+    ({"rope_low_freq_factor": 4.0}, "rope_low_freq_factor"), ({"rope_original_context": 0}, "rope_original_context"),
+])
+def test_bad_rope_settings_are_refused_naming_the_field(change, field):
+    with pytest.raises(ValueError, match=field):
+        ModelArgs.from_params({**PARAMS, **change})
+    ModelArgs.from_params({**PARAMS, "use_scaled_rope": False, "rope_scaling_factor": 0.5})  # unused: not checked
+
+
+def test_unknown_params_json_keys_warn_instead_of_failing():
+    with pytest.warns(UserWarning, match="future_key"):
+        args = ModelArgs.from_params({**PARAMS, "future_key": 1})
+    assert args.use_scaled_rope and args.rope_theta == 500000.0
+
+
+def test_without_use_scaled_rope_our_greedy_ids_differ(llama3, tmp_path):
+    """The same weights with use_scaled_rope false: other ids past the original context's long wavelengths."""
+    import json
+
+    d, args, state, gen = llama3
+    (tmp_path / "consolidated.00.pth").symlink_to(d / "consolidated.00.pth")
+    (tmp_path / "params.json").write_text(json.dumps({**PARAMS, "use_scaled_rope": False}))
+    plain = Llama.build(str(tmp_path), str(d / "tokenizer.model"), max_seq_len=1200, max_batch_size=1)
+    assert not plain.model.params.use_scaled_rope
+    prompt = long_prompt(gen)
+    plain.tokenizer.stop_tokens, gen.tokenizer.stop_tokens, stops = {}, {}, gen.tokenizer.stop_tokens
+    try:
+        scaled_ids, _ = gen.generate([prompt], max_gen_len=8, temperature=0)
+        plain_ids, _ = plain.generate([prompt], max_gen_len=8, temperature=0)
+    finally:
+        gen.tokenizer.stop_tokens = stops
+    assert plain_ids != scaled_ids
+
+
 def test_two_vocabulary_split_shards_load_at_world_size_1(llama3, tmp_path):
     """Meta's Llama 3 shards split tok_embeddings by vocabulary (dim 0), unlike Llama 2's (dim 1)."""
     d, args, state, gen = llama3
@@ -254,6 +353,55 @@ def test_tied_embeddings_share_the_table(tmp_path):
     with pytest.raises(ValueError, match="rope_scaling_factor must be"):
         Llama.build(str(tmp_path), str(tmp_path / "tokenizer.model"), max_seq_len=64, max_batch_size=1,
                     rope_scaling_factor=float("nan"))
+
+
+RSS_CHILD = """
+import sys, torch
+from llama import Llama
+
+def hwm():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+before = hwm()
+m = Llama.build(sys.argv[1], sys.argv[2], max_seq_len=32, max_batch_size=1, compile=False).model
+with torch.no_grad():
+    float(m.tok_embeddings.weight.max()) + float(m.output.weight.max())  # page in every byte of both tables
+print(hwm() - before, m.output.weight.data_ptr() == m.tok_embeddings.weight.data_ptr())
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc for peak RSS")
+def test_tied_embeddings_add_no_copy_to_peak_rss(tmp_path):
+    """Peak RSS of Llama.build (fp32, 1 layer, vocab 128256, dim 512: a 251 MiB table) from a tied checkpoint of 1
+    shard and of 2 vocabulary-split shards: one table, plus at most one shard's half while merging. A second copy
+    of the table (an untied output) would add a whole table to either."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    need(LLAMA3_TOKENIZER)
+    params = {**PARAMS, "dim": 512, "n_layers": 1, "n_heads": 8, "n_kv_heads": 8}
+    state = random_state_dict(ModelArgs.from_params(params), seed=5)
+    del state["output.weight"]
+    table = state["tok_embeddings.weight"].numel() * 4
+    save_checkpoint(state, params, tmp_path / "one")
+    (tmp_path / "two").mkdir()
+    (tmp_path / "params.json").write_text(json.dumps(params))
+    vocab_split(state, tmp_path / "two", tmp_path / "params.json")
+    del state
+    (tmp_path / "child.py").write_text(RSS_CHILD)
+    for name, bound in (("one", 1.5), ("two", 2.25)):
+        out = subprocess.run([sys.executable, str(tmp_path / "child.py"), str(tmp_path / name), str(LLAMA3_TOKENIZER)],
+                             capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+        assert out.returncode == 0, out.stderr[-3000:]
+        grown, shared = out.stdout.split()[-2:]  # after the loader's "Loaded in" line
+        assert shared == "True"
+        assert int(grown) < bound * table, f"{name}: peak RSS grew {int(grown) / 2**20:.0f} MiB for a " \
+                                           f"{table / 2**20:.0f} MiB table"
 
 
 # ------------------------------------------------------------------------------------------------- stopping
@@ -346,7 +494,8 @@ dist.destroy_process_group()
 
 def test_one_and_two_shards_at_world_size_2(llama3, tmp_path):
     """torchrun with 2 gloo ranks: the 1-shard and the vocabulary-split 2-shard checkpoints give the greedy ids of
-    one process (positions past 1000 included)."""
+    one process (positions past 1000 included); so do tied ones (no output.weight), 1 shard and 2 vocabulary-split
+    shards, whose output slice each rank cuts from the embedding."""
     import json
     import os
     import subprocess
@@ -357,23 +506,33 @@ def test_one_and_two_shards_at_world_size_2(llama3, tmp_path):
     d, args, state, gen = llama3
     (tmp_path / "two").mkdir()
     two = vocab_split(state, tmp_path / "two", d / "params.json")
+    tied_state = {k: v for k, v in state.items() if k != "output.weight"}
+    tied = tmp_path / "tied"
+    save_checkpoint(tied_state, PARAMS, tied)
+    (tmp_path / "tied2").mkdir()
+    tied2 = vocab_split(tied_state, tmp_path / "tied2", d / "params.json")
     prompt = long_prompt(gen, 1100)
     out = tmp_path / "out"
     (tmp_path / "out.prompt").write_text(json.dumps(prompt))
     (tmp_path / "run.py").write_text(MP_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(tmp_path / "run.py"), str(LLAMA3_TOKENIZER), str(out), str(d), str(two)],
+                           str(tmp_path / "run.py"), str(LLAMA3_TOKENIZER), str(out), str(d), str(two), str(tied),
+                           str(tied2)],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    gen.tokenizer.stop_tokens, stops = {}, gen.tokenizer.stop_tokens
+    one = Llama.build(str(tied), str(LLAMA3_TOKENIZER), max_seq_len=1200, max_batch_size=2)
+    gen.tokenizer.stop_tokens, one.tokenizer.stop_tokens, stops = {}, {}, gen.tokenizer.stop_tokens
     try:
         want = gen.generate([prompt, prompt[:20]], max_gen_len=8, temperature=0)[0]
+        want_tied = one.generate([prompt, prompt[:20]], max_gen_len=8, temperature=0)[0]
     finally:
         gen.tokenizer.stop_tokens = stops
+    assert want_tied != want  # another output projection: the tied runs are a check of their own
     for rank in range(2):
         res = json.loads((tmp_path / f"out.{rank}.json").read_text())
         assert res[str(d)] == want and res[str(two)] == want
+        assert res[str(tied)] == want_tied and res[str(tied2)] == want_tied
 
 
 def test_reshard_a_vocabulary_split_checkpoint(llama3, tmp_path):
