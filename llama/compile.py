@@ -1,4 +1,7 @@
-"""torch.compile of the one-token decode step (gpt-fast's approach), for decoding near memory bandwidth on CPU.
+"""torch.compile of the one-token decode step (gpt-fast's approach), for decoding near memory bandwidth.
+
+On CUDA the compiled step also replays as a CUDA graph, as gpt-fast's mode="reduce-overhead" does. The rest of this
+note is about the CPU, where most of the measuring was done.
 
 Decoding one sequence reads every weight once per token. Eager matrix-vector products (MKL) reach about half the
 machine's bandwidth and every small operator costs a few microseconds; Inductor with max-autotune and freezing
@@ -52,6 +55,7 @@ class CompiledDecode:
             raise ValueError(f"compile mode must be one of {MODES}, got {mode!r}")
         if mode == "auto":
             mode = auto_mode(model)
+        self.cuda = model.norm.weight.device.type == "cuda"
         # Set around every call, not as torch.compile options: Inductor reads `freezing` outside the options' scope.
         self.config = {"freezing": True, "max_autotune": mode == "max-autotune",
                        # Only Inductor's own GEMM template: picking between it and ATen's by timing them once is
@@ -60,6 +64,13 @@ class CompiledDecode:
                        "max_autotune_gemm_backends": "CPP",
                        # no per-GEMM autotuning tables on stderr
                        "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
+        if self.cuda:
+            # gpt-fast's recipe: the step replays as one CUDA graph (a decode step is hundreds of small kernels
+            # whose launches would cost more than the GPU's work), and Triton's kernels are tuned per shape.
+            # No freezing: on CUDA it folds a transposed copy of every weight into each graph (measured: 42 GiB
+            # peak for a 13.5 GB model compiled at three batch sizes, and matrix-vector products at half speed).
+            self.config.update({"freezing": False, "triton.cudagraphs": True, "coordinate_descent_tuning": True,
+                                "max_autotune_gemm_backends": "ATEN,TRITON"})
         self.model, self.mode, self.lazy = model, mode, lazy
         own_storage(model)
         self.seen: Dict[tuple, float] = {}  # (batch size, rows given) -> seconds the first call took
@@ -126,14 +137,18 @@ class CompiledDecode:
         key = (tokens.shape[0], rows is not None)
         if key in self.seen:
             with inductor_config.patch(self.config):
-                return self.fn(tokens, pos, rows)
+                return self._own(self.fn(tokens, pos, rows))
         if parallel.is_main_process():
             print(f"Compiling the decode step for batch size {key[0]} ({self.mode}); done once per batch size")
         start = time.time()
         with inductor_config.patch(self.config):
-            out = self.fn(tokens, pos, rows)
+            out = self._own(self.fn(tokens, pos, rows))
         self.seen[key] = time.time() - start
         return out
+
+    def _own(self, logits: torch.Tensor) -> torch.Tensor:
+        """A CUDA graph's output lives in memory its next replay overwrites: copy the (small) logits out."""
+        return logits.clone() if self.cuda else logits
 
 
 def bucket(batch: int, max_batch: int) -> int:
@@ -159,6 +174,8 @@ def own_storage(model) -> None:
 def auto_mode(model) -> str:
     """max-autotune for fp32 weights (Inductor's own GEMV template wins there), default (freezing only) for bf16
     and int8 (oneDNN's prepacked GEMV wins there); the measurements are in docs/performance.md."""
+    if model.norm.weight.device.type != "cpu":
+        return "default"  # the fp32 GEMV template measured best is Inductor's CPU one
     fp32 = model.norm.weight.dtype == torch.float32
     quantized = any(getattr(m, "scales", None) is not None for m in model.modules())
     return "max-autotune" if fp32 and not quantized else "default"
@@ -194,13 +211,14 @@ def memory_allows(model) -> bool:
 
 
 def wants_auto(model) -> bool:
-    """compile="auto" considers compiling: on CPU (where it was measured), for models of AUTO_MIN_PARAMS or more,
-    in a single process. Model-parallel ranks must switch to their graphs at the same step (eager and compiled
+    """compile="auto" considers compiling: on CPU or CUDA, for models of AUTO_MIN_PARAMS or more, in a single
+    process. Model-parallel ranks must switch to their graphs at the same step (eager and compiled
     steps issue different collectives), which a rule based on each rank's own timing cannot promise: there, pass
     compile=True."""
     params = sum(p.numel() for p in model.parameters())
     params += sum(b.numel() for name, b in model.named_buffers() if name.endswith(".packed"))  # int8-dynamic
-    return model.norm.weight.device.type == "cpu" and params >= AUTO_MIN_PARAMS and parallel.model_parallel_size() == 1
+    return (model.norm.weight.device.type in ("cpu", "cuda") and params >= AUTO_MIN_PARAMS
+            and parallel.model_parallel_size() == 1)
 
 
 def compile_decode(model, mode: Union[bool, str, None] = True) -> Optional[CompiledDecode]:

@@ -108,8 +108,10 @@ def load(
     except RuntimeError as e:
         raise ValueError(f"checkpoint in {ckpt_dir} does not match its params.json: {e}") from None
     del state  # the model owns the tensors now: lets casting and fusing free the originals
-    model.to(device=device).eval()
     tied = model.output.weight.data_ptr() == model.tok_embeddings.weight.data_ptr()  # no output.weight in the files
+    if tied:  # one Parameter for both, so moving to the device makes one copy, not two
+        model.output.weight = model.tok_embeddings.weight
+    model.to(device=device).eval()
     model.fuse()
     if quantize is not None:  # from the checkpoint's dtype: no full-size fp32 copy on the way
         quantization.quantize(model, quantize)

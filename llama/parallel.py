@@ -17,16 +17,31 @@ from fairscale.nn.model_parallel.mappings import gather_from_model_parallel_regi
 
 
 def default_device() -> torch.device:
-    """cuda:LOCAL_RANK when CUDA is available, else cpu."""
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        if local_rank >= torch.cuda.device_count():
-            raise RuntimeError(
-                f"LOCAL_RANK {local_rank} has no GPU: only {torch.cuda.device_count()} CUDA device(s) visible; "
-                "launch at most that many processes per node"
-            )
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+    """$LLAMA_DEVICE when set (cpu, cuda, cuda:N), else cuda:LOCAL_RANK when CUDA is available, else cpu.
+
+    The variable lets a GPU machine run on its CPU (or a test suite pick its device) without changing code.
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    wanted = os.environ.get("LLAMA_DEVICE", "").strip()
+    if wanted:
+        try:
+            device = torch.device(wanted)
+        except RuntimeError:
+            raise ValueError(f"LLAMA_DEVICE must name a device such as cpu, cuda or cuda:1, got {wanted!r}") from None
+        if device.type != "cuda":
+            return device
+        if not torch.cuda.is_available():
+            raise ValueError(f"LLAMA_DEVICE={wanted} but this PyTorch sees no CUDA device")
+        if device.index is not None:
+            return device
+    elif not torch.cuda.is_available():
+        return torch.device("cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise RuntimeError(
+            f"LOCAL_RANK {local_rank} has no GPU: only {torch.cuda.device_count()} CUDA device(s) visible; "
+            "launch at most that many processes per node, or set LLAMA_DEVICE=cpu"
+        )
+    return torch.device("cuda", local_rank)
 
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -34,7 +49,11 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 
 
 def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
-    """bf16 on CUDA when supported (else fp16), fp32 on CPU, unless dtype says otherwise."""
+    """bf16 on CUDA when supported (else fp16), fp32 on CPU, unless dtype (or else $LLAMA_DTYPE) says otherwise."""
+    if dtype is None and os.environ.get("LLAMA_DTYPE", "").strip():
+        dtype = os.environ["LLAMA_DTYPE"].strip()
+        if dtype not in _DTYPES:
+            raise ValueError(f"LLAMA_DTYPE must be one of {sorted(_DTYPES)}, got {dtype!r}")
     if dtype is None:
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -118,5 +137,9 @@ def reduce_sum(x: torch.Tensor) -> torch.Tensor:
 def gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """The model-parallel ranks' x concatenated along the last dimension (column-parallel outputs, embeddings)."""
     if torch.compiler.is_compiling():
-        return funcol.all_gather_tensor(x, x.dim() - 1, fs_init.get_model_parallel_group())
+        # Gathered along dim 0 and rearranged here: a gather along another dim calls a helper that Dynamo refuses
+        # to trace in some PyTorch releases (2.11).
+        group = fs_init.get_model_parallel_group()
+        parts = funcol.all_gather_tensor(x.contiguous(), 0, group).chunk(dist.get_world_size(group), dim=0)
+        return torch.cat(parts, dim=-1)
     return gather_from_model_parallel_region(x)

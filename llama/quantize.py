@@ -2,9 +2,10 @@
 
 Decoding reads every weight once per token, so halving the bytes (vs bf16) nearly doubles batch-1 speed.
 
-- "int8" (weight-only): activations stay floating point. The product runs in
+- "int8" (weight-only): activations stay floating point. On CPU the product runs in
   torch.ops.aten._weight_int8pack_mm, which is fast only with bf16 activations, so the scales are bf16 and
-  activations are cast to bf16 around it. Works on every device that kernel supports.
+  activations are cast to bf16 around it. On CUDA it is gpt-fast's dequantize-then-multiply, which compiled
+  decoding turns into one fused kernel.
 - "int8-dynamic" (CPU): each activation row is also quantized to int8 on the fly (one scale per row, so a row's
   result never depends on the other rows of its batch) and the product runs in oneDNN's int8 GEMM on prepacked
   weights (VNNI dot products, int32 accumulation). This is what llama.cpp's q8_0 does on CPU (it quantizes
@@ -70,6 +71,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scales=None) -> torch.Tensor:
         return F.linear(x, weight)
     if weight.shape[1] % 16:
         return F.linear(x, weight.to(x.dtype) * scales[:, None].to(x.dtype))
+    if x.device.type != "cpu":
+        # gpt-fast's form: eager it converts the weight per call; compiled, Inductor fuses the conversion into
+        # its matrix-vector kernel, so the int8 bytes are all that is read (the packed kernel is CPU/MPS only).
+        return F.linear(x, weight.to(x.dtype)) * scales.to(x.dtype)
     y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).to(scales.dtype), weight, scales)
     return y.view(*x.shape[:-1], -1).to(x.dtype)
 

@@ -1,6 +1,7 @@
 """Shared fixtures: paths into ../shared (skipped with a reason when absent) and one stories260K generator."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,44 @@ import torch
 torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
+SHARED = Path(os.environ.get("LLAMA_SHARED") or REPO.parent / "shared")
+
+# The device the suite runs on: LLAMA_TEST_DEVICE=cuda runs every model the tests build on the GPU (through
+# LLAMA_DEVICE, which subprocesses inherit), in fp32 unless a test asks for another dtype, since the references
+# (goldens, transformers in fp32) are fp32. Unset, the suite runs on the CPU even where a GPU is present.
+DEVICE = os.environ.get("LLAMA_TEST_DEVICE", "cpu").strip() or "cpu"
+os.environ["LLAMA_DEVICE"] = DEVICE
+if DEVICE.startswith("cuda"):
+    os.environ.setdefault("LLAMA_DTYPE", "float32")
+ON_CUDA = DEVICE.startswith("cuda")
+
+
+CPU_ONLY = pytest.mark.skipif(ON_CUDA, reason="int8-dynamic runs on the CPU only (oneDNN); CUDA uses int8")
+
+
+def pytest_collection_modifyitems(config, items):
+    if ON_CUDA and not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason=f"LLAMA_TEST_DEVICE={DEVICE} but this PyTorch sees no CUDA device")
+        for item in items:
+            item.add_marker(skip)
+
+
+def error_lines(stderr: str, tail: int = 2000) -> str:
+    """What a failed subprocess said: its lines that name an error (which torchrun's long epilogue pushes out of
+    a plain tail), then its last characters."""
+    named = [line for line in stderr.splitlines() if "Error" in line or "error:" in line][:20]
+    return "\n".join(named) + "\n...\n" + stderr[-tail:]
+
+
+def rank_env(nproc: int = 1, **extra) -> dict:
+    """Environment for a subprocess of the suite (torchrun with nproc ranks per node, or plain python): the
+    repository first on PYTHONPATH, one thread per rank, and the CPU when the test device has fewer GPUs than
+    ranks (model parallel needs one GPU per rank; those runs test gloo on the CPU instead)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+           "OMP_NUM_THREADS": "1", **extra}
+    if ON_CUDA and nproc > torch.cuda.device_count():
+        env["LLAMA_DEVICE"] = env["LLAMA_TEST_DEVICE"] = "cpu"  # also for scripts that import conftest
+    return env
 STORIES = SHARED / "models" / "stories260K"
 GOLDENS = SHARED / "goldens" / "stories260K_greedy.json"
 LLAMA2_TOKENIZER = SHARED / "tokenizers" / "llama2" / "tokenizer.model"
@@ -78,9 +116,8 @@ def two_ranks(stories_dir, tmp_path):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(tmp_path / "run.py"), str(tmp_path / "two"), str(stories_dir / "tokenizer.model"),
                str(need(GOLDENS)), str(tmp_path / "out"), *extra]
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        proc = subprocess.run(cmd, cwd=tmp_path, env=rank_env(2), capture_output=True, text=True, timeout=timeout)
+        assert proc.returncode == 0, error_lines(proc.stderr)
         return [json.loads((tmp_path / f"out.{r}.json").read_text()) for r in range(2)]
 
     return run

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, rank_env
 
 STORIES = REPO.parent / "shared" / "models" / "stories260K"
 MODEL_ARGS = ["--ckpt_dir", str(STORIES), "--tokenizer_path", str(STORIES / "tokenizer.model"),
@@ -97,7 +97,7 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path):
     run_main(*args, "--output", str(full))
 
     resumed = tmp_path / "resumed.jsonl"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = rank_env(1)
     proc = subprocess.Popen([sys.executable, "-m", "llama.batch", *MODEL_ARGS, *args, "--output", str(resumed)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -126,7 +126,7 @@ def test_model_parallel_run_matches_single_process(tmp_path):
     write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": p, "temperature": 0} for i, p in enumerate(STARTS)])
     args = ["--input", str(tmp_path / "in.jsonl"), "--max_gen_len", "20"]
     run_main(*args, "--output", str(tmp_path / "single.jsonl"))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = rank_env(2)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "llama.batch",
            *MODEL_ARGS, *args, "--output", str(tmp_path / "mp.jsonl")]
     proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -18,7 +18,7 @@ from llama.checkpoint import (
     expected_shapes, load_shard, load_state_dict, parallel_dim, read_params, save_checkpoint, verify_checklist,
 )
 from llama.model import ModelArgs
-from conftest import REPO, STORIES
+from conftest import REPO, STORIES, rank_env
 
 
 
@@ -376,7 +376,7 @@ def test_peak_memory_follows_the_rank_slice(tmp_path):
     script = tmp_path / "measure.py"
     script.write_text(MEASURE)
     out = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt"), "0", "2"], capture_output=True,
-                         text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+                         text=True, cwd=REPO, env=rank_env(1), timeout=120)
     assert out.returncode == 0, out.stderr
     grown, slice_bytes = map(int, out.stdout.split())
     assert slice_bytes == pytest.approx(size / 2, rel=0.02)

@@ -13,6 +13,7 @@ import textwrap
 import pytest
 import torch
 
+from conftest import CPU_ONLY
 from llama import Llama
 from llama import compile as compilation
 from llama.compile import CompiledDecode, bucket, compile_decode, own_storage
@@ -38,20 +39,21 @@ def test_compiled_greedy_matches_goldens(stories_dir, goldens):
         assert got == g["generated_tokens"]
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int8-dynamic"])
+@pytest.mark.parametrize("scheme", ["int8", pytest.param("int8-dynamic", marks=CPU_ONLY)])
 def test_compiled_int8_follows_eager_int8_with_a_padded_batch(stories_dir, goldens, scheme):
     """Batch 3 in a cache of 4 rows runs as the batch-4 graph (padded with a copy of the last row)."""
     llama = Llama.build(str(stories_dir), str(stories_dir / "tokenizer.model"), max_seq_len=160, max_batch_size=4,
                         quantize=scheme)
-    prompts = torch.tensor([g["prompt_tokens"][:5] for g in goldens.values()] + [[1, 300, 301, 302, 303]])
+    dev = llama.device
+    prompts = torch.tensor([g["prompt_tokens"][:5] for g in goldens.values()] + [[1, 300, 301, 302, 303]], device=dev)
     model = llama.model
     model(prompts, 0)
-    nxt = torch.tensor([[300], [301], [302]])
-    pos = torch.tensor([5, 5, 4])
+    nxt = torch.tensor([[300], [301], [302]], device=dev)
+    pos = torch.tensor([5, 5, 4], device=dev)
     eager = model(nxt, pos)
     step = compile_decode(model, True)
     model(prompts, 0)
-    compiled = step(nxt, pos, torch.arange(3))
+    compiled = step(nxt, pos, torch.arange(3, device=dev))
     assert compiled.shape == eager.shape
     assert step.seen.keys() == {(4, True)}
     # int8: bf16 activations, and Inductor keeps fused intermediates in fp32, so logits differ by bf16 rounding

@@ -17,7 +17,7 @@ from llama.convert import derive_ffn, main, read_safetensors
 from llama.cache import KVCache
 from llama.model import ModelArgs, Transformer, ffn_hidden_dim
 import helpers
-from conftest import REPO, STORIES
+from conftest import REPO, STORIES, rank_env
 
 BIN = STORIES / "llama2c" / "stories260K.bin"
 
@@ -46,7 +46,7 @@ def test_llama2c_v0_gives_the_meta_checkpoint_exactly(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "llama.convert", "llama2c", str(BIN), str(out), "--tokenizer",
                            str(stories() / "tokenizer.model")], capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+                          env=rank_env(1), timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert_same(out, reference())
     assert read_params(out) == read_params(STORIES)

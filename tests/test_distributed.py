@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import GOLDENS, REPO, STORIES, need
+from conftest import GOLDENS, REPO, STORIES, need, rank_env
 from helpers import ONCE, build_stories
 from llama.reshard import reshard
 
@@ -55,7 +55,7 @@ def setup(tmp_path_factory):
 def torchrun(tmp, *launch_args, out, dirs):
     cmd = [sys.executable, "-m", "torch.distributed.run", *launch_args, str(tmp / "run.py"), str(GOLDENS),
            str(STORIES / "tokenizer.model"), str(tmp / out), *map(str, dirs)]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = rank_env(3)
     return subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -209,7 +209,7 @@ def test_seeded_outputs_identical_at_mp2(tmp_path):
     script, out = tmp_path / "mp.py", tmp_path / "mp2.json"
     script.write_text(MP_SCRIPT)
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    env = rank_env(2, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script),
                            str(STORIES), str(out), str(root / "tests")], env=env, capture_output=True, text=True,
                           timeout=240)

@@ -14,7 +14,7 @@ from concurrent.futures import CancelledError
 import pytest
 import torch
 
-from conftest import REPO, STORIES
+from conftest import REPO, STORIES, rank_env
 
 PROMPTS = ["Once upon a time", "Lily and her mom", "The little dog", "One day, Tom saw", "There was a big tree",
            "Sam liked to play", "The sun was hot", "A bird sat on"]
@@ -353,7 +353,7 @@ MP_SCRIPT = textwrap.dedent("""
 
 def test_model_parallel_rank0_schedules_and_ranks_follow(gen, tmp_path):
     (tmp_path / "run.py").write_text(MP_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = rank_env(2)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(tmp_path / "run.py"), str(STORIES), str(tmp_path / "out")]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -6,11 +6,11 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, rank_env
 
 
 def run(args, tmp_path):
-    env = dict(os.environ, LLAMA_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    env = rank_env(1, LLAMA_CACHE=str(tmp_path / "cache"))
     proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout

@@ -48,7 +48,7 @@ def test_echo_logprobs_equal_one_full_forward(stories, goldens):
     tokens, logprobs = stories.generate([prompt], max_gen_len=20, temperature=0, logprobs=True, echo=True)
     seq = prompt + gen[:20]
     assert tokens[0] == seq
-    logits = stories.model(torch.tensor([seq]), 0)[0]
+    logits = stories.model(torch.tensor([seq], device=stories.device), 0)[0].cpu()
     ref = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(seq[1:])[:, None])[:, 0]
     assert logprobs[0][0] == 0.0  # the reference leaves the first token's entry at 0
     assert torch.allclose(torch.tensor(logprobs[0][1:]), ref, atol=1e-4)

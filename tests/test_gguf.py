@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import SHARED, need
+from conftest import REPO, SHARED, need, rank_env
 from llama import Llama
 
 GGUF = SHARED / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -163,10 +163,9 @@ def test_gguf_under_model_parallel_gives_the_goldens(golden, tmp_path):
     import subprocess
     import sys
 
-    from conftest import REPO
 
     (tmp_path / "run.py").write_text(MP_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = rank_env(3)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "3",
                            str(tmp_path / "run.py"), str(need(GGUF)), str(GOLDENS), str(tmp_path / "out")],
                           env=env, capture_output=True, text=True, timeout=600)

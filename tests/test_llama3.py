@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SHARED, need
+from conftest import REPO, SHARED, need, rank_env
 from helpers import meta_to_hf
 from llama import Llama
 from llama.chat import Llama3ChatFormat, chat_format_for
@@ -238,7 +238,7 @@ def test_logits_and_greedy_ids_equal_transformers_with_llama3_rope_scaling(llama
     prompt = long_prompt(gen)
     with torch.no_grad():
         want = ref(torch.tensor([prompt])).logits[0]
-        got = gen.model(torch.tensor([prompt]), 0)[0]
+        got = gen.model(torch.tensor([prompt], device=gen.device), 0)[0].cpu()
     assert len(prompt) == 1100
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)  # every position, past 1000 included
     with torch.no_grad():
@@ -328,7 +328,8 @@ def test_two_vocabulary_split_shards_load_at_world_size_1(llama3, tmp_path):
     vocab_split(state, tmp_path, d / "params.json")
     two = Llama.build(str(tmp_path), str(d / "tokenizer.model"), max_seq_len=64, max_batch_size=1)
     prompt = long_prompt(gen, 40)
-    torch.testing.assert_close(two.model(torch.tensor([prompt]), 0), gen.model(torch.tensor([prompt]), 0),
+    torch.testing.assert_close(two.model(torch.tensor([prompt], device=two.device), 0).cpu(),
+                               gen.model(torch.tensor([prompt], device=gen.device), 0).cpu(),
                                rtol=0, atol=1e-5)
 
 
@@ -348,7 +349,8 @@ def test_tied_embeddings_share_the_table(tmp_path):
     ref = hf_model(state, args, tied=True, factor=32.0)
     prompt = long_prompt(gen, 48)
     with torch.no_grad():
-        torch.testing.assert_close(m(torch.tensor([prompt]), 0)[0], ref(torch.tensor([prompt])).logits[0],
+        torch.testing.assert_close(m(torch.tensor([prompt], device=gen.device), 0)[0].cpu(),
+                                   ref(torch.tensor([prompt])).logits[0],
                                    rtol=0, atol=1e-4)
     with pytest.raises(ValueError, match="rope_scaling_factor must be"):
         Llama.build(str(tmp_path), str(tmp_path / "tokenizer.model"), max_seq_len=64, max_batch_size=1,
@@ -380,7 +382,6 @@ def test_tied_embeddings_add_no_copy_to_peak_rss(tmp_path):
     import subprocess
     import sys
 
-    from conftest import REPO
 
     need(LLAMA3_TOKENIZER)
     params = {**PARAMS, "dim": 512, "n_layers": 1, "n_heads": 8, "n_kv_heads": 8}
@@ -396,7 +397,7 @@ def test_tied_embeddings_add_no_copy_to_peak_rss(tmp_path):
     for name, bound in (("one", 1.5), ("two", 2.25)):
         out = subprocess.run([sys.executable, str(tmp_path / "child.py"), str(tmp_path / name), str(LLAMA3_TOKENIZER)],
                              capture_output=True, text=True, timeout=300,
-                             env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+                             env=rank_env(1, LLAMA_DEVICE="cpu", LLAMA_TEST_DEVICE="cpu"))  # host RSS: a CPU matter
         assert out.returncode == 0, out.stderr[-3000:]
         grown, shared = out.stdout.split()[-2:]  # after the loader's "Loaded in" line
         assert shared == "True"
@@ -453,7 +454,8 @@ def test_hf_llama3_checkpoint_converts(llama3, tmp_path, tied, capsys):
     out = Llama.build(str(tmp_path / "meta"), str(LLAMA3_TOKENIZER), max_seq_len=1200, max_batch_size=1)
     prompt = long_prompt(gen, 1050)
     with torch.no_grad():
-        torch.testing.assert_close(out.model(torch.tensor([prompt]), 0)[0], ref(torch.tensor([prompt])).logits[0],
+        torch.testing.assert_close(out.model(torch.tensor([prompt], device=out.device), 0)[0].cpu(),
+                                   ref(torch.tensor([prompt])).logits[0],
                                    rtol=0, atol=1e-4)
 
 
@@ -501,7 +503,6 @@ def test_one_and_two_shards_at_world_size_2(llama3, tmp_path):
     import subprocess
     import sys
 
-    from conftest import REPO
 
     d, args, state, gen = llama3
     (tmp_path / "two").mkdir()
@@ -515,7 +516,7 @@ def test_one_and_two_shards_at_world_size_2(llama3, tmp_path):
     out = tmp_path / "out"
     (tmp_path / "out.prompt").write_text(json.dumps(prompt))
     (tmp_path / "run.py").write_text(MP_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = rank_env(2)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            str(tmp_path / "run.py"), str(LLAMA3_TOKENIZER), str(out), str(d), str(two), str(tied),
                            str(tied2)],
@@ -542,9 +543,9 @@ def test_reshard_a_vocabulary_split_checkpoint(llama3, tmp_path):
     (tmp_path / "two").mkdir()
     two = vocab_split(state, tmp_path / "two", d / "params.json")
     prompt = long_prompt(gen, 30)
-    want = gen.model(torch.tensor([prompt]), 0)
+    want = gen.model(torch.tensor([prompt], device=gen.device), 0).cpu()
     for shards in (1, 2):
         reshard(two, tmp_path / f"r{shards}", shards)
         g = Llama.build(str(tmp_path / f"r{shards}"), str(d / "tokenizer.model"), max_seq_len=64, max_batch_size=1,
                         verify=True)
-        torch.testing.assert_close(g.model(torch.tensor([prompt]), 0), want, rtol=0, atol=1e-5)
+        torch.testing.assert_close(g.model(torch.tensor([prompt], device=g.device), 0).cpu(), want, rtol=0, atol=1e-5)

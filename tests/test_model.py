@@ -81,12 +81,13 @@ def test_decode_step_greedy_goldens(stories, goldens):
     model = stories.model
     for g in goldens.values():
         prompt = g["prompt_tokens"]
-        logits = model(torch.tensor([prompt]), 0)[:, -1]
+        dev = model.norm.weight.device
+        logits = model(torch.tensor([prompt], device=dev), 0)[:, -1]
         out = []
         for i in range(len(g["generated_tokens"])):
             tok = int(logits.argmax(-1))
             out.append(tok)
-            logits = model.decode_step(torch.tensor([[tok]]), torch.tensor([len(prompt) + i]))[:, -1]
+            logits = model.decode_step(torch.tensor([[tok]], device=dev), torch.tensor([len(prompt) + i], device=dev))[:, -1]
         assert out == g["generated_tokens"]
 
 

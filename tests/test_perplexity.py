@@ -23,7 +23,7 @@ def test_score_matches_generate_echo_and_forward(stories):
         _, lps = stories.generate([toks], max_gen_len=1, temperature=0, logprobs=True, echo=True)
         assert lps[0][1 : len(toks)] == pytest.approx(r["logprobs"], abs=1e-4)
         # one plain forward pass, log-softmax, gather
-        logits = stories.model(torch.tensor([toks]), 0)[0]
+        logits = stories.model(torch.tensor([toks], device=stories.device), 0)[0].cpu()
         ref = torch.log_softmax(logits.double(), -1)[torch.arange(len(toks) - 1), torch.tensor(toks[1:])]
         assert r["logprobs"] == pytest.approx(ref.tolist(), abs=1e-4)
         assert r["total_logprob"] == pytest.approx(sum(r["logprobs"]))

@@ -7,6 +7,7 @@ import textwrap
 import pytest
 import torch
 
+from conftest import CPU_ONLY
 from llama import Llama
 from llama.model import ColumnLinear, RowLinear
 from llama.quantize import (
@@ -151,6 +152,7 @@ def test_int8_dynamic_refuses_a_non_cpu_model():
         quantize_int8_dynamic(model)
 
 
+@CPU_ONLY
 def test_build_int8_dynamic_follows_fp32_greedy_and_batch_equals_solo(stories_dir, goldens):
     """Measured: the prompts' greedy ids match fp32 for their first 57 and 79 tokens with 8-bit activations (VNNI),
     35 and 51 with the 7-bit activations used without VNNI; asserted with margin. Each activation row has its own

@@ -11,7 +11,7 @@ import torch
 from llama.checkpoint import load_state_dict, parallel_dim, read_params, verify_checklist
 from llama.model import ModelArgs
 from llama.reshard import main, reshard
-from conftest import GOLDENS, REPO, SHARED, STORIES
+from conftest import GOLDENS, REPO, SHARED, STORIES, rank_env
 
 
 
@@ -26,7 +26,7 @@ def stories():
 def two_shards(stories, tmp_path_factory):
     out = tmp_path_factory.mktemp("reshard") / "two"
     proc = subprocess.run([sys.executable, "-m", "llama.reshard", str(stories), str(out), "--shards", "2", "--verify"],
-                          capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, cwd=REPO, env=rank_env(1),
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     return out
