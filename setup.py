@@ -10,7 +10,7 @@ setup(
     packages=find_packages(include=["llama", "llama.*"]),
     package_data={"llama": ["data/*.txt"]},
     python_requires=">=3.9",
-    install_requires=["torch>=2.5", "fairscale", "sentencepiece", "tiktoken", "tokenizers", "gguf", "jinja2", "fire",
-                      "tqdm"],
+    install_requires=["torch>=2.5", "fairscale", "sentencepiece", "tiktoken", "tokenizers", "gguf", "safetensors",
+                      "jinja2", "fire", "tqdm"],
     extras_require={"test": ["pytest", "transformers", "llama-models==0.3.0; python_version >= '3.10'"]},
 )

@@ -157,47 +157,16 @@ def convert_llama2c(model_bin, out_dir, tokenizer=None, shards: int = 1) -> List
 # ---------------------------------------------------------------------------------------------------------------
 # Hugging Face
 
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
 def read_safetensors(path) -> Dict[str, torch.Tensor]:
-    """Tensors of a .safetensors file, memory-mapped: 8-byte little-endian header length, JSON header, raw data."""
+    """Tensors of a .safetensors file, memory-mapped by the safetensors package (as Hugging Face reads them)."""
+    from safetensors import SafetensorError, safe_open
+
     path = Path(path)
-    if sys.byteorder != "little":
-        raise ValueError("reading safetensors needs a little-endian machine")
-    buf = _map_file(path)
-    size = len(buf)
-    if size < 8:
-        raise ValueError(f"{path} is truncated: {size} bytes")
-    n = struct.unpack_from("<Q", buf, 0)[0]
-    if n > size - 8 or n > 1 << 28:
-        raise ValueError(f"{path} is not a safetensors file or is truncated: header length {n}, file {size} bytes")
     try:
-        header = json.loads(bytes(buf[8 : 8 + n]))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} has a corrupt safetensors header: {e}") from None
-    base, out = 8 + n, {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = SAFETENSORS_DTYPES.get(info.get("dtype"))
-        if dtype is None:
-            raise ValueError(f"{path}: tensor {name} has unsupported dtype {info.get('dtype')!r}")
-        shape, (begin, end) = info["shape"], info["data_offsets"]
-        count = math.prod(shape)
-        nbytes = count * torch.empty((), dtype=dtype).element_size()
-        if end - begin != nbytes or base + end > size or begin < 0:
-            raise ValueError(
-                f"{path}: tensor {name} ({info['dtype']} {shape}) needs {nbytes} bytes at [{begin}, {end}) "
-                f"but the data section has {size - base}: the file is truncated or corrupt"
-            )
-        out[name] = (torch.frombuffer(buf, dtype=dtype, count=count, offset=base + begin) if count
-                     else torch.empty(0, dtype=dtype)).view(shape)
-    return out
+        with safe_open(str(path), framework="pt") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupt?): {e}") from None
 
 
 def read_hf_weights(hf_dir: Path) -> Dict[str, torch.Tensor]:

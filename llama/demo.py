@@ -14,7 +14,6 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from .checkpoint import expected_shapes, save_checkpoint
-from .gguf_checkpoint import find_gguf
 from .model import ModelArgs
 
 DEMO_PARAMS = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 32, "norm_eps": 1e-5,
@@ -92,30 +91,3 @@ def ensure_demo_checkpoint(target: Optional[Path] = None) -> Tuple[str, str]:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return str(target), str(target / "tokenizer.model")
-
-
-def resolve_checkpoint(ckpt_dir: Optional[str], tokenizer_path: Optional[str]) -> Tuple[str, Optional[str]]:
-    """The example scripts' paths: the given checkpoint (tokenizer defaulting to its tokenizer.model, or to the one
-    a GGUF file embeds), or the demo."""
-    if ckpt_dir is None:
-        if tokenizer_path is not None:
-            raise ValueError("--tokenizer_path was given without --ckpt_dir: pass both, or neither for the demo")
-        if os.environ.get("RANK", "0") == "0":
-            print(DEMO_NOTE)
-        return ensure_demo_checkpoint()
-    if tokenizer_path is None and find_gguf(ckpt_dir) is not None:
-        return str(ckpt_dir), None  # a GGUF file carries its tokenizer
-    return str(ckpt_dir), str(tokenizer_path or Path(ckpt_dir) / "tokenizer.model")
-
-
-def build_for_example(ckpt_dir: Optional[str], tokenizer_path: Optional[str], **build_options):
-    """What both example scripts do first: silence ranks other than 0 under torchrun, fall back to the demo
-    checkpoint, and build the generator."""
-    import sys
-
-    from .generation import Llama
-
-    if os.environ.get("RANK", "0") != "0":
-        sys.stdout = open(os.devnull, "w")
-    ckpt_dir, tokenizer_path = resolve_checkpoint(ckpt_dir, tokenizer_path)
-    return Llama.build(ckpt_dir=ckpt_dir, tokenizer_path=tokenizer_path, **build_options)

@@ -7,6 +7,7 @@ interleaved rotary order already (it undoes Hugging Face's permutation), so they
 """
 
 import json
+import math
 import tempfile
 from pathlib import Path
 from typing import Dict, Optional, Tuple
@@ -103,16 +104,24 @@ def read_state_dict(reader, path: Path, dtype: torch.dtype = torch.float32) -> D
         if kind not in SUPPORTED:
             raise ValueError(f"{path}: tensor {t.name} has type {kind}, which is not supported "
                              f"(supported: {', '.join(SUPPORTED)})")
-        try:
-            values = dequantize(t.data, t.tensor_type)
-        except (ValueError, IndexError) as e:
-            raise ValueError(f"{path}: tensor {t.name} ({kind}) cannot be read (truncated or corrupt?): {e}") from None
         shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists the fastest dimension first
-        values = np.ascontiguousarray(values)
-        if not values.flags.writeable:  # F32 data is a read-only view of the memory-mapped file
-            values = values.copy()
-        state[meta_name(t.name, path)] = torch.from_numpy(values).reshape(shape).to(dtype)
+        try:
+            values = dequantize_tensor(t.data, kind, dtype)
+        except (ValueError, IndexError, RuntimeError) as e:
+            raise ValueError(f"{path}: tensor {t.name} ({kind}) cannot be read (truncated or corrupt?): {e}") from None
+        if values.numel() != math.prod(shape):
+            raise ValueError(f"{path}: tensor {t.name} ({kind}) holds {values.numel()} values, not {shape}: "
+                             "the file is truncated or corrupt")
+        state[meta_name(t.name, path)] = values.reshape(shape)
     return state
+
+
+def dequantize_tensor(data: np.ndarray, kind: str, dtype: torch.dtype) -> torch.Tensor:
+    """A GGUF tensor's values as a flat torch tensor of dtype, decoded by the gguf package."""
+    values = np.ascontiguousarray(dequantize(data, gguf.GGMLQuantizationType[kind]))
+    if not values.flags.writeable:  # F32 data is a read-only view of the memory-mapped file
+        values = values.copy()
+    return torch.from_numpy(values).reshape(-1).to(dtype)
 
 
 def load(path, dtype: torch.dtype = torch.float32) -> Tuple[dict, Dict[str, torch.Tensor], object]:

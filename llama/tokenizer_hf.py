@@ -1,5 +1,6 @@
-"""Byte-level BPE tokenizers as Hugging Face builds them (the `tokenizers` package), from a GGUF file's embedded
-vocabulary and merges (GPT-2 style, as SmolLM, Llama 3 on Hugging Face, Qwen...) or from a tokenizer.json.
+"""Tokenizers as Hugging Face builds them (the `tokenizers` package): from a GGUF file's embedded vocabulary —
+byte-level BPE with merges ('gpt2': SmolLM, Llama 3 on Hugging Face, Qwen...) or a sentencepiece vocabulary with
+scores ('llama': Llama 2, TinyLlama, Mistral...) — or from a tokenizer.json.
 
 Control tokens of the vocabulary become special tokens, so a chat template's `<|im_start|>` text encodes to its id.
 The file's add-BOS rule is kept: `encode(s, bos=True)` adds BOS only where the model was trained with one.
@@ -9,11 +10,12 @@ import json
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from .tokenizer_llama3 import STOP_REASONS
 
-CONTROL = 3  # llama.cpp's token type for control (special) tokens
+CONTROL, UNKNOWN = 3, 2  # llama.cpp's token types for control (special) and unknown tokens
+SPACE = "\u2581"  # sentencepiece's visible space
 
 
 class HFTokenizer:
@@ -47,27 +49,63 @@ class HFTokenizer:
 
 
 def from_gguf(reader, path: Path) -> HFTokenizer:
-    """The tokenizer embedded in a GGUF file (tokenizer.ggml.model 'gpt2': byte-level BPE with merges)."""
+    """The tokenizer embedded in a GGUF file, with its BOS/EOS, add-BOS rule and chat template."""
     f = reader.fields
     kind = f["tokenizer.ggml.model"].contents() if "tokenizer.ggml.model" in f else None
-    if kind != "gpt2":
-        raise ValueError(f"{path}: embedded tokenizer model {kind!r} is not supported yet (only 'gpt2', byte-level "
-                         "BPE): pass tokenizer_path")
+    if kind not in ("gpt2", "llama"):
+        raise ValueError(f"{path}: embedded tokenizer model {kind!r} is not supported (only 'gpt2', byte-level BPE, "
+                         "and 'llama', sentencepiece): pass tokenizer_path")
     tokens = f["tokenizer.ggml.tokens"].contents()
-    merges = [tuple(m.split(" ", 1)) for m in f["tokenizer.ggml.merges"].contents()]
     types = f["tokenizer.ggml.token_type"].contents() if "tokenizer.ggml.token_type" in f else [1] * len(tokens)
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False,
-                               byte_fallback=False))
+    get = lambda key, default: f[key].contents() if key in f else default  # noqa: E731
+    if kind == "gpt2":
+        tok = _byte_level_bpe(tokens, get("tokenizer.ggml.merges", []))
+        add_bos_default = False
+    else:
+        if "tokenizer.ggml.scores" not in f:
+            raise ValueError(f"{path}: a 'llama' vocabulary needs tokenizer.ggml.scores, which the file lacks")
+        tok = _sentencepiece_bpe(tokens, f["tokenizer.ggml.scores"].contents(), types,
+                                 get("tokenizer.ggml.unknown_token_id", None))
+        add_bos_default = True  # sentencepiece models add BOS unless the file says otherwise
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty == CONTROL])
+    return HFTokenizer(tok, int(get("tokenizer.ggml.bos_token_id", 1)), int(get("tokenizer.ggml.eos_token_id", 2)),
+                       bool(get("tokenizer.ggml.add_bos_token", add_bos_default)),
+                       get("tokenizer.chat_template", None), str(path))
+
+
+def _byte_level_bpe(tokens: List[str], merges: List[str]) -> Tokenizer:
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
+                               merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False, byte_fallback=False))
     # GPT-2's byte-level split with digits kept apart, as SmolLM's and Llama 3's pre-tokenizers do.
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, ty in zip(tokens, types) if ty == CONTROL])
-    get = lambda key, default: f[key].contents() if key in f else default  # noqa: E731
-    return HFTokenizer(tok, int(get("tokenizer.ggml.bos_token_id", 1)), int(get("tokenizer.ggml.eos_token_id", 2)),
-                       bool(get("tokenizer.ggml.add_bos_token", False)), get("tokenizer.chat_template", None),
-                       str(path))
+    return tok
+
+
+def _sentencepiece_bpe(tokens: List[str], scores: List[float], types: List[int], unk_id: Optional[int]) -> Tokenizer:
+    """A sentencepiece BPE vocabulary as Hugging Face's Llama converter builds it: merges ranked by the merged
+    piece's score, byte fallback for characters outside the vocabulary, a dummy-prefix space."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    score = dict(zip(tokens, scores))
+    merges = []
+    for piece, i in vocab.items():
+        if types[i] != 1:  # only normal pieces are merge results; bytes, controls and unknown are not
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                merges.append((-score[piece], vocab[left], vocab[right], left, right))
+    merges.sort()
+    if unk_id is None:
+        unk_id = next((i for i, ty in enumerate(types) if ty == UNKNOWN), None)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[(m[3], m[4]) for m in merges], fuse_unk=True, byte_fallback=True,
+                               unk_token=tokens[unk_id] if unk_id is not None else None))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), normalizers.Replace(" ", SPACE)])
+    tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return tok
 
 
 def from_tokenizer_json(path) -> HFTokenizer:

@@ -62,3 +62,58 @@ def meta_to_hf(meta, n_layers, n_heads, n_kv_heads, tied=False):
         for name, hf_name in HF_LAYER_NAMES.items():
             hf[p + hf_name] = meta[m + name]
     return hf
+
+
+GGUF_NAMES = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
+              "output.weight": "output.weight", "attention.wq.weight": "attn_q.weight",
+              "attention.wk.weight": "attn_k.weight", "attention.wv.weight": "attn_v.weight",
+              "attention.wo.weight": "attn_output.weight", "feed_forward.w1.weight": "ffn_gate.weight",
+              "feed_forward.w2.weight": "ffn_down.weight", "feed_forward.w3.weight": "ffn_up.weight",
+              "attention_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_norm.weight"}
+
+
+def write_meta_gguf(path, state, params, sp_model_path, quant=None, vocab_only=False):
+    """A GGUF file as llama.cpp's converter writes a Meta checkpoint: Meta's q/k row order, a sentencepiece
+    ('llama') vocabulary with scores and token types, 2-D weights optionally quantized (e.g. "Q8_0") where their
+    rows split into whole blocks, the others F32 (as llama.cpp falls back)."""
+    import gguf
+    import numpy as np
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(sp_model_path))
+    w = gguf.GGUFWriter(str(path), "llama")
+    if not vocab_only:
+        dim, heads = params["dim"], params["n_heads"]
+        w.add_context_length(2048)
+        w.add_embedding_length(dim)
+        w.add_block_count(params["n_layers"])
+        w.add_feed_forward_length(state["layers.0.feed_forward.w1.weight"].shape[0])
+        w.add_head_count(heads)
+        w.add_head_count_kv(params.get("n_kv_heads", heads))
+        w.add_layer_norm_rms_eps(params["norm_eps"])
+        w.add_rope_freq_base(params.get("rope_theta", 10000.0))
+        w.add_rope_dimension_count(dim // heads)
+    n = sp.vocab_size()
+    w.add_tokenizer_model("llama")
+    w.add_token_list([sp.id_to_piece(i) for i in range(n)])
+    w.add_token_scores([sp.get_score(i) for i in range(n)])
+    w.add_token_types([3 if sp.is_control(i) else 2 if sp.is_unknown(i) else 6 if sp.is_byte(i) else 1
+                       for i in range(n)])
+    w.add_bos_token_id(sp.bos_id())
+    w.add_eos_token_id(sp.eos_id())
+    w.add_unk_token_id(sp.unk_id())
+    for name, t in ({} if vocab_only else state).items():
+        parts = name.split(".")
+        gname = (GGUF_NAMES[name] if parts[0] != "layers"
+                 else f"blk.{parts[1]}.{GGUF_NAMES['.'.join(parts[2:])]}")
+        values = t.float().numpy()
+        qtype = gguf.GGMLQuantizationType[quant] if quant is not None else None
+        if qtype is not None and values.ndim == 2 and values.shape[1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
+            w.add_tensor(gname, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, np.ascontiguousarray(values, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -1,4 +1,5 @@
-"""The example scripts run as plain python and under torchrun, on the shared model and on the demo checkpoint."""
+"""The example scripts run as plain python and under torchrun, on the shared model and on the demo checkpoint.
+(The default model they fetch is tested in test_fetch.py.)"""
 
 import os
 import subprocess
@@ -9,8 +10,8 @@ import pytest
 from conftest import REPO, rank_env
 
 
-def run(args, tmp_path):
-    env = rank_env(1, LLAMA_CACHE=str(tmp_path / "cache"))
+def run(args, tmp_path, **env_extra):
+    env = rank_env(1, LLAMA_CACHE=str(tmp_path / "cache"), **env_extra)
     proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
@@ -36,11 +37,26 @@ def test_chat_example_on_stories(launcher, stories_dir, tmp_path):
 
 
 def test_examples_on_demo_checkpoint_with_streaming(tmp_path):
-    out = run([sys.executable, "example_text_completion.py", "--max_gen_len", "8", "--stream"], tmp_path)
-    assert "random weights, so its text is meaningless" in out and "README.md" in out
+    out = run([sys.executable, "example_text_completion.py", "--max_gen_len", "8", "--stream"], tmp_path,
+              LLAMA_OFFLINE="1")
+    assert "LLAMA_OFFLINE is set" in out and "random weights, so its text is meaningless" in out
     assert (tmp_path / "cache" / "demo" / "checklist.chk").is_file()  # built once, cached
-    out = run(TORCHRUN + ["example_chat_completion.py", "--max_gen_len", "8"], tmp_path)
+    assert not (tmp_path / "cache" / "smollm2-135m-instruct").exists()  # nothing fetched
+    out = run(TORCHRUN + ["example_chat_completion.py", "--max_gen_len", "8"], tmp_path, LLAMA_OFFLINE="1")
     assert out.count("> Assistant:") == 6
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["batch", "stream"])
+def test_items_that_do_not_fit_are_reported_and_the_others_run(stories_dir, tmp_path, stream):
+    out = run([sys.executable, "example_chat_completion.py", "--ckpt_dir", str(stories_dir), "--max_seq_len", "500",
+               "--max_gen_len", "8", "--temperature", "0"] + (["--stream"] if stream else []), tmp_path)
+    skipped = [line for line in out.splitlines() if "(not run: " in line]
+    assert len(skipped) == 1, out  # the long Paris dialog (589 tokens with stories260K's 512-piece vocabulary)
+    assert "dialog 1 has 589 tokens, which does not fit max_seq_len=500" in skipped[0]
+    assert out.count("> Assistant:") == 6 and "Error: special tags are not allowed" in out
+    out = run([sys.executable, "example_text_completion.py", "--ckpt_dir", str(stories_dir), "--max_seq_len", "40",
+               "--max_gen_len", "4"] + (["--stream"] if stream else []), tmp_path)
+    assert out.count("(not run: prompt ") == 2 and "prompt 3 has 94 tokens" in out and out.count("==================================") == 4, out
 
 
 def test_streamed_example_matches_batch_output(stories_dir, tmp_path):

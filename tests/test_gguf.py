@@ -173,3 +173,61 @@ def test_gguf_under_model_parallel_gives_the_goldens(golden, tmp_path):
     want = [g["generated_tokens"][:16] for g in golden["prompts"].values()]
     for rank in range(3):
         assert json.loads((tmp_path / f"out.{rank}.json").read_text()) == want
+
+
+# ------------------------------------------------------------------------------------------------- 'llama' vocabularies
+TEXTS = ["Hello world", " leading space", "two  spaces and\ttab\nnewline", "日本語のテキスト 🦙 émoji",
+         "1234567 numbers 3.14", "", "a\n\n\nb", "Once upon a time, there was a little girl named Lily.",
+         "ünïcödé ßtraße", "[INST] hi [/INST]", "def f(x):\n    return x ** 2  # comment"]
+
+
+def test_a_gguf_sentencepiece_vocabulary_encodes_and_decodes_like_sentencepiece(llama2_tokenizer_path, tmp_path):
+    """A 'llama' GGUF vocabulary (tokens, scores, types: what llama.cpp stores for Llama 2) rebuilt with the
+    tokenizers package gives Meta's sentencepiece ids and text on the real Llama 2 tokenizer."""
+    import sentencepiece as spm
+
+    from helpers import write_meta_gguf
+    from llama import gguf_checkpoint, tokenizer_hf
+
+    model = llama2_tokenizer_path
+    path = write_meta_gguf(tmp_path / "vocab.gguf", {}, {}, model, vocab_only=True)
+    tok = tokenizer_hf.from_gguf(gguf_checkpoint.open_reader(path), path)
+    sp = spm.SentencePieceProcessor(model_file=str(model))
+    assert (tok.n_words, tok.bos_id, tok.eos_id, tok.add_bos) == (32000, 1, 2, True)
+    for text in TEXTS:
+        ids = sp.encode(text)
+        assert tok.encode(text, bos=True, eos=True) == [1] + ids + [2], text
+        assert tok.decode(ids) == sp.decode(ids), text
+
+
+def test_stories260k_written_as_gguf_gives_the_goldens_in_f32_and_close_in_q8_0(goldens, tmp_path):
+    """A Meta checkpoint written as llama.cpp writes it (Meta's q/k order, 'llama' vocabulary) loads to the
+    reference greedy ids and logits; with Q8_0 matrices, teacher-forced argmaxes still agree almost everywhere."""
+    import torch
+
+    from conftest import STORIES
+    from helpers import ONCE, write_meta_gguf
+
+    golden_stories = goldens
+    state = torch.load(need(STORIES / "consolidated.00.pth"), map_location="cpu")
+    params = json.loads((STORIES / "params.json").read_text())
+    meta = Llama.build(str(STORIES), str(STORIES / "tokenizer.model"), max_seq_len=256, max_batch_size=2,
+                       compile=False)
+    f32 = write_meta_gguf(tmp_path / "f32.gguf", state, params, STORIES / "tokenizer.model")
+    gen = Llama.build(str(f32), None, max_seq_len=256, max_batch_size=2, compile=False)
+    for prompt, g in golden_stories.items():
+        assert gen.tokenizer.encode(prompt, bos=True, eos=False) == g["prompt_tokens"]
+        out = gen.text_completion([prompt], temperature=0, max_gen_len=len(g["generated_tokens"]))
+        assert out[0]["generation"] == g["generation_text"]
+    g = golden_stories[ONCE]
+    seq = [g["prompt_tokens"] + g["generated_tokens"]]
+    with meta.cache.hold(), gen.cache.hold():
+        ref, ours = meta.runner.logits(seq)[0], gen.runner.logits(seq)[0]
+    assert torch.allclose(ours, ref, atol=1e-4, rtol=0), (ours - ref).abs().max()
+    q8 = write_meta_gguf(tmp_path / "q8.gguf", state, params, STORIES / "tokenizer.model", quant="Q8_0")
+    gen8 = Llama.build(str(q8), None, max_seq_len=256, max_batch_size=2, compile=False)
+    with gen8.cache.hold():
+        low = gen8.runner.logits(seq)[0]
+    agree = (low.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    assert agree >= 0.95 and (low - ref).abs().max() < 0.5, (agree, (low - ref).abs().max())
+
