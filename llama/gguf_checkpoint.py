@@ -8,6 +8,7 @@ interleaved rotary order already (it undoes Hugging Face's permutation), so they
 
 import json
 import math
+import mmap
 import tempfile
 from pathlib import Path
 from typing import Dict, Optional, Tuple
@@ -97,14 +98,19 @@ def meta_name(name: str, path: Path) -> str:
 
 def read_state_dict(reader, path: Path, dtype: torch.dtype = torch.float32) -> Dict[str, torch.Tensor]:
     """Every tensor, Meta-named, dequantized or cast to dtype (a missing output.weight means tied embeddings)."""
-    state = {}
     big = sum(int(t.n_bytes) for t in reader.tensors) > 1 << 30
-    for t in tqdm(reader.tensors, desc=f"reading {path.name}", unit="tensor", disable=not big):
+    return read_tensors(tqdm(reader.tensors, desc=f"reading {path.name}", unit="tensor", disable=not big), path, dtype)
+
+
+def read_tensors(tensors, path: Path, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
+    """These reader tensors, Meta-named, dequantized or cast to dtype."""
+    state = {}
+    for t in tensors:
         kind = t.tensor_type.name
         if kind not in SUPPORTED:
             raise ValueError(f"{path}: tensor {t.name} has type {kind}, which is not supported "
                              f"(supported: {', '.join(SUPPORTED)})")
-        shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists the fastest dimension first
+        shape = tensor_shape(t)
         try:
             values = dequantize_tensor(t.data, kind, dtype)
         except (ValueError, IndexError, RuntimeError) as e:
@@ -116,12 +122,54 @@ def read_state_dict(reader, path: Path, dtype: torch.dtype = torch.float32) -> D
     return state
 
 
-def dequantize_tensor(data: np.ndarray, kind: str, dtype: torch.dtype) -> torch.Tensor:
-    """A GGUF tensor's values as a flat torch tensor of dtype, decoded by the gguf package."""
-    values = np.ascontiguousarray(dequantize(data, gguf.GGMLQuantizationType[kind]))
-    if not values.flags.writeable:  # F32 data is a read-only view of the memory-mapped file
-        values = values.copy()
-    return torch.from_numpy(values).reshape(-1).to(dtype)
+def tensor_shape(t) -> Tuple[int, ...]:
+    return tuple(int(n) for n in reversed(t.shape))  # GGUF lists the fastest dimension first
+
+
+def release(reader, tensors) -> None:
+    """Drop these tensors' file pages from this process's resident set once they are read (they stay in the page
+    cache and fault back in if touched): loading layer by layer then never holds the whole file too."""
+    mm = getattr(reader.data, "_mmap", None)  # numpy.memmap's mmap object
+    if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    for t in tensors:
+        start = int(t.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
+        end = min(int(t.data_offset) + int(t.n_bytes), len(mm))
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+        except (OSError, ValueError):
+            return
+
+
+def layer_groups(reader, path: Path) -> Tuple[list, Dict[int, list], Dict[str, Tuple[int, ...]]]:
+    """(global tensors, {layer: its tensors}, every Meta name -> shape): what a layer-by-layer load reads, and the
+    shapes to check before reading anything."""
+    globals_, layers, shapes = [], {}, {}
+    for t in reader.tensors:
+        name = meta_name(t.name, path)
+        shapes[name] = tensor_shape(t)
+        if name.startswith("layers."):
+            layers.setdefault(int(name.split(".")[1]), []).append(t)
+        else:
+            globals_.append(t)
+    return globals_, layers, shapes
+
+
+def dequantize_tensor(data: np.ndarray, kind: str, dtype: torch.dtype, chunk: int = 1 << 20) -> torch.Tensor:
+    """A GGUF tensor's values as a flat torch tensor of dtype, decoded by the gguf package a few rows at a time,
+    so the float32 it decodes to never exists for a whole large matrix at once."""
+    qtype = gguf.GGMLQuantizationType[kind]
+    rows = data.reshape(-1, data.shape[-1]) if data.ndim > 1 else data.reshape(1, -1)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    per_row = rows.shape[1] * rows.itemsize // type_size * block_size
+    step = max(1, chunk // max(per_row, 1))
+    out = torch.empty(rows.shape[0] * per_row, dtype=dtype)
+    for start in range(0, rows.shape[0], step):
+        values = np.ascontiguousarray(dequantize(rows[start : start + step], qtype))
+        if not values.flags.writeable:  # F32 data is a read-only view of the memory-mapped file
+            values = values.copy()
+        out[start * per_row : start * per_row + values.size] = torch.from_numpy(values).reshape(-1)
+    return out
 
 
 def load(path, dtype: torch.dtype = torch.float32) -> Tuple[dict, Dict[str, torch.Tensor], object]:

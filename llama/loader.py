@@ -4,16 +4,19 @@ Works in plain python and under torchrun, on CPU or CUDA: the device and the pro
 at run time (llama/parallel.py).
 """
 
+import ctypes
 import time
+from contextlib import contextmanager
 from typing import Optional, Tuple, Union
 
 import torch
+from tqdm import tqdm
 
 from . import checkpoint, parallel
 from . import compile as compilation
 from . import quantize as quantization
 from . import gguf_checkpoint, tokenizer_hf
-from .model import ModelArgs, Transformer, check_model_parallel
+from .model import Fusable, ModelArgs, Transformer, check_model_parallel
 from .params import positive_int
 from .tokenizer import load_tokenizer
 
@@ -29,17 +32,71 @@ def check_options(max_seq_len, max_batch_size, seed, compile, quantize) -> None:
         raise ValueError(f"compile must be a bool, None or one of {compilation.MODES}, got {compile!r}")
 
 
-def gguf_state(reader, path, args: ModelArgs, rank: int, world_size: int, dtype) -> dict:
-    """This rank's slice of a GGUF file's weights, dequantized straight to dtype (a missing output.weight is the
-    embedding: shared at world size 1, cut along the vocabulary above)."""
+@contextmanager
+def freed_memory_returned():
+    """glibc keeps freed blocks under its adaptive mmap threshold (which grows to 32 MB) in the heap, where
+    tensors allocated later pin them: a layer-by-layer load would keep every layer's temporaries resident. While
+    loading, blocks of 1 MB and up get their own mappings, returned to the OS when freed; afterwards the thresholds
+    glibc would have grown to are set (32 MB, trim at 64 MB). Elsewhere than glibc, nothing changes."""
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        yield
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    mallopt(m_mmap_threshold, 1 << 20)
+    try:
+        yield
+    finally:
+        mallopt(m_mmap_threshold, 32 << 20)
+        mallopt(m_trim_threshold, 64 << 20)
+
+
+def prepare(module: torch.nn.Module, device, dtype, quantize: Optional[str]) -> None:
+    """Move, fuse, quantize and cast a module in place: the whole model, or one layer as soon as it is loaded."""
+    module.to(device=device)
+    for m in module.modules():
+        if isinstance(m, Fusable):
+            m.fuse()
+    if quantize is not None:  # from the checkpoint's dtype: no full-size fp32 copy on the way
+        quantization.quantize(module, quantize)
+    quantization.cast_floating(module, dtype)
+
+
+def gguf_model(reader, path, args: ModelArgs, rank: int, world_size: int, device, dtype,
+               quantize: Optional[str]) -> Transformer:
+    """This rank's model from a GGUF file, layer by layer: each layer is dequantized to dtype, sliced, moved,
+    fused and quantized, and its file pages released, before the next is read, so a quantized load never holds
+    the whole model in full precision, nor the file beside the model. A missing output.weight is the embedding: shared at world size 1, cut along the vocabulary above."""
     check_model_parallel(args, world_size)
-    full = gguf_checkpoint.read_state_dict(reader, path, dtype)
-    checkpoint.check_shapes({k: tuple(v.shape) for k, v in full.items()}, args, str(path))
+    globals_, layers, shapes = gguf_checkpoint.layer_groups(reader, path)
+    checkpoint.check_shapes(shapes, args, str(path))  # before any weight is dequantized
+    with torch.device("meta"):
+        model = Transformer(args)
+    full = gguf_checkpoint.read_tensors(globals_, path, dtype)
     state = {name: checkpoint.split_tensor(name, t, rank, world_size) for name, t in full.items()}
     if "output.weight" not in state:
         state["output.weight"] = (state["tok_embeddings.weight"] if world_size == 1 else
-                                  checkpoint.split_tensor("output.weight", full["tok_embeddings.weight"], rank, world_size))
-    return state
+                                  checkpoint.split_tensor("output.weight", full["tok_embeddings.weight"], rank,
+                                                          world_size))
+    del full
+    gguf_checkpoint.release(reader, globals_)
+    model.load_state_dict(state, strict=False, assign=True)
+    if "output.weight" not in shapes and world_size == 1:  # one Parameter, so .to() keeps one copy
+        model.output.weight = model.tok_embeddings.weight
+    prepare(model.output, device, dtype, quantize)  # quantized now, not held in full precision meanwhile
+    big = sum(int(t.n_bytes) for t in reader.tensors) > 1 << 30
+    for i in tqdm(range(args.n_layers), desc=f"loading {path.name}", unit="layer", disable=not big):
+        prefix = f"layers.{i}."
+        layer = {name[len(prefix):]: checkpoint.split_tensor(name, t, rank, world_size)
+                 for name, t in gguf_checkpoint.read_tensors(layers[i], path, dtype).items()}
+        try:
+            model.layers[i].load_state_dict(layer, strict=True, assign=True)
+        except RuntimeError as e:
+            raise ValueError(f"{path}: layer {i} does not match the metadata: {e}") from None
+        prepare(model.layers[i], device, dtype, quantize)
+        gguf_checkpoint.release(reader, layers[i])
+    return model
 
 
 def load(
@@ -98,24 +155,23 @@ def load(
     if verify and gguf_path is None:
         checkpoint.verify_checklist(ckpt_dir)
     if gguf_path is not None:
-        state = gguf_state(reader, gguf_path, args, parallel.model_parallel_rank(), mp_size, dtype)
+        with freed_memory_returned():
+            model = gguf_model(reader, gguf_path, args, parallel.model_parallel_rank(), mp_size, device, dtype,
+                               quantize)
     else:
         state = checkpoint.load_state_dict(ckpt_dir, args, parallel.model_parallel_rank(), mp_size)
-    with torch.device("meta"):
-        model = Transformer(args)
-    try:
-        model.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as e:
-        raise ValueError(f"checkpoint in {ckpt_dir} does not match its params.json: {e}") from None
-    del state  # the model owns the tensors now: lets casting and fusing free the originals
+        with torch.device("meta"):
+            model = Transformer(args)
+        try:
+            model.load_state_dict(state, strict=True, assign=True)
+        except RuntimeError as e:
+            raise ValueError(f"checkpoint in {ckpt_dir} does not match its params.json: {e}") from None
+        del state  # the model owns the tensors now: lets casting and fusing free the originals
     tied = model.output.weight.data_ptr() == model.tok_embeddings.weight.data_ptr()  # no output.weight in the files
     if tied:  # one Parameter for both, so moving to the device makes one copy, not two
         model.output.weight = model.tok_embeddings.weight
-    model.to(device=device).eval()
-    model.fuse()
-    if quantize is not None:  # from the checkpoint's dtype: no full-size fp32 copy on the way
-        quantization.quantize(model, quantize)
-    quantization.cast_floating(model, dtype)
+    model.eval()
+    prepare(model, device, dtype, quantize)  # what layer-by-layer loading has not done yet
     if tied and model.output.scales is None:  # casting copied each: share the embedding again
         model.output.weight = model.tok_embeddings.weight
     compiled = compilation.compile_decode(model, compile)

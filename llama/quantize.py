@@ -28,15 +28,21 @@ from torch import nn
 SCHEMES = ("int8", "int8-dynamic")
 
 
-def quantize_weight(weight: torch.Tensor, scale_dtype: torch.dtype = torch.bfloat16) -> Tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight(weight: torch.Tensor, scale_dtype: torch.dtype = torch.bfloat16,
+                    chunk_rows: int = 1024) -> Tuple[torch.Tensor, torch.Tensor]:
     """(out, in) float weight -> (int8 weight, scales of shape (out,)) with weight ~= q * scales[:, None].
 
     The scale is rounded to scale_dtype before dividing, so the int8 values fit the scale actually applied.
+    Rows are done chunk_rows at a time, so the fp32 temporaries stay small next to a large (output) matrix.
     """
-    w = weight.float()
-    amax = w.abs().amax(dim=1)
-    scales = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax)).to(scale_dtype)
-    q = torch.round(w / scales.float()[:, None]).clamp_(-128, 127).to(torch.int8)
+    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scales = torch.empty(weight.shape[0], dtype=scale_dtype, device=weight.device)
+    for start in range(0, weight.shape[0], chunk_rows):
+        w = weight[start : start + chunk_rows].float()
+        amax = w.abs().amax(dim=1)
+        s = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax)).to(scale_dtype)
+        q[start : start + chunk_rows] = torch.round(w / s.float()[:, None]).clamp_(-128, 127)
+        scales[start : start + chunk_rows] = s
     return q, scales
 
 
@@ -144,9 +150,10 @@ def quantize_int8_dynamic(model: nn.Module) -> nn.Module:
 
     The prepacked copy replaces the weight (weight becomes None), so the model holds each weight once.
     """
-    if model.norm.weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        raise ValueError(f"quantize='int8-dynamic' needs a CPU with oneDNN (the model is on "
-                         f"{model.norm.weight.device}): use quantize='int8' there")
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        raise ValueError(f"quantize='int8-dynamic' needs a CPU with oneDNN (the model is on {device}): use "
+                         "quantize='int8' there")
     for module in linear_layers(model):
         if module.scales is None:
             q, scales = quantize_weight(module.weight, torch.float32)

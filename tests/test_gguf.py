@@ -132,13 +132,13 @@ def test_world_size_2_is_refused_clearly_for_9_heads(tmp_path):
     """SmolLM2 has 9 query and 3 key/value heads: no model-parallel size but 1 and 3 divides them, and the
     refusal says so before any weight is dequantized."""
     from llama import gguf_checkpoint
-    from llama.loader import gguf_state
+    from llama.loader import gguf_model
     from llama.model import ModelArgs
 
     reader = gguf_checkpoint.open_reader(need(GGUF))
     args = ModelArgs.from_params(gguf_checkpoint.read_params(reader, GGUF))
     with pytest.raises(ValueError, match=r"model parallel size 2 does not divide n_heads \(9\)"):
-        gguf_state(reader, GGUF, args, 0, 2, None)
+        gguf_model(reader, GGUF, args, 0, 2, "cpu", None, None)
 
 
 MP_SCRIPT = """
@@ -231,3 +231,59 @@ def test_stories260k_written_as_gguf_gives_the_goldens_in_f32_and_close_in_q8_0(
     agree = (low.argmax(-1) == ref.argmax(-1)).float().mean().item()
     assert agree >= 0.95 and (low - ref).abs().max() < 0.5, (agree, (low - ref).abs().max())
 
+
+
+# ------------------------------------------------------------------------------------------------- quantized loading
+def test_int8_load_streams_layer_by_layer_to_the_same_weights_as_quantizing_after(smol, golden):
+    """quantize="int8" quantizes each layer as it is read: the weights equal quantizing the bf16 model after a
+    full load, and greedy decoding stays on the fp32 golden for most tokens."""
+    import torch
+
+    from llama import quantize as quantization
+
+    q = Llama.build(str(GGUF), None, max_seq_len=256, max_batch_size=1, compile=False, quantize="int8")
+    ref = Llama.build(str(GGUF), None, max_seq_len=256, max_batch_size=1, compile=False, dtype="bfloat16")
+    quantization.quantize(ref.model, "int8")
+    ours, theirs = dict(q.model.named_parameters()), dict(ref.model.named_parameters())
+    assert ours.keys() == theirs.keys() and any(p.dtype == torch.int8 for p in ours.values())
+    for name, p in ours.items():
+        assert p.dtype == theirs[name].dtype and torch.equal(p, theirs[name]), name
+    g = golden["prompts"]["Once upon a time"]
+    ids = q.generate([g["prompt_tokens"]], max_gen_len=16, temperature=0)[0][0]
+    assert sum(a == b for a, b in zip(ids, g["generated_tokens"])) >= 8, ids
+
+
+PEAK_PROBE = """
+import json, sys
+from llama import Llama
+hwm = lambda: int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1]) * 1024
+base = hwm()
+g = Llama.build(sys.argv[1], None, max_seq_len=16, max_batch_size=1, compile=False, dtype="bfloat16",
+                quantize=None if sys.argv[2] == "none" else sys.argv[2])
+print(json.dumps({"peak": hwm() - base}))
+"""
+
+
+def test_a_quantized_load_of_a_q8_0_file_peaks_below_a_bf16_load(stories_dir, tmp_path):
+    """Reading layer by layer (file pages and temporaries released as it goes) keeps an int8 load's peak RSS well
+    under a bf16 load of the same file, by about the bytes int8 saves: a whole-model bf16 detour would put it
+    above. (A small vocabulary, so the layers are most of the model.)"""
+    import subprocess
+    import sys
+
+    from helpers import write_meta_gguf
+    from llama.demo import random_state_dict
+    from llama.model import ModelArgs
+
+    params = {"dim": 1024, "n_layers": 12, "n_heads": 16, "multiple_of": 256, "norm_eps": 1e-5, "vocab_size": 512}
+    state = random_state_dict(ModelArgs.from_params(params), seed=0)
+    bf16_bytes = 2 * sum(t.numel() for t in state.values())
+    path = write_meta_gguf(tmp_path / "q8.gguf", state, params, stories_dir / "tokenizer.model", quant="Q8_0")
+    del state
+    peaks = {}
+    for q in ("none", "int8"):
+        out = subprocess.run([sys.executable, "-c", PEAK_PROBE, str(path), q], capture_output=True, text=True,
+                             env=rank_env(1), cwd=REPO, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        peaks[q] = json.loads(out.stdout.strip().splitlines()[-1])["peak"]
+    assert peaks["int8"] < peaks["none"] - 0.25 * bf16_bytes, (peaks, bf16_bytes)
