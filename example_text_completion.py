@@ -24,9 +24,11 @@ def main(
     quantize: Optional[str] = None,
     compile: Union[bool, str] = "auto",
     dtype: Optional[str] = None,
+    pipeline_parallel_size: int = 1,
 ):
     generator = build_for_example(ckpt_dir, tokenizer_path, max_seq_len=max_seq_len, max_batch_size=max_batch_size,
-                                  verify=verify, quantize=quantize, compile=compile, dtype=dtype)
+                                  verify=verify, quantize=quantize, compile=compile, dtype=dtype,
+                                  pipeline_parallel_size=pipeline_parallel_size)
     prompts = [
         # For these prompts, the expected answer is the natural continuation of the prompt
         "I believe the meaning of life is",

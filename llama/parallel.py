@@ -108,7 +108,7 @@ def init_distributed(model_parallel_size: Optional[int] = None, device: Optional
             f"model_parallel_size must be a positive divisor of the world size {world_size}, got {model_parallel_size!r}"
         )
     if fs_init.model_parallel_is_initialized():
-        current = fs_init.get_model_parallel_world_size(), pipeline_parallel_size()
+        current = fs_init.get_model_parallel_world_size(), len(fs_init.get_pipeline_parallel_ranks())
         if current != (model_parallel_size, pp):
             raise ValueError(
                 f"model parallel is already initialised with (model, pipeline) sizes {current}, cannot switch to "
