@@ -134,7 +134,7 @@ class Engine:
                 if "cuda" in msg["stop"] and torch.cuda.is_available():
                     torch.cuda.set_rng_state(msg["stop"]["cuda"])
                 return
-            with self.llama.cache.lock:
+            with self.llama.cache.lock, self.core.runner.leader_samples():
                 self.core.runner.execute(msg["ops"])
 
     # ------------------------------------------------------------------------------------------------ internals
@@ -164,7 +164,7 @@ class Engine:
             if idle:
                 self._broadcast({"ops": []})
                 continue
-            with self.llama.cache.lock:
+            with self.llama.cache.lock, self.core.runner.leader_samples():
                 while True:
                     with self._cv:
                         self.scheduler.add(self._incoming)

@@ -8,11 +8,18 @@ a cache for the layers the model has).
 
 One forward pass (the decode core's, unchanged): every rank of the job runs the same op with the same arguments.
 Stage s receives the hidden states from stage s-1 (point-to-point), runs its layers, sends them to stage s+1;
-the last stage computes the logits and broadcasts them back over its pipeline group, so every rank returns the
-same logits as a single process and samples the same tokens (the way tensor-parallel ranks already sample in
-lockstep from all-gathered logits). With T > 1 each tensor-parallel rank sends only its 1/T slice of the hidden
-states (or logits) to its peer, and the receiving stage all-gathers the slices inside its node, so the bytes that
-cross between stages do not grow with T.
+the last stage computes the logits. Where they go next (`logits_to`):
+
+- "last" (the decode core's sampling passes in calls on Llama, which every rank runs): they stay on the last
+  stage, which samples and broadcasts only the tokens (with their log-probabilities, failures and, when unseeded
+  sampling drew from it, its RNG state) over its pipeline group (`share_samples`, called by the runner). Every
+  rank advances its requests with the same tokens, so the schedulers stay in lockstep, as under tensor parallel.
+- "all" (scoring, prefixes, prompt log-probabilities, and the engine, whose rank 0 samples): the last stage
+  broadcasts the logits over its pipeline group, so every rank returns the same logits as a single process.
+
+With T > 1 each tensor-parallel rank sends only its 1/T slice of the hidden states (or logits) to its peer, and
+the receiving stage all-gathers the slices inside its node, so the bytes that cross between stages do not grow
+with T.
 
 Why not torch.distributed.pipelining: it schedules training micro-batches through a stage's forward (and
 backward) with its own shape inference, and owns the loop that drives them. Inference here needs a persistent
@@ -21,9 +28,10 @@ batch that grows and shrinks), and the one decode core and scheduler to stay the
 sends inside the model's forward give exactly that, with shapes every rank already knows from the op.
 """
 
+import pickle
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -118,6 +126,7 @@ class PipelineTransformer(Transformer):
         # What this rank sent to other stages and how its time went: compute (own layers, embedding, output)
         # versus waiting for another stage. Read by benchmarks/bench_pipeline.py.
         self.traffic: Dict[str, float] = {"sent_bytes": 0, "messages": 0, "compute_s": 0.0, "wait_s": 0.0}
+        self.logits_to = "all"  # or "last": see the module docstring (the runner switches it)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos=0, rows: Optional[torch.Tensor] = None,
@@ -136,7 +145,10 @@ class PipelineTransformer(Transformer):
         self.traffic["compute_s"] += time.perf_counter() - tic
         if not self.stage.last:
             self._send(h, self.stage.ranks[self.stage.index + 1])
-        return self._share_logits(logits, (B, 1 if logit_index is not None else T, self.vocab_size), tokens.device)
+        shape = (B, 1 if logit_index is not None else T, self.vocab_size)
+        if self.logits_to == "last":  # only the last stage samples: the other ranks get a placeholder (no memory)
+            return logits if self.stage.last else torch.zeros((), device=tokens.device).expand(shape)
+        return self._share_logits(logits, shape, tokens.device)
 
     def decode_step(self, tokens, pos, rows=None):
         raise RuntimeError("pipeline stages decode eagerly: the compiled decode step is not available with "
@@ -187,6 +199,41 @@ class PipelineTransformer(Transformer):
         out = self._gather(part)
         self.traffic["wait_s"] += time.perf_counter() - tic
         return out
+
+
+    def share_samples(self, draw: Callable[[], tuple]) -> tuple:
+        """draw() on the last stage (its tokens, log-probabilities, failures...), broadcast over the pipeline group
+        as one small object; every rank returns the last stage's result. With unseeded sampling the last stage's
+        RNG advanced alone: its new state travels along, so every rank's RNG stays the single process's."""
+        device = self.norm.weight.device
+        if self.stage.last:
+            before = _rng_state(device)
+            result = draw()
+            after = _rng_state(device)
+            obj = [(result, None if torch.equal(before, after) else after)]  # most steps leave the RNG alone
+        else:
+            obj = [None]
+        tic = time.perf_counter()
+        dist.broadcast_object_list(obj, src=self.stage.ranks[-1], group=fs_init.get_pipeline_parallel_group())
+        self.traffic["wait_s"] += time.perf_counter() - tic
+        result, rng = obj[0]
+        if self.stage.last:
+            self.traffic["sent_bytes"] += len(pickle.dumps(obj[0])) * (self.stage.count - 1)
+            self.traffic["messages"] += self.stage.count - 1
+        elif rng is not None:
+            _set_rng_state(device, rng)
+        return result
+
+
+def _rng_state(device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_rng_state(device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
 
 
 # ---------------------------------------------------------------------------------------------------------- loading

@@ -39,6 +39,24 @@ def generations(g) -> dict:
     return {"sampled": sampled, "greedy": greedy}
 
 
+def extras(g) -> dict:
+    """Seeded, streamed, stopped and chat-session outputs (test_distributed's), a failing logits processor (it runs
+    on the last stage; its failure reaches every rank) and echoed prompt log-probabilities (logits to every rank)."""
+    from llama.request import BatchError
+    from test_distributed import mp_outputs
+
+    def broken(ids, logits):
+        raise RuntimeError("boom")
+
+    out = {"mp": mp_outputs(g)}
+    try:
+        g.text_completion([ONCE, "Lily"], temperature=0.0, max_gen_len=5, logits_processors=[[broken], []])
+    except BatchError as e:
+        out["failed"] = [e.predictions, sorted(e.errors), all("boom" in str(x) for x in e.errors.values())]
+    out["echo"] = g.text_completion(["Lily went"], temperature=0.0, max_gen_len=4, echo=True, logprobs=True)
+    return out
+
+
 def alone(g) -> list:
     return [g.text_completion([p], **params)[0] for p, params in ENGINE_REQUESTS]
 
@@ -65,6 +83,7 @@ def rank_main(argv) -> None:
                              "output": g.model.output is not None,
                              "cache_layers": len(g.cache.layers)}
     if mode == "engine":
+        result["extras"] = extras(g)
         result["alone"] = alone(g)
         engine = g.engine()
         if rank == 0:
@@ -126,7 +145,8 @@ def single():
     from llama.pipeline import weight_bytes
 
     g = build_stories(max_batch_size=MAX_BATCH, max_seq_len=MAX_SEQ_LEN)
-    return {**generations(g), "alone": alone(g), "weight_bytes": weight_bytes(g.model)}
+    out = {**generations(g), "extras": extras(g), "alone": alone(g), "weight_bytes": weight_bytes(g.model)}
+    return {**out, "unseeded": g.text_completion([ONCE], temperature=1.0, max_gen_len=20)}
 
 
 @pytest.fixture(scope="module")
@@ -179,12 +199,23 @@ def test_two_stages_golden_and_seeded_samples_from_one_and_two_shards(p2, single
     check_ranks(p2, single, goldens, 1, 2)
 
 
+def test_two_stages_streams_sessions_processor_failures_and_echo_match_one_process(p2, single):
+    for r in p2:
+        assert r["extras"]["mp"] == single["extras"]["mp"]
+        assert r["extras"]["failed"] == single["extras"]["failed"]
+        assert r["extras"]["failed"][0][0] is None and r["extras"]["failed"][2]  # the broken request alone failed
+        got, want = r["extras"]["echo"][0], single["extras"]["echo"][0]
+        assert got["tokens"] == want["tokens"] and got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5)
+
+
 def test_engine_under_two_stages_serves_concurrent_requests_as_each_alone(p2, single):
     r0, r1 = p2
     assert r0["peak_active"] == MAX_BATCH  # really concurrent: the slots were full at once
     assert r0["engine"] == r0["alone"] == single["alone"]
     assert r1["alone"] == r0["alone"]
-    assert r1["unseeded"] == r0["unseeded"]  # rank 0's RNG reached every rank on close
+    # The last stage's RNG drew the unseeded samples and reached rank 0 with them; rank 0's reached every rank
+    # when the engine closed: a later unseeded call still matches the single process.
+    assert r1["unseeded"] == r0["unseeded"] == single["unseeded"]
 
 
 def test_tp2_x_pp2_on_two_simulated_nodes(two_nodes, single, goldens):
