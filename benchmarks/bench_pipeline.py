@@ -8,7 +8,8 @@ steps), the bytes the ranks send per generated token, split into what stays insi
 all-reduces and all-gathers: inside one node in the recommended layout) and what crosses between stages (hidden
 states and the logits: the only traffic between nodes), and each rank's share of the step spent computing
 (pipeline stages: compute_s / wall; a stage idles while the others work, since the engine does not overlap
-micro-batches). It also checks that every layout decodes the same greedy tokens as one process.
+micro-batches). Bytes between stages are given for calls on Llama (the last stage shares sampled tokens) and, in
+parentheses, for the engine's path (its rank 0 samples, so the logits travel). It also checks that every layout decodes the same greedy tokens as one process.
 
 Bytes are counted where they are sent: point-to-point and broadcast payloads as sent by this rank (the pipeline's
 own counters), ring all-reduce as 2 (T-1)/T x the tensor, ring all-gather as (T-1) x the local slice (what NCCL's
@@ -18,6 +19,7 @@ times for real links.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -73,12 +75,12 @@ def worker(a) -> None:
     prompts = [[1] + torch.randint(3, llm.model.vocab_size, (a.prompt - 1,), generator=g).tolist()
                for _ in range(a.batch)]
 
-    def run(new):
+    def run(new, leader=False):
         params = SamplingParams(temperature=0.0, max_gen_len=new, logits_processors=[no_eos])
         reqs = llm.inputs.requests(prompts, [params] * len(prompts))
         traffic = getattr(llm.model, "traffic", {})
         before = dict(COUNTS), dict(traffic)
-        with llm.cache.hold():
+        with llm.cache.hold(), (llm.runner.leader_samples() if leader else contextlib.nullcontext()):
             stamps = step_times(llm.core.run(reqs))
         after = dict(COUNTS), dict(traffic)
         delta = {k: after[0][k] - before[0][k] for k in COUNTS}
@@ -88,12 +90,16 @@ def worker(a) -> None:
     run(4)  # warm-up
     stamps1, d1, _ = run(1)  # prefill (and the first token) only
     stampsN, dN, tokens = run(a.new + 1)  # the same prefill, then a.new decode steps
+    # The engine's path: its rank 0 samples, so the last stage sends it the logits instead of the tokens.
+    _, e1, _ = run(1, leader=True)
+    _, eN, _ = run(a.new + 1, leader=True)
     steps = [t1 - t0 for t0, t1 in zip(stampsN[1:], stampsN[2:])]
     decode_wall = stampsN[-1] - stampsN[1]
     per_token = {k: (dN[k] - d1[k]) / (a.new * a.batch) for k in dN}
     result = {
         "rank": dist.get_rank(), "step_ms": 1e3 * statistics.median(steps), "decode_wall_s": decode_wall,
         "tp_bytes_per_token": per_token.get("tp_bytes", 0), "pp_bytes_per_token": per_token.get("sent_bytes", 0),
+        "engine_pp_bytes_per_token": (eN.get("sent_bytes", 0) - e1.get("sent_bytes", 0)) / (a.new * a.batch),
         "pp_messages_per_step": (dN.get("messages", 0) - d1.get("messages", 0)) / a.new,
         # share of the decode steps' wall time this rank spent computing (run N minus run 1: the decode steps)
         "busy": ((dN["compute_s"] - d1["compute_s"]) / ((stampsN[-1] - stampsN[0]) - (stamps1[-1] - stamps1[0]))
@@ -148,7 +154,7 @@ def main() -> None:
         ckpt = random_checkpoint(tmp / "model", params, tokenizer=Path(a.tokenizer))
         reference = None
         print("| layout (T x P) | ranks | decode step ms | bytes/token inside stages | bytes/token between stages "
-              "| p2p msgs/step | weights/rank MB | busy per rank |")
+              "(engine) | p2p msgs/step | weights/rank MB | busy per rank |")
         print("|---|---|---|---|---|---|---|---|")
         for layout in a.layouts:
             tp, pp = map(int, layout.split("x"))
@@ -159,6 +165,7 @@ def main() -> None:
             print(f"| {tp} x {pp} | {tp * pp} | {max(r['step_ms'] for r in ranks):.1f} "
                   f"| {sum(r['tp_bytes_per_token'] for r in ranks):,.0f} "
                   f"| {sum(r['pp_bytes_per_token'] for r in ranks):,.0f} "
+                  f"({sum(r['engine_pp_bytes_per_token'] for r in ranks):,.0f}) "
                   f"| {sum(r['pp_messages_per_step'] for r in ranks):.0f} "
                   f"| {max(r['weight_bytes'] for r in ranks) / 1e6:.1f} | {busy} |", flush=True)
         print("# every layout decoded the same greedy tokens")
