@@ -73,7 +73,7 @@ def rank_main(argv) -> None:
     torch.set_num_threads(1)
     T, P, out, mode, *dirs = argv
     rank = int(os.environ["RANK"])
-    result = {"group_rank": int(os.environ.get("GROUP_RANK", 0)), "dirs": {}}
+    result = {"group_rank": int(os.environ.get("GROUP_RANK", 0)), "dirs": {}, "two": dirs[-1]}
     for d in dirs:
         g = Llama.build(d, str(STORIES / "tokenizer.model"), max_seq_len=MAX_SEQ_LEN, max_batch_size=MAX_BATCH,
                         model_parallel_size=int(T), pipeline_parallel_size=int(P), device="cpu", dtype="float32")
@@ -134,9 +134,19 @@ def checkpoints(tmp_path_factory):
         pytest.skip(f"stories260K or its goldens not found under {STORIES.parent.parent}")
     from llama.reshard import reshard
 
+    from llama.checkpoint import save_checkpoint
+    from llama.demo import random_state_dict
+    from llama.model import ModelArgs
+
     tmp = tmp_path_factory.mktemp("pipeline")
     reshard(STORIES, tmp / "two", 2)
-    return tmp, [STORIES, tmp / "two"]
+    # Llama 3.2-style tied embeddings, 2 shards: stage 0 gets the table as its embedding, the last stage as its output
+    params = {"dim": 64, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4, "vocab_size": 512, "multiple_of": 32,
+              "norm_eps": 1e-5}
+    state = random_state_dict(ModelArgs.from_params(params), seed=3)
+    del state["output.weight"]
+    save_checkpoint(state, params, tmp / "tied", shards=2)
+    return tmp, [STORIES, tmp / "two"], tmp / "tied"
 
 
 @pytest.fixture(scope="module")
@@ -152,8 +162,8 @@ def single():
 @pytest.fixture(scope="module")
 def p2(checkpoints):
     """torchrun --nproc_per_node 2 at T=1 x P=2, both checkpoints, the engine on the last build."""
-    tmp, dirs = checkpoints
-    finish([launch(tmp, ["--standalone", "--nproc_per_node", "2"], 1, 2, "p2", "engine", dirs)])
+    tmp, dirs, tied = checkpoints
+    finish([launch(tmp, ["--standalone", "--nproc_per_node", "2"], 1, 2, "p2", "engine", [tied, *dirs])])
     return outputs(tmp, "p2", 2)
 
 
@@ -166,7 +176,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def two_nodes(checkpoints):
     """T=2 x P=2 on two simulated nodes: two torchrun launches of 2 processes each, c10d rendezvous on 127.0.0.1."""
-    tmp, dirs = checkpoints
+    tmp, dirs, _ = checkpoints
     port = free_port()
     finish([launch(tmp, ["--nnodes", "2", "--nproc_per_node", "2", "--node_rank", str(node), "--rdzv_backend", "c10d",
                          "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "llama-pp-test"], 2, 2, "nodes", "plain",
@@ -176,7 +186,7 @@ def two_nodes(checkpoints):
 
 def check_ranks(ranks, single, goldens, T, P):
     total = single["weight_bytes"]
-    for d in ranks[0]["dirs"]:
+    for d in map(str, (STORIES, ranks[0]["two"])):
         per_rank = [r["dirs"][d] for r in ranks]
         for r in per_rank:
             assert r["greedy"] == [g["generated_tokens"] for g in goldens.values()], d
@@ -206,6 +216,18 @@ def test_two_stages_streams_sessions_processor_failures_and_echo_match_one_proce
         assert r["extras"]["failed"][0][0] is None and r["extras"]["failed"][2]  # the broken request alone failed
         got, want = r["extras"]["echo"][0], single["extras"]["echo"][0]
         assert got["tokens"] == want["tokens"] and got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5)
+
+
+def test_two_stages_with_tied_embeddings_from_two_shards_match_one_process(p2, checkpoints):
+    from llama import Llama
+
+    tied = str(checkpoints[2])
+    g = Llama.build(tied, str(STORIES / "tokenizer.model"), max_seq_len=MAX_SEQ_LEN, max_batch_size=MAX_BATCH)
+    want = generations(g)
+    for r in p2:
+        assert {k: r["dirs"][tied][k] for k in want} == want
+    assert [r["dirs"][tied]["embedding"] for r in p2] == [True, False]
+    assert [r["dirs"][tied]["output"] for r in p2] == [False, True]
 
 
 def test_engine_under_two_stages_serves_concurrent_requests_as_each_alone(p2, single):
