@@ -91,8 +91,10 @@ def worker(a) -> None:
     stamps1, d1, _ = run(1)  # prefill (and the first token) only
     stampsN, dN, tokens = run(a.new + 1)  # the same prefill, then a.new decode steps
     # The engine's path: its rank 0 samples, so the last stage sends it the logits instead of the tokens.
+    # (Every rank samples here, as in a static call: ranks other than the first stage's sample from placeholder
+    # logits, so only rank 0's tokens mean anything; EOS is banned, so the steps stay the same on every rank.)
     _, e1, _ = run(1, leader=True)
-    _, eN, _ = run(a.new + 1, leader=True)
+    _, eN, engine_tokens = run(a.new + 1, leader=True)
     steps = [t1 - t0 for t0, t1 in zip(stampsN[1:], stampsN[2:])]
     decode_wall = stampsN[-1] - stampsN[1]
     per_token = {k: (dN[k] - d1[k]) / (a.new * a.batch) for k in dN}
@@ -104,7 +106,7 @@ def worker(a) -> None:
         # share of the decode steps' wall time this rank spent computing (run N minus run 1: the decode steps)
         "busy": ((dN["compute_s"] - d1["compute_s"]) / ((stampsN[-1] - stampsN[0]) - (stamps1[-1] - stamps1[0]))
                  if isinstance(llm.model, PipelineTransformer) else None),
-        "weight_bytes": weight_bytes(llm.model), "tokens": tokens,
+        "weight_bytes": weight_bytes(llm.model), "tokens": tokens, "engine_tokens": engine_tokens,
     }
     with open(f"{a.out}.{dist.get_rank()}.json", "w") as f:
         json.dump(result, f)
@@ -161,6 +163,7 @@ def main() -> None:
             ranks = launch(a, ckpt, tmp, tp, pp)
             reference = reference or ranks[0]["tokens"]
             assert all(r["tokens"] == reference for r in ranks), f"{layout} decoded other tokens"
+            assert ranks[0]["engine_tokens"] == reference, f"{layout} decoded other tokens on the engine's path"
             busy = ", ".join(f"{r['busy']:.0%}" for r in ranks) if ranks[0]["busy"] is not None else "n/a"
             print(f"| {tp} x {pp} | {tp * pp} | {max(r['step_ms'] for r in ranks):.1f} "
                   f"| {sum(r['tp_bytes_per_token'] for r in ranks):,.0f} "

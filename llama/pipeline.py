@@ -14,8 +14,10 @@ the last stage computes the logits. Where they go next (`logits_to`):
   stage, which samples and broadcasts only the tokens (with their log-probabilities, failures and, when unseeded
   sampling drew from it, its RNG state) over its pipeline group (`share_samples`, called by the runner). Every
   rank advances its requests with the same tokens, so the schedulers stay in lockstep, as under tensor parallel.
-- "all" (scoring, prefixes, prompt log-probabilities, and the engine, whose rank 0 samples): the last stage
-  broadcasts the logits over its pipeline group, so every rank returns the same logits as a single process.
+- "first" (the engine's sampling passes: its rank 0, on stage 0, samples every request): the last stage sends the
+  logits to the first stage only; the stages in between return a placeholder (their engine ranks discard it).
+- "all" (scoring, prefixes, prompt log-probabilities): the last stage broadcasts the logits over its pipeline
+  group, so every rank returns the same logits as a single process.
 
 With T > 1 each tensor-parallel rank sends only its 1/T slice of the hidden states (or logits) to its peer, and
 the receiving stage all-gathers the slices inside its node, so the bytes that cross between stages do not grow
@@ -126,7 +128,7 @@ class PipelineTransformer(Transformer):
         # What this rank sent to other stages and how its time went: compute (own layers, embedding, output)
         # versus waiting for another stage. Read by benchmarks/bench_pipeline.py.
         self.traffic: Dict[str, float] = {"sent_bytes": 0, "messages": 0, "compute_s": 0.0, "wait_s": 0.0}
-        self.logits_to = "all"  # or "last": see the module docstring (the runner switches it)
+        self.logits_to = "all"  # or "last" or "first": see the module docstring (the runner switches it)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos=0, rows: Optional[torch.Tensor] = None,
@@ -146,8 +148,13 @@ class PipelineTransformer(Transformer):
         if not self.stage.last:
             self._send(h, self.stage.ranks[self.stage.index + 1])
         shape = (B, 1 if logit_index is not None else T, self.vocab_size)
-        if self.logits_to == "last":  # only the last stage samples: the other ranks get a placeholder (no memory)
-            return logits if self.stage.last else torch.zeros((), device=tokens.device).expand(shape)
+        placeholder = torch.zeros((), device=tokens.device).expand(shape)  # what ranks that do not sample get
+        if self.logits_to == "last":  # the last stage samples and shares the tokens
+            return logits if self.stage.last else placeholder
+        if self.logits_to == "first":  # the engine: only its leader, on stage 0, samples
+            if not (self.stage.first or self.stage.last):
+                return placeholder
+            return self._logits_to_first(logits, shape)
         return self._share_logits(logits, shape, tokens.device)
 
     def decode_step(self, tokens, pos, rows=None):
@@ -179,6 +186,14 @@ class PipelineTransformer(Transformer):
         h = self._gather(part)
         self.traffic["wait_s"] += time.perf_counter() - tic
         return h
+
+    def _logits_to_first(self, logits: Optional[torch.Tensor], shape) -> torch.Tensor:
+        """The last stage's logits on the first stage only: each last-stage rank sends its vocabulary slice to its
+        first-stage peer, which all-gathers them inside its node."""
+        if self.stage.last:
+            self._send(logits, self.stage.ranks[0])
+            return logits
+        return self._receive(shape, torch.float32, self.stage.ranks[-1])
 
     def _share_logits(self, logits: Optional[torch.Tensor], shape, device) -> torch.Tensor:
         """The last stage's logits on every rank: each last-stage rank broadcasts its vocabulary slice over its

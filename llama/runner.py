@@ -37,11 +37,12 @@ class Runner:
         self._sampler: Optional[Tuple[List[Request], RowSampler]] = None
         # Pipeline stages (llama/pipeline.py): the last stage samples and shares the tokens, except under the
         # engine, whose rank 0 samples (leader_samples).
-        self.share_samples = callable(getattr(model, "share_samples", None))
+        self.staged = self.share_samples = callable(getattr(model, "share_samples", None))
 
     @contextmanager
     def leader_samples(self):
-        """While the engine serves: its leader samples every request, so pipeline stages send it the logits."""
+        """While the engine serves: its leader samples every request, so the last pipeline stage sends the logits to
+        the first stage, where the leader is."""
         shared, self.share_samples = self.share_samples, False
         try:
             yield
@@ -49,10 +50,11 @@ class Runner:
             self.share_samples = shared
 
     def _sampling_pass(self, *args, **kwargs) -> torch.Tensor:
-        """A forward pass whose logits only sampling reads: with shared samples they stay on the last stage."""
-        if not self.share_samples:
+        """A forward pass whose logits only sampling reads: on pipeline stages they stay on the last stage (shared
+        samples) or go to the first (the engine's leader samples)."""
+        if not self.staged:
             return self.model(*args, **kwargs)
-        self.model.logits_to = "last"
+        self.model.logits_to = "last" if self.share_samples else "first"
         try:
             return self.model(*args, **kwargs)
         finally:
