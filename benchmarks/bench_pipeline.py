@@ -6,10 +6,11 @@
 For each layout (TxP, 4 processes under torchrun, gloo on CPU) it reports the decode step time (median over the
 steps), the bytes the ranks send per generated token, split into what stays inside a stage (tensor-parallel
 all-reduces and all-gathers: inside one node in the recommended layout) and what crosses between stages (hidden
-states and the logits: the only traffic between nodes), and each rank's share of the step spent computing
+states and the sampled tokens or logits: the only traffic between nodes), and each rank's share of the step spent computing
 (pipeline stages: compute_s / wall; a stage idles while the others work, since the engine does not overlap
 micro-batches). Bytes between stages are given for calls on Llama (the last stage shares sampled tokens) and, in
-parentheses, for the engine's path (its rank 0 samples, so the logits travel). It also checks that every layout decodes the same greedy tokens as one process.
+parentheses, for the engine's path (its rank 0 samples, so the logits travel to the first stage). It also checks
+that every layout decodes the same greedy tokens as one process.
 
 Bytes are counted where they are sent: point-to-point and broadcast payloads as sent by this rank (the pipeline's
 own counters), ring all-reduce as 2 (T-1)/T x the tensor, ring all-gather as (T-1) x the local slice (what NCCL's
