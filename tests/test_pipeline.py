@@ -54,6 +54,9 @@ def extras(g) -> dict:
     except BatchError as e:
         out["failed"] = [e.predictions, sorted(e.errors), all("boom" in str(x) for x in e.errors.values())]
     out["echo"] = g.text_completion(["Lily went"], temperature=0.0, max_gen_len=4, echo=True, logprobs=True)
+    prefix = g.prefill(ONCE)  # each stage snapshots its own layers; the load op replays on every rank
+    out["prefix"] = g.text_completion([" there", " Tom"], prefix=prefix, temperature=0.0, max_gen_len=10)
+    out["score"] = g.score([ONCE + " there was a cat"])[0]["logprobs"]
     return out
 
 
@@ -209,13 +212,15 @@ def test_two_stages_golden_and_seeded_samples_from_one_and_two_shards(p2, single
     check_ranks(p2, single, goldens, 1, 2)
 
 
-def test_two_stages_streams_sessions_processor_failures_and_echo_match_one_process(p2, single):
+def test_two_stages_streams_sessions_failures_echo_prefixes_and_scores_match_one_process(p2, single):
     for r in p2:
         assert r["extras"]["mp"] == single["extras"]["mp"]
         assert r["extras"]["failed"] == single["extras"]["failed"]
         assert r["extras"]["failed"][0][0] is None and r["extras"]["failed"][2]  # the broken request alone failed
         got, want = r["extras"]["echo"][0], single["extras"]["echo"][0]
         assert got["tokens"] == want["tokens"] and got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5)
+        assert r["extras"]["prefix"] == single["extras"]["prefix"]
+        assert r["extras"]["score"] == pytest.approx(single["extras"]["score"], abs=1e-5)
 
 
 def test_two_stages_with_tied_embeddings_from_two_shards_match_one_process(p2, checkpoints):
