@@ -126,7 +126,8 @@ class PipelineTransformer(Transformer):
         self.register_buffer("rope_cos", None, persistent=False)
         self.register_buffer("rope_sin", None, persistent=False)
         # What this rank sent to other stages and how its time went: compute (own layers, embedding, output)
-        # versus waiting for another stage. Read by benchmarks/bench_pipeline.py.
+        # versus waiting for another stage. Read by benchmarks/bench_pipeline.py. Host-side clocks: on CUDA they
+        # time kernel launches, not kernels, unless CUDA_LAUNCH_BLOCKING=1.
         self.traffic: Dict[str, float] = {"sent_bytes": 0, "messages": 0, "compute_s": 0.0, "wait_s": 0.0}
         self.logits_to = "all"  # or "last" or "first": see the module docstring (the runner switches it)
 
