@@ -112,6 +112,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--max_gen_len", type=int, default=None, help="default: up to the end of the cache")
     ap.add_argument("--seed", type=int, default=0, help="base of the per-row seeds of rows without their own")
     ap.add_argument("--prefill_chunk", type=int, default=128, help="prompt tokens prefilled per engine step")
+    ap.add_argument("--pipeline_parallel_size", type=int, default=1,
+                    help="pipeline stages under torchrun (world size = stages x tensor-parallel ranks)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--no_progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
@@ -129,8 +131,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
         ap.error(f"the directory of --output {args.output!r} does not exist")
     generator = Llama.build(args.ckpt_dir, args.tokenizer_path, max_seq_len=args.max_seq_len,
-                            max_batch_size=args.max_batch_size)
-    if parallel.model_parallel_rank() != 0:  # under torchrun: replay rank 0's steps; rank 0 does all the I/O
+                            max_batch_size=args.max_batch_size, pipeline_parallel_size=args.pipeline_parallel_size)
+    if parallel.model_parallel_rank() != 0 or parallel.pipeline_parallel_rank() != 0:  # under torchrun: replay rank 0's steps; rank 0 does all the I/O
         generator.engine(prefill_chunk=args.prefill_chunk).serve_forever()
         return 0
     with open(args.input, encoding="utf-8") as f:

@@ -7,8 +7,9 @@ overwrite the slots of running requests.
 
 Model parallel (world size > 1): rank 0 of each model-parallel group owns the queue, plans every step and
 broadcasts the step's ops; the other ranks call `serve_forever()`, which replays them until rank 0 calls
-`close()`. Sampling and text happen on rank 0 only; its RNG state is broadcast on close so later calls agree
-across ranks.
+`close()`. With pipeline stages (llama/pipeline.py) global rank 0 leads every rank of the job, and the last
+stage's logits reach it through the pipeline's forward pass. Sampling and text happen on rank 0 only; its RNG
+state is broadcast on close so later calls agree across ranks.
 """
 
 import threading
@@ -18,6 +19,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from . import parallel
 from .request import Request
 
 
@@ -38,12 +40,10 @@ class Engine:
         self._closed = False
         self._released = threading.Event()  # set once close() is done; ends serve_forever on rank 0
         self._role, self._group, self._src = "single", None, 0
-        if dist.is_initialized():
-            from fairscale.nn.model_parallel import initialize as fs_init
-
-            if fs_init.model_parallel_is_initialized() and fs_init.get_model_parallel_world_size() > 1:
-                self._group, self._src = fs_init.get_model_parallel_group(), fs_init.get_model_parallel_src_rank()
-                self._role = "leader" if fs_init.get_model_parallel_rank() == 0 else "follower"
+        lockstep = parallel.lockstep_group()  # pipeline stages: every rank of the job, led by rank 0
+        if lockstep is not None:
+            self._group, self._src = lockstep
+            self._role = "leader" if dist.get_rank() == self._src else "follower"
         if self._role == "leader":  # its idle heartbeats keep the other ranks' broadcast from timing out
             self._thread = threading.Thread(target=self._loop, name="llama-engine", daemon=True)
             self._thread.start()
@@ -70,8 +70,8 @@ class Engine:
         """Queue n samples of one prompt (as submit), prompt prefilled once: the others copy its cache."""
         if self._role == "follower":
             raise RuntimeError(
-                f"only model-parallel rank 0 accepts requests; this is rank {dist.get_rank()}: call "
-                "engine.serve_forever() here instead"
+                f"only model-parallel rank 0 accepts requests (global rank 0 with pipeline stages); this is rank "
+                f"{dist.get_rank()}: call engine.serve_forever() here instead"
             )
         try:
             reqs = self.llama.inputs.samples(prompt, params, prefix, n)
@@ -134,7 +134,7 @@ class Engine:
                 if "cuda" in msg["stop"] and torch.cuda.is_available():
                     torch.cuda.set_rng_state(msg["stop"]["cuda"])
                 return
-            with self.llama.cache.lock:
+            with self.llama.cache.lock, self.core.runner.leader_samples():
                 self.core.runner.execute(msg["ops"])
 
     # ------------------------------------------------------------------------------------------------ internals
@@ -164,7 +164,7 @@ class Engine:
             if idle:
                 self._broadcast({"ops": []})
                 continue
-            with self.llama.cache.lock:
+            with self.llama.cache.lock, self.core.runner.leader_samples():
                 while True:
                     with self._cv:
                         self.scheduler.add(self._incoming)

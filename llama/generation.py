@@ -49,6 +49,7 @@ class Llama:
         compile: Union[bool, str, None] = "auto",
         quantize: Optional[str] = None,
         rope_scaling_factor: Optional[float] = None,
+        pipeline_parallel_size: int = 1,
     ) -> "Llama":
         """Load a checkpoint: a Meta-layout directory, or a GGUF file (or a directory holding one; its embedded
         tokenizer and chat template are used unless tokenizer_path is given). Works in plain python and under
@@ -61,10 +62,12 @@ class Llama:
         compiles on first use; "max-autotune"/"default" pick Inductor's mode; False never compiles (llama/compile.py).
         rope_scaling_factor: Llama 3.1 rotary scaling with this factor (32 for Llama 3.2 1B/3B, whose params.json
         cannot say so).
+        pipeline_parallel_size: P > 1 splits the layers into P stages under torchrun, each tensor-parallel over
+        model_parallel_size ranks (world size = T x P; docs/pipeline.md); stages decode eagerly.
         """
         model, tokenizer, compiled = loader.load(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size,
                                                  model_parallel_size, seed, device, dtype, verify, compile, quantize,
-                                                 rope_scaling_factor)
+                                                 rope_scaling_factor, pipeline_parallel_size)
         return Llama(model, tokenizer, max_batch_size, max_seq_len, compiled)
 
     def __init__(self, model, tokenizer, max_batch_size: int, max_seq_len: int, compiled=None):

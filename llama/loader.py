@@ -15,7 +15,7 @@ from tqdm import tqdm
 from . import checkpoint, parallel
 from . import compile as compilation
 from . import quantize as quantization
-from . import gguf_checkpoint, tokenizer_hf
+from . import gguf_checkpoint, pipeline, tokenizer_hf
 from .model import Fusable, ModelArgs, Transformer, check_model_parallel
 from .params import positive_int
 from .tokenizer import load_tokenizer
@@ -112,16 +112,21 @@ def load(
     compile: Union[bool, str, None] = "auto",
     quantize: Optional[str] = None,
     rope_scaling_factor: Optional[float] = None,
+    pipeline_parallel_size: int = 1,
 ) -> Tuple[Transformer, object, Optional[compilation.CompiledDecode]]:
     """(model, tokenizer, compiled decode policy or None) for Llama.build; see its docstring for the options.
 
     The KV cache is not allocated here: the generator that owns it does (llama/cache.py).
     """
     check_options(max_seq_len, max_batch_size, seed, compile, quantize)
+    staged = pipeline_parallel_size != 1
+    if staged and not any(compile is v for v in (False, None)) and compile != "auto":
+        raise ValueError(f"compile={compile!r} is not available with pipeline_parallel_size="
+                         f"{pipeline_parallel_size}: pipeline stages decode eagerly (pass compile=False or 'auto')")
     device = torch.device(device) if device is not None else parallel.default_device()
     dtype = parallel.resolve_dtype(torch.bfloat16 if dtype is None and quantize == "int8" else dtype, device)
     start = time.time()
-    mp_size = parallel.init_distributed(model_parallel_size, device)
+    mp_size = parallel.init_distributed(model_parallel_size, device, pipeline_parallel_size)
     torch.manual_seed(seed)  # every rank seeds alike, so unseeded sampling agrees across ranks
 
     gguf_path = gguf_checkpoint.find_gguf(ckpt_dir)
@@ -154,7 +159,13 @@ def load(
         )
     if verify and gguf_path is None:
         checkpoint.verify_checklist(ckpt_dir)
-    if gguf_path is not None:
+    if staged:  # this rank's stage only: its layers and its tensor-parallel slice of them (llama/pipeline.py)
+        if gguf_path is not None:
+            raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size} loads Meta-layout checkpoint "
+                             f"directories only, not the GGUF file {gguf_path}")
+        model = pipeline.load_stage(ckpt_dir, args, pipeline.current_stage(args.n_layers),
+                                    parallel.model_parallel_rank(), mp_size)
+    elif gguf_path is not None:
         with freed_memory_returned():
             model = gguf_model(reader, gguf_path, args, parallel.model_parallel_rank(), mp_size, device, dtype,
                                quantize)
@@ -167,14 +178,15 @@ def load(
         except RuntimeError as e:
             raise ValueError(f"checkpoint in {ckpt_dir} does not match its params.json: {e}") from None
         del state  # the model owns the tensors now: lets casting and fusing free the originals
-    tied = model.output.weight.data_ptr() == model.tok_embeddings.weight.data_ptr()  # no output.weight in the files
+    # No output.weight in the files: one table serves both (never on pipeline stages: they sit on different stages)
+    tied = not staged and model.output.weight.data_ptr() == model.tok_embeddings.weight.data_ptr()
     if tied:  # one Parameter for both, so moving to the device makes one copy, not two
         model.output.weight = model.tok_embeddings.weight
     model.eval()
     prepare(model, device, dtype, quantize)  # what layer-by-layer loading has not done yet
     if tied and model.output.scales is None:  # casting copied each: share the embedding again
         model.output.weight = model.tok_embeddings.weight
-    compiled = compilation.compile_decode(model, compile)
+    compiled = None if staged else compilation.compile_decode(model, compile)
     if parallel.is_main_process():
         print(f"Loaded in {time.time() - start:.2f} seconds")
     return model, tokenizer, compiled

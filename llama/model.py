@@ -484,9 +484,17 @@ class Transformer(nn.Module):
         rows: cache rows to use (default 0..B-1). logit_index: one index per row into T; return only those
         logits, shape (B, 1, V). kv_len: how many cache positions attention reads (default: just enough).
         """
+        layer_args = self.layer_inputs(tokens, start_pos, rows, kv_len)
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, *layer_args)
+        return self.logits(h, logit_index)
+
+    def layer_inputs(self, tokens: torch.Tensor, start_pos: Union[int, torch.Tensor], rows, kv_len):
+        """What every layer of a forward pass takes besides h: (cos, sin, start, positions, rows, kv_len, mask)."""
         if self.rope_cos is None or self.layers[0].attention.cache_k is None:
             raise RuntimeError("allocate a KV cache (llama.cache.KVCache) before calling the model")
-        B, T = tokens.shape
+        T = tokens.shape[1]
         device = tokens.device
         steps = torch.arange(T, device=device)
         if isinstance(start_pos, int):
@@ -502,12 +510,12 @@ class Transformer(nn.Module):
         else:
             key_pos = torch.arange(kv_len, device=device)
             mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # (B|1, 1, T, kv_len)
+        return cos, sin, start, positions, rows, kv_len, mask
 
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h, cos, sin, start, positions, rows, kv_len, mask)
+    def logits(self, h: torch.Tensor, logit_index: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """fp32 logits of the last layer's output h (B, T, dim): every position, or one per row at logit_index."""
         if logit_index is not None:
-            h = h[torch.arange(B, device=device), logit_index.to(device)][:, None]
+            h = h[torch.arange(h.shape[0], device=h.device), logit_index.to(h.device)][:, None]
         return self.output(self.norm(h)).float()
 
     def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor, rows: Optional[torch.Tensor] = None):

@@ -7,7 +7,7 @@ in-memory store, so no port or environment variable is needed.
 
 import atexit
 import os
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -69,11 +69,14 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_distributed(model_parallel_size: Optional[int] = None, device: Optional[torch.device] = None) -> int:
+def init_distributed(model_parallel_size: Optional[int] = None, device: Optional[torch.device] = None,
+                     pipeline_parallel_size: int = 1) -> int:
     """Initialise torch.distributed and fairscale model parallel if not done yet; return the model-parallel size.
 
     Under torchrun the environment (WORLD_SIZE, RANK, MASTER_ADDR...) is used; otherwise a one-process group on an
-    in-memory store.
+    in-memory store. pipeline_parallel_size P > 1 (llama/pipeline.py): the world is exactly T x P ranks, rank
+    = stage * T + tensor-parallel rank, so each stage's tensor-parallel group is T consecutive ranks (one node
+    under torchrun's --nproc_per_node T).
     """
     device = torch.device(device) if device is not None else default_device()
     if not dist.is_initialized():
@@ -87,21 +90,32 @@ def init_distributed(model_parallel_size: Optional[int] = None, device: Optional
         # A rank that exits with its group open can abort at shutdown and fail the other nodes' launchers.
         atexit.register(_destroy)
     world_size = dist.get_world_size()
+    pp = pipeline_parallel_size
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+        raise ValueError(f"pipeline_parallel_size must be a positive integer, got {pp!r}")
     if model_parallel_size is None:
-        model_parallel_size = world_size
+        if world_size % pp:
+            raise ValueError(f"pipeline_parallel_size {pp} does not divide the world size {world_size} "
+                             "(torchrun's nnodes x nproc_per_node)")
+        model_parallel_size = world_size // pp
+    if pp > 1 and (not isinstance(model_parallel_size, int) or model_parallel_size * pp != world_size):
+        raise ValueError(
+            f"model_parallel_size ({model_parallel_size!r}) x pipeline_parallel_size ({pp}) must equal the world "
+            f"size {world_size} (torchrun's nnodes x nproc_per_node)"
+        )
     if not isinstance(model_parallel_size, int) or model_parallel_size < 1 or world_size % model_parallel_size:
         raise ValueError(
             f"model_parallel_size must be a positive divisor of the world size {world_size}, got {model_parallel_size!r}"
         )
     if fs_init.model_parallel_is_initialized():
-        current = fs_init.get_model_parallel_world_size()
-        if current != model_parallel_size:
+        current = fs_init.get_model_parallel_world_size(), len(fs_init.get_pipeline_parallel_ranks())
+        if current != (model_parallel_size, pp):
             raise ValueError(
-                f"model parallel is already initialised with size {current}, cannot switch to {model_parallel_size} "
-                "in the same process"
+                f"model parallel is already initialised with (model, pipeline) sizes {current}, cannot switch to "
+                f"{(model_parallel_size, pp)} in the same process"
             )
     else:
-        fs_init.initialize_model_parallel(model_parallel_size)
+        fs_init.initialize_model_parallel(model_parallel_size, pipeline_length=pp)
     return model_parallel_size
 
 
@@ -116,6 +130,37 @@ def model_parallel_rank() -> int:
 
 def model_parallel_size() -> int:
     return fs_init.get_model_parallel_world_size()
+
+
+def pipeline_parallel_size() -> int:
+    """Number of pipeline stages (1 when pipeline parallel is off or nothing is initialised)."""
+    return len(fs_init.get_pipeline_parallel_ranks()) if fs_init.model_parallel_is_initialized() else 1
+
+
+def pipeline_parallel_rank() -> int:
+    """This rank's stage: 0 holds the embedding, pipeline_parallel_size() - 1 the final norm and output."""
+    if not fs_init.model_parallel_is_initialized():
+        return 0
+    return fs_init.get_pipeline_parallel_ranks().index(dist.get_rank())
+
+
+def pipeline_parallel_ranks() -> List[int]:
+    """Global ranks of this rank's pipeline group, first stage first (same tensor-parallel rank in each stage)."""
+    return list(fs_init.get_pipeline_parallel_ranks())
+
+
+def lockstep_group() -> Optional[Tuple[Optional[dist.ProcessGroup], int]]:
+    """(group, source rank) over which the engine's leader sends each step's ops to the ranks that replay them,
+    or None when this process runs alone. Tensor parallel only: the model-parallel group and its first rank.
+    With pipeline stages every rank of the job takes part (None: the default group) and global rank 0, on the
+    first stage, leads."""
+    if not dist.is_initialized() or not fs_init.model_parallel_is_initialized():
+        return None
+    if pipeline_parallel_size() > 1:
+        return None, 0
+    if fs_init.get_model_parallel_world_size() > 1:
+        return fs_init.get_model_parallel_group(), fs_init.get_model_parallel_src_rank()
+    return None
 
 
 def is_main_process() -> bool:

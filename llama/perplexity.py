@@ -76,12 +76,12 @@ def default_tokenizer(ckpt_dir: str) -> str:
 
 
 def main(file: str, ckpt_dir: str, tokenizer_path: Optional[str] = None, max_seq_len: int = 512,
-         stride: Optional[int] = None, max_batch_size: int = 4) -> Dict:
+         stride: Optional[int] = None, max_batch_size: int = 4, pipeline_parallel_size: int = 1) -> Dict:
     """Load the model, score the file, print one summary line (rank 0) and return the figures."""
     with open(file, encoding="utf-8") as f:
         text = f.read()
     generator = Llama.build(ckpt_dir, tokenizer_path or default_tokenizer(ckpt_dir), max_seq_len=max_seq_len,
-                            max_batch_size=max_batch_size)
+                            max_batch_size=max_batch_size, pipeline_parallel_size=pipeline_parallel_size)
     result = perplexity(generator, text, stride=stride)
     if parallel.is_main_process():
         print(f"{file}: {result['tokens']} tokens in {result['windows']} window(s) of {result['window']} "
@@ -98,9 +98,10 @@ def cli(argv=None) -> None:
     p.add_argument("--max_seq_len", type=int, default=512, help="window length in tokens, BOS included")
     p.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: half a window)")
     p.add_argument("--max_batch_size", type=int, default=4, help="windows per forward pass")
+    p.add_argument("--pipeline_parallel_size", type=int, default=1, help="pipeline stages under torchrun")
     a = p.parse_args(argv)
     try:
-        main(a.file, a.ckpt_dir, a.tokenizer_path, a.max_seq_len, a.stride, a.max_batch_size)
+        main(a.file, a.ckpt_dir, a.tokenizer_path, a.max_seq_len, a.stride, a.max_batch_size, a.pipeline_parallel_size)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
 

@@ -4,6 +4,7 @@ one-token step runs through the compiled decode graph when it is ready (llama/co
 """
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -34,6 +35,30 @@ class Runner:
         self.model, self.cache, self.compiled = model, cache, compiled
         self.device = cache.device
         self._sampler: Optional[Tuple[List[Request], RowSampler]] = None
+        # Pipeline stages (llama/pipeline.py): the last stage samples and shares the tokens, except under the
+        # engine, whose rank 0 samples (leader_samples).
+        self.staged = self.share_samples = callable(getattr(model, "share_samples", None))
+
+    @contextmanager
+    def leader_samples(self):
+        """While the engine serves: its leader samples every request, so the last pipeline stage sends the logits to
+        the first stage, where the leader is."""
+        shared, self.share_samples = self.share_samples, False
+        try:
+            yield
+        finally:
+            self.share_samples = shared
+
+    def _sampling_pass(self, *args, **kwargs) -> torch.Tensor:
+        """A forward pass whose logits only sampling reads: on pipeline stages they stay on the last stage (shared
+        samples) or go to the first (the engine's leader samples)."""
+        if not self.staged:
+            return self.model(*args, **kwargs)
+        self.model.logits_to = "last" if self.share_samples else "first"
+        try:
+            return self.model(*args, **kwargs)
+        finally:
+            self.model.logits_to = "all"
 
     # ------------------------------------------------------------------------------------------ forward passes
     @torch.inference_mode()  # also what lets Inductor freeze the weights into the compiled graph
@@ -51,8 +76,9 @@ class Runner:
             start = op["start"] if isinstance(op["start"], int) else torch.tensor(op["start"], device=dev)
             slots = None if op["slots"] == list(range(len(op["slots"]))) else torch.tensor(op["slots"], device=dev)
             last = None if op["last"] is None else torch.tensor(op["last"], device=dev)
-            return self.model(torch.tensor(op["tokens"], device=dev), start, rows=slots, logit_index=last,
-                              kv_len=op["kv_len"])
+            forward = self.model if last is None else self._sampling_pass
+            return forward(torch.tensor(op["tokens"], device=dev), start, rows=slots, logit_index=last,
+                           kv_len=op["kv_len"])
         elif kind == "decode":
             return self._decode(op["tokens"], op["pos"], op["slots"])
         else:
@@ -73,7 +99,7 @@ class Runner:
         x = torch.tensor(tokens[:width], device=dev)[:, None]
         same = len(set(pos[:width])) == 1
         start = time.perf_counter()
-        logits = self.model(x, pos[0] if same else torch.tensor(pos[:width], device=dev))[:, 0]
+        logits = self._sampling_pass(x, pos[0] if same else torch.tensor(pos[:width], device=dev))[:, 0]
         if c is not None and c.lazy:
             c.spent_eager(n_slots, None, time.perf_counter() - start)
         return logits
@@ -118,6 +144,24 @@ class Runner:
 
     def sample(self, ready: List[Tuple[Request, torch.Tensor]]) -> List[Tuple[Request, str]]:
         reqs = [r for r, _ in ready]
+        if self.share_samples:  # drawn on the last pipeline stage, the same tokens and failures on every rank
+            tokens, lps, failed = self.model.share_samples(lambda: self._draw(ready))
+            for b, message in failed.items():
+                if reqs[b].error is None:
+                    reqs[b].fail(ValueError(message))
+        else:
+            tokens, lps, failed = self._draw(ready)
+        deltas = []
+        for b, r in enumerate(reqs):
+            if b not in failed:
+                text = r.advance(tokens[b], lps[b] if lps is not None else None)
+                if text:
+                    deltas.append((r, text))
+        return deltas
+
+    def _draw(self, ready: List[Tuple[Request, torch.Tensor]]) -> Tuple[List[int], Optional[List[float]], Dict]:
+        """(token per row, log-probabilities or None, {row: error message} of the rows that failed)."""
+        reqs = [r for r, _ in ready]
         logits = torch.stack([lg for _, lg in ready])
         ok = [self._process(b, r, logits) for b, r in enumerate(reqs)]
         peak = logits.amax(dim=-1)  # NaN anywhere -> NaN; all -inf -> -inf; any +inf -> +inf
@@ -135,13 +179,7 @@ class Runner:
         if len(last) != len(reqs) or any(a is not b for a, b in zip(last, reqs)):  # same rows: reuse the tensors
             self._sampler = (reqs, RowSampler(reqs, self.device))
         tokens, lps = self._sampler[1](logits)
-        deltas = []
-        for b, r in enumerate(reqs):
-            if ok[b]:
-                text = r.advance(tokens[b], lps[b] if lps is not None else None)
-                if text:
-                    deltas.append((r, text))
-        return deltas
+        return tokens, lps, {b: str(r.error) for b, r in enumerate(reqs) if not ok[b]}
 
     def _process(self, b: int, r: Request, logits: torch.Tensor) -> bool:
         """Apply a request's logits processors to its row; on a broken one, fail the request (False)."""

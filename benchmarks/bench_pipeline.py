@@ -1,0 +1,179 @@
+"""Tensor parallel (T=4) against tensor x pipeline parallel (T=2 x P=2) on one random model, by hand:
+
+    python benchmarks/bench_pipeline.py                        # dim 512, 8 layers, vocab 32000, fp32, CPU/gloo
+    python benchmarks/bench_pipeline.py --layouts 4x1 2x2 1x4 --batch 8 --new 64
+
+For each layout (TxP, 4 processes under torchrun, gloo on CPU) it reports the decode step time (median over the
+steps), the bytes the ranks send per generated token, split into what stays inside a stage (tensor-parallel
+all-reduces and all-gathers: inside one node in the recommended layout) and what crosses between stages (hidden
+states and the sampled tokens or logits: the only traffic between nodes), and each rank's share of the step spent computing
+(pipeline stages: compute_s / wall; a stage idles while the others work, since the engine does not overlap
+micro-batches). Bytes between stages are given for calls on Llama (the last stage shares sampled tokens) and, in
+parentheses, for the engine's path (its rank 0 samples, so the logits travel to the first stage). It also checks
+that every layout decodes the same greedy tokens as one process.
+
+Bytes are counted where they are sent: point-to-point and broadcast payloads as sent by this rank (the pipeline's
+own counters), ring all-reduce as 2 (T-1)/T x the tensor, ring all-gather as (T-1) x the local slice (what NCCL's
+and gloo's ring algorithms send per rank). The machine's cores are shared by the 4 ranks, so step times measure the
+implementation's overheads on this machine, not a multi-node network: docs/pipeline.md turns the byte counts into
+times for real links.
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import LLAMA2_TOKENIZER, REPO, machine, random_checkpoint, step_times
+
+COUNTS = {"tp_bytes": 0, "tp_calls": 0}
+
+
+def count_collectives(T: int) -> None:
+    """Wrap the model's tensor-parallel collectives (llama.model and llama.parallel) with byte counters."""
+    import llama.model as model_mod
+    import llama.parallel as parallel_mod
+
+    def wrap(fn, factor):
+        def counted(x):
+            COUNTS["tp_bytes"] += int(factor * x.numel() * x.element_size())
+            COUNTS["tp_calls"] += 1
+            return fn(x)
+        return counted
+
+    if T > 1:
+        model_mod.reduce_sum = wrap(model_mod.reduce_sum, 2 * (T - 1) / T)
+        model_mod.gather_last_dim = wrap(model_mod.gather_last_dim, T - 1)
+        parallel_mod.gather_last_dim = wrap(parallel_mod.gather_last_dim, T - 1)
+
+
+def worker(a) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from llama import Llama
+    from llama.params import SamplingParams
+    from llama.pipeline import PipelineTransformer, weight_bytes
+
+    torch.set_num_threads(1)
+    count_collectives(a.tp)
+    llm = Llama.build(a.ckpt, a.tokenizer, max_seq_len=a.prompt + a.new + 8, max_batch_size=a.batch,
+                      model_parallel_size=a.tp, pipeline_parallel_size=a.pp, device="cpu", dtype="float32",
+                      compile=False)
+    eos = llm.tokenizer.eos_id
+
+    def no_eos(ids, logits):
+        logits[eos] = float("-inf")
+        return logits
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [[1] + torch.randint(3, llm.model.vocab_size, (a.prompt - 1,), generator=g).tolist()
+               for _ in range(a.batch)]
+
+    def run(new, leader=False):
+        params = SamplingParams(temperature=0.0, max_gen_len=new, logits_processors=[no_eos])
+        reqs = llm.inputs.requests(prompts, [params] * len(prompts))
+        traffic = getattr(llm.model, "traffic", {})
+        before = dict(COUNTS), dict(traffic)
+        with llm.cache.hold(), (llm.runner.leader_samples() if leader else contextlib.nullcontext()):
+            stamps = step_times(llm.core.run(reqs))
+        after = dict(COUNTS), dict(traffic)
+        delta = {k: after[0][k] - before[0][k] for k in COUNTS}
+        delta.update({k: after[1][k] - before[1][k] for k in traffic})
+        return stamps, delta, [r.generated for r in reqs]
+
+    run(4)  # warm-up
+    stamps1, d1, _ = run(1)  # prefill (and the first token) only
+    stampsN, dN, tokens = run(a.new + 1)  # the same prefill, then a.new decode steps
+    # The engine's path: its rank 0 samples, so the last stage sends it the logits instead of the tokens.
+    # (Every rank samples here, as in a static call: ranks other than the first stage's sample from placeholder
+    # logits, so only rank 0's tokens mean anything; EOS is banned, so the steps stay the same on every rank.)
+    _, e1, _ = run(1, leader=True)
+    _, eN, engine_tokens = run(a.new + 1, leader=True)
+    steps = [t1 - t0 for t0, t1 in zip(stampsN[1:], stampsN[2:])]
+    decode_wall = stampsN[-1] - stampsN[1]
+    per_token = {k: (dN[k] - d1[k]) / (a.new * a.batch) for k in dN}
+    result = {
+        "rank": dist.get_rank(), "step_ms": 1e3 * statistics.median(steps), "decode_wall_s": decode_wall,
+        "tp_bytes_per_token": per_token.get("tp_bytes", 0), "pp_bytes_per_token": per_token.get("sent_bytes", 0),
+        "engine_pp_bytes_per_token": (eN.get("sent_bytes", 0) - e1.get("sent_bytes", 0)) / (a.new * a.batch),
+        "pp_messages_per_step": (dN.get("messages", 0) - d1.get("messages", 0)) / a.new,
+        # share of the decode steps' wall time this rank spent computing (run N minus run 1: the decode steps)
+        "busy": ((dN["compute_s"] - d1["compute_s"]) / ((stampsN[-1] - stampsN[0]) - (stamps1[-1] - stamps1[0]))
+                 if isinstance(llm.model, PipelineTransformer) else None),
+        "weight_bytes": weight_bytes(llm.model), "tokens": tokens, "engine_tokens": engine_tokens,
+    }
+    with open(f"{a.out}.{dist.get_rank()}.json", "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def launch(a, ckpt: Path, tmp: Path, tp: int, pp: int) -> list:
+    out = tmp / f"r{tp}x{pp}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(tp * pp),
+           __file__, "--worker", "--ckpt", str(ckpt), "--tokenizer", str(a.tokenizer), "--tp", str(tp), "--pp",
+           str(pp), "--batch", str(a.batch), "--prompt", str(a.prompt), "--new", str(a.new), "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LLAMA_DEVICE": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        sys.exit(f"{tp}x{pp} failed:\n{proc.stderr[-3000:]}")
+    return [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(tp * pp)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layouts", nargs="+", default=["1x1", "4x1", "2x2"], help="TxP layouts (T tensor, P pipeline)")
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--n_layers", type=int, default=8)
+    ap.add_argument("--n_heads", type=int, default=8)
+    ap.add_argument("--n_kv_heads", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--tokenizer", default=str(LLAMA2_TOKENIZER))
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--ckpt", help=argparse.SUPPRESS)
+    ap.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--pp", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        return worker(a)
+    params = dict(dim=a.dim, n_layers=a.n_layers, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, vocab_size=32000,
+                  multiple_of=256)
+    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {machine()}")
+    print(f"# model {params}, fp32; batch {a.batch}, prompt {a.prompt}, {a.new} greedy decode steps; "
+          "gloo on CPU, 1 thread per rank")
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        ckpt = random_checkpoint(tmp / "model", params, tokenizer=Path(a.tokenizer))
+        reference = None
+        print("| layout (T x P) | ranks | decode step ms | bytes/token inside stages | bytes/token between stages "
+              "(engine) | p2p msgs/step | weights/rank MB | busy per rank |")
+        print("|---|---|---|---|---|---|---|---|")
+        for layout in a.layouts:
+            tp, pp = map(int, layout.split("x"))
+            ranks = launch(a, ckpt, tmp, tp, pp)
+            reference = reference or ranks[0]["tokens"]
+            assert all(r["tokens"] == reference for r in ranks), f"{layout} decoded other tokens"
+            assert ranks[0]["engine_tokens"] == reference, f"{layout} decoded other tokens on the engine's path"
+            busy = ", ".join(f"{r['busy']:.0%}" for r in ranks) if ranks[0]["busy"] is not None else "n/a"
+            print(f"| {tp} x {pp} | {tp * pp} | {max(r['step_ms'] for r in ranks):.1f} "
+                  f"| {sum(r['tp_bytes_per_token'] for r in ranks):,.0f} "
+                  f"| {sum(r['pp_bytes_per_token'] for r in ranks):,.0f} "
+                  f"({sum(r['engine_pp_bytes_per_token'] for r in ranks):,.0f}) "
+                  f"| {sum(r['pp_messages_per_step'] for r in ranks):.0f} "
+                  f"| {max(r['weight_bytes'] for r in ranks) / 1e6:.1f} | {busy} |", flush=True)
+        print("# every layout decoded the same greedy tokens")
+
+
+if __name__ == "__main__":
+    main()

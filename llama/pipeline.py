@@ -1,0 +1,284 @@
+"""Pipeline parallel: the layers split into P contiguous stages, each stage tensor-parallel over T ranks.
+
+Layout (parallel.init_distributed): world = T x P ranks, global rank = stage * T + tensor-parallel rank, so a
+stage's T ranks are consecutive (one node under `torchrun --nproc_per_node T`) and its all-reduces stay inside the
+node; only activations cross between stages. Stage 0 holds the embedding, the last stage the final norm and the
+output projection; every stage holds its own layers and the KV cache of those layers only (llama/cache.py allocates
+a cache for the layers the model has).
+
+One forward pass (the decode core's, unchanged): every rank of the job runs the same op with the same arguments.
+Stage s receives the hidden states from stage s-1 (point-to-point), runs its layers, sends them to stage s+1;
+the last stage computes the logits. Where they go next (`logits_to`):
+
+- "last" (the decode core's sampling passes in calls on Llama, which every rank runs): they stay on the last
+  stage, which samples and broadcasts only the tokens (with their log-probabilities, failures and, when unseeded
+  sampling drew from it, its RNG state) over its pipeline group (`share_samples`, called by the runner). Every
+  rank advances its requests with the same tokens, so the schedulers stay in lockstep, as under tensor parallel.
+- "first" (the engine's sampling passes: its rank 0, on stage 0, samples every request): the last stage sends the
+  logits to the first stage only; the stages in between return a placeholder (their engine ranks discard it).
+- "all" (scoring, prefixes, prompt log-probabilities): the last stage broadcasts the logits over its pipeline
+  group, so every rank returns the same logits as a single process.
+
+With T > 1 each tensor-parallel rank sends only its 1/T slice of the hidden states (or logits) to its peer, and
+the receiving stage all-gathers the slices inside its node, so the bytes that cross between stages do not grow
+with T.
+
+Why not torch.distributed.pipelining: it schedules training micro-batches through a stage's forward (and
+backward) with its own shape inference, and owns the loop that drives them. Inference here needs a persistent
+per-stage KV cache written at per-row positions, ragged shapes that change every step (prefill chunks, a decode
+batch that grows and shrinks), and the one decode core and scheduler to stay the only loop. Point-to-point
+sends inside the model's forward give exactly that, with shapes every rank already knows from the op.
+"""
+
+import pickle
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from fairscale.nn.model_parallel import initialize as fs_init
+from torch import nn
+
+from . import checkpoint, parallel
+from .model import (ColumnLinear, Embedding, ModelArgs, RMSNorm, Transformer, TransformerBlock,
+                    check_model_parallel)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage as seen from one rank: its index, the global layer ids it runs, and the global ranks of
+    its pipeline group (the same tensor-parallel rank in every stage, first stage first)."""
+
+    index: int
+    count: int
+    layers: range
+    ranks: Tuple[int, ...]
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+
+def split_layers(n_layers: int, stages: int) -> List[range]:
+    """P contiguous, balanced ranges of layer ids: sizes differ by at most one, the larger ones first (the last
+    stage also runs the final norm and the output projection)."""
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"pipeline_parallel_size must be a positive integer, got {stages!r}")
+    if n_layers < stages:
+        raise ValueError(f"pipeline_parallel_size {stages} exceeds n_layers ({n_layers}): every stage needs at least "
+                         f"one layer, so use at most {n_layers} stages")
+    base, extra = divmod(n_layers, stages)
+    out, start = [], 0
+    for s in range(stages):
+        size = base + (s < extra)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+def check_layout(args: ModelArgs, model_parallel_size: int, pipeline_parallel_size: int) -> None:
+    """ValueError naming the input and its limit unless (T, P) fits the model: layers >= P, and T divides the head
+    counts, dim, FFN width and vocabulary."""
+    split_layers(args.n_layers, pipeline_parallel_size)
+    check_model_parallel(args, model_parallel_size)
+
+
+def current_stage(n_layers: int) -> Stage:
+    """This rank's stage, from the process groups parallel.init_distributed made."""
+    count, index = parallel.pipeline_parallel_size(), parallel.pipeline_parallel_rank()
+    return Stage(index, count, split_layers(n_layers, count)[index], tuple(parallel.pipeline_parallel_ranks()))
+
+
+def local_name(name: str, stage: Stage) -> Optional[str]:
+    """The name of checkpoint tensor `name` in this stage's model (layer ids renumbered from 0), or None when the
+    stage does not hold it. Every stage keeps the final norm's few bytes: it is the cache's dtype/device reference."""
+    if name.startswith("layers."):
+        i, rest = name[len("layers."):].split(".", 1)
+        return f"layers.{int(i) - stage.layers.start}.{rest}" if int(i) in stage.layers else None
+    if name == "tok_embeddings.weight":
+        return name if stage.first else None
+    if name == "output.weight":
+        return name if stage.last else None
+    return name
+
+
+class PipelineTransformer(Transformer):
+    """The layers of one stage (and the embedding on the first, the output on the last) with a forward pass that
+    exchanges hidden states and logits with the other stages. Same call signature and result as Transformer."""
+
+    def __init__(self, params: ModelArgs, stage: Stage):
+        nn.Module.__init__(self)
+        if params.vocab_size < 1:
+            raise ValueError(f"vocab_size must be set (got {params.vocab_size}); take it from the tokenizer")
+        self.tp = fs_init.get_model_parallel_world_size()
+        check_layout(params, self.tp, stage.count)
+        self.params, self.stage = params, stage
+        self.vocab_size, self.n_layers = params.vocab_size, params.n_layers
+        self.tok_embeddings = Embedding(params.vocab_size, params.dim) if stage.first else None
+        self.layers = nn.ModuleList(TransformerBlock(i, params) for i in stage.layers)
+        self.norm = RMSNorm(params.dim, eps=params.norm_eps)
+        self.output = ColumnLinear(params.dim, params.vocab_size, gather_output=True) if stage.last else None
+        self.register_buffer("rope_cos", None, persistent=False)
+        self.register_buffer("rope_sin", None, persistent=False)
+        # What this rank sent to other stages and how its time went: compute (own layers, embedding, output)
+        # versus waiting for another stage. Read by benchmarks/bench_pipeline.py. Host-side clocks: on CUDA they
+        # time kernel launches, not kernels, unless CUDA_LAUNCH_BLOCKING=1.
+        self.traffic: Dict[str, float] = {"sent_bytes": 0, "messages": 0, "compute_s": 0.0, "wait_s": 0.0}
+        self.logits_to = "all"  # or "last" or "first": see the module docstring (the runner switches it)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, start_pos=0, rows: Optional[torch.Tensor] = None,
+                logit_index: Optional[torch.Tensor] = None, kv_len: Optional[int] = None) -> torch.Tensor:
+        B, T = tokens.shape
+        layer_args = self.layer_inputs(tokens, start_pos, rows, kv_len)
+        if self.stage.first:
+            tic = time.perf_counter()
+            h = self.tok_embeddings(tokens)
+        else:
+            h = self._receive((B, T, self.params.dim), self.norm.weight.dtype, self.stage.ranks[self.stage.index - 1])
+            tic = time.perf_counter()
+        for layer in self.layers:
+            h = layer(h, *layer_args)
+        logits = self.logits(h, logit_index) if self.stage.last else None
+        self.traffic["compute_s"] += time.perf_counter() - tic
+        if not self.stage.last:
+            self._send(h, self.stage.ranks[self.stage.index + 1])
+        shape = (B, 1 if logit_index is not None else T, self.vocab_size)
+        placeholder = torch.zeros((), device=tokens.device).expand(shape)  # what ranks that do not sample get
+        if self.logits_to == "last":  # the last stage samples and shares the tokens
+            return logits if self.stage.last else placeholder
+        if self.logits_to == "first":  # the engine: only its leader, on stage 0, samples
+            if not (self.stage.first or self.stage.last):
+                return placeholder
+            return self._logits_to_first(logits, shape)
+        return self._share_logits(logits, shape, tokens.device)
+
+    def decode_step(self, tokens, pos, rows=None):
+        raise RuntimeError("pipeline stages decode eagerly: the compiled decode step is not available with "
+                           "pipeline_parallel_size > 1")
+
+    # ------------------------------------------------------------------------------------------ communication
+    def _slice(self, x: torch.Tensor) -> torch.Tensor:
+        """This tensor-parallel rank's 1/T of x's last dimension: what it sends to its peer in another stage."""
+        if self.tp == 1:
+            return x.contiguous()
+        return x.chunk(self.tp, dim=-1)[fs_init.get_model_parallel_rank()].contiguous()
+
+    def _gather(self, part: torch.Tensor) -> torch.Tensor:
+        return part if self.tp == 1 else parallel.gather_last_dim(part)
+
+    def _send(self, h: torch.Tensor, dst: int) -> None:
+        part = self._slice(h)
+        tic = time.perf_counter()
+        dist.send(part, dst)
+        self.traffic["wait_s"] += time.perf_counter() - tic
+        self.traffic["sent_bytes"] += part.numel() * part.element_size()
+        self.traffic["messages"] += 1
+
+    def _receive(self, shape, dtype, src: int) -> torch.Tensor:
+        part = torch.empty(*shape[:-1], shape[-1] // self.tp, dtype=dtype, device=self.norm.weight.device)
+        tic = time.perf_counter()
+        dist.recv(part, src)
+        h = self._gather(part)
+        self.traffic["wait_s"] += time.perf_counter() - tic
+        return h
+
+    def _logits_to_first(self, logits: Optional[torch.Tensor], shape) -> torch.Tensor:
+        """The last stage's logits on the first stage only: each last-stage rank sends its vocabulary slice to its
+        first-stage peer, which all-gathers them inside its node."""
+        if self.stage.last:
+            self._send(logits, self.stage.ranks[0])
+            return logits
+        return self._receive(shape, torch.float32, self.stage.ranks[-1])
+
+    def _share_logits(self, logits: Optional[torch.Tensor], shape, device) -> torch.Tensor:
+        """The last stage's logits on every rank: each last-stage rank broadcasts its vocabulary slice over its
+        pipeline group, and the other stages all-gather the slices inside their tensor-parallel group."""
+        if self.stage.count == 1:
+            return logits
+        if self.stage.last:
+            part = self._slice(logits)
+        else:
+            part = torch.empty(*shape[:-1], shape[-1] // self.tp, dtype=torch.float32, device=device)
+        tic = time.perf_counter()
+        dist.broadcast(part, self.stage.ranks[-1], group=fs_init.get_pipeline_parallel_group())
+        if self.stage.last:
+            self.traffic["sent_bytes"] += part.numel() * part.element_size() * (self.stage.count - 1)
+            self.traffic["messages"] += self.stage.count - 1
+            self.traffic["wait_s"] += time.perf_counter() - tic
+            return logits
+        out = self._gather(part)
+        self.traffic["wait_s"] += time.perf_counter() - tic
+        return out
+
+
+    def share_samples(self, draw: Callable[[], tuple]) -> tuple:
+        """draw() on the last stage (its tokens, log-probabilities, failures...), broadcast over the pipeline group
+        as one small object; every rank returns the last stage's result. With unseeded sampling the last stage's
+        RNG advanced alone: its new state travels along, so every rank's RNG stays the single process's."""
+        device = self.norm.weight.device
+        if self.stage.last:
+            before = _rng_state(device)
+            result = draw()
+            after = _rng_state(device)
+            obj = [(result, None if torch.equal(before, after) else after)]  # most steps leave the RNG alone
+        else:
+            obj = [None]
+        tic = time.perf_counter()
+        dist.broadcast_object_list(obj, src=self.stage.ranks[-1], group=fs_init.get_pipeline_parallel_group())
+        self.traffic["wait_s"] += time.perf_counter() - tic
+        result, rng = obj[0]
+        if self.stage.last:
+            self.traffic["sent_bytes"] += len(pickle.dumps(obj[0])) * (self.stage.count - 1)
+            self.traffic["messages"] += self.stage.count - 1
+        elif rng is not None:
+            _set_rng_state(device, rng)
+        return result
+
+
+def _rng_state(device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_rng_state(device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+# ---------------------------------------------------------------------------------------------------------- loading
+def load_stage(ckpt_dir, args: ModelArgs, stage: Stage, rank: int, world_size: int) -> PipelineTransformer:
+    """This rank's stage model (on the meta device, its tensors assigned): only the stage's layers (plus the
+    embedding on the first stage, the output on the last) and only tensor-parallel slice `rank` of `world_size`,
+    from a Meta checkpoint of any shard count. Tensors of other stages are never read: their pages stay on disk."""
+    check_layout(checkpoint.with_vocab(args, world_size), world_size, stage.count)  # before any file is read
+    sset = checkpoint.open_shards(ckpt_dir, args)
+    check_model_parallel(sset.args, world_size)  # vocab_size may only be known from the weights
+    state = {}
+    for name in sset.names:
+        local = local_name(name, stage)
+        if local is not None:
+            state[local] = sset.slice(name, rank, world_size)
+    with torch.device("meta"):
+        model = PipelineTransformer(args, stage)
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as e:
+        raise ValueError(f"checkpoint in {ckpt_dir} does not match its params.json: {e}") from None
+    return model
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters this rank holds (tied tensors counted once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
