@@ -12,5 +12,5 @@ setup(
     python_requires=">=3.9",
     install_requires=["torch>=2.5", "fairscale", "sentencepiece", "tiktoken", "tokenizers", "gguf", "safetensors",
                       "jinja2", "fire", "tqdm"],
-    extras_require={"test": ["pytest", "transformers", "llama-models==0.3.0; python_version >= '3.10'"]},
+    extras_require={"test": ["pytest", "transformers", "accelerate", "llama-models==0.3.0; python_version >= '3.10'"]},
 )

@@ -287,3 +287,21 @@ def test_a_quantized_load_of_a_q8_0_file_peaks_below_a_bf16_load(stories_dir, tm
         assert out.returncode == 0, out.stderr[-2000:]
         peaks[q] = json.loads(out.stdout.strip().splitlines()[-1])["peak"]
     assert peaks["int8"] < peaks["none"] - 0.25 * bf16_bytes, (peaks, bf16_bytes)
+
+
+def test_logits_match_transformers_on_the_same_gguf_within_1e_3(smol, golden):
+    """Hugging Face transformers reading the same file (its own GGUF loader, fp32) as an independent reference:
+    every position's logits of each golden prompt + continuation agree within 1e-3."""
+    import torch
+
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF files")
+    transformers = pytest.importorskip("transformers")
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name,
+                                                                  torch_dtype=torch.float32)
+    for g in golden["prompts"].values():
+        seq = g["prompt_tokens"] + g["generated_tokens"]
+        with torch.no_grad():
+            ref = ref_model(torch.tensor([seq])).logits[0]
+        with smol.cache.hold():
+            ours = smol.runner.logits([seq])[0].cpu()
+        assert (ours - ref).abs().max() < 1e-3, (ours - ref).abs().max()
