@@ -12,7 +12,7 @@ import torch
 from . import checkpoint, parallel
 from . import compile as compilation
 from . import quantize as quantization
-from . import gguf_checkpoint, tokenizer_hf
+from . import gguf_checkpoint, memory, quant_checkpoint, tokenizer_hf
 from .model import ModelArgs, Transformer, check_model_parallel
 from .params import positive_int
 from .tokenizer import load_tokenizer
@@ -55,19 +55,27 @@ def load(
     compile: Union[bool, str, None] = "auto",
     quantize: Optional[str] = None,
     rope_scaling_factor: Optional[float] = None,
+    group_size: Optional[int] = None,
 ) -> Tuple[Transformer, object, Optional[compilation.CompiledDecode]]:
     """(model, tokenizer, compiled decode policy or None) for Llama.build; see its docstring for the options.
 
     The KV cache is not allocated here: the generator that owns it does (llama/cache.py).
     """
     check_options(max_seq_len, max_batch_size, seed, compile, quantize)
+    gguf_path = gguf_checkpoint.find_gguf(ckpt_dir)
+    stored = None if gguf_path is not None else quant_checkpoint.stored_scheme(ckpt_dir)
+    if stored is not None:  # written by `python -m llama.quantize`: load as it is
+        quantize, group_size = quant_checkpoint.check_request(ckpt_dir, stored, quantize, group_size)
+    if group_size is not None and quantize != "int4":
+        raise ValueError(f"group_size applies to quantize='int4' only, got group_size={group_size!r} with "
+                         f"quantize={quantize!r}")
     device = torch.device(device) if device is not None else parallel.default_device()
-    dtype = parallel.resolve_dtype(torch.bfloat16 if dtype is None and quantize == "int8" else dtype, device)
+    bf16 = dtype is None and quantize in ("int8", "int4")  # their CPU kernels want bf16 activations
+    dtype = parallel.resolve_dtype(torch.bfloat16 if bf16 else dtype, device)
     start = time.time()
     mp_size = parallel.init_distributed(model_parallel_size, device)
     torch.manual_seed(seed)  # every rank seeds alike, so unseeded sampling agrees across ranks
 
-    gguf_path = gguf_checkpoint.find_gguf(ckpt_dir)
     if gguf_path is not None:  # one file: hyperparameters, weights and (unless one is given) the tokenizer
         reader = gguf_checkpoint.open_reader(gguf_path)
         params = gguf_checkpoint.read_params(reader, gguf_path)
@@ -77,6 +85,7 @@ def load(
             raise ValueError(f"tokenizer_path is needed for {ckpt_dir} (only a GGUF file carries its tokenizer)")
         tokenizer = load_tokenizer(tokenizer_path)
         params = checkpoint.read_params(ckpt_dir)
+        params.pop(quant_checkpoint.PARAMS_KEY, None)
     overrides = {}
     if rope_scaling_factor is not None:
         if isinstance(rope_scaling_factor, bool) or not isinstance(rope_scaling_factor, (int, float)) \
@@ -95,8 +104,17 @@ def load(
             f"{tokenizer_path or gguf_path} has "
             f"{tokenizer.n_words} tokens: they do not belong together"
         )
+    memory.check_fits(args, dtype, quantize, group_size, compile, mp_size, device)
     if verify and gguf_path is None:
         checkpoint.verify_checklist(ckpt_dir)
+    if stored is not None:
+        model = quant_checkpoint.load_model(ckpt_dir, args, parallel.model_parallel_rank(), mp_size, stored)
+        model.to(device=device).eval()
+        quantization.cast_floating(model, dtype)
+        compiled = compilation.compile_decode(model, compile)
+        if parallel.is_main_process():
+            print(f"Loaded in {time.time() - start:.2f} seconds")
+        return model, tokenizer, compiled
     if gguf_path is not None:
         state = gguf_state(reader, gguf_path, args, parallel.model_parallel_rank(), mp_size, dtype)
     else:
@@ -114,7 +132,7 @@ def load(
     model.to(device=device).eval()
     model.fuse()
     if quantize is not None:  # from the checkpoint's dtype: no full-size fp32 copy on the way
-        quantization.quantize(model, quantize)
+        quantization.quantize(model, quantize, group_size)
     quantization.cast_floating(model, dtype)
     if tied and model.output.scales is None:  # casting copied each: share the embedding again
         model.output.weight = model.tok_embeddings.weight
