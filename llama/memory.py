@@ -94,6 +94,9 @@ def check_fits(args: ModelArgs, dtype: torch.dtype, scheme: Optional[str], group
     if have is None:
         return
     need = estimate(args, dtype, scheme, group_size, compile, world_size)
+    # ranks on this host (torchrun) draw on the same memory: each checks that all of them fit
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    have //= local
     if need["total"] <= have:
         return
     options = []
@@ -114,4 +117,4 @@ def check_fits(args: ModelArgs, dtype: torch.dtype, scheme: Optional[str], group
         f"not loading: this configuration needs about {_gb(need['total'])} (weights {_gb(need['weights'])}, "
         f"embeddings and norms {_gb(need['embeddings'])}, KV cache {_gb(need['kv_cache'])}, compiled copy "
         f"{_gb(need['compile_copy'])}, +{int((MARGIN - 1) * 100)}%) but {_gb(have)} is available ({source})"
-        f"{hint}")
+        f"{' for each of ' + str(local) + ' ranks on this host' if local > 1 else ''}{hint}")

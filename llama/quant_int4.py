@@ -74,16 +74,17 @@ def dequantize_codes(codes: torch.Tensor, scales: torch.Tensor, group_size: int)
 
 def to_kernel(codes: torch.Tensor, scales: torch.Tensor, group_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Storage layout -> kernel layout (packed (N', K'/2) uint8, scales (K'/G, N', 2)), padded as the kernel needs."""
-    q = unpack_codes(codes).to(torch.int32)
-    n, k = q.shape
+    n, k = codes.shape[0], codes.shape[1] * 2
     groups = scales.shape[1]
     if groups != math.ceil(k / group_size):
         raise ValueError(f"int4 scales of shape {tuple(scales.shape)} do not fit a ({n}, {k}) weight with group size "
                          f"{group_size}")
     n_pad = -(-n // _ROWS) * _ROWS
-    q = F.pad(q, (0, groups * group_size - k, 0, n_pad - n), value=8)
+    q = torch.full((n_pad, groups * group_size), 8, dtype=torch.int32)  # padding: code 8 times a zero scale
+    torch.bitwise_and(codes, 15, out=q[:n, 0:k:2])
+    torch.bitwise_right_shift(codes, 4, out=q[:n, 1:k:2])
     sz = F.pad(scales, (0, 0, 0, 0, 0, n_pad - n))  # padding rows: scale 0, zero 0
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
     return packed, sz.transpose(0, 1).contiguous()
 
 
