@@ -3,9 +3,13 @@
     python benchmarks/bench.py --model 110m --dtypes fp32 bf16 int8 --compile off on --batch 1 8 32 \
         --compare hf llamacpp
     python benchmarks/bench.py --model ../shared/models/stories260K --accuracy   # int8 vs fp32 agreement
+    python benchmarks/bench.py --model 7b --workdir /big/disk/bench7b --dtypes bf16 int8 int4 --prequantized \
+        --compile off --batch 1 8 --compare llamacpp     # Llama 2 7B shape; weights written once, reused
 
---model is a Meta-layout checkpoint directory or a shape name (tiny, 110m, 1b), for which random weights are
-written to a temporary directory (never into the repository). Each configuration runs in a fresh process, so
+--model is a Meta-layout checkpoint directory or a shape name (tiny, 110m, 1b, 7b), for which random weights are
+written to --workdir (reused by later runs that name the same directory) or a temporary directory (never into
+the repository). --prequantized also writes int8/int4 checkpoints there once (`python -m llama.quantize`) and
+loads those, as a user who quantized once would; without it, int8/int4 quantize at load. Each configuration runs in a fresh process, so
 peak RSS and compile state are its own. Per configuration: load time, peak RSS, prefill tok/s for a P-token
 prompt, time to first token, decode tok/s at each batch size (greedy, EOS disabled so every run decodes N
 tokens), and at batch 1 the weight bytes streamed per second against the read bandwidth measured in the same run.
@@ -38,8 +42,10 @@ def run_llama(cfg: dict) -> dict:
 
     P, N, batches, repeat = cfg["prompt"], cfg["gen"], cfg["batch"], cfg["repeat"]
     start = time.perf_counter()
-    llm = Llama.build(cfg["ckpt"], cfg["tokenizer"], max_seq_len=P + N, max_batch_size=max(batches),
-                      dtype=DTYPES.get(cfg["dtype"]), quantize=cfg["quantize"], compile=cfg["compile"])
+    pre = cfg.get("prequantized")  # a checkpoint written by `python -m llama.quantize`: loads as its scheme
+    llm = Llama.build(pre or cfg["ckpt"], cfg["tokenizer"], max_seq_len=P + N, max_batch_size=max(batches),
+                      dtype=DTYPES.get(cfg["dtype"]), quantize=None if pre else cfg["quantize"],
+                      compile=cfg["compile"])
     out = {"load_s": time.perf_counter() - start}
     llm.tokenizer.stop_tokens = {}  # random weights: never stop early, every run decodes N tokens
     prompt = prompt_tokens(llm.model.vocab_size, P)
@@ -91,7 +97,7 @@ def label(cfg: dict) -> str:
     if cfg["engine"] == "llama":
         prec = cfg["quantize"] or cfg["dtype"]
         state = {False: "eager", "auto": "compile=auto"}.get(cfg["compile"], "compiled")
-        return f"llama {prec} {state}"
+        return f"llama {prec}{' (pre-quantized)' if cfg.get('prequantized') else ''} {state}"
     if cfg["engine"] == "llamacpp":
         return f"llama.cpp {cfg['gguf_type']}"
     return f"transformers {cfg['dtype']}"
@@ -99,8 +105,9 @@ def label(cfg: dict) -> str:
 
 def precision(cfg: dict) -> str:
     if cfg["engine"] == "llamacpp":
-        return {"f32": "fp32", "bf16": "bf16", "q8_0": "int8"}[cfg["gguf_type"]]
-    return "int8" if cfg.get("quantize") else cfg["dtype"]
+        return {"f32": "fp32", "bf16": "bf16", "q8_0": "int8", "q4_0": "int4"}[cfg["gguf_type"]]
+    q = cfg.get("quantize")
+    return ("int4" if q == "int4" else "int8") if q else cfg["dtype"]
 
 
 def fmt(v, spec=".1f"):
@@ -175,6 +182,20 @@ def int8_accuracy(ckpt: str, tokenizer: str, goldens: Path) -> dict:
 
 
 # --------------------------------------------------------------------------------------------- main
+def prequantize(ckpt: str, workdir: str, scheme: str) -> str:
+    """The `python -m llama.quantize` copy of ckpt in workdir (written once, in a subprocess, and timed)."""
+    out = Path(workdir) / f"{Path(ckpt).name}-{scheme}"
+    if not (out / "params.json").exists():
+        t = time.perf_counter()
+        tmp = out.with_name(out.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "llama.quantize", ckpt, str(tmp), "--scheme", scheme, "--no-progress"],
+                       check=True, cwd=Path(__file__).resolve().parents[1])
+        tmp.rename(out)
+        print(f"wrote the {scheme} checkpoint {out} in {time.perf_counter() - t:.0f} s", flush=True)
+    return str(out)
+
+
 def configs(args, ckpt: str, tokenizer: str):
     base = dict(ckpt=ckpt, tokenizer=tokenizer, prompt=args.prompt, gen=args.gen, batch=args.batch,
                 repeat=args.repeat)
@@ -182,12 +203,15 @@ def configs(args, ckpt: str, tokenizer: str):
     for prec in args.dtypes:
         for comp in args.compile:
             compile_arg = {"off": False, "auto": "auto", "on": True if args.compile_mode == "dtype" else args.compile_mode}
-            quantized = prec.startswith("int8")
-            out.append(dict(base, engine="llama", dtype=None if quantized else prec, quantize=prec if quantized else None,
-                            compile=compile_arg[comp]))
-        if "hf" in args.compare and not prec.startswith("int8"):
+            quantized = prec.startswith("int")
+            cfg = dict(base, engine="llama", dtype=None if quantized else prec, quantize=prec if quantized else None,
+                       compile=compile_arg[comp])
+            if args.prequantized and prec in ("int8", "int4"):
+                cfg["prequantized"] = prequantize(ckpt, args.workdir, prec)
+            out.append(cfg)
+        if "hf" in args.compare and not prec.startswith("int"):
             out.append(dict(base, engine="hf", dtype=prec))
-        gguf_type = {"fp32": "f32", "bf16": "bf16", "int8": "q8_0", "int8-dynamic": "q8_0"}[prec]
+        gguf_type = {"fp32": "f32", "bf16": "bf16", "int8": "q8_0", "int8-dynamic": "q8_0", "int4": "q4_0"}[prec]
         if "llamacpp" in args.compare and not any(c.get("gguf_type") == gguf_type for c in out):
             out.append(dict(base, engine="llamacpp", gguf_type=gguf_type, batch=[1], workdir=args.workdir))
     return out
@@ -198,7 +222,10 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="110m", help="checkpoint directory or shape: " + ", ".join(SHAPES))
     ap.add_argument("--tokenizer", help="tokenizer.model (default: the checkpoint's, else the Llama 2 tokenizer)")
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16", "int8", "int8-dynamic"],
-                    choices=["fp32", "bf16", "int8", "int8-dynamic"], help="int8 schemes: see llama/quantize.py")
+                    choices=["fp32", "bf16", "int8", "int8-dynamic", "int4"],
+                    help="int8 schemes: see llama/quantize.py; int4: llama/quant_int4.py (group 32)")
+    ap.add_argument("--prequantized", action="store_true",
+                    help="int8/int4: load checkpoints written once into --workdir by python -m llama.quantize")
     ap.add_argument("--compile", nargs="+", default=["off", "on"], choices=["off", "on", "auto"],
                     help="off: eager; on: compile each batch size up front; auto: Llama.build's default rule")
     ap.add_argument("--compile-mode", default="dtype", choices=["dtype", "max-autotune", "default"],

@@ -26,6 +26,7 @@ SHAPES = {
     "110m": dict(dim=768, n_layers=12, n_heads=12, vocab_size=32000, multiple_of=256),  # 134M with the output
     "1b": dict(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, vocab_size=32000, multiple_of=512,
                ffn_dim_multiplier=1.4),  # FFN 7680, 1.38B
+    "7b": dict(dim=4096, n_layers=32, n_heads=32, vocab_size=32000, multiple_of=256),  # Llama 2 7B: 13.5 GB bf16
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -108,16 +108,17 @@ GGUF_NAMES = {"attention.wq": "attn_q", "attention.wk": "attn_k", "attention.wv"
 
 
 def write_gguf(ckpt: str, tokenizer: str, path: Path, qtype: str) -> Path:
-    """Meta checkpoint -> GGUF (llama architecture), 2-D tensors as qtype (f32, bf16 or q8_0), norms f32."""
+    """Meta checkpoint -> GGUF (llama architecture), 2-D tensors as qtype (f32, bf16, q8_0 or q4_0; quantized by
+    gguf's reference quantizer, llama.cpp's block formats), norms f32."""
     import gguf
     import numpy as np
     from sentencepiece import SentencePieceProcessor
 
     args, meta = meta_state(ckpt)
     qt = {"f32": gguf.GGMLQuantizationType.F32, "bf16": gguf.GGMLQuantizationType.BF16,
-          "q8_0": gguf.GGMLQuantizationType.Q8_0}[qtype]
+          "q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}[qtype]
     ftype = {"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
-             "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype]
+             "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[qtype]
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_context_length(4096)
     w.add_embedding_length(args.dim)

@@ -50,13 +50,18 @@ class Llama:
         quantize: Optional[str] = None,
         rope_scaling_factor: Optional[float] = None,
         pipeline_parallel_size: int = 1,
+        group_size: Optional[int] = None,
     ) -> "Llama":
         """Load a checkpoint: a Meta-layout directory, or a GGUF file (or a directory holding one; its embedded
         tokenizer and chat template are used unless tokenizer_path is given). Works in plain python and under
         torchrun, on CPU or CUDA.
 
         quantize="int8": int8 weight-only linear layers (activations bf16 unless dtype says otherwise);
-        "int8-dynamic" (CPU): int8 weights and per-row dynamic int8 activations in oneDNN (llama/quantize.py).
+        "int8-dynamic" (CPU): int8 weights and per-row dynamic int8 activations in oneDNN (llama/quantize.py);
+        "int4" (CPU): group-wise 4-bit weights, group_size inputs per scale (default 32; llama/quant_int4.py).
+        A checkpoint written by `python -m llama.quantize` loads as the scheme it records, without requantizing.
+        A configuration whose weights and KV cache would not fit in available memory (or LLAMA_MEMORY_LIMIT
+        bytes) is refused before loading, naming what would fit (llama/memory.py).
         compile="auto" (default): on CPU, models of 50M+ parameters compile their one-token decode step once eager
         decoding has cost what compiling would, so short runs never wait and long ones end up compiled; True
         compiles on first use; "max-autotune"/"default" pick Inductor's mode; False never compiles (llama/compile.py).
@@ -67,7 +72,8 @@ class Llama:
         """
         model, tokenizer, compiled = loader.load(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size,
                                                  model_parallel_size, seed, device, dtype, verify, compile, quantize,
-                                                 rope_scaling_factor, pipeline_parallel_size)
+                                                 rope_scaling_factor, pipeline_parallel_size=pipeline_parallel_size,
+                                                 group_size=group_size)
         return Llama(model, tokenizer, max_batch_size, max_seq_len, compiled)
 
     def __init__(self, model, tokenizer, max_batch_size: int, max_seq_len: int, compiled=None):

@@ -15,7 +15,7 @@ from tqdm import tqdm
 from . import checkpoint, parallel
 from . import compile as compilation
 from . import quantize as quantization
-from . import gguf_checkpoint, pipeline, tokenizer_hf
+from . import gguf_checkpoint, memory, pipeline, quant_checkpoint, tokenizer_hf
 from .model import Fusable, ModelArgs, Transformer, check_model_parallel
 from .params import positive_int
 from .tokenizer import load_tokenizer
@@ -52,19 +52,20 @@ def freed_memory_returned():
         mallopt(m_trim_threshold, 64 << 20)
 
 
-def prepare(module: torch.nn.Module, device, dtype, quantize: Optional[str]) -> None:
+def prepare(module: torch.nn.Module, device, dtype, quantize: Optional[str],
+            group_size: Optional[int] = None) -> None:
     """Move, fuse, quantize and cast a module in place: the whole model, or one layer as soon as it is loaded."""
     module.to(device=device)
     for m in module.modules():
         if isinstance(m, Fusable):
             m.fuse()
     if quantize is not None:  # from the checkpoint's dtype: no full-size fp32 copy on the way
-        quantization.quantize(module, quantize)
+        quantization.quantize(module, quantize, group_size)
     quantization.cast_floating(module, dtype)
 
 
 def gguf_model(reader, path, args: ModelArgs, rank: int, world_size: int, device, dtype,
-               quantize: Optional[str]) -> Transformer:
+               quantize: Optional[str], group_size: Optional[int] = None) -> Transformer:
     """This rank's model from a GGUF file, layer by layer: each layer is dequantized to dtype, sliced, moved,
     fused and quantized, and its file pages released, before the next is read, so a quantized load never holds
     the whole model in full precision, nor the file beside the model. A missing output.weight is the embedding: shared at world size 1, cut along the vocabulary above."""
@@ -84,7 +85,7 @@ def gguf_model(reader, path, args: ModelArgs, rank: int, world_size: int, device
     model.load_state_dict(state, strict=False, assign=True)
     if "output.weight" not in shapes and world_size == 1:  # one Parameter, so .to() keeps one copy
         model.output.weight = model.tok_embeddings.weight
-    prepare(model.output, device, dtype, quantize)  # quantized now, not held in full precision meanwhile
+    prepare(model.output, device, dtype, quantize, group_size)  # quantized now, not held in full precision meanwhile
     big = sum(int(t.n_bytes) for t in reader.tensors) > 1 << 30
     for i in tqdm(range(args.n_layers), desc=f"loading {path.name}", unit="layer", disable=not big):
         prefix = f"layers.{i}."
@@ -94,7 +95,7 @@ def gguf_model(reader, path, args: ModelArgs, rank: int, world_size: int, device
             model.layers[i].load_state_dict(layer, strict=True, assign=True)
         except RuntimeError as e:
             raise ValueError(f"{path}: layer {i} does not match the metadata: {e}") from None
-        prepare(model.layers[i], device, dtype, quantize)
+        prepare(model.layers[i], device, dtype, quantize, group_size)
         gguf_checkpoint.release(reader, layers[i])
     return model
 
@@ -113,6 +114,7 @@ def load(
     quantize: Optional[str] = None,
     rope_scaling_factor: Optional[float] = None,
     pipeline_parallel_size: int = 1,
+    group_size: Optional[int] = None,
 ) -> Tuple[Transformer, object, Optional[compilation.CompiledDecode]]:
     """(model, tokenizer, compiled decode policy or None) for Llama.build; see its docstring for the options.
 
@@ -123,13 +125,23 @@ def load(
     if staged and not any(compile is v for v in (False, None)) and compile != "auto":
         raise ValueError(f"compile={compile!r} is not available with pipeline_parallel_size="
                          f"{pipeline_parallel_size}: pipeline stages decode eagerly (pass compile=False or 'auto')")
+    gguf_path = gguf_checkpoint.find_gguf(ckpt_dir)
+    stored = None if gguf_path is not None else quant_checkpoint.stored_scheme(ckpt_dir)
+    if stored is not None:  # written by `python -m llama.quantize`: load as it is
+        if staged:
+            raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size} loads unquantized Meta-layout "
+                             f"checkpoints only, not the quantized checkpoint in {ckpt_dir}")
+        quantize, group_size = quant_checkpoint.check_request(ckpt_dir, stored, quantize, group_size)
+    if group_size is not None and quantize != "int4":
+        raise ValueError(f"group_size applies to quantize='int4' only, got group_size={group_size!r} with "
+                         f"quantize={quantize!r}")
     device = torch.device(device) if device is not None else parallel.default_device()
-    dtype = parallel.resolve_dtype(torch.bfloat16 if dtype is None and quantize == "int8" else dtype, device)
+    bf16 = dtype is None and quantize in ("int8", "int4")  # their CPU kernels want bf16 activations
+    dtype = parallel.resolve_dtype(torch.bfloat16 if bf16 else dtype, device)
     start = time.time()
     mp_size = parallel.init_distributed(model_parallel_size, device, pipeline_parallel_size)
     torch.manual_seed(seed)  # every rank seeds alike, so unseeded sampling agrees across ranks
 
-    gguf_path = gguf_checkpoint.find_gguf(ckpt_dir)
     if gguf_path is not None:  # one file: hyperparameters, weights and (unless one is given) the tokenizer
         reader = gguf_checkpoint.open_reader(gguf_path)
         params = gguf_checkpoint.read_params(reader, gguf_path)
@@ -139,6 +151,7 @@ def load(
             raise ValueError(f"tokenizer_path is needed for {ckpt_dir} (only a GGUF file carries its tokenizer)")
         tokenizer = load_tokenizer(tokenizer_path)
         params = checkpoint.read_params(ckpt_dir)
+        params.pop(quant_checkpoint.PARAMS_KEY, None)
     overrides = {}
     if rope_scaling_factor is not None:
         if isinstance(rope_scaling_factor, bool) or not isinstance(rope_scaling_factor, (int, float)) \
@@ -157,8 +170,18 @@ def load(
             f"{tokenizer_path or gguf_path} has "
             f"{tokenizer.n_words} tokens: they do not belong together"
         )
+    # each rank holds about 1/(T x P) of the weights
+    memory.check_fits(args, dtype, quantize, group_size, compile, mp_size * pipeline_parallel_size, device)
     if verify and gguf_path is None:
         checkpoint.verify_checklist(ckpt_dir)
+    if stored is not None:
+        model = quant_checkpoint.load_model(ckpt_dir, args, parallel.model_parallel_rank(), mp_size, stored)
+        model.to(device=device).eval()
+        quantization.cast_floating(model, dtype)
+        compiled = compilation.compile_decode(model, compile)
+        if parallel.is_main_process():
+            print(f"Loaded in {time.time() - start:.2f} seconds")
+        return model, tokenizer, compiled
     if staged:  # this rank's stage only: its layers and its tensor-parallel slice of them (llama/pipeline.py)
         if gguf_path is not None:
             raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size} loads Meta-layout checkpoint "
@@ -168,7 +191,7 @@ def load(
     elif gguf_path is not None:
         with freed_memory_returned():
             model = gguf_model(reader, gguf_path, args, parallel.model_parallel_rank(), mp_size, device, dtype,
-                               quantize)
+                               quantize, group_size)
     else:
         state = checkpoint.load_state_dict(ckpt_dir, args, parallel.model_parallel_rank(), mp_size)
         with torch.device("meta"):
@@ -183,7 +206,7 @@ def load(
     if tied:  # one Parameter for both, so moving to the device makes one copy, not two
         model.output.weight = model.tok_embeddings.weight
     model.eval()
-    prepare(model, device, dtype, quantize)  # what layer-by-layer loading has not done yet
+    prepare(model, device, dtype, quantize, group_size)  # what layer-by-layer loading has not done yet
     if tied and model.output.scales is None:  # casting copied each: share the embedding again
         model.output.weight = model.tok_embeddings.weight
     compiled = None if staged else compilation.compile_decode(model, compile)

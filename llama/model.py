@@ -292,6 +292,9 @@ class Fusable(nn.Module):
 
 def _split_fused(module, state_dict, prefix, local_metadata):
     for fused_name, names in module.FUSED.items():
+        layer = getattr(module, fused_name, None)
+        if layer is not None and layer.scales is not None and layer.scales.dim() == 3:
+            continue  # int4's packed layout cannot be cut into rows: kept fused (quant_checkpoint writes Meta names)
         for kind in ("weight", "scales"):
             key = f"{prefix}{fused_name}.{kind}"
             if key in state_dict:

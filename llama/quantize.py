@@ -1,4 +1,5 @@
-"""int8 quantization of every linear layer: int8 weights with one scale per output channel, two ways to multiply.
+"""Quantized linear layers. Group-wise 4-bit ("int4") lives in llama/quant_int4.py; this module is int8 (int8
+weights with one scale per output channel, two ways to multiply) and the dispatch between them.
 
 Decoding reads every weight once per token, so halving the bytes (vs bf16) nearly doubles batch-1 speed.
 
@@ -18,14 +19,16 @@ rows (same result as quantizing the full matrix), a row-parallel shard gets scal
 partial sums are still added by the all-reduce.
 """
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from fairscale.nn.model_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from torch import nn
 
-SCHEMES = ("int8", "int8-dynamic")
+from .quant_int4 import DEFAULT_GROUP_SIZE, int4_linear, quantize_int4
+
+SCHEMES = ("int8", "int8-dynamic", "int4")
 
 
 def quantize_weight(weight: torch.Tensor, scale_dtype: torch.dtype = torch.bfloat16,
@@ -54,6 +57,8 @@ def product(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """x @ W.T for a (possibly quantized) Column/RowLinear's local weight."""
     if layer.packed is not None:
         return dynamic_int8_linear(x, layer.packed, layer.scales, layer.zero_points)
+    if layer.scales is not None and layer.scales.dim() == 3:  # group-wise int4 (llama/quant_int4.py)
+        return int4_linear(x, layer.weight, layer.scales, layer.int4_out)
     return linear(x, layer.weight, layer.scales)
 
 
@@ -174,8 +179,20 @@ def cast_floating(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return model
 
 
-def quantize(model: nn.Module, scheme: str) -> nn.Module:
-    """Apply a quantization scheme by name (Llama.build's `quantize=`)."""
+def quantize(model: nn.Module, scheme: str, group_size: Optional[int] = None) -> nn.Module:
+    """Apply a quantization scheme by name (Llama.build's `quantize=`); group_size is int4's (default 32)."""
     if scheme not in SCHEMES:
         raise ValueError(f"quantize must be one of {SCHEMES} or None, got {scheme!r}")
+    if group_size is not None and scheme != "int4":
+        raise ValueError(f"group_size applies to quantize='int4' only, got group_size={group_size!r} with {scheme!r}")
+    if scheme == "int4":
+        return quantize_int4(model, DEFAULT_GROUP_SIZE if group_size is None else group_size)
     return quantize_int8(model) if scheme == "int8" else quantize_int8_dynamic(model)
+
+
+if __name__ == "__main__":  # python -m llama.quantize CKPT_DIR OUT_DIR --scheme int8|int4 (llama/quantize_cli.py)
+    import sys
+
+    from .quantize_cli import main
+
+    sys.exit(main())

@@ -69,7 +69,7 @@ def test_build_int8_follows_fp32_greedy_on_stories(stories_dir, goldens):
 
 def test_bad_quantize_argument(stories_dir):
     with pytest.raises(ValueError, match="quantize must be one of"):
-        Llama.build(str(stories_dir), str(stories_dir / "tokenizer.model"), 64, 1, quantize="int4")
+        Llama.build(str(stories_dir), str(stories_dir / "tokenizer.model"), 64, 1, quantize="int3")
 
 
 SCRIPT = textwrap.dedent("""

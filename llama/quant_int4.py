@@ -1,0 +1,143 @@
+"""Group-wise 4-bit weights ("int4"): every run of `group_size` input weights of an output row gets its own scale and
+offset, so a weight costs 4 bits plus 32 bits per group (4.5 bits at group 32, 7B: ~3.8 GB).
+
+Scheme: asymmetric round-to-nearest, like llama.cpp's q4_1 (q4_0 is the symmetric variant with no offset): per
+group, scale = (max - min) / 15 and w ~= (code - 8) * scale + zero with zero = min + 8 * scale, codes 0..15. The
+scale and zero are rounded to bf16 before the codes are chosen, so the codes fit the values actually applied.
+
+Kernel: torch.ops.aten._weight_int4pack_mm_for_cpu (PyTorch's CPU int4 GEMM, AVX-512 where the CPU has it) on
+weights packed once by aten._convert_weight_to_int4pack_for_cpu; bf16 activations. It needs the output size to be
+a multiple of 16 and the group size one of 32, 64, 128, 256 dividing the input size: other layers are padded
+(zero rows and columns, whose products are dropped). Measured against bf16, int8 and torchao in
+benchmarks/quant_kernels.py (docs/performance.md).
+
+Two layouts:
+- storage (checkpoints, llama/quant_checkpoint.py): codes (N, K/2) uint8, two per byte (even k in the low nibble),
+  and scales (N, ceil(K/G), 2) as (scale, zero) pairs. Rows and whole groups slice like the float weight, so a
+  checkpoint shards along the same dimensions as Meta's.
+- kernel (in the model): weight = packed (N', K'/2) uint8 in the kernel's own interleaved order (not sliceable),
+  scales = (K'/G, N', 2), N' and K' the padded sizes; the layer's out size is kept in `int4_out`.
+"""
+
+import math
+from typing import Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GROUP_SIZES = (32, 64, 128, 256)  # what the CPU kernel takes
+DEFAULT_GROUP_SIZE = 32  # q4_0/q4_1's block size
+_ROWS = 16  # the packed layout's row block: output sizes are padded to a multiple of it
+
+
+def check_group_size(group_size) -> int:
+    if isinstance(group_size, bool) or group_size not in GROUP_SIZES:
+        raise ValueError(f"int4 group size must be one of {GROUP_SIZES} (the CPU int4 kernel's), got {group_size!r}")
+    return group_size
+
+
+def quantize_codes(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
+                   scale_dtype: torch.dtype = torch.bfloat16) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) float weight -> storage layout (codes (N, K/2) uint8, scales (N, ceil(K/G), 2) scale_dtype).
+
+    A last, partial group is quantized as if padded with zeros.
+    """
+    check_group_size(group_size)
+    n, k = weight.shape
+    if k % 2:
+        raise ValueError(f"int4 weights need an even input size, got a ({n}, {k}) weight")
+    groups = math.ceil(k / group_size)
+    w = F.pad(weight.float(), (0, groups * group_size - k)).view(n, groups, group_size)
+    lo, hi = w.amin(dim=2), w.amax(dim=2)
+    scale = ((hi - lo) / 15).clamp_min(1e-12).to(scale_dtype)  # a constant group: any scale, codes all 8
+    zero = (lo + 8 * scale.float()).to(scale_dtype)
+    codes = torch.round((w - zero.float()[..., None]) / scale.float()[..., None] + 8).clamp_(0, 15).to(torch.uint8)
+    codes = codes.view(n, -1)[:, :k]
+    return codes[:, 0::2] | (codes[:, 1::2] << 4), torch.stack([scale, zero], dim=-1)
+
+
+def unpack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Storage codes (N, K/2) -> (N, K) uint8 values 0..15."""
+    return torch.stack([codes & 15, codes >> 4], dim=-1).view(codes.shape[0], -1)
+
+
+def dequantize_codes(codes: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The fp32 (N, K) weight a storage-layout int4 weight stands for."""
+    q = unpack_codes(codes).float()
+    n, k = q.shape
+    groups = scales.shape[1]
+    q = F.pad(q, (0, groups * group_size - k)).view(n, groups, group_size)
+    s = scales.float()
+    return ((q - 8) * s[..., 0:1] + s[..., 1:2]).view(n, -1)[:, :k]
+
+
+def to_kernel(codes: torch.Tensor, scales: torch.Tensor, group_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Storage layout -> kernel layout (packed (N', K'/2) uint8, scales (K'/G, N', 2)), padded as the kernel needs."""
+    n, k = codes.shape[0], codes.shape[1] * 2
+    groups = scales.shape[1]
+    if groups != math.ceil(k / group_size):
+        raise ValueError(f"int4 scales of shape {tuple(scales.shape)} do not fit a ({n}, {k}) weight with group size "
+                         f"{group_size}")
+    n_pad = -(-n // _ROWS) * _ROWS
+    q = torch.full((n_pad, groups * group_size), 8, dtype=torch.int32)  # padding: code 8 times a zero scale
+    torch.bitwise_and(codes, 15, out=q[:n, 0:k:2])
+    torch.bitwise_right_shift(codes, 4, out=q[:n, 1:k:2])
+    sz = F.pad(scales, (0, 0, 0, 0, 0, n_pad - n))  # padding rows: scale 0, zero 0
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    return packed, sz.transpose(0, 1).contiguous()
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x @ W.T for a kernel-layout int4 weight; bf16 (the scales' dtype) inside, result in x's dtype.
+
+    Each row of x is multiplied on its own (a row's result never depends on the others of its batch).
+    """
+    k_pad, group_size = packed.shape[1] * 2, packed.shape[1] * 2 // scales.shape[0]
+    rows = x.reshape(-1, x.shape[-1]).to(scales.dtype)
+    if rows.shape[1] != k_pad:
+        rows = F.pad(rows, (0, k_pad - rows.shape[1]))
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group_size, scales)
+    if y.shape[1] != out_features:
+        y = y[:, :out_features]
+    return y.reshape(*x.shape[:-1], out_features).to(x.dtype)
+
+
+def quantize_int4_weight(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE):
+    """(N, K) float weight -> (packed, kernel scales): what benchmarks call int4_linear with."""
+    codes, scales = quantize_codes(weight, group_size)
+    return to_kernel(codes, scales, group_size)
+
+
+def is_int4(layer: nn.Module) -> bool:
+    return getattr(layer, "scales", None) is not None and layer.scales.dim() == 3
+
+
+def set_int4(layer: nn.Module, codes: torch.Tensor, scales: torch.Tensor, group_size: int) -> None:
+    """Make a Column/RowLinear an int4 layer from storage-layout codes and scales."""
+    packed, sz = to_kernel(codes, scales, group_size)
+    layer.weight = nn.Parameter(packed, requires_grad=False)
+    layer.scales = nn.Parameter(sz, requires_grad=False)
+    layer.int4_out = codes.shape[0]
+
+
+@torch.no_grad()
+def quantize_int4(model: nn.Module, group_size: int = DEFAULT_GROUP_SIZE) -> nn.Module:
+    """Quantize, in place, every linear layer of model to group-wise int4; return model.
+
+    Call after model.fuse(): the packed layout cannot be concatenated afterwards. The embedding stays in the model
+    dtype. Layers already quantized are left alone. Under model parallel each rank quantizes its own shard; a
+    row-parallel shard's groups start at its first input, which are the full matrix's groups whenever the shard
+    width is a multiple of group_size.
+    """
+    from .quantize import linear_layers
+
+    check_group_size(group_size)
+    if model.norm.weight.device.type != "cpu":
+        raise ValueError(f"quantize='int4' runs on CPU only (PyTorch's CPU int4 kernel); the model is on "
+                         f"{model.norm.weight.device}: use quantize='int8' there")
+    for module in linear_layers(model):
+        if module.scales is None:
+            codes, scales = quantize_codes(module.weight, group_size)
+            set_int4(module, codes, scales, group_size)
+    return model
