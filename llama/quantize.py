@@ -32,12 +32,13 @@ SCHEMES = ("int8", "int8-dynamic", "int4")
 
 
 def quantize_weight(weight: torch.Tensor, scale_dtype: torch.dtype = torch.bfloat16,
-                    chunk_rows: int = 1024) -> Tuple[torch.Tensor, torch.Tensor]:
+                    chunk: int = 1 << 24) -> Tuple[torch.Tensor, torch.Tensor]:
     """(out, in) float weight -> (int8 weight, scales of shape (out,)) with weight ~= q * scales[:, None].
 
     The scale is rounded to scale_dtype before dividing, so the int8 values fit the scale actually applied.
-    Rows are done chunk_rows at a time, so the fp32 temporaries stay small next to a large (output) matrix.
+    Rows are done about `chunk` values at a time, so the fp32 temporaries of a large (output) matrix stay bounded.
     """
+    chunk_rows = max(1, chunk // max(weight.shape[1], 1))
     q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
     scales = torch.empty(weight.shape[0], dtype=scale_dtype, device=weight.device)
     for start in range(0, weight.shape[0], chunk_rows):
