@@ -262,3 +262,28 @@ def test_chat_default_max_tokens_is_what_fits(keyed):
     assert out.usage.completion_tokens > 16  # completions default to 16; chat runs to the end of the cache
     if out.choices[0].finish_reason == "length":
         assert out.usage.total_tokens == 128
+
+
+def test_response_format_json_schema_and_object(server):
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+              "properties": {"name": {"type": "string", "maxLength": 10},
+                             "age": {"type": "integer", "minimum": 0, "maximum": 99}}}
+    c = server.client()
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+    out = c.chat.completions.create(model="stories", messages=CHAT, temperature=1.0, seed=3, n=3, max_tokens=80,
+                                    response_format=rf)
+    for ch in out.choices:
+        assert ch.finish_reason == "stop"
+        jsonschema.validate(json.loads(ch.message.content), schema)
+    streamed = c.completions.create(model="stories", prompt=ONCE, temperature=1.0, seed=4, max_tokens=80, stream=True,
+                                    extra_body={"response_format": rf})
+    jsonschema.validate(json.loads("".join(ch.choices[0].text for ch in streamed)), schema)
+    obj = c.chat.completions.create(model="stories", messages=CHAT, temperature=0, max_tokens=30,
+                                    response_format={"type": "json_object"})
+    assert obj.choices[0].message.content.startswith("{")
+    bad = httpx.post(server.url + "/v1/chat/completions",
+                     json={"messages": CHAT, "response_format": {"type": "json_schema",
+                                                                 "json_schema": {"schema": {"type": "nonsense"}}}})
+    check_error(bad, 400, "response_format")
