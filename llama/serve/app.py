@@ -7,6 +7,7 @@ once, so their slots free up at the engine's next step.
 """
 
 import asyncio
+import contextlib
 import hmac
 import json
 import threading
@@ -343,6 +344,7 @@ def create_app(load: Callable, model_name: str, api_keys: Sequence[str] = (), ma
         Route("/config", page_config, methods=["GET"]),
     ]
 
+    @contextlib.asynccontextmanager
     async def lifespan(app):
         state.start_loading()
         yield
