@@ -287,3 +287,24 @@ def test_response_format_json_schema_and_object(server):
                      json={"messages": CHAT, "response_format": {"type": "json_schema",
                                                                  "json_schema": {"schema": {"type": "nonsense"}}}})
     check_error(bad, 400, "response_format")
+
+
+def test_model_parallel_rank0_serves(tmp_path, local):
+    """Under torchrun with 2 ranks (stories260K resharded in 2), rank 0 serves and rank 1 replays its steps: the
+    same text as one process, and a clean shutdown releases both."""
+    from llama.reshard import reshard
+
+    reshard(need(STORIES), tmp_path / "two", 2)
+    s = Server(tmp_path / "two", "--max_seq_len", str(MAX_SEQ_LEN), "--max_batch_size", "2",
+               tokenizer=STORIES / "tokenizer.model", nproc=2)
+    try:
+        c = s.client()
+        out = c.completions.create(model="two", prompt=[ONCE, "Lily"], max_tokens=24, temperature=0.8, seed=3)
+        ref = local.text_completion([ONCE, "Lily"], temperature=0.8, top_p=1.0, max_gen_len=24, seed=3)
+        assert [ch.text for ch in out.choices] == [r["generation"] for r in ref]
+        streamed = c.chat.completions.create(model="two", messages=CHAT, max_tokens=16, temperature=0, stream=True)
+        ref_chat = local.chat_completion([CHAT], temperature=0, max_gen_len=16)[0]["generation"]["content"]
+        assert "".join(ch.choices[0].delta.content or "" for ch in streamed) == ref_chat
+    finally:
+        s.close()
+    assert s.proc.returncode is not None
