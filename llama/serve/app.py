@@ -279,9 +279,13 @@ def create_app(load: Callable, model_name: str, api_keys: Sequence[str] = (), ma
                 raise protocol.bad("response_format", str(e)) from None
         state.admit(len(spec.prompts) * spec.n)
         reqs: List = []
-        try:
+
+        def submit():  # off the event loop: a grammar's first use builds its vocabulary (up to seconds)
             for p in spec.prompts:
-                reqs += engine.submit_samples(p, spec.n, **spec.params)
+                reqs.extend(engine.submit_samples(p, spec.n, **spec.params))
+
+        try:
+            await asyncio.to_thread(submit)
         except BaseException:
             for r in reqs:
                 r.cancel()
