@@ -3,11 +3,15 @@ then computing and applying the token mask at every step.
 
     python benchmarks/bench_grammar.py [TOKENIZER ...]   (default: stories260K, Llama 2 and Llama 3 from ../shared)
 
+Torch runs on one thread (LLAMA_BENCH_THREADS to change): on a busy machine the mask's small tensor operations
+cost far more spread over several threads than on one.
+
 Random logits drive the walk (no model), over a schema with a bounded string, an integer and an enum array, so
 the figure is the grammar's cost alone. Prints the median and p90 per token for each vocabulary.
 """
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -28,6 +32,7 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", 
 
 def main(paths) -> None:
     sys.set_int_max_str_digits(0)
+    torch.set_num_threads(int(os.environ.get("LLAMA_BENCH_THREADS", "1")))
     torch.manual_seed(0)
     for path in paths:
         tok = load_tokenizer(str(path))
