@@ -159,6 +159,17 @@ def main() -> None:
     print(f"generated tokens: {tokens} ({tokens / wall:.1f} tokens/s)")
     for r in errors[:5]:
         print("error:", r["error"])
+    by_id = {r["id"]: (r, e) for r, e in zip(ok, ref)}
+    for rid in mismatched[:3]:
+        r, e = by_id[rid]
+        alone = gen.text_completion([r["prompt"]], temperature=0.8, top_p=0.95, max_gen_len=r["max_tokens"],
+                                    seed=[rid])[0]["generation"]
+        cut = next((i for i, (a, b) in enumerate(zip(r["text"], e["generation"])) if a != b), None)
+        print(f"mismatch: request {rid} ({r['prompt']!r}, max_tokens {r['max_tokens']}): differs from the batched "
+              f"offline text at character {cut}; the offline text of the request alone "
+              f"{'equals the server' if alone == r['text'] else 'equals the batch' if alone == e['generation'] else 'differs from both'}")
+        print("  server: ", repr(r["text"][max(0, (cut or 0) - 40):(cut or 0) + 40]))
+        print("  offline:", repr(e["generation"][max(0, (cut or 0) - 40):(cut or 0) + 40]))
     if mismatched or errors or unfinished:
         sys.exit(f"FAILED: {len(mismatched)} mismatched, {len(errors)} errors, {len(unfinished)} unfinished")
 
