@@ -8,9 +8,13 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["llama", "llama.*"]),
-    package_data={"llama": ["data/*.txt"]},
+    package_data={"llama": ["data/*.txt", "serve/static/*"]},
     python_requires=">=3.9",
     install_requires=["torch>=2.5", "fairscale", "sentencepiece", "tiktoken", "tokenizers", "gguf", "safetensors",
                       "jinja2", "fire", "tqdm"],
-    extras_require={"test": ["pytest", "transformers", "accelerate", "llama-models==0.3.0; python_version >= '3.10'"]},
+    extras_require={
+        "test": ["pytest", "transformers", "accelerate", "llama-models==0.3.0; python_version >= '3.10'", "openai",
+                 "httpx", "jsonschema", "playwright"],
+        "serve": ["starlette", "uvicorn", "prometheus_client", "llguidance"],
+    },
 )

@@ -3,6 +3,7 @@
 from .chat import ChatFormat, Dialog, Message
 from .engine import Engine
 from .generation import ChatPrediction, CompletionPrediction, Llama
+from .grammar import Grammar
 from .model import ModelArgs, Transformer
 from .params import SamplingParams
 from .prefix import Prefix
@@ -12,4 +13,4 @@ from .tokenizer import Tokenizer
 
 __all__ = ["Llama", "ModelArgs", "Transformer", "Tokenizer", "ChatFormat", "Dialog", "Message", "SamplingParams",
            "Prefix", "ChatSession", "Engine", "Request", "Handle", "BatchError", "CompletionPrediction",
-           "ChatPrediction"]
+           "ChatPrediction", "Grammar"]

@@ -114,6 +114,8 @@ class RequestBuilder:
                                     strip_space=chat and self.formatter.strip_reply_space)
                 r = Request(prompt=toks, params=p, max_new=max_new, stream=stream, stop_tokens=stops, sample=j,
                             prefix=prefix, chat=chat, id=next(self._ids))
+                if p.grammar is not None:
+                    r.matcher = p.grammar.matcher(self.tokenizer, stops)
                 source = first.setdefault(tuple(toks), r)
                 if source is not r:
                     r.twin, source.has_twins = source, True

@@ -24,6 +24,7 @@ class SamplingParams:
     logprobs: bool = False
     echo: bool = False
     logits_processors: Sequence[LogitsProcessor] = field(default_factory=tuple)
+    grammar: Optional[object] = None  # structured output: a llama.Grammar or {"json_schema": ...} (llama/grammar.py)
 
     def __post_init__(self):
         _number("temperature", self.temperature)
@@ -53,6 +54,10 @@ class SamplingParams:
         if not isinstance(self.logits_processors, (list, tuple)) or not all(callable(p) for p in self.logits_processors):
             raise ValueError("logits_processors must be callables (token_ids_so_far, logits) -> logits")
         self.logits_processors = tuple(self.logits_processors)
+        if self.grammar is not None:
+            from .grammar import Grammar  # llguidance is needed only by requests that use a grammar
+
+            self.grammar = Grammar.coerce(self.grammar)
 
     @property
     def scores_prompt(self) -> bool:

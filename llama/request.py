@@ -51,6 +51,7 @@ class Request:
     fed: int = 0  # generated tokens whose keys/values are in the slot
     first_logits: Optional[object] = None  # next-token logits after the prompt, kept for twins that copy this one
     cancelled: bool = False
+    matcher: Optional[object] = None  # the grammar's state (llama.grammar.Matcher) when the request has one
 
     def __post_init__(self):
         self._deltas: "queue.Queue" = queue.Queue()
@@ -74,11 +75,20 @@ class Request:
         if logprob is not None and self.params.logprobs:
             self.logprobs.append(logprob)
         text = self.stream.add(tok)
+        complete = False
+        if self.matcher is not None:
+            try:
+                complete = self.matcher.consume(tok)
+            except ValueError as e:
+                self.fail(ValueError(f"request {self.id}: {e}"))
+                return text
         if self.stream.stopped:
             self.finish_reason = "stop"
             keep = self.stream.tokens_before_stop()
             del self.generated[keep:], self.logprobs[keep:]
             self.fed = min(self.fed, keep)
+        elif complete:  # the grammar allows nothing more: its text is complete
+            self.finish_reason = "stop"
         elif len(self.generated) >= self.max_new:
             self.finish_reason = "length"
         if self.finish_reason is None:

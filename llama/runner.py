@@ -182,7 +182,8 @@ class Runner:
         return tokens, lps, {b: str(r.error) for b, r in enumerate(reqs) if not ok[b]}
 
     def _process(self, b: int, r: Request, logits: torch.Tensor) -> bool:
-        """Apply a request's logits processors to its row; on a broken one, fail the request (False)."""
+        """Apply a request's logits processors, then its grammar's mask, to its row; on a broken one, fail the
+        request (False)."""
         row = logits[b]
         for proc in r.params.logits_processors:
             try:
@@ -199,4 +200,10 @@ class Runner:
             row = out
         if r.params.logits_processors:
             logits[b] = row
+        if r.matcher is not None:
+            try:
+                r.matcher.mask(logits[b])
+            except Exception as e:
+                r.fail(ValueError(f"request {r.id}: {e}"))
+                return False
         return True

@@ -1,0 +1,73 @@
+"""python -m llama.serve --ckpt_dir DIR [--tokenizer_path P] [--host 127.0.0.1] [--port 8000] ...
+
+Under torchrun, rank 0 serves HTTP and drives the engine; the other ranks build the same model and replay rank
+0's steps (Engine.serve_forever) until it shuts down.
+"""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m llama.serve", description="OpenAI-compatible server for a Llama "
+                                "checkpoint: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics "
+                                "and a chat page at /")
+    p.add_argument("--ckpt_dir", "--ckpt-dir", required=True, help="Meta checkpoint directory or GGUF file/dir")
+    p.add_argument("--tokenizer_path", "--tokenizer-path", default=None,
+                   help="default: CKPT_DIR/tokenizer.model (a GGUF file carries its own)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max_batch_size", "--max-batch-size", type=int, default=8, help="KV-cache slots")
+    p.add_argument("--max_seq_len", "--max-seq-len", type=int, default=2048, help="positions per slot")
+    p.add_argument("--api-key", "--api_key", action="append", default=[], dest="api_keys",
+                   help="accept this bearer key (repeatable; also LLAMA_API_KEY); none: no authentication")
+    p.add_argument("--max-queue", "--max_queue", type=int, default=256, dest="max_queue",
+                   help="sequences that may wait for a slot; beyond that requests get 429 with Retry-After")
+    p.add_argument("--model-name", "--model_name", default=None, dest="model_name",
+                   help="the model id clients send (default: the checkpoint directory's name)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: the loader's choice)")
+    p.add_argument("--quantize", default=None, choices=["int8", "int8-dynamic"])
+    p.add_argument("--compile", default="auto", help="auto (default), true, false, default, max-autotune")
+    p.add_argument("--prefill_chunk", "--prefill-chunk", type=int, default=128)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--log-level", default="info", dest="log_level")
+    args = p.parse_args(argv)
+    if args.max_queue < 0:
+        p.error("--max-queue must be >= 0")
+    args.compile = {"true": True, "false": False}.get(str(args.compile).lower(), args.compile)
+    env_key = os.environ.get("LLAMA_API_KEY")
+    if env_key:
+        args.api_keys.append(env_key)
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from ..demo import resolve_checkpoint
+    from ..generation import Llama
+
+    ckpt_dir, tokenizer_path = resolve_checkpoint(args.ckpt_dir, args.tokenizer_path)
+
+    def load():
+        return Llama.build(ckpt_dir=ckpt_dir, tokenizer_path=tokenizer_path, max_seq_len=args.max_seq_len,
+                           max_batch_size=args.max_batch_size, seed=args.seed, dtype=args.dtype,
+                           compile=args.compile, quantize=args.quantize)
+
+    if int(os.environ.get("RANK", "0")) != 0:  # a model-parallel follower: replay rank 0's steps
+        load().engine(prefill_chunk=args.prefill_chunk).serve_forever()
+        return
+    try:
+        import uvicorn
+
+        from .app import create_app
+    except ImportError as e:
+        sys.exit(f"llama.serve needs the serve extra ({e.name} is missing): pip install -e '.[serve]'")
+    name = args.model_name or Path(ckpt_dir.rstrip("/")).name
+    app = create_app(load, name, args.api_keys, args.max_queue, prefill_chunk=args.prefill_chunk)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+
+
+if __name__ == "__main__":
+    main()

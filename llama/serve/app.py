@@ -1,0 +1,361 @@
+"""The ASGI app: OpenAI-compatible endpoints over one Engine (llama/engine.py).
+
+Each accepted HTTP request becomes `len(prompts) * n` engine requests. A thread per engine request turns its
+blocking delta iterator into events on the event loop; the response (whole or server-sent events) is produced
+while a watcher listens for the client's disconnect, which cancels every engine request of that HTTP request at
+once, so their slots free up at the engine's next step.
+"""
+
+import asyncio
+import contextlib
+import hmac
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+from starlette.applications import Starlette
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from . import protocol
+from .metrics import CONTENT_TYPE, Metrics
+from .protocol import APIError
+
+STATIC = Path(__file__).parent / "static"
+_END = object()
+
+
+class State:
+    """What the endpoints share: the generator and engine once loaded, the admission count, the metrics."""
+
+    def __init__(self, load: Callable, model_name: str, api_keys: Sequence[str], max_queue: int,
+                 prefill_chunk: int = 128):
+        self.load, self.model_name, self.prefill_chunk = load, model_name, prefill_chunk
+        self.api_keys = [k.encode() for k in api_keys]
+        self.max_queue = max_queue
+        self.generator = self.engine = None
+        self.load_error: Optional[BaseException] = None
+        self.active = 0  # engine requests submitted and not yet settled
+        self.lock = threading.Lock()
+        self.metrics = Metrics()
+
+    def start_loading(self) -> None:
+        def run():
+            try:
+                gen = self.load()
+                self.engine = gen.engine(prefill_chunk=self.prefill_chunk)
+                self.generator = gen
+            except BaseException as e:  # reported by /health and every endpoint
+                self.load_error = e
+
+        threading.Thread(target=run, name="llama-serve-load", daemon=True).start()
+
+    # -------------------------------------------------------------------------------------------- checks
+    def authorize(self, request: HTTPRequest) -> None:
+        if not self.api_keys:
+            return
+        header = request.headers.get("authorization", "")
+        given = header[7:].strip().encode() if header[:7].lower() == "bearer " else b""
+        ok = False
+        for key in self.api_keys:  # every key compared, each in constant time
+            ok |= hmac.compare_digest(given, key)
+        if not ok:
+            raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    def ready(self):
+        if self.load_error is not None:
+            raise APIError(503, f"the model failed to load: {self.load_error!r}", kind="server_error",
+                           code="model_load_failed")
+        if self.engine is None:
+            raise APIError(503, "the model is still loading", kind="server_error", code="loading",
+                           headers={"Retry-After": "5"})
+        return self.engine
+
+    def admit(self, count: int) -> None:
+        limit = self.generator.max_batch_size + self.max_queue
+        if count > limit:
+            raise protocol.bad("n", f"this request needs {count} sequences (prompts x n); this server runs at most "
+                                    f"{limit} at once (max_batch_size + max_queue)")
+        with self.lock:
+            if self.active + count > limit:
+                raise APIError(429, f"the server is busy: {self.active} sequences running or queued, limit {limit}"
+                                    " (max_batch_size + --max-queue); retry later", code="queue_full",
+                               headers={"Retry-After": "1"})
+            self.active += count
+
+    def release(self, count: int = 1) -> None:
+        with self.lock:
+            self.active -= count
+
+    def update_gauges(self) -> None:
+        if self.engine is None:
+            return
+        running = sum(s is not None for s in list(self.engine.slots))
+        self.metrics.running.set(running)
+        self.metrics.waiting.set(max(0, self.active - running))
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+class Watched(Response):
+    """Runs produce(send) while listening for the client's disconnect; on disconnect calls on_disconnect() and
+    stops producing."""
+
+    def __init__(self, produce, on_disconnect):
+        self.produce, self.on_disconnect = produce, on_disconnect
+        self.background = None
+
+    async def __call__(self, scope, receive, send):
+        async def watch():
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        task, watcher = asyncio.ensure_future(self.produce(send)), asyncio.ensure_future(watch())
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if watcher in done and not task.done():
+            self.on_disconnect()
+            task.cancel()
+        watcher.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, OSError):
+            pass
+
+
+class Job:
+    """One HTTP generation request in flight: its engine requests and the events their threads report."""
+
+    def __init__(self, state: State, spec: protocol.Job, reqs: List, loop):
+        self.state, self.spec, self.reqs, self.loop = state, spec, reqs, loop
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.arrival = time.perf_counter()
+        for i, r in enumerate(reqs):
+            threading.Thread(target=self._pump, args=(i, r), name=f"llama-serve-pump-{r.id}", daemon=True).start()
+
+    def _pump(self, i: int, r) -> None:
+        m = self.state.metrics
+        first = None
+        try:
+            for text in r:
+                if first is None:
+                    first = time.perf_counter()
+                    m.ttft.observe(first - self.arrival)
+                self.loop.call_soon_threadsafe(self.events.put_nowait, (i, text))
+        except BaseException:  # the request's error is reported from r.error
+            pass
+        finally:
+            self.state.release()
+            reason = protocol.finish_reason(r) or "error"
+            m.finished.labels(reason).inc()
+            m.prompt_tokens.inc(len(r.prompt))
+            m.generated_tokens.inc(r.tokens_generated)
+            if first is not None and r.tokens_generated > 1:
+                m.tpot.observe((time.perf_counter() - first) / (r.tokens_generated - 1))
+            try:
+                self.loop.call_soon_threadsafe(self.events.put_nowait, (i, _END))
+            except RuntimeError:  # the event loop has closed (server shutting down)
+                pass
+
+    def cancel(self) -> None:
+        for r in self.reqs:
+            r.cancel()
+
+    async def whole(self, send) -> None:
+        left = len(self.reqs)
+        while left:
+            _, item = await self.events.get()
+            left -= item is _END
+        err = next((r.error for r in self.reqs if r.error is not None), None)
+        if err is not None:
+            e = engine_error(err)
+            await send_response(send, error_response(e))
+            return
+        tok = self.state.generator.tokenizer
+        await send_response(send, JSONResponse(protocol.whole(self.spec, self.reqs, tok)))
+
+    async def stream(self, send) -> None:
+        spec, tok = self.spec, self.state.generator.tokenizer
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                                (b"x-accel-buffering", b"no")]})
+
+        async def event(obj) -> None:
+            data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+            await send({"type": "http.response.body", "body": f"data: {data}\n\n".encode(), "more_body": True})
+
+        first = [True] * len(self.reqs)
+        for i, r in enumerate(self.reqs):
+            if spec.chat:
+                await event(protocol.chunk(spec, [protocol.delta_choice(spec, i, "", first=True)]))
+            elif spec.echo:
+                await event(protocol.chunk(spec, [protocol.delta_choice(spec, i, tok.decode(r.prompt))]))
+            first[i] = False
+        left = len(self.reqs)
+        while left:
+            i, item = await self.events.get()
+            if item is not _END:
+                await event(protocol.chunk(spec, [protocol.delta_choice(spec, i, item)]))
+                continue
+            left -= 1
+            r = self.reqs[i]
+            if r.error is not None:
+                self.cancel()
+                await event(engine_error(r.error).body())
+                break
+            lp = None
+            if spec.logprobs:
+                pred = r.prediction
+                lps = list(pred.get("logprobs", []))
+                if spec.echo and lps:
+                    lps[0] = None
+                lp = protocol.logprobs_block(spec, list(pred.get("tokens", [])), lps)
+            await event(protocol.chunk(spec, [protocol.delta_choice(spec, i, None if spec.chat else "",
+                                                                    protocol.finish_reason(r), lp)]))
+        else:
+            if spec.include_usage:
+                prompt = sum(len(self.reqs[k * spec.n].prompt) for k in range(len(spec.prompts)))
+                out = protocol.chunk(spec, [], protocol.usage(prompt, sum(r.tokens_generated for r in self.reqs)))
+                await event(out)
+            await event("[DONE]")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def send_response(send, response: Response) -> None:
+    async def no_receive():
+        return {"type": "http.disconnect"}
+
+    await response({"type": "http"}, no_receive, send)
+
+
+def engine_error(err: BaseException) -> APIError:
+    """An engine request's error: bad input (ValueError/TypeError) is the client's 400, anything else a 500."""
+    if isinstance(err, (ValueError, TypeError)):
+        msg = str(err)
+        param = "messages" if "dialog" in msg or "message" in msg else ("prompt" if "prompt" in msg else None)
+        return APIError(400, msg, param=param, code="invalid_value")
+    return APIError(500, f"generation failed: {err}", kind="server_error", code="engine_error")
+
+
+def create_app(load: Callable, model_name: str, api_keys: Sequence[str] = (), max_queue: int = 256,
+               prefill_chunk: int = 128) -> Starlette:
+    """load() builds the Llama (called once, in a background thread at startup; /health answers 503 until then)."""
+    state = State(load, model_name, api_keys, max_queue, prefill_chunk)
+
+    def guarded(handler):
+        async def endpoint(request: HTTPRequest):
+            try:
+                return await handler(request)
+            except APIError as e:
+                if request.url.path.startswith("/v1/") and e.status != 401:
+                    state.metrics.requests.labels(request.url.path, str(e.status)).inc()
+                return error_response(e)
+
+        return endpoint
+
+    async def generate(request: HTTPRequest, chat: bool):
+        state.authorize(request)
+        engine = state.ready()
+        try:
+            body = await request.json()
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        gen = state.generator
+        spec = protocol.parse(body, chat, state.model_name, gen.max_seq_len, gen.model.vocab_size)
+        if spec.response_format is not None:
+            try:
+                from ..grammar import Grammar
+
+                spec.params["grammar"] = Grammar.from_response_format(spec.response_format)
+            except ImportError as e:
+                raise protocol.bad("response_format", f"structured outputs need llguidance ({e}): "
+                                                      "pip install -e '.[serve]'") from None
+            except ValueError as e:
+                raise protocol.bad("response_format", str(e)) from None
+        state.admit(len(spec.prompts) * spec.n)
+        reqs: List = []
+
+        def submit():  # off the event loop: a grammar's first use builds its vocabulary (up to seconds)
+            for p in spec.prompts:
+                reqs.extend(engine.submit_samples(p, spec.n, **spec.params))
+
+        try:
+            await asyncio.to_thread(submit)
+        except BaseException:
+            for r in reqs:
+                r.cancel()
+            state.release(len(spec.prompts) * spec.n - len(reqs))
+            raise
+        failed = next((r.error for r in reqs if r.done() and r.error is not None), None)
+        job = Job(state, spec, reqs, asyncio.get_running_loop())  # its threads release the admission count
+        if failed is not None:
+            job.cancel()
+            raise engine_error(failed)
+        state.metrics.requests.labels(request.url.path, "200").inc()
+        return Watched(job.stream if spec.stream else job.whole, job.cancel)
+
+    async def completions(request):
+        return await generate(request, chat=False)
+
+    async def chat_completions(request):
+        return await generate(request, chat=True)
+
+    async def models(request):
+        state.authorize(request)
+        return JSONResponse({"object": "list", "data": [
+            {"id": state.model_name, "object": "model", "created": 0, "owned_by": "llama",
+             **({"max_model_len": state.generator.max_seq_len} if state.generator else {})}]})
+
+    async def health(request):
+        try:
+            state.ready()
+        except APIError as e:
+            return error_response(e)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(request):
+        state.update_gauges()
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def page(request):
+        return FileResponse(STATIC / "chat.html", media_type="text/html")
+
+    async def page_config(request):
+        return JSONResponse({"model": state.model_name, "api_key_required": bool(state.api_keys)})
+
+    async def not_found(request, exc):
+        return error_response(APIError(404, f"no route {request.method} {request.url.path}", code="not_found"))
+
+    async def method_not_allowed(request, exc):
+        return error_response(APIError(405, f"{request.method} is not allowed on {request.url.path}",
+                                       kind="invalid_request_error", code="method_not_allowed"))
+
+    async def server_error(request, exc):
+        return error_response(APIError(500, f"internal error: {exc!r}", code="internal_error"))
+
+    routes = [
+        Route("/v1/completions", guarded(completions), methods=["POST"]),
+        Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
+        Route("/v1/models", guarded(models), methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/", page, methods=["GET"]),
+        Route("/config", page_config, methods=["GET"]),
+    ]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        state.start_loading()
+        yield
+        if state.engine is not None:
+            state.engine.close(cancel=True)
+
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={404: not_found, 405: method_not_allowed, 500: server_error})
+    app.state.llama = state
+    return app

@@ -1,0 +1,337 @@
+"""The OpenAI wire format: validating a request body into engine submissions, and shaping what the engine
+returns into completion and chat-completion objects (whole or as stream chunks).
+
+Every problem with a body raises `APIError` (status, message naming the field and the limit, param), which the
+app turns into `{"error": {"message", "type", "param", "code"}}`; nothing a client sends reaches a bare assert.
+"""
+
+import math
+import numbers
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+FINISH = {"length": "length", "cancelled": "abort", "error": "error"}  # every stop token / stop string -> "stop"
+
+# OpenAI fields accepted only with a value that changes nothing here: field -> predicate on the value.
+HARMLESS = {
+    "user": lambda v: v is None or isinstance(v, str),
+    "metadata": lambda v: v is None or isinstance(v, dict),
+    "store": lambda v: v in (None, False),
+    "service_tier": lambda v: v in (None, "auto", "default"),
+    "presence_penalty": lambda v: v in (None, 0),
+    "frequency_penalty": lambda v: v in (None, 0),
+    "repetition_penalty": lambda v: v in (None, 1),
+    "parallel_tool_calls": lambda v: True,
+    "tools": lambda v: v in (None, []),
+    "tool_choice": lambda v: v in (None, "none", "auto"),
+    "functions": lambda v: v in (None, []),
+    "function_call": lambda v: v in (None, "none", "auto"),
+    "modalities": lambda v: v in (None, ["text"]),
+    "suffix": lambda v: v in (None, ""),
+    "prediction": lambda v: v is None,
+    "audio": lambda v: v is None,
+    "web_search_options": lambda v: v is None,
+    "reasoning_effort": lambda v: v is None,
+}
+COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream", "stream_options",
+          "logprobs", "logit_bias", "response_format", "min_p"}
+COMPLETION_FIELDS = COMMON | {"prompt", "echo", "best_of"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+ROLES = ("system", "user", "assistant", "tool", "ipython", "developer")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 kind: Optional[str] = None, headers: Optional[Dict[str, str]] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers or {}
+        self.kind = kind or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                             413: "invalid_request_error", 429: "rate_limit_error"}.get(status, "server_error")
+
+    def body(self) -> Dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def bad(param: str, message: str) -> APIError:
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+@dataclass
+class Job:
+    """One validated request: what to submit to the engine (prompts x n) and how to answer."""
+
+    chat: bool
+    model: str
+    prompts: List[object]  # each a str, a list of token ids or a dialog
+    n: int
+    params: Dict  # SamplingParams keywords
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    echo: bool = False
+    response_format: Optional[Dict] = None
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def object_id(self) -> str:
+        return ("chatcmpl-" if self.chat else "cmpl-") + self.id
+
+
+def _number(body: Dict, name: str, default, lo: float, hi: float, lo_open=False) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+        raise bad(name, f"{name} must be a finite number, got {v!r}")
+    if v < lo or v > hi or (lo_open and v == lo):
+        raise bad(name, f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}")
+    return float(v)
+
+
+def _int(body: Dict, name: str, default, lo: int, hi: Optional[int] = None) -> Optional[int]:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad(name, f"{name} must be an integer, got {v!r}")
+    if v < lo or (hi is not None and v > hi):
+        limit = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise bad(name, f"{name} must be {limit}, got {v}")
+    return v
+
+
+def _token_ids(v) -> bool:
+    return isinstance(v, list) and len(v) > 0 and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+
+def parse(body, chat: bool, model_name: str, max_seq_len: int, vocab_size: int) -> Job:
+    """Validate a /v1/completions (chat False) or /v1/chat/completions body."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    for k, v in body.items():
+        if k in HARMLESS:
+            if not HARMLESS[k](v):
+                raise bad(k, f"{k}={v!r} is not supported by this server")
+        elif k not in allowed:
+            raise APIError(400, f"unrecognized request argument: {k}", param=k, code="unknown_parameter")
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {model_name!r}",
+                       param="model", code="model_not_found")
+    n = _int(body, "n", 1, 1, 128)
+    if not chat and body.get("best_of") not in (None, n):
+        raise bad("best_of", f"best_of must equal n ({n}) or be omitted, got {body['best_of']!r}")
+    params: Dict = {
+        "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
+        "top_p": _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        "top_k": _int(body, "top_k", 0, 0, None) if body.get("top_k") != -1 else 0,
+        "seed": _int(body, "seed", None, -(2**63), 2**63 - 1),
+    }
+    if body.get("min_p") not in (None, 0):
+        raise bad("min_p", f"min_p={body['min_p']!r} is not supported (only 0)")
+    tokens_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _int(body, tokens_name, None if chat else 16, 1, None)
+    if max_tokens is not None:
+        params["max_gen_len"] = max_tokens
+    stop = body.get("stop")
+    if stop is not None:
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 16:
+            raise bad("stop", "stop must be a non-empty string or a list of at most 16 non-empty strings")
+        params["stop"] = stop
+    job = Job(chat=chat, model=model_name, prompts=[], n=n, params=params)
+    job.stream = _bool(body, "stream")
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
+            raise bad("stream_options", "stream_options must be an object with include_usage")
+        if not job.stream:
+            raise bad("stream_options", "stream_options is only allowed with stream=true")
+        job.include_usage = _bool(opts, "include_usage", "stream_options.include_usage")
+    if chat:
+        job.logprobs = _bool(body, "logprobs")
+        job.top_logprobs = _int(body, "top_logprobs", 0, 0, 20)
+        if job.top_logprobs and not job.logprobs:
+            raise bad("top_logprobs", "top_logprobs needs logprobs=true")
+        job.prompts = [_dialog(body.get("messages"))]
+    else:
+        lp = _int(body, "logprobs", None, 0, 5)
+        job.logprobs, job.top_logprobs = lp is not None, lp or 0
+        job.echo = _bool(body, "echo")
+        job.prompts = _prompts(body.get("prompt"), vocab_size)
+    if job.top_logprobs:
+        raise bad("top_logprobs" if chat else "logprobs",
+                  "only the sampled token's log-probability is returned: top_logprobs must be 0"
+                  if chat else "only the sampled token's log-probability is returned: logprobs must be 0")
+    params["logprobs"], params["echo"] = job.logprobs, job.echo
+    bias = body.get("logit_bias")
+    if bias:
+        params["logits_processors"] = [_logit_bias(bias, vocab_size)]
+    job.response_format = _response_format(body.get("response_format"))
+    return job
+
+
+def _bool(body: Dict, name: str, param: Optional[str] = None) -> bool:
+    v = body.get(name)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise bad(param or name, f"{param or name} must be true or false, got {v!r}")
+    return v
+
+
+def _prompts(prompt, vocab_size: int) -> List[object]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if _token_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if isinstance(prompt, list) and prompt and all(_token_ids(p) for p in prompt):
+        return list(prompt)
+    raise bad("prompt", "prompt must be a string, a list of strings, a list of token ids or a list of lists of "
+                        "token ids (none empty)")
+
+
+def _dialog(messages) -> List[Dict[str, str]]:
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", "messages must be a non-empty list of {role, content} objects")
+    dialog = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise bad(f"messages[{i}].role", f"messages[{i}] must be an object whose role is one of {', '.join(ROLES)}")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text ones
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad(f"messages[{i}].content[{j}]", f"messages[{i}].content[{j}]: only text parts "
+                                                             "({\"type\": \"text\", \"text\": ...}) are supported")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if not isinstance(content, str):
+            raise bad(f"messages[{i}].content", f"messages[{i}].content must be a string or a list of text parts")
+        role = "system" if m["role"] == "developer" else m["role"]
+        dialog.append({"role": role, "content": content})
+    return dialog
+
+
+def _logit_bias(bias, vocab_size: int):
+    if not isinstance(bias, dict):
+        raise bad("logit_bias", "logit_bias must be an object mapping token ids to numbers in [-100, 100]")
+    ids, vals = [], []
+    for k, v in bias.items():
+        try:
+            t = int(k)
+        except (TypeError, ValueError):
+            raise bad("logit_bias", f"logit_bias key {k!r} is not a token id") from None
+        if not 0 <= t < vocab_size:
+            raise bad("logit_bias", f"logit_bias token id {t} is outside the vocabulary [0, {vocab_size})")
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not -100 <= v <= 100:
+            raise bad("logit_bias", f"logit_bias[{k}] must be a number in [-100, 100], got {v!r}")
+        ids.append(t)
+        vals.append(float(v))
+
+    def logit_bias(_generated, logits):
+        import torch
+
+        idx = torch.tensor(ids, device=logits.device)
+        logits[idx] += torch.tensor(vals, device=logits.device, dtype=logits.dtype)
+        return logits
+
+    return logit_bias
+
+
+def _response_format(rf) -> Optional[Dict]:
+    """None for plain text, else the structured-output spec for llama.grammar."""
+    if rf is None:
+        return None
+    if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+        raise bad("response_format", "response_format.type must be text, json_object or json_schema")
+    if rf["type"] == "text":
+        return None
+    if rf["type"] == "json_object":
+        return {"json_object": True}
+    js = rf.get("json_schema")
+    if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+        raise bad("response_format.json_schema", "response_format.json_schema must be an object with a "
+                                                 "schema object (and name, strict)")
+    return {"json_schema": js.get("schema", {})}
+
+
+# ------------------------------------------------------------------------------------------------ responses
+def finish_reason(r) -> Optional[str]:
+    if r.finish_reason is None:
+        return None
+    if r.finish_reason == "error" and r.error is None:  # a dialog the chat format refuses, answered with its text
+        return "stop"
+    return FINISH.get(r.finish_reason, "stop")
+
+
+def usage(prompt: int, completion: int) -> Dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def logprobs_block(job: Job, tokens: List[str], lps: List[Optional[float]], offset: int = 0) -> Dict:
+    if job.chat:
+        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
+                            for t, lp in zip(tokens, lps)]}
+    offsets, pos = [], offset
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}
+
+
+def choice(job: Job, index: int, r, tokenizer) -> Dict:
+    """A finished request as one choice of a whole (non-streamed) response."""
+    pred = r.prediction
+    out: Dict = {"index": index, "finish_reason": finish_reason(r)}
+    if job.chat:
+        out["message"] = {"role": "assistant", "content": pred["generation"]["content"]}
+        out["logprobs"] = None
+    else:
+        out["text"] = pred["generation"]
+        out["logprobs"] = None
+    if job.logprobs:
+        toks, lps = list(pred.get("tokens", [])), list(pred.get("logprobs", []))
+        if job.echo and lps:
+            lps[0] = None  # the first prompt token has no context: OpenAI reports null
+        out["logprobs"] = logprobs_block(job, toks, lps)
+    return out
+
+
+def whole(job: Job, reqs: List, tokenizer) -> Dict:
+    prompt_tokens = sum(len(reqs[i * job.n].prompt) for i in range(len(job.prompts)))
+    completion = sum(r.tokens_generated for r in reqs)
+    return {
+        "id": job.object_id, "object": "chat.completion" if job.chat else "text_completion",
+        "created": job.created, "model": job.model, "system_fingerprint": None,
+        "choices": [choice(job, i, r, tokenizer) for i, r in enumerate(reqs)],
+        "usage": usage(prompt_tokens, completion),
+    }
+
+
+def chunk(job: Job, choices: List[Dict], usage_: Optional[Dict] = None) -> Dict:
+    out = {"id": job.object_id, "object": "chat.completion.chunk" if job.chat else "text_completion",
+           "created": job.created, "model": job.model, "system_fingerprint": None, "choices": choices}
+    if job.include_usage:
+        out["usage"] = usage_
+    return out
+
+
+def delta_choice(job: Job, index: int, text: Optional[str], finish: Optional[str] = None,
+                 logprobs: Optional[Dict] = None, first: bool = False) -> Dict:
+    if job.chat:
+        delta: Dict = {}
+        if first:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
