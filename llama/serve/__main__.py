@@ -28,7 +28,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model-name", "--model_name", default=None, dest="model_name",
                    help="the model id clients send (default: the checkpoint directory's name)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: the loader's choice)")
-    p.add_argument("--quantize", default=None, choices=["int8", "int8-dynamic"])
+    p.add_argument("--quantize", default=None, choices=["int8", "int8-dynamic", "int4"])
+    p.add_argument("--group_size", "--group-size", type=int, default=None, help="int4's inputs per scale (32)")
+    p.add_argument("--model_parallel_size", "--model-parallel-size", type=int, default=None,
+                   help="tensor-parallel ranks per stage (default: the world size / pipeline size)")
+    p.add_argument("--pipeline_parallel_size", "--pipeline-parallel-size", type=int, default=1,
+                   help="pipeline stages under torchrun (docs/pipeline.md)")
     p.add_argument("--compile", default="auto", help="auto (default), true, false, default, max-autotune")
     p.add_argument("--prefill_chunk", "--prefill-chunk", type=int, default=128)
     p.add_argument("--seed", type=int, default=1)
@@ -45,15 +50,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from ..demo import resolve_checkpoint
+    from ..launch import resolve_checkpoint
     from ..generation import Llama
 
-    ckpt_dir, tokenizer_path = resolve_checkpoint(args.ckpt_dir, args.tokenizer_path)
+    ckpt_dir, tokenizer_path, _ = resolve_checkpoint(args.ckpt_dir, args.tokenizer_path)
 
     def load():
         return Llama.build(ckpt_dir=ckpt_dir, tokenizer_path=tokenizer_path, max_seq_len=args.max_seq_len,
                            max_batch_size=args.max_batch_size, seed=args.seed, dtype=args.dtype,
-                           compile=args.compile, quantize=args.quantize)
+                           compile=args.compile, quantize=args.quantize, group_size=args.group_size,
+                           model_parallel_size=args.model_parallel_size,
+                           pipeline_parallel_size=args.pipeline_parallel_size)
 
     if int(os.environ.get("RANK", "0")) != 0:  # a model-parallel follower: replay rank 0's steps
         load().engine(prefill_chunk=args.prefill_chunk).serve_forever()
