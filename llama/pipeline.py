@@ -23,6 +23,9 @@ With T > 1 each tensor-parallel rank sends only its 1/T slice of the hidden stat
 the receiving stage all-gathers the slices inside its node, so the bytes that cross between stages do not grow
 with T.
 
+Long prefill passes are cut into sequence chunks (micro_batches) sent with isend, so stage s works on chunk j+1
+while stage s+1 works on chunk j. Decode steps are not overlapped (docs/pipeline.md says why and what it needs).
+
 Why not torch.distributed.pipelining: it schedules training micro-batches through a stage's forward (and
 backward) with its own shape inference, and owns the loop that drives them. Inference here needs a persistent
 per-stage KV cache written at per-row positions, ragged shapes that change every step (prefill chunks, a decode
