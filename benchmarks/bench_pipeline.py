@@ -63,7 +63,8 @@ def worker(a) -> None:
 
     torch.set_num_threads(1)
     count_collectives(a.tp)
-    llm = Llama.build(a.ckpt, a.tokenizer, max_seq_len=a.prompt + a.new + 8, max_batch_size=a.batch,
+    llm = Llama.build(a.ckpt, a.tokenizer, max_seq_len=max(a.prompt + a.new + 8, a.prefill_tokens + 8),
+                      max_batch_size=a.batch,
                       model_parallel_size=a.tp, pipeline_parallel_size=a.pp, device="cpu", dtype="float32",
                       compile=False)
     eos = llm.tokenizer.eos_id
@@ -97,6 +98,22 @@ def worker(a) -> None:
     _, e1, _ = run(1, leader=True)
     _, eN, engine_tokens = run(a.new + 1, leader=True)
     steps = [t1 - t0 for t0, t1 in zip(stampsN[1:], stampsN[2:])]
+    # Prefill of one long prompt, cut into sequence chunks that the stages work on at once, and in one piece.
+    import llama.pipeline as pipeline_mod
+
+    long_prompt = [1] + torch.randint(3, llm.model.vocab_size, (a.prefill_tokens - 1,), generator=g).tolist()
+    prefill = {}
+    for name, micro in (("chunked", pipeline_mod.MICRO_TOKENS), ("whole", 10**9)):
+        pipeline_mod.MICRO_TOKENS = micro
+        times, busy = [], []
+        for _ in range(3):
+            c0 = getattr(llm.model, "traffic", {}).get("compute_s", 0.0)
+            tic = time.perf_counter()
+            llm.generate([long_prompt], max_gen_len=1, temperature=0.0)
+            times.append(time.perf_counter() - tic)
+            busy.append((getattr(llm.model, "traffic", {}).get("compute_s", 0.0) - c0) / times[-1])
+        best = min(range(3), key=times.__getitem__)
+        prefill[name] = (1e3 * times[best], busy[best])
     decode_wall = stampsN[-1] - stampsN[1]
     per_token = {k: (dN[k] - d1[k]) / (a.new * a.batch) for k in dN}
     result = {
@@ -108,6 +125,7 @@ def worker(a) -> None:
         "busy": ((dN["compute_s"] - d1["compute_s"]) / ((stampsN[-1] - stampsN[0]) - (stamps1[-1] - stamps1[0]))
                  if isinstance(llm.model, PipelineTransformer) else None),
         "weight_bytes": weight_bytes(llm.model), "tokens": tokens, "engine_tokens": engine_tokens,
+        "prefill": prefill,
     }
     with open(f"{a.out}.{dist.get_rank()}.json", "w") as f:
         json.dump(result, f)
@@ -119,7 +137,8 @@ def launch(a, ckpt: Path, tmp: Path, tp: int, pp: int) -> list:
     out = tmp / f"r{tp}x{pp}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(tp * pp),
            __file__, "--worker", "--ckpt", str(ckpt), "--tokenizer", str(a.tokenizer), "--tp", str(tp), "--pp",
-           str(pp), "--batch", str(a.batch), "--prompt", str(a.prompt), "--new", str(a.new), "--out", str(out)]
+           str(pp), "--batch", str(a.batch), "--prompt", str(a.prompt), "--new", str(a.new), "--out", str(out),
+           "--prefill_tokens", str(a.prefill_tokens)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LLAMA_DEVICE": "cpu",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
@@ -138,6 +157,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--prefill_tokens", type=int, default=512, help="one prompt this long, prefilled alone")
     ap.add_argument("--tokenizer", default=str(LLAMA2_TOKENIZER))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
@@ -155,13 +175,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         ckpt = random_checkpoint(tmp / "model", params, tokenizer=Path(a.tokenizer))
-        reference = None
+        reference, results = None, {}
         print("| layout (T x P) | ranks | decode step ms | bytes/token inside stages | bytes/token between stages "
               "(engine) | p2p msgs/step | weights/rank MB | busy per rank |")
         print("|---|---|---|---|---|---|---|---|")
         for layout in a.layouts:
             tp, pp = map(int, layout.split("x"))
-            ranks = launch(a, ckpt, tmp, tp, pp)
+            ranks = results[layout] = launch(a, ckpt, tmp, tp, pp)
             reference = reference or ranks[0]["tokens"]
             assert all(r["tokens"] == reference for r in ranks), f"{layout} decoded other tokens"
             assert ranks[0]["engine_tokens"] == reference, f"{layout} decoded other tokens on the engine's path"
@@ -173,6 +193,16 @@ def main() -> None:
                   f"| {sum(r['pp_messages_per_step'] for r in ranks):.0f} "
                   f"| {max(r['weight_bytes'] for r in ranks) / 1e6:.1f} | {busy} |", flush=True)
         print("# every layout decoded the same greedy tokens")
+        print(f"\n| layout (T x P) | prefill {a.prefill_tokens} tokens, chunked: ms (busy per rank) "
+              "| in one piece: ms (busy per rank) |\n|---|---|---|")
+        for layout, ranks in results.items():
+            cells = []
+            for name in ("chunked", "whole"):
+                ms = max(r["prefill"][name][0] for r in ranks)
+                busy = ", ".join(f"{r['prefill'][name][1]:.0%}" for r in ranks) if ranks[0]["busy"] is not None \
+                    else "n/a"
+                cells.append(f"{ms:.0f} ({busy})")
+            print(f"| {layout.replace('x', ' x ')} | {cells[0]} | {cells[1]} |")
 
 
 if __name__ == "__main__":

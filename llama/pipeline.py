@@ -23,6 +23,9 @@ With T > 1 each tensor-parallel rank sends only its 1/T slice of the hidden stat
 the receiving stage all-gathers the slices inside its node, so the bytes that cross between stages do not grow
 with T.
 
+Long prefill passes are cut into sequence chunks (micro_batches) sent with isend, so stage s works on chunk j+1
+while stage s+1 works on chunk j. Decode steps are not overlapped (docs/pipeline.md says why and what it needs).
+
 Why not torch.distributed.pipelining: it schedules training micro-batches through a stage's forward (and
 backward) with its own shape inference, and owns the loop that drives them. Inference here needs a persistent
 per-stage KV cache written at per-row positions, ragged shapes that change every step (prefill chunks, a decode
@@ -81,6 +84,17 @@ def split_layers(n_layers: int, stages: int) -> List[range]:
     return out
 
 
+MICRO_TOKENS = 64  # shortest sequence chunk a forward pass is cut into (below it, splitting costs more than it saves)
+
+
+def micro_batches(length: int, stages: int) -> List[Tuple[int, int]]:
+    """[start, end) chunks of a pass's `length` positions: one for decode steps and short prefills, up to 2 x
+    stages chunks of at least MICRO_TOKENS for long ones (the pipeline then runs at about M / (M + P - 1))."""
+    count = max(1, min(2 * stages, length // MICRO_TOKENS))
+    bounds = [length * k // count for k in range(count + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
 def check_layout(args: ModelArgs, model_parallel_size: int, pipeline_parallel_size: int) -> None:
     """ValueError naming the input and its limit unless (T, P) fits the model: layers >= P, and T divides the head
     counts, dim, FFN width and vocabulary."""
@@ -135,19 +149,38 @@ class PipelineTransformer(Transformer):
     def forward(self, tokens: torch.Tensor, start_pos=0, rows: Optional[torch.Tensor] = None,
                 logit_index: Optional[torch.Tensor] = None, kv_len: Optional[int] = None) -> torch.Tensor:
         B, T = tokens.shape
-        layer_args = self.layer_inputs(tokens, start_pos, rows, kv_len)
-        if self.stage.first:
+        cos, sin, start, positions, rows, kv_len, mask = self.layer_inputs(tokens, start_pos, rows, kv_len)
+        pending, outputs = [], []
+        for a, b in micro_batches(T, self.stage.count):
+            # One sequence chunk: its rotary rows, positions, causal-mask rows, and the keys written so far
+            # (chunks before it, in this pass or earlier ones). Stage s works on chunk j+1 while stage s+1 works on
+            # chunk j: a long prefill keeps the stages busy at once.
+            seen = kv_len - (T - b)
+            args = (cos[:, a:b], sin[:, a:b], None if start is None else start + a, positions[:, a:b], rows, seen,
+                    None if mask is None else mask[:, :, a:b, :seen])
+            if self.stage.first:
+                tic = time.perf_counter()
+                h = self.tok_embeddings(tokens[:, a:b])
+            else:
+                h = self._receive((B, b - a, self.params.dim), self.norm.weight.dtype,
+                                  self.stage.ranks[self.stage.index - 1])
+                tic = time.perf_counter()
+            for layer in self.layers:
+                h = layer(h, *args)
+            self.traffic["compute_s"] += time.perf_counter() - tic
+            if self.stage.last:
+                outputs.append(h)
+            else:
+                pending.append(self._send(h, self.stage.ranks[self.stage.index + 1]))
+        tic = time.perf_counter()
+        for work, _ in pending:  # (the sent tensor is kept alive until its send completes)
+            work.wait()
+        self.traffic["wait_s"] += time.perf_counter() - tic
+        logits = None
+        if self.stage.last:
             tic = time.perf_counter()
-            h = self.tok_embeddings(tokens)
-        else:
-            h = self._receive((B, T, self.params.dim), self.norm.weight.dtype, self.stage.ranks[self.stage.index - 1])
-            tic = time.perf_counter()
-        for layer in self.layers:
-            h = layer(h, *layer_args)
-        logits = self.logits(h, logit_index) if self.stage.last else None
-        self.traffic["compute_s"] += time.perf_counter() - tic
-        if not self.stage.last:
-            self._send(h, self.stage.ranks[self.stage.index + 1])
+            logits = self.logits(outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1), logit_index)
+            self.traffic["compute_s"] += time.perf_counter() - tic
         shape = (B, 1 if logit_index is not None else T, self.vocab_size)
         placeholder = torch.zeros((), device=tokens.device).expand(shape)  # what ranks that do not sample get
         if self.logits_to == "last":  # the last stage samples and shares the tokens
@@ -172,13 +205,12 @@ class PipelineTransformer(Transformer):
     def _gather(self, part: torch.Tensor) -> torch.Tensor:
         return part if self.tp == 1 else parallel.gather_last_dim(part)
 
-    def _send(self, h: torch.Tensor, dst: int) -> None:
+    def _send(self, h: torch.Tensor, dst: int) -> Tuple[dist.Work, torch.Tensor]:
+        """Start sending h (this rank's slice of it) to global rank dst: (the work to wait on, the tensor sent)."""
         part = self._slice(h)
-        tic = time.perf_counter()
-        dist.send(part, dst)
-        self.traffic["wait_s"] += time.perf_counter() - tic
         self.traffic["sent_bytes"] += part.numel() * part.element_size()
         self.traffic["messages"] += 1
+        return dist.isend(part, dst), part
 
     def _receive(self, shape, dtype, src: int) -> torch.Tensor:
         part = torch.empty(*shape[:-1], shape[-1] // self.tp, dtype=dtype, device=self.norm.weight.device)
@@ -192,7 +224,9 @@ class PipelineTransformer(Transformer):
         """The last stage's logits on the first stage only: each last-stage rank sends its vocabulary slice to its
         first-stage peer, which all-gathers them inside its node."""
         if self.stage.last:
-            self._send(logits, self.stage.ranks[0])
+            tic = time.perf_counter()
+            self._send(logits, self.stage.ranks[0])[0].wait()
+            self.traffic["wait_s"] += time.perf_counter() - tic
             return logits
         return self._receive(shape, torch.float32, self.stage.ranks[-1])
 

@@ -18,7 +18,7 @@ from helpers import ONCE, build_stories
 
 TESTS = Path(__file__).resolve().parent
 TIMEOUT = 240
-MAX_SEQ_LEN, MAX_BATCH = 160, 2
+MAX_SEQ_LEN, MAX_BATCH = 256, 2
 # The engine's requests: (prompt, sampling parameters); run concurrently through the engine, then each alone.
 ENGINE_REQUESTS = [
     (ONCE, dict(temperature=0.0, max_gen_len=40)),
@@ -57,6 +57,10 @@ def extras(g) -> dict:
     prefix = g.prefill(ONCE)  # each stage snapshots its own layers; the load op replays on every rank
     out["prefix"] = g.text_completion([" there", " Tom"], prefix=prefix, temperature=0.0, max_gen_len=10)
     out["score"] = g.score([ONCE + " there was a cat"])[0]["logprobs"]
+    # A 209-token prompt: prefill passes this long are cut into sequence chunks that the stages work on at once
+    long = " ".join(["Once upon a time there was a little girl named Lily who liked to play in the park."] * 8)
+    out["long"] = g.text_completion([long, "Tom and"], temperature=0.9, seed=[3, 4], max_gen_len=30)
+    out["long_score"] = g.score([long])[0]["logprobs"]
     return out
 
 
@@ -221,6 +225,8 @@ def test_two_stages_streams_sessions_failures_echo_prefixes_and_scores_match_one
         assert got["tokens"] == want["tokens"] and got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5)
         assert r["extras"]["prefix"] == single["extras"]["prefix"]
         assert r["extras"]["score"] == pytest.approx(single["extras"]["score"], abs=1e-5)
+        assert r["extras"]["long"] == single["extras"]["long"]
+        assert r["extras"]["long_score"] == pytest.approx(single["extras"]["long_score"], abs=1e-4)
 
 
 def test_two_stages_with_tied_embeddings_from_two_shards_match_one_process(p2, checkpoints):
@@ -254,7 +260,7 @@ def test_tp2_x_pp2_on_two_simulated_nodes(two_nodes, single, goldens):
 def test_bad_layouts_raise_clear_errors(checkpoints):
     from llama import Llama
     from llama.model import ModelArgs
-    from llama.pipeline import check_layout, split_layers
+    from llama.pipeline import check_layout, micro_batches, split_layers
 
     with pytest.raises(ValueError, match=r"pipeline_parallel_size 6 exceeds n_layers \(5\).*at most 5 stages"):
         split_layers(5, 6)
@@ -264,6 +270,9 @@ def test_bad_layouts_raise_clear_errors(checkpoints):
     with pytest.raises(ValueError, match=r"model parallel size 8 does not divide n_kv_heads \(4\)"):
         check_layout(args, 8, 1)
     assert [list(r) for r in split_layers(5, 2)] == [[0, 1, 2], [3, 4]]
+    assert micro_batches(1, 2) == [(0, 1)] and micro_batches(100, 2) == [(0, 100)]  # decode, short prefill: whole
+    assert micro_batches(209, 2) == [(0, 69), (69, 139), (139, 209)]
+    assert micro_batches(1024, 2) == [(0, 256), (256, 512), (512, 768), (768, 1024)]  # up to 2 x P chunks
     assert [len(r) for r in split_layers(126, 4)] == [32, 32, 31, 31]
     tok = str(STORIES / "tokenizer.model")
     with pytest.raises(ValueError, match=r"pipeline_parallel_size 2 does not divide the world size 1"):
