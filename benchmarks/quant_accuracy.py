@@ -8,6 +8,8 @@ Per model and configuration, against the same model in fp32 (eager, compile=Fals
 - argmax: teacher-forced agreement of the next-token argmax on fp32's greedy sequences (prompt + continuation),
   so one early divergence does not decide every later position;
 - logit error: mean and max |logit - fp32 logit| on those positions, relative to the fp32 logits' std;
+- q4_0-sim: llama.cpp q4_0's weight rounding (gguf's reference quantizer) applied to the fp32 model, as the
+  q4_0-class yardstick (needs in_features % 32 == 0: SmolLM2, not stories260K);
 - perplexity of llama/data/demo_corpus.txt (a short story, ~900 tokens), windows of 256, stride 128.
 SmolLM2's file holds Q4_1 matrices: its "fp32" is that file dequantized, and int4 at group 32 re-quantizes
 weights that already lie on a 4-bit grid of 32-wide blocks (so its error there is a lower bound, not typical).
@@ -39,7 +41,23 @@ CONFIGS = {
     "int4-g32": dict(quantize="int4", group_size=32),
     "int4-g64": dict(quantize="int4", group_size=64),
     "int4-g128": dict(quantize="int4", group_size=128),
+    "q4_0-sim": dict(dtype="fp32"),  # fp32 model whose linear weights went through llama.cpp's q4_0 and back
 }
+
+
+def simulate_q4_0(model) -> None:
+    """Replace every linear weight by its q4_0 round trip (gguf's reference quantizer, llama.cpp's format): the
+    weight error of llama.cpp q4_0, with fp32 activations (llama.cpp also rounds activations to q8_0)."""
+    import gguf
+
+    from llama.quantize import linear_layers
+
+    qt = gguf.GGMLQuantizationType.Q4_0
+    with torch.no_grad():
+        for layer in linear_layers(model):
+            w = layer.weight.float().numpy()
+            back = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w, qt), qt))
+            layer.weight = torch.nn.Parameter(back, requires_grad=False)  # a tied embedding keeps its values
 
 
 def prompts_of(goldens: Path):
@@ -67,6 +85,8 @@ def evaluate(name: str, configs, threads: int) -> list:
     del ref
     for cfg in configs:
         llm = build(**CONFIGS[cfg])
+        if cfg == "q4_0-sim":
+            simulate_q4_0(llm.model)
         llm.tokenizer.stop_tokens = {}
         diverge, diffs, same = [], [], []
         for p, a, s, la in zip(prompts, ref_out, seqs, ref_logits):

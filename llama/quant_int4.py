@@ -24,6 +24,7 @@ from typing import Tuple
 
 import torch
 import torch.nn.functional as F
+from fairscale.nn.model_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from torch import nn
 
 GROUP_SIZES = (32, 64, 128, 256)  # what the CPU kernel takes
@@ -130,14 +131,12 @@ def quantize_int4(model: nn.Module, group_size: int = DEFAULT_GROUP_SIZE) -> nn.
     row-parallel shard's groups start at its first input, which are the full matrix's groups whenever the shard
     width is a multiple of group_size.
     """
-    from .quantize import linear_layers
-
     check_group_size(group_size)
     if model.norm.weight.device.type != "cpu":
         raise ValueError(f"quantize='int4' runs on CPU only (PyTorch's CPU int4 kernel); the model is on "
                          f"{model.norm.weight.device}: use quantize='int8' there")
-    for module in linear_layers(model):
-        if module.scales is None:
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.scales is None:
             codes, scales = quantize_codes(module.weight, group_size)
             set_int4(module, codes, scales, group_size)
     return model
