@@ -23,6 +23,10 @@ from . import parallel
 from .request import Request
 
 
+class EngineStopped(RuntimeError):
+    """The engine's thread stopped on an error outside any one request: the request could not be served."""
+
+
 class Engine:
     """Continuous batching over one Llama's KV cache. See the module docstring for the threading model."""
 
@@ -38,6 +42,7 @@ class Engine:
         self._cv = threading.Condition()
         self._thread: Optional[threading.Thread] = None
         self._closed = False
+        self.error: Optional[BaseException] = None  # what stopped the engine's thread, if something did
         self._released = threading.Event()  # set once close() is done; ends serve_forever on rank 0
         self._role, self._group, self._src = "single", None, 0
         lockstep = parallel.lockstep_group()  # pipeline stages: every rank of the job, led by rank 0
@@ -83,7 +88,7 @@ class Engine:
             for r in reqs:
                 r.wake = self._wake
                 if self._closed:
-                    r.fail(RuntimeError("the engine is closed: create a new one with Llama.engine()"))
+                    r.fail(self._closed_error())
                     r.settle(None)
             if self._closed:
                 return reqs
@@ -137,7 +142,35 @@ class Engine:
             with self.llama.cache.lock, self.core.runner.leader_samples():
                 self.core.runner.execute(msg["ops"])
 
+    @property
+    def alive(self) -> bool:
+        """False once the engine's thread has stopped on an error (see `error`); it then refuses every request."""
+        return self.error is None
+
     # ------------------------------------------------------------------------------------------------ internals
+    def _closed_error(self) -> RuntimeError:
+        if self.error is not None:
+            return EngineStopped(f"the engine stopped after an error ({self.error!r}): create a new one with "
+                                "Llama.engine()")
+        return RuntimeError("the engine is closed: create a new one with Llama.engine()")
+
+    def _die(self, error: BaseException) -> None:
+        """Something outside any one request failed (a lost model-parallel peer, a bug): no step can be trusted any
+        more, so every request in the engine fails with the cause, and later submissions are refused."""
+        with self._cv:
+            self.error, self._closed = error, True
+            pending = list(self._incoming) + list(self.scheduler.waiting) + self.scheduler.running()
+            self._incoming.clear()
+            self.scheduler.waiting.clear()
+            self.scheduler.slots[:] = [None] * len(self.scheduler.slots)
+            self._thread = None
+            self._released.set()
+            self._cv.notify_all()
+        for r in pending:
+            if not r.done():
+                r.fail(EngineStopped(f"request {r.id} failed: the engine stopped after an error ({error!r})"))
+                self.core.settle(r)
+
     def _wake(self) -> None:
         with self._cv:
             self._cv.notify_all()
@@ -146,6 +179,12 @@ class Engine:
         return bool(self._incoming) or self.scheduler.has_work()
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # requests' own errors are caught inside the step: this is the engine's
+            self._die(e)
+
+    def _serve(self) -> None:
         """The background thread: hold the cache while there is work, exit when idle.
 
         Under model parallel it stays until close(), sending an empty step every HEARTBEAT seconds while idle
