@@ -11,15 +11,16 @@ the embedding). checklist.chk covers every file. A checkpoint of S shards loads 
 slices fall on whole rows / whole groups.
 """
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
 import torch
 from torch import nn
 
-from . import checkpoint
+from . import checkpoint, pack_cache
 from .model import ModelArgs, Transformer, check_model_parallel
-from .quant_int4 import DEFAULT_GROUP_SIZE, check_group_size, quantize_codes, set_int4
+from .quant_int4 import DEFAULT_GROUP_SIZE, check_group_size, kernel_shapes, quantize_codes, set_int4, set_packed
 from .quantize import quantize_weight
 
 PARAMS_KEY = "quantization"
@@ -146,6 +147,10 @@ def load_model(ckpt_dir, args: ModelArgs, rank: int, world_size: int, stored: di
     paths, shards = _open(ckpt_dir)
     _check_shapes(paths, shards, args, scheme, group_size, world_size)
     state = {name: _slice(name, shards, rank, world_size, scheme) for name in shards[0]}
+    packs = None
+    if scheme == "int4":  # the kernel's layout, cached per machine: no repacking after the first load
+        path = pack_cache.cache_path(ckpt_dir, rank, world_size, group_size)
+        packs = Packs(path, pack_cache.load(path) or {}, {})
     with torch.device("meta"):
         model = Transformer(args)
         model.fuse()
@@ -156,10 +161,12 @@ def load_model(ckpt_dir, args: ModelArgs, rank: int, world_size: int, stored: di
             if layer is None:
                 continue
             names = [f"layers.{i}.{n}" for n in FUSED.get(local, (local,))]
-            _assign(layer, names, state, scheme, group_size)
+            _assign(layer, f"layers.{i}.{local}", names, state, scheme, group_size, packs)
         for norm in ("attention_norm", "ffn_norm"):
             getattr(block, norm).weight = nn.Parameter(state.pop(f"layers.{i}.{norm}.weight"), requires_grad=False)
-    _assign(model.output, ["output"], state, scheme, group_size)
+    _assign(model.output, "output", ["output"], state, scheme, group_size, packs)
+    if packs is not None and packs.fresh:
+        pack_cache.save(packs.path, {**packs.cached, **packs.fresh})
     model.tok_embeddings.weight = nn.Parameter(state.pop("tok_embeddings.weight"), requires_grad=False)
     model.norm.weight = nn.Parameter(state.pop("norm.weight"), requires_grad=False)
     if state:
@@ -167,9 +174,33 @@ def load_model(ckpt_dir, args: ModelArgs, rank: int, world_size: int, stored: di
     return model
 
 
-def _assign(layer, names, state, scheme: str, group_size: int) -> None:
+@dataclass
+class Packs:
+    """int4 layers in the kernel's layout: read from the machine's cache, and packed during this load."""
+
+    path: Optional[Path]
+    cached: Dict[str, torch.Tensor]
+    fresh: Dict[str, torch.Tensor]
+
+    def take(self, key: str, rows: int, inputs: int, group_size: int):
+        """The cached (packed, scales) of layer `key` if they have the shapes its stored codes imply."""
+        packed, scales = self.cached.get(key + ".packed"), self.cached.get(key + ".scales")
+        if packed is None or scales is None:
+            return None
+        if (tuple(packed.shape), tuple(scales.shape)) != kernel_shapes(rows, inputs, group_size):
+            return None
+        return packed, scales
+
+
+def _assign(layer, key: str, names, state, scheme: str, group_size: int, packs: Optional[Packs] = None) -> None:
     weights = [state.pop(n + ".weight") for n in names]
     scales = [state.pop(n + ".scales") for n in names]
+    if packs is not None:
+        rows, inputs = sum(w.shape[0] for w in weights), weights[0].shape[1] * 2
+        hit = packs.take(key, rows, inputs, group_size)
+        if hit is not None:
+            set_packed(layer, *hit, rows)
+            return
     weight = weights[0] if len(names) == 1 else torch.cat(weights)
     scale = scales[0] if len(names) == 1 else torch.cat(scales)
     if scheme == "int8":
@@ -177,3 +208,5 @@ def _assign(layer, names, state, scheme: str, group_size: int) -> None:
         layer.scales = nn.Parameter(scale, requires_grad=False)
     else:
         set_int4(layer, weight, scale, group_size)
+        if packs is not None:
+            packs.fresh[key + ".packed"], packs.fresh[key + ".scales"] = layer.weight.data, layer.scales.data

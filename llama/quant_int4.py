@@ -73,6 +73,12 @@ def dequantize_codes(codes: torch.Tensor, scales: torch.Tensor, group_size: int)
     return ((q - 8) * s[..., 0:1] + s[..., 1:2]).view(n, -1)[:, :k]
 
 
+def kernel_shapes(rows: int, inputs: int, group_size: int) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """Shapes of the kernel layout (packed, scales) of a (rows, inputs) weight."""
+    n_pad, groups = -(-rows // _ROWS) * _ROWS, math.ceil(inputs / group_size)
+    return (n_pad, groups * group_size // 2), (groups, n_pad, 2)
+
+
 def to_kernel(codes: torch.Tensor, scales: torch.Tensor, group_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Storage layout -> kernel layout (packed (N', K'/2) uint8, scales (K'/G, N', 2)), padded as the kernel needs."""
     n, k = codes.shape[0], codes.shape[1] * 2
@@ -116,10 +122,14 @@ def is_int4(layer: nn.Module) -> bool:
 
 def set_int4(layer: nn.Module, codes: torch.Tensor, scales: torch.Tensor, group_size: int) -> None:
     """Make a Column/RowLinear an int4 layer from storage-layout codes and scales."""
-    packed, sz = to_kernel(codes, scales, group_size)
+    set_packed(layer, *to_kernel(codes, scales, group_size), codes.shape[0])
+
+
+def set_packed(layer: nn.Module, packed: torch.Tensor, scales: torch.Tensor, out_features: int) -> None:
+    """Make a Column/RowLinear an int4 layer from kernel-layout weights (to_kernel's result)."""
     layer.weight = nn.Parameter(packed, requires_grad=False)
-    layer.scales = nn.Parameter(sz, requires_grad=False)
-    layer.int4_out = codes.shape[0]
+    layer.scales = nn.Parameter(scales, requires_grad=False)
+    layer.int4_out = out_features
 
 
 @torch.no_grad()

@@ -2,6 +2,7 @@
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,9 @@ import torch
 
 # The test models are tiny: one thread is as fast, and never oversubscribes a shared 2-core machine.
 torch.set_num_threads(1)
+
+# The suite never writes the user's cache (the demo checkpoint, int4 pack caches); subprocesses inherit this.
+os.environ["LLAMA_CACHE"] = tempfile.mkdtemp(prefix="llama-test-cache-")
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("LLAMA_SHARED") or REPO.parent / "shared")

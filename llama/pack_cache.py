@@ -1,0 +1,68 @@
+"""A cache of int4 weights in the CPU kernel's packed layout, so a pre-quantized int4 checkpoint loads without
+repacking.
+
+Checkpoints store int4 codes in a portable, sliceable layout (llama/quant_int4.py); the kernel wants them
+interleaved by `aten._convert_weight_to_int4pack_for_cpu`, whose output depends on the CPU's instruction set
+(AVX-512, AVX2, ...) and may change between PyTorch versions. Repacking costs about as long as quantizing, so the
+first load of a checkpoint writes what it packed to `$LLAMA_CACHE/int4pack/` (default ~/.cache/llama), keyed by the
+checkpoint's files, the rank and model-parallel size, the group size, the PyTorch version and the CPU capability;
+later loads memory-map it instead. `LLAMA_INT4_CACHE=0` turns the cache off. A cache file that cannot be read is
+ignored (and rewritten); one that cannot be written (read-only disk, full disk) only costs the repack next time.
+"""
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+
+from . import checkpoint
+from .fetch import cache_dir
+
+FORMAT = 1  # bump when what is stored changes
+
+
+def enabled() -> bool:
+    return os.environ.get("LLAMA_INT4_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def cache_path(ckpt_dir, rank: int, world_size: int, group_size: int) -> Optional[Path]:
+    """Where this rank's packed weights of ckpt_dir live for this machine and PyTorch, or None when disabled."""
+    if not enabled():
+        return None
+    h = hashlib.sha256()
+    for p in sorted(checkpoint.shard_paths(ckpt_dir)) + [Path(ckpt_dir) / "params.json"]:
+        st = p.stat()
+        h.update(f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    h.update(f"{FORMAT}|{rank}|{world_size}|{group_size}|{torch.__version__}|"
+             f"{torch.backends.cpu.get_cpu_capability()}".encode())
+    return cache_dir() / "int4pack" / f"{h.hexdigest()[:32]}.pt"
+
+
+def load(path: Optional[Path]) -> Optional[Dict[str, torch.Tensor]]:
+    """The cached packed tensors (memory-mapped), or None when absent or unreadable."""
+    if path is None or not path.is_file():
+        return None
+    try:
+        return torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+    except Exception as e:  # a truncated or foreign file: repack and rewrite it
+        print(f"note: ignoring the unreadable int4 pack cache {path} ({e.__class__.__name__}); repacking",
+              file=sys.stderr)
+        return None
+
+
+def save(path: Optional[Path], tensors: Dict[str, torch.Tensor]) -> None:
+    """Write atomically (a concurrent load sees the old file or the whole new one); failure only warns."""
+    if path is None or not tensors:
+        return
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(tensors, tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        print(f"note: could not cache the packed int4 weights in {path.parent} ({e}); the next load repacks them",
+              file=sys.stderr)
+        tmp.unlink(missing_ok=True)
