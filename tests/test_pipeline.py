@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import GOLDENS, STORIES, error_lines, rank_env
+from conftest import GOLDENS, SHARED, STORIES, error_lines, rank_env
 from helpers import ONCE, build_stories
 
 TESTS = Path(__file__).resolve().parent
@@ -125,22 +125,50 @@ def staggered(d: str, rank: int) -> dict:
     return out
 
 
+GGUF = SHARED / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+
+
+def gguf_outputs(g) -> dict:
+    from llama.pipeline import weight_bytes
+
+    out = g.text_completion(GGUF_PROMPTS, temperature=0.0, max_gen_len=12)
+    return {"greedy": [o["generation"] for o in out], "weight_bytes": weight_bytes(g.model)}
+
+
 def rank_main(argv) -> None:
-    """One rank of a pipeline job: build from each checkpoint at (T, P), record outputs, stage and weight bytes;
-    mode "engine" also serves ENGINE_REQUESTS concurrently (rank 0 submits, the others follow)."""
+    """One rank of a pipeline job: build from each checkpoint at (T, P), record outputs, stage and weight bytes,
+    and serve ENGINE_REQUESTS through the engine (rank 0 submits, the others follow); mode "engine" also runs the
+    calls on Llama of extras(), the engine one step at a time and the staggered run; mode "gguf" builds the GGUF
+    file instead."""
     import torch
     import torch.distributed as dist
 
     from llama import Llama
-    from llama.pipeline import weight_bytes
 
     torch.set_num_threads(1)
     T, P, out, mode, *dirs = argv
     rank = int(os.environ["RANK"])
     result = {"group_rank": int(os.environ.get("GROUP_RANK", 0)), "dirs": {}, "two": dirs[-1]}
+    if mode == "gguf":  # each rank dequantizes only its stage's tensors
+        g = Llama.build(dirs[0], None, max_seq_len=64, max_batch_size=2, pipeline_parallel_size=int(P),
+                        device="cpu", dtype="float32")
+        result.update(gguf_outputs(g), stage=g.model.stage.index, layers=list(g.model.stage.layers))
+    else:
+        stories_main(int(T), int(P), mode, dirs, rank, result)
+    with open(f"{out}.{rank}.json", "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def stories_main(T: int, P: int, mode: str, dirs, rank: int, result: dict) -> None:
+    from llama import Llama
+    from llama.pipeline import weight_bytes
+
     for d in dirs:
         g = Llama.build(d, str(STORIES / "tokenizer.model"), max_seq_len=MAX_SEQ_LEN, max_batch_size=MAX_BATCH,
-                        model_parallel_size=int(T), pipeline_parallel_size=int(P), device="cpu", dtype="float32")
+                        model_parallel_size=T, pipeline_parallel_size=P, device="cpu", dtype="float32")
         stage = g.model.stage
         result["dirs"][d] = {**generations(g), "stage": stage.index, "layers": list(stage.layers),
                              "weight_bytes": weight_bytes(g.model), "embedding": g.model.tok_embeddings is not None,
@@ -162,10 +190,6 @@ def rank_main(argv) -> None:
     if mode == "engine":
         result["unseeded"] = g.text_completion([ONCE], temperature=1.0, max_gen_len=20)  # RNG agrees after close
         result["staggered"] = staggered(str(STORIES), rank)
-    with open(f"{out}.{rank}.json", "w") as f:
-        json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------------------------------ launching
@@ -349,6 +373,24 @@ def test_tp2_x_pp2_on_two_simulated_nodes(two_nodes, single, goldens):
     assert two_nodes[0]["engine"] == single["alone"] and two_nodes[0]["engine_stats"]["overlapped"] > 0
     for rank, r in enumerate(two_nodes):  # each node (c10d group rank) holds one whole stage: TP stays on the node
         assert r["group_rank"] == rank // 2 == next(iter(r["dirs"].values()))["stage"]
+
+
+def test_two_stages_from_a_gguf_file_match_one_process(tmp_path):
+    """Each rank dequantizes only its stage's tensors of a Q4_1 GGUF file (tied embeddings: the table is the first
+    stage's embedding and the last stage's output) and the greedy text is the single process's."""
+    if not GGUF.is_file():
+        pytest.skip(f"{GGUF} not found")
+    from llama import Llama
+
+    procs = [launch(tmp_path, ["--standalone", "--nproc_per_node", "2"], 1, 2, "gguf", "gguf", [GGUF])]
+    want = gguf_outputs(Llama.build(str(GGUF), None, max_seq_len=64, max_batch_size=2, dtype="float32"))  # meanwhile
+    finish(procs)
+    ranks = outputs(tmp_path, "gguf", 2)
+    assert [r["greedy"] for r in ranks] == [want["greedy"]] * 2
+    assert [r["stage"] for r in ranks] == [0, 1] and [r["layers"] for r in ranks] == [list(range(15)),
+                                                                                      list(range(15, 30))]
+    for r in ranks:  # about half the weights each (the 28M-parameter table is on both, once as each role)
+        assert 0.5 * want["weight_bytes"] <= r["weight_bytes"] <= 0.75 * want["weight_bytes"], r["weight_bytes"]
 
 
 def test_bad_layouts_raise_clear_errors(checkpoints):
