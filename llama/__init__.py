@@ -1,7 +1,7 @@
 """llama: Meta's Llama reference API, correct on every device, with serving features."""
 
 from .chat import ChatFormat, Dialog, Message
-from .engine import Engine
+from .engine import Engine, EngineStopped
 from .generation import ChatPrediction, CompletionPrediction, Llama
 from .grammar import Grammar
 from .model import ModelArgs, Transformer
@@ -12,5 +12,5 @@ from .session import ChatSession
 from .tokenizer import Tokenizer
 
 __all__ = ["Llama", "ModelArgs", "Transformer", "Tokenizer", "ChatFormat", "Dialog", "Message", "SamplingParams",
-           "Prefix", "ChatSession", "Engine", "Request", "Handle", "BatchError", "CompletionPrediction",
+           "Prefix", "ChatSession", "Engine", "EngineStopped", "Request", "Handle", "BatchError", "CompletionPrediction",
            "ChatPrediction", "Grammar"]

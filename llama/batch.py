@@ -4,11 +4,12 @@
     torchrun --nproc_per_node 2 -m llama.batch ...   # model parallel: rank 0 reads, schedules and writes
 
 Input: one JSON object per line with `id` (string or integer, unique), `prompt` (string) or `dialog` (list of
-messages), and optional per-row parameters (temperature, top_p, top_k, max_gen_len, seed, stop, logprobs) that
-override the command-line defaults.
+messages), and optional per-row parameters (temperature, top_p, top_k, max_gen_len, seed, stop, logprobs,
+top_logprobs) that override the command-line defaults.
 
 Output: one JSON object per finished request, appended and flushed the moment it finishes (so in completion
-order): `id`, `line`, `generation`, `finish_reason`, `num_tokens` (plus `tokens`/`logprobs` with logprobs), or
+order): `id`, `line`, `generation`, `finish_reason`, `num_tokens` (plus `tokens`/`logprobs` with logprobs, and
+`top_logprobs` with top_logprobs), or
 `id`, `line`, `error` for a request that failed. A line that cannot be read (bad JSON, no usable id, a duplicate
 id) is reported on stderr and written as {"id": null, "line": N, "error": ...}.
 
@@ -27,7 +28,7 @@ import time
 import zlib
 from typing import Dict, List, Optional, Set, Tuple
 
-ROW_PARAMS = ("temperature", "top_p", "top_k", "max_gen_len", "seed", "stop", "logprobs")
+ROW_PARAMS = ("temperature", "top_p", "top_k", "max_gen_len", "seed", "stop", "logprobs", "top_logprobs")
 
 
 def row_seed(base: int, rid) -> int:

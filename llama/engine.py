@@ -28,6 +28,10 @@ from .pipeline_engine import Pipelined, follow
 from .request import Request
 
 
+class EngineStopped(RuntimeError):
+    """The engine's thread stopped on an error outside any one request: the request could not be served."""
+
+
 class Engine:
     """Continuous batching over one Llama's KV cache. See the module docstring for the threading model."""
 
@@ -44,6 +48,7 @@ class Engine:
         self._cv = threading.Condition()
         self._thread: Optional[threading.Thread] = None
         self._closed = False
+        self.error: Optional[BaseException] = None  # what stopped the engine's thread, if something did
         self._released = threading.Event()  # set once close() is done; ends serve_forever on rank 0
         self._role, self._group, self._src = "single", None, 0
         lockstep = parallel.lockstep_group()  # pipeline stages: every rank of the job, led by rank 0
@@ -98,7 +103,7 @@ class Engine:
             for r in reqs:
                 r.wake = self._wake
                 if self._closed:
-                    r.fail(RuntimeError("the engine is closed: create a new one with Llama.engine()"))
+                    r.fail(self._closed_error())
                     r.settle(None)
             if self._closed:
                 return reqs
@@ -158,7 +163,38 @@ class Engine:
             with self.llama.cache.lock, self.core.runner.leader_samples():
                 self.core.runner.execute(msg["ops"])
 
+    @property
+    def alive(self) -> bool:
+        """False once the engine's thread has stopped on an error (see `error`); it then refuses every request."""
+        return self.error is None
+
     # ------------------------------------------------------------------------------------------------ internals
+    def _closed_error(self) -> RuntimeError:
+        if self.error is not None:
+            return EngineStopped(f"the engine stopped after an error ({self.error!r}): create a new one with "
+                                "Llama.engine()")
+        return RuntimeError("the engine is closed: create a new one with Llama.engine()")
+
+    def _die(self, error: BaseException) -> None:
+        """Something outside any one request failed (a lost model-parallel peer, a bug): no step can be trusted any
+        more, so every request in the engine fails with the cause, and later submissions are refused."""
+        with self._cv:
+            self.error, self._closed = error, True
+            pending = list(self._incoming) + [r for g in self.groups for r in list(g.waiting) + g.running()]
+            self._incoming.clear()
+            for g in self.groups:
+                g.waiting.clear()
+                g.slots[:] = [None] * len(g.slots)
+            if self._pipe is not None:
+                self._pipe.inflight.clear()
+            self._thread = None
+            self._released.set()
+            self._cv.notify_all()
+        for r in pending:
+            if not r.done():
+                r.fail(EngineStopped(f"request {r.id} failed: the engine stopped after an error ({error!r})"))
+                self.core.settle(r)
+
     def _wake(self) -> None:
         with self._cv:
             self._cv.notify_all()
@@ -167,6 +203,12 @@ class Engine:
         return bool(self._incoming) or (self._pipe or self.scheduler).has_work()
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # requests' own errors are caught inside the step: this is the engine's
+            self._die(e)
+
+    def _serve(self) -> None:
         """The background thread: hold the cache while there is work, exit when idle.
 
         Under model parallel it stays until close(), sending an empty step every HEARTBEAT seconds while idle

@@ -170,9 +170,9 @@ class Llama:
         reqs = self.inputs.requests([encoded[i][0] for i in run], [params[i] for i in run], n=n, index=run, chat=True)
         preds, errors = iter(self._complete(reqs, check=False)), iter(r.error for r in reqs)
         out, failed = [], []
-        for toks, refusal in encoded:
+        for (toks, refusal), p in zip(encoded, params):
             for _ in range(n):
-                out.append(next(preds) if toks is not None else refusal_prediction(refusal, logprobs))
+                out.append(next(preds) if toks is not None else refusal_prediction(refusal, logprobs, p.top_logprobs))
                 failed.append(next(errors) if toks is not None else None)
         _check(out, failed)
         return out

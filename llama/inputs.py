@@ -101,6 +101,9 @@ class RequestBuilder:
                                  f"{self.max_seq_len} (shorten it or build the generator with a larger max_seq_len)")
             if prefix is not None and params[k].scores_prompt:
                 prefix.prompt_logprobs(toks, prefix.reusable(toks))  # raises now if the scores are unknowable
+                if params[k].top_logprobs and prefix.reusable(toks) > 0:
+                    raise ValueError(f"{name}: echo with top_logprobs is unavailable when continuing a prefix (a "
+                                     "prefix keeps its tokens' log-probabilities, not their alternatives)")
             checked.append(toks)
         stops = dict(self.tokenizer.stop_tokens)
         if chat:
@@ -144,7 +147,7 @@ class RequestBuilder:
         r = Request(prompt=[], params=params, max_new=0, stream=TextStream(self.tokenizer), stop_tokens={},
                     chat=True, id=next(self._ids), finish_reason="error")
         r.put(text)
-        r.settle(refusal_prediction(text, params.logprobs))
+        r.settle(refusal_prediction(text, params.logprobs, params.top_logprobs))
         return r
 
     # ----------------------------------------------------------------------------------------- results
@@ -158,6 +161,10 @@ class RequestBuilder:
             toks = (r.prompt if r.params.echo else []) + r.generated
             pred["tokens"] = [self.tokenizer.decode([t]) for t in toks]
             pred["logprobs"] = ([0.0] + r.prompt_logprobs if r.params.echo else []) + r.logprobs
+            if r.params.top_logprobs:  # the first echoed prompt token has no context, so no alternatives
+                tops = ([[]] + r.prompt_top_logprobs if r.params.echo else []) + r.top_logprobs
+                pred["top_logprobs"] = [[{"token": self.tokenizer.decode([t]), "id": t, "logprob": lp} for t, lp in top]
+                                        for top in tops]
         return pred
 
     def settle(self, r: Request) -> None:
@@ -165,8 +172,9 @@ class RequestBuilder:
         r.settle(self.prediction(r) if r.error is None else None)
 
 
-def refusal_prediction(text: str, logprobs: bool) -> Dict:
-    return {"generation": {"role": "assistant", "content": text}, **({"tokens": [], "logprobs": []} if logprobs else {})}
+def refusal_prediction(text: str, logprobs: bool, top_logprobs: int = 0) -> Dict:
+    scores = {"tokens": [], "logprobs": [], **({"top_logprobs": []} if top_logprobs else {})} if logprobs else {}
+    return {"generation": {"role": "assistant", "content": text}, **scores}
 
 
 def check_prefix(prefix) -> None:

@@ -7,6 +7,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 LogitsProcessor = Callable[[List[int], torch.Tensor], torch.Tensor]
 
 
@@ -22,6 +23,7 @@ class SamplingParams:
     seed: Optional[int] = None
     stop: Sequence[str] = ()
     logprobs: bool = False
+    top_logprobs: int = 0  # with logprobs: also the k most likely tokens at each position (OpenAI's top_logprobs)
     echo: bool = False
     logits_processors: Sequence[LogitsProcessor] = field(default_factory=tuple)
     grammar: Optional[object] = None  # structured output: a llama.Grammar or {"json_schema": ...} (llama/grammar.py)
@@ -44,6 +46,11 @@ class SamplingParams:
             _integer("seed", self.seed)
             if not -(2**63) <= self.seed < 2**63:
                 raise ValueError(f"seed must fit in 64 bits (-2**63 <= seed < 2**63), got {self.seed}")
+        _integer("top_logprobs", self.top_logprobs)
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=True")
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):

@@ -7,7 +7,7 @@ import queue
 import threading
 from concurrent.futures import CancelledError
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from .params import SamplingParams
 from .textstream import TextStream
@@ -39,6 +39,8 @@ class Request:
     generated: List[int] = field(default_factory=list)
     logprobs: List[float] = field(default_factory=list)
     prompt_logprobs: List[float] = field(default_factory=list)
+    top_logprobs: List[List[Tuple[int, float]]] = field(default_factory=list)  # with params.top_logprobs
+    prompt_top_logprobs: List[List[Tuple[int, float]]] = field(default_factory=list)
     finish_reason: Optional[str] = None  # a stop token's reason ("eos", ...), "stop", "length", "cancelled", "error"
     error: Optional[BaseException] = None
     prediction: Optional[Dict] = None
@@ -64,7 +66,7 @@ class Request:
         return f"Request(id={self.id}, finish_reason={self.finish_reason!r})"
 
     # ------------------------------------------------------------------------------------------ decoding
-    def advance(self, tok: int, logprob: Optional[float] = None) -> str:
+    def advance(self, tok: int, logprob: Optional[float] = None, top: Optional[List[Tuple[int, float]]] = None) -> str:
         """Take one sampled token; return the text now safe to release. While unfinished, the next decode step
         feeds `tok` at position `next_pos`."""
         self.fed = len(self.generated)  # every token generated so far was fed before this one was sampled
@@ -74,6 +76,8 @@ class Request:
         self.generated.append(tok)
         if logprob is not None and self.params.logprobs:
             self.logprobs.append(logprob)
+            if top is not None and self.params.top_logprobs:
+                self.top_logprobs.append(top)
         text = self.stream.add(tok)
         complete = False
         if self.matcher is not None:
@@ -85,7 +89,7 @@ class Request:
         if self.stream.stopped:
             self.finish_reason = "stop"
             keep = self.stream.tokens_before_stop()
-            del self.generated[keep:], self.logprobs[keep:]
+            del self.generated[keep:], self.logprobs[keep:], self.top_logprobs[keep:]
             self.fed = min(self.fed, keep)
         elif complete:  # the grammar allows nothing more: its text is complete
             self.finish_reason = "stop"

@@ -14,7 +14,7 @@ from .cache import KVCache
 from .compile import CompiledDecode
 from .pipeline import Pending
 from .request import Request
-from .sampling import RowSampler, token_logprobs
+from .sampling import RowSampler, prompt_top_entries, token_logprobs
 
 
 @dataclass
@@ -145,6 +145,9 @@ class Runner:
                     if r.params.scores_prompt:
                         end = min(s + c + 1, len(r.prompt))
                         r.prompt_logprobs = r.prompt_logprobs + token_logprobs(out[i, :c], r.prompt[s:end])
+                        if r.params.top_logprobs:
+                            r.prompt_top_logprobs = r.prompt_top_logprobs + prompt_top_entries(
+                                out[i, :c], r.prompt[s:end], r.params.top_logprobs)
                     logits = out[i, c - 1]
                 else:
                     logits = out[i, 0]
@@ -154,6 +157,7 @@ class Runner:
                         r.first_logits = logits.clone()
         for r, src in plan.twins:
             r.prompt_logprobs, r.reused = list(src.prompt_logprobs), src.reused
+            r.prompt_top_logprobs = list(src.prompt_top_logprobs)
             ready.append((r, src.first_logits))
         if plan.decoding:
             out = outs[-1]
@@ -163,22 +167,24 @@ class Runner:
     def sample(self, ready: List[Tuple[Request, torch.Tensor]]) -> List[Tuple[Request, str]]:
         reqs = [r for r, _ in ready]
         if self.share_samples:  # drawn on the last pipeline stage, the same tokens and failures on every rank
-            tokens, lps, failed = self.model.share_samples(lambda: self._draw(ready))
+            tokens, lps, tops, failed = self.model.share_samples(lambda: self._draw(ready))
             for b, message in failed.items():
                 if reqs[b].error is None:
                     reqs[b].fail(ValueError(message))
         else:
-            tokens, lps, failed = self._draw(ready)
+            tokens, lps, tops, failed = self._draw(ready)
         deltas = []
         for b, r in enumerate(reqs):
             if b not in failed:
-                text = r.advance(tokens[b], lps[b] if lps is not None else None)
+                text = r.advance(tokens[b], lps[b] if lps is not None else None, tops[b] if tops is not None else None)
                 if text:
                     deltas.append((r, text))
         return deltas
 
-    def _draw(self, ready: List[Tuple[Request, torch.Tensor]]) -> Tuple[List[int], Optional[List[float]], Dict]:
-        """(token per row, log-probabilities or None, {row: error message} of the rows that failed)."""
+    def _draw(self, ready: List[Tuple[Request, torch.Tensor]]) -> Tuple[List[int], Optional[List[float]],
+                                                                        Optional[List], Dict]:
+        """(token per row, log-probabilities or None, top_logprobs alternatives or None, {row: error message} of the
+        rows that failed)."""
         reqs = [r for r, _ in ready]
         logits = torch.stack([lg for _, lg in ready])
         ok = [self._process(b, r, logits) for b, r in enumerate(reqs)]
@@ -196,8 +202,8 @@ class Runner:
         last = self._sampler[0] if self._sampler is not None else []
         if len(last) != len(reqs) or any(a is not b for a, b in zip(last, reqs)):  # same rows: reuse the tensors
             self._sampler = (reqs, RowSampler(reqs, self.device))
-        tokens, lps = self._sampler[1](logits)
-        return tokens, lps, {b: str(r.error) for b, r in enumerate(reqs) if not ok[b]}
+        tokens, lps, tops = self._sampler[1](logits)
+        return tokens, lps, tops, {b: str(r.error) for b, r in enumerate(reqs) if not ok[b]}
 
     def _process(self, b: int, r: Request, logits: torch.Tensor) -> bool:
         """Apply a request's logits processors, then its grammar's mask, to its row; on a broken one, fail the

@@ -6,6 +6,7 @@ No generator state is shared between rows, so a request gives the same text alon
 max_batch_size and on every model-parallel rank.
 """
 
+import math
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -93,6 +94,24 @@ def sample(
     return out
 
 
+def top_entries(logprobs: torch.Tensor, ks: Sequence[int]) -> List[Optional[List[Tuple[int, float]]]]:
+    """Row b's ks[b] most likely (token id, log-probability) pairs from log-probabilities (B, V), best first; None
+    where ks[b] is 0. Tokens a grammar or processor ruled out (-inf) are left out: they are not alternatives."""
+    k = max(ks, default=0)
+    if k == 0:
+        return [None] * len(ks)
+    vals, idx = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+    vals, idx = vals.tolist(), idx.tolist()
+    return [[(i, v) for i, v in zip(idx[b][:kb], vals[b][:kb]) if math.isfinite(v)] if kb else None
+            for b, kb in enumerate(ks)]
+
+
+def prompt_top_entries(logits: torch.Tensor, tokens: List[int], k: int) -> List[List[Tuple[int, float]]]:
+    """The k most likely tokens at each of the len(tokens) - 1 positions token_logprobs scores."""
+    lps = torch.log_softmax(logits[: len(tokens) - 1].float(), dim=-1)
+    return top_entries(lps, [k] * lps.shape[0])
+
+
 def token_logprobs(logits: torch.Tensor, tokens: List[int]) -> List[float]:
     """log p(tokens[i+1] | tokens[:i+1]) from the logits (T, V) at tokens' positions: T-1 values."""
     target = torch.tensor(tokens[1:], device=logits.device)
@@ -114,15 +133,21 @@ class RowSampler:
         self.seeds = torch.tensor([r.params.seed or 0 for r in rows])
         self.samples = torch.tensor([r.sample for r in rows])
         self.want_logprobs = any(r.params.logprobs for r in rows)
+        self.top_ks = [r.params.top_logprobs for r in rows]
+        self.want_top = any(self.top_ks)
 
-    def __call__(self, logits: torch.Tensor) -> Tuple[List[int], Optional[List[float]]]:
-        """(token per row, its log-probability under the raw logits or None when no row asked for them)."""
+    def __call__(self, logits: torch.Tensor) -> Tuple[List[int], Optional[List[float]], Optional[List]]:
+        """(token per row, its log-probability under the raw logits or None when no row asked for them, each row's
+        top_logprobs alternatives or None when no row asked for them)."""
         uniform = None
         if self.any_seeded:  # the draw of generated token t of sample j depends on (seed, j, t) only
             u = seeded_uniform(self.seeds, self.samples, torch.tensor([len(r.generated) for r in self.rows]))
             uniform = torch.where(self.seeded, u, torch.full_like(u, float("nan"))).to(self.device)
         tokens = sample(logits, self.temperature, self.top_p, self.top_k, uniform)
-        logprobs = None
+        logprobs = tops = None
         if self.want_logprobs:
-            logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0].tolist()
-        return tokens.tolist(), logprobs
+            lsm = torch.log_softmax(logits, dim=-1)
+            logprobs = lsm.gather(1, tokens[:, None])[:, 0].tolist()
+            if self.want_top:
+                tops = top_entries(lsm, self.top_ks)
+        return tokens.tolist(), logprobs, tops

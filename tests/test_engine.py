@@ -232,6 +232,35 @@ def test_bad_requests_fail_alone(gen):
         closed.result()
 
 
+def test_an_engine_that_dies_fails_every_request_and_refuses_new_ones(gen):
+    """An error outside any one request (here the scheduler's planning) stops the engine's thread: every queued
+    and running request fails with the cause instead of waiting forever, and later submissions are refused."""
+    engine = gen.engine()
+    plan, calls = engine.scheduler.plan, []
+
+    def failing_plan():
+        calls.append(1)
+        if len(calls) == 5:
+            raise RuntimeError("lost the model-parallel peer")
+        return plan()
+
+    engine.scheduler.plan = failing_plan
+    reqs = [engine.submit(p, temperature=0.0, max_gen_len=100) for p in PROMPTS[:SLOTS + 2]]
+    for r in reqs:
+        with pytest.raises(RuntimeError, match="engine stopped after an error.*lost the model-parallel peer"):
+            r.result(timeout=60)
+        assert r.finish_reason == "error"
+    streamed = reqs[0]
+    with pytest.raises(RuntimeError, match="lost the model-parallel peer"):
+        "".join(streamed)  # an iterator ends with the error too
+    assert not engine.alive and "lost the model-parallel peer" in repr(engine.error)
+    late = engine.submit("Lily", temperature=0.0)
+    with pytest.raises(RuntimeError, match="engine stopped after an error"):
+        late.result(timeout=5)
+    engine.close()
+    assert gen.text_completion(["Lily"], temperature=0.0, max_gen_len=8)  # the generator itself still works
+
+
 def test_other_calls_wait_until_the_engine_is_idle(gen):
     engine, gate, finished = gen.engine(), Gate(), []
     handles = [engine.submit(p, temperature=0.0, max_gen_len=40, logits_processors=gate if i == 0 else ())

@@ -54,6 +54,34 @@ def test_echo_logprobs_equal_one_full_forward(stories, goldens):
     assert torch.allclose(torch.tensor(logprobs[0][1:]), ref, atol=1e-4)
 
 
+def test_top_logprobs_are_the_full_forward_pass_best_tokens(stories, goldens):
+    """top_logprobs=k: at every echoed prompt position and every generated one, the k largest log-probabilities of
+    one full forward pass over the whole sequence, best first; greedy's token is the first of them."""
+    prompt, _ = golden_pairs(goldens)[0]
+    text = stories.tokenizer.decode(prompt)
+    out = stories.text_completion([text], temperature=0, max_gen_len=12, logprobs=True, top_logprobs=4, echo=True)[0]
+    ids = [stories.tokenizer.encode(text, bos=True, eos=False)]
+    seq = ids[0] + [a["id"] for a in (t[0] for t in out["top_logprobs"][len(ids[0]):])]
+    assert len(out["top_logprobs"]) == len(out["tokens"]) == len(seq) and out["top_logprobs"][0] == []
+    logits = stories.model(torch.tensor([seq], device=stories.device), 0)[0].float().cpu()
+    ref_vals, ref_ids = torch.log_softmax(logits[:-1], dim=-1).topk(4, dim=-1)
+    for pos, top in enumerate(out["top_logprobs"][1:]):
+        assert [a["id"] for a in top] == ref_ids[pos].tolist(), pos
+        assert [a["logprob"] for a in top] == pytest.approx(ref_vals[pos].tolist(), abs=1e-4)
+        assert [a["token"] for a in top] == [stories.tokenizer.decode([i]) for i in ref_ids[pos].tolist()]
+        assert top[0]["logprob"] == pytest.approx(out["logprobs"][pos + 1], abs=1e-6) or pos < len(ids[0]) - 1
+    # sampled, with a stop string: one entry per returned token, and each sampled token is among or below them
+    s = stories.text_completion([text], temperature=1.0, seed=3, max_gen_len=40, logprobs=True, top_logprobs=2,
+                                stop=["."])[0]
+    assert len(s["top_logprobs"]) == len(s["tokens"]) == len(s["logprobs"])
+    for lp, top in zip(s["logprobs"], s["top_logprobs"]):
+        assert len(top) == 2 and top[0]["logprob"] >= top[1]["logprob"] and lp <= top[0]["logprob"] + 1e-6
+    with pytest.raises(ValueError, match="top_logprobs=2 needs logprobs=True"):
+        stories.text_completion([text], top_logprobs=2)
+    with pytest.raises(ValueError, match=r"top_logprobs must be in \[0, 20\]"):
+        stories.text_completion([text], logprobs=True, top_logprobs=21)
+
+
 def test_echo_text_completion(stories):
     result = stories.text_completion(["Once upon a time"], temperature=0, max_gen_len=10, echo=True)[0]
     assert result["generation"].startswith("Once upon a time, there was")

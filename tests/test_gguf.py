@@ -266,8 +266,10 @@ print(json.dumps({"peak": hwm() - base}))
 
 def test_a_quantized_load_of_a_q8_0_file_peaks_below_a_bf16_load(stories_dir, tmp_path):
     """Reading layer by layer (file pages and temporaries released as it goes) keeps an int8 load's peak RSS well
-    under a bf16 load of the same file, by about the bytes int8 saves: a whole-model bf16 detour would put it
-    above. (A small vocabulary, so the layers are most of the model.)"""
+    under a bf16 load of the same file: a whole-model bf16 detour would put it above the bf16 load (bf16 weights plus
+    the int8 copy), while streaming keeps it below by a good part of the ~half the bytes int8 saves (the margin
+    leaves room for file pages and allocator slack, which vary between machines). (A small vocabulary, so the layers
+    are most of the model.)"""
     import subprocess
     import sys
 
@@ -286,7 +288,7 @@ def test_a_quantized_load_of_a_q8_0_file_peaks_below_a_bf16_load(stories_dir, tm
                              env=rank_env(1), cwd=REPO, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
         peaks[q] = json.loads(out.stdout.strip().splitlines()[-1])["peak"]
-    assert peaks["int8"] < peaks["none"] - 0.25 * bf16_bytes, (peaks, bf16_bytes)
+    assert peaks["int8"] < peaks["none"] - 0.1 * bf16_bytes, (peaks, bf16_bytes)
 
 
 def test_logits_match_transformers_on_the_same_gguf_within_1e_3(smol, golden):

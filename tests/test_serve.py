@@ -137,6 +137,34 @@ def test_logprobs_and_echo(server, local):
     assert "".join(ch.choices[0].text for ch in echoed) == ref["generation"]
 
 
+def test_top_logprobs_in_both_shapes(server, local):
+    """Completions' logprobs=k and chat's top_logprobs=k carry the Python API's top_logprobs alternatives: a dict
+    piece -> log-probability per position (null for the first echoed token), and chat's token/logprob/bytes lists."""
+    c = server.client()
+    ref = local.text_completion([ONCE], temperature=0, max_gen_len=10, logprobs=True, top_logprobs=3, echo=True)[0]
+    lp = c.completions.create(model="stories", prompt=ONCE, max_tokens=10, temperature=0, logprobs=3,
+                              echo=True).choices[0].logprobs
+    assert lp.top_logprobs[0] is None and len(lp.top_logprobs) == len(ref["top_logprobs"]) == len(lp.tokens)
+    for got, want in zip(lp.top_logprobs[1:], ref["top_logprobs"][1:]):
+        assert list(got) == [a["token"] for a in want]
+        assert list(got.values()) == pytest.approx([a["logprob"] for a in want], abs=1e-5)
+    cref = local.chat_completion([CHAT], temperature=0, max_gen_len=8, logprobs=True, top_logprobs=2)[0]
+    for stream in (False, True):
+        out = c.chat.completions.create(model="stories", messages=CHAT, max_tokens=8, temperature=0, logprobs=True,
+                                        top_logprobs=2, stream=stream)
+        chunks = list(out) if stream else [out]
+        content = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+        assert len(content) == len(cref["top_logprobs"]) > 0
+        for t, want in zip(content, cref["top_logprobs"]):
+            assert [a.token for a in t.top_logprobs] == [a["token"] for a in want]
+            assert [a.logprob for a in t.top_logprobs] == pytest.approx([a["logprob"] for a in want], abs=1e-5)
+            assert t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-6)  # greedy: the best one
+            assert t.top_logprobs[0].bytes == list(t.top_logprobs[0].token.encode())
+    check_error(httpx.post(server.url + "/v1/chat/completions",
+                           json={"messages": CHAT, "logprobs": True, "top_logprobs": 21}), 400, "top_logprobs")
+    check_error(httpx.post(server.url + "/v1/completions", json={"prompt": ONCE, "logprobs": 6}), 400, "logprobs")
+
+
 def test_models_health_metrics(server):
     models = server.client().models.list()
     assert [m.id for m in models.data] == ["stories"]

@@ -20,6 +20,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from ..engine import EngineStopped
 from . import protocol
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import APIError
@@ -73,6 +74,9 @@ class State:
         if self.engine is None:
             raise APIError(503, "the model is still loading", kind="server_error", code="loading",
                            headers={"Retry-After": "5"})
+        if not self.engine.alive:  # its thread stopped on an error: every request would fail; restart the server
+            raise APIError(503, f"the engine stopped after an error: {self.engine.error!r}; restart the server",
+                           kind="server_error", code="engine_stopped")
         return self.engine
 
     def admit(self, count: int) -> None:
@@ -210,11 +214,7 @@ class Job:
                 break
             lp = None
             if spec.logprobs:
-                pred = r.prediction
-                lps = list(pred.get("logprobs", []))
-                if spec.echo and lps:
-                    lps[0] = None
-                lp = protocol.logprobs_block(spec, list(pred.get("tokens", [])), lps)
+                lp = protocol.logprobs_block(spec, r.prediction)
             await event(protocol.chunk(spec, [protocol.delta_choice(spec, i, None if spec.chat else "",
                                                                     protocol.finish_reason(r), lp)]))
         else:
@@ -234,7 +234,10 @@ async def send_response(send, response: Response) -> None:
 
 
 def engine_error(err: BaseException) -> APIError:
-    """An engine request's error: bad input (ValueError/TypeError) is the client's 400, anything else a 500."""
+    """An engine request's error: bad input (ValueError/TypeError) is the client's 400, a stopped engine 503,
+    anything else a 500."""
+    if isinstance(err, EngineStopped):
+        return APIError(503, str(err), kind="server_error", code="engine_stopped")
     if isinstance(err, (ValueError, TypeError)):
         msg = str(err)
         param = "messages" if "dialog" in msg or "message" in msg else ("prompt" if "prompt" in msg else None)

@@ -164,11 +164,7 @@ def parse(body, chat: bool, model_name: str, max_seq_len: int, vocab_size: int) 
         job.logprobs, job.top_logprobs = lp is not None, lp or 0
         job.echo = _bool(body, "echo")
         job.prompts = _prompts(body.get("prompt"), vocab_size)
-    if job.top_logprobs:
-        raise bad("top_logprobs" if chat else "logprobs",
-                  "only the sampled token's log-probability is returned: top_logprobs must be 0"
-                  if chat else "only the sampled token's log-probability is returned: logprobs must be 0")
-    params["logprobs"], params["echo"] = job.logprobs, job.echo
+    params["logprobs"], params["top_logprobs"], params["echo"] = job.logprobs, job.top_logprobs, job.echo
     bias = body.get("logit_bias")
     if bias:
         params["logits_processors"] = [_logit_bias(bias, vocab_size)]
@@ -277,15 +273,34 @@ def usage(prompt: int, completion: int) -> Dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def logprobs_block(job: Job, tokens: List[str], lps: List[Optional[float]], offset: int = 0) -> Dict:
+def logprobs_block(job: Job, pred: Dict, offset: int = 0) -> Dict:
+    """A finished request's scores in the endpoint's shape. pred: the engine's prediction (tokens, logprobs and,
+    with top_logprobs, each position's alternatives); with echo the first prompt token has no context: null."""
+    tokens, lps = list(pred.get("tokens", [])), list(pred.get("logprobs", []))
+    tops = list(pred.get("top_logprobs", [])) if job.top_logprobs else [[] for _ in tokens]
+    if job.echo and lps:
+        lps[0] = None
     if job.chat:
-        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
-                            for t, lp in zip(tokens, lps)]}
+        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")),
+                             "top_logprobs": [{"token": a["token"], "logprob": a["logprob"],
+                                               "bytes": list(a["token"].encode("utf-8"))} for a in top]}
+                            for t, lp, top in zip(tokens, lps, tops)]}
     offsets, pos = [], offset
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}
+    top_block = None
+    if job.top_logprobs:
+        top_block = [_best_per_piece(top) if k or not job.echo else None for k, top in enumerate(tops)]
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top_block, "text_offset": offsets}
+
+
+def _best_per_piece(top: List[Dict]) -> Dict[str, float]:
+    """Completions' {piece: logprob}, best first; a piece that several ids decode to keeps its best."""
+    out: Dict[str, float] = {}
+    for a in top:
+        out.setdefault(a["token"], a["logprob"])
+    return out
 
 
 def choice(job: Job, index: int, r, tokenizer) -> Dict:
@@ -299,10 +314,7 @@ def choice(job: Job, index: int, r, tokenizer) -> Dict:
         out["text"] = pred["generation"]
         out["logprobs"] = None
     if job.logprobs:
-        toks, lps = list(pred.get("tokens", [])), list(pred.get("logprobs", []))
-        if job.echo and lps:
-            lps[0] = None  # the first prompt token has no context: OpenAI reports null
-        out["logprobs"] = logprobs_block(job, toks, lps)
+        out["logprobs"] = logprobs_block(job, pred)
     return out
 
 
