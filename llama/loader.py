@@ -4,9 +4,7 @@ Works in plain python and under torchrun, on CPU or CUDA: the device and the pro
 at run time (llama/parallel.py).
 """
 
-import ctypes
 import time
-from contextlib import contextmanager
 from typing import Optional, Tuple, Union
 
 import torch
@@ -30,26 +28,6 @@ def check_options(max_seq_len, max_batch_size, seed, compile, quantize) -> None:
         raise ValueError(f"quantize must be one of {quantization.SCHEMES} or None, got {quantize!r}")
     if not any(compile is v for v in (False, None, True)) and compile not in compilation.MODES:
         raise ValueError(f"compile must be a bool, None or one of {compilation.MODES}, got {compile!r}")
-
-
-@contextmanager
-def freed_memory_returned():
-    """glibc keeps freed blocks under its adaptive mmap threshold (which grows to 32 MB) in the heap, where
-    tensors allocated later pin them: a layer-by-layer load would keep every layer's temporaries resident. While
-    loading, blocks of 1 MB and up get their own mappings, returned to the OS when freed; afterwards the thresholds
-    glibc would have grown to are set (32 MB, trim at 64 MB). Elsewhere than glibc, nothing changes."""
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
-        yield
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    mallopt(m_mmap_threshold, 1 << 20)
-    try:
-        yield
-    finally:
-        mallopt(m_mmap_threshold, 32 << 20)
-        mallopt(m_trim_threshold, 64 << 20)
 
 
 def prepare(module: torch.nn.Module, device, dtype, quantize: Optional[str],
@@ -216,12 +194,12 @@ def load(
     if staged:  # this rank's stage only: its layers and its tensor-parallel slice of them (llama/pipeline.py)
         stage = pipeline.current_stage(args.n_layers)
         if gguf_path is not None:
-            with freed_memory_returned():
+            with memory.freed_memory_returned():
                 model = gguf_stage(reader, gguf_path, args, stage, parallel.model_parallel_rank(), mp_size, dtype)
         else:
             model = pipeline.load_stage(ckpt_dir, args, stage, parallel.model_parallel_rank(), mp_size)
     elif gguf_path is not None:
-        with freed_memory_returned():
+        with memory.freed_memory_returned():
             model = gguf_model(reader, gguf_path, args, parallel.model_parallel_rank(), mp_size, device, dtype,
                                quantize, group_size)
     else:

@@ -10,7 +10,9 @@ systems without the variable nothing is refused. The load itself streams (memory
 is of the resident model, with a 10% margin for allocator slack and transient copies.
 """
 
+import ctypes
 import os
+from contextlib import contextmanager
 from typing import Dict, Optional
 
 import torch
@@ -118,3 +120,23 @@ def check_fits(args: ModelArgs, dtype: torch.dtype, scheme: Optional[str], group
         f"embeddings and norms {_gb(need['embeddings'])}, KV cache {_gb(need['kv_cache'])}, compiled copy "
         f"{_gb(need['compile_copy'])}, +{int((MARGIN - 1) * 100)}%) but {_gb(have)} is available ({source})"
         f"{' for each of ' + str(local) + ' ranks on this host' if local > 1 else ''}{hint}")
+
+
+@contextmanager
+def freed_memory_returned():
+    """glibc keeps freed blocks under its adaptive mmap threshold (which grows to 32 MB) in the heap, where
+    tensors allocated later pin them: a layer-by-layer load would keep every layer's temporaries resident. While
+    loading, blocks of 1 MB and up get their own mappings, returned to the OS when freed; afterwards the thresholds
+    glibc would have grown to are set (32 MB, trim at 64 MB). Elsewhere than glibc, nothing changes."""
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        yield
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    mallopt(m_mmap_threshold, 1 << 20)
+    try:
+        yield
+    finally:
+        mallopt(m_mmap_threshold, 32 << 20)
+        mallopt(m_trim_threshold, 64 << 20)

@@ -15,7 +15,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import checkpoint
+from . import checkpoint, memory
 from .model import ModelArgs
 from .quant_checkpoint import PARAMS_KEY, STORED_SCHEMES, is_linear, quantize_tensor, stored_dim, stored_scheme
 from .quant_int4 import DEFAULT_GROUP_SIZE, check_group_size
@@ -60,7 +60,17 @@ def quantize_checkpoint(ckpt_dir, out_dir, scheme: str, group_size: Optional[int
         sset.sources["output.weight"] = "tok_embeddings.weight"
     out: List[Dict[str, torch.Tensor]] = [{} for _ in range(shards)]
     bar = _progress(names, progress, f"quantizing to {scheme}")
-    for name in bar:
+    with memory.freed_memory_returned():  # each tensor's temporaries go back to the OS, not into the heap
+        _quantize_all(bar, sset, out, scheme, group_size, shards)
+    params = {**params, PARAMS_KEY: {"scheme": scheme, **({"group_size": group_size} if scheme == "int4" else {})}}
+    extra = {f: Path(ckpt_dir) / f for f in TOKENIZER_FILES if (Path(ckpt_dir) / f).is_file()}
+    return checkpoint.write_shards(out_dir, params, shards, lambda k: out[k], extra)
+
+
+def _quantize_all(names, sset, out: List[Dict[str, torch.Tensor]], scheme: str, group_size: Optional[int],
+                  shards: int) -> None:
+    """One tensor at a time: read it, quantize it, keep the result, release its source pages."""
+    for name in names:
         full = sset.slice(name, 0, 1)
         stored = quantize_tensor(name, full, scheme, group_size) if is_linear(name) else {name: full.clone()}
         del full
@@ -71,9 +81,6 @@ def quantize_checkpoint(ckpt_dir, out_dir, scheme: str, group_size: Optional[int
         for key, t in stored.items():
             for k in range(shards):
                 out[k][key] = _split(key, t, k, shards, scheme)
-    params = {**params, PARAMS_KEY: {"scheme": scheme, **({"group_size": group_size} if scheme == "int4" else {})}}
-    extra = {f: Path(ckpt_dir) / f for f in TOKENIZER_FILES if (Path(ckpt_dir) / f).is_file()}
-    return checkpoint.write_shards(out_dir, params, shards, lambda k: out[k], extra)
 
 
 def _progress(items, enabled: bool, desc: str):

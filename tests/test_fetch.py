@@ -82,7 +82,7 @@ def run_example(script, tmp_path, links, *args):
 
 
 def test_examples_fetch_the_default_model_once_and_fall_back_when_they_cannot(index, tmp_path):
-    out = run_example("example_chat_completion.py", tmp_path, index, "--temperature", "0", "--max_gen_len", "24",
+    out = run_example("example_chat_completion.py", tmp_path, index, "--temperature", "0", "--max_gen_len", "12",
                       "--compile", "False")
     assert "Fetching SmolLM2-135M-Instruct once" in out and "Using SmolLM2-135M-Instruct" in out
     assert "> Assistant: The capital of France is Paris." in out
