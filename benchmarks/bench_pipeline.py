@@ -2,15 +2,25 @@
 
     python benchmarks/bench_pipeline.py                        # dim 512, 8 layers, vocab 32000, fp32, CPU/gloo
     python benchmarks/bench_pipeline.py --layouts 4x1 2x2 1x4 --batch 8 --new 64
+    python benchmarks/bench_pipeline.py --layouts 2x2 1x2 --prefill_tokens 0   # without the prefill table
 
 For each layout (TxP, 4 processes under torchrun, gloo on CPU) it reports the decode step time (median over the
 steps), the bytes the ranks send per generated token, split into what stays inside a stage (tensor-parallel
 all-reduces and all-gathers: inside one node in the recommended layout) and what crosses between stages (hidden
 states and the sampled tokens or logits: the only traffic between nodes), and each rank's share of the step spent computing
-(pipeline stages: compute_s / wall; a stage idles while the others work, since the engine does not overlap
-micro-batches). Bytes between stages are given for calls on Llama (the last stage shares sampled tokens) and, in
+(pipeline stages: compute_s / wall; a stage idles while the others work: these steps run one at a time). Bytes
+between stages are given for calls on Llama (the last stage shares sampled tokens) and, in
 parentheses, for the engine's path (its rank 0 samples, so the logits travel to the first stage). It also checks
 that every layout decodes the same greedy tokens as one process.
+
+Engine table (layouts with pipeline stages): `--engine_batch` requests (the build's max_batch_size) submitted at
+once to `Llama.engine()`, with its steps overlapping across the stages (P groups of engine_batch / P slots in
+flight, the default) and one step at a time (overlap=False), in the same run: decode tokens per second, each
+rank's busy share (compute time inside the stage / wall time), its CPU share (the process's CPU time / wall
+time) and CPU milliseconds per generated token, each from a run of `--new` + 1 tokens minus a run of 1 token (so
+the prefill cancels out; best of two of each). The last column is what the CPU work alone allows with a free core
+per rank: one step at a time the stages take turns (1 / the sum over stages of their CPU time per token),
+overlapping they work at once (1 / the slowest stage's); on a shared machine the measured rate is below it.
 
 Bytes are counted where they are sent: point-to-point and broadcast payloads as sent by this rank (the pipeline's
 own counters), ring all-reduce as 2 (T-1)/T x the tensor, ring all-gather as (T-1) x the local slice (what NCCL's
@@ -64,7 +74,7 @@ def worker(a) -> None:
     torch.set_num_threads(1)
     count_collectives(a.tp)
     llm = Llama.build(a.ckpt, a.tokenizer, max_seq_len=max(a.prompt + a.new + 8, a.prefill_tokens + 8),
-                      max_batch_size=a.batch,
+                      max_batch_size=max(a.batch, a.engine_batch),
                       model_parallel_size=a.tp, pipeline_parallel_size=a.pp, device="cpu", dtype="float32",
                       compile=False)
     eos = llm.tokenizer.eos_id
@@ -75,7 +85,8 @@ def worker(a) -> None:
 
     g = torch.Generator().manual_seed(0)
     prompts = [[1] + torch.randint(3, llm.model.vocab_size, (a.prompt - 1,), generator=g).tolist()
-               for _ in range(a.batch)]
+               for _ in range(max(a.batch, a.engine_batch))]
+    prompts, more = prompts[:a.batch], prompts
 
     def run(new, leader=False):
         params = SamplingParams(temperature=0.0, max_gen_len=new, logits_processors=[no_eos])
@@ -89,6 +100,10 @@ def worker(a) -> None:
         delta.update({k: after[1][k] - before[1][k] for k in traffic})
         return stamps, delta, [r.generated for r in reqs]
 
+    engine = {}
+    if a.pp > 1:
+        for name, overlap in (("one_step", False), ("overlap", True)):
+            engine[name] = engine_decode(llm, more[:a.engine_batch], no_eos, a.new, overlap)
     run(4)  # warm-up
     stamps1, d1, _ = run(1)  # prefill (and the first token) only
     stampsN, dN, tokens = run(a.new + 1)  # the same prefill, then a.new decode steps
@@ -101,9 +116,9 @@ def worker(a) -> None:
     # Prefill of one long prompt, cut into sequence chunks that the stages work on at once, and in one piece.
     import llama.pipeline as pipeline_mod
 
-    long_prompt = [1] + torch.randint(3, llm.model.vocab_size, (a.prefill_tokens - 1,), generator=g).tolist()
+    long_prompt = [1] + torch.randint(3, llm.model.vocab_size, (max(a.prefill_tokens, 2) - 1,), generator=g).tolist()
     prefill = {}
-    for name, micro in (("chunked", pipeline_mod.MICRO_TOKENS), ("whole", 10**9)):
+    for name, micro in (("chunked", pipeline_mod.MICRO_TOKENS), ("whole", 10**9)) if a.prefill_tokens else ():
         pipeline_mod.MICRO_TOKENS = micro
         times, busy = [], []
         for _ in range(3):
@@ -125,7 +140,7 @@ def worker(a) -> None:
         "busy": ((dN["compute_s"] - d1["compute_s"]) / ((stampsN[-1] - stampsN[0]) - (stamps1[-1] - stamps1[0]))
                  if isinstance(llm.model, PipelineTransformer) else None),
         "weight_bytes": weight_bytes(llm.model), "tokens": tokens, "engine_tokens": engine_tokens,
-        "prefill": prefill,
+        "prefill": prefill, "engine": engine,
     }
     with open(f"{a.out}.{dist.get_rank()}.json", "w") as f:
         json.dump(result, f)
@@ -133,11 +148,42 @@ def worker(a) -> None:
     dist.destroy_process_group()
 
 
+def engine_decode(llm, prompts, no_eos, new: int, overlap: bool) -> dict:
+    """The prompts submitted at once to the engine on rank 0 (the other ranks serve): decode tokens/s and this
+    rank's busy and CPU shares, from a run of new + 1 tokens minus a run of 1 token."""
+    import torch.distributed as dist
+
+    runs = []
+    for n in (1, new + 1, 1, new + 1):  # twice each, interleaved: the best of each pair (the machine is shared)
+        c0, p0 = llm.model.traffic["compute_s"], time.process_time()
+        engine = llm.engine(overlap=overlap)
+        tokens, wall = None, [0.0]
+        if dist.get_rank() == 0:
+            tic = time.perf_counter()
+            reqs = [engine.submit(p, temperature=0.0, max_gen_len=n, logits_processors=[no_eos]) for p in prompts]
+            for r in reqs:
+                r.result()  # raises if the request failed
+            tokens = [r.generated for r in reqs]
+            wall = [time.perf_counter() - tic]
+            engine.close()
+        else:
+            engine.serve_forever()
+        dist.broadcast_object_list(wall, src=0)
+        runs.append((n, wall[0], llm.model.traffic["compute_s"] - c0, time.process_time() - p0, tokens,
+                     engine.stats.get("overlapped", 0)))
+    one = min((r for r in runs if r[0] == 1), key=lambda r: r[1])
+    full = min((r for r in runs if r[0] > 1), key=lambda r: r[1])
+    wall = full[1] - one[1]
+    return {"tokens_per_s": len(prompts) * new / wall, "busy": (full[2] - one[2]) / wall,
+            "cpu": (full[3] - one[3]) / wall, "cpu_ms_per_token": 1e3 * (full[3] - one[3]) / (len(prompts) * new),
+            "tokens": full[4], "overlapped_steps": full[5]}
+
+
 def launch(a, ckpt: Path, tmp: Path, tp: int, pp: int) -> list:
     out = tmp / f"r{tp}x{pp}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(tp * pp),
            __file__, "--worker", "--ckpt", str(ckpt), "--tokenizer", str(a.tokenizer), "--tp", str(tp), "--pp",
-           str(pp), "--batch", str(a.batch), "--prompt", str(a.prompt), "--new", str(a.new), "--out", str(out),
+           str(pp), "--batch", str(a.batch), "--engine_batch", str(a.engine_batch), "--prompt", str(a.prompt), "--new", str(a.new), "--out", str(out),
            "--prefill_tokens", str(a.prefill_tokens)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LLAMA_DEVICE": "cpu",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
@@ -155,9 +201,12 @@ def main() -> None:
     ap.add_argument("--n_heads", type=int, default=8)
     ap.add_argument("--n_kv_heads", type=int, default=4)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--engine_batch", type=int, default=64, help="requests in flight in the engine table (its "
+                    "max_batch_size): P groups of engine_batch / P")
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new", type=int, default=32)
-    ap.add_argument("--prefill_tokens", type=int, default=512, help="one prompt this long, prefilled alone")
+    ap.add_argument("--prefill_tokens", type=int, default=512, help="one prompt this long, prefilled alone "
+                    "(0: skip the prefill table)")
     ap.add_argument("--tokenizer", default=str(LLAMA2_TOKENIZER))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
@@ -193,6 +242,29 @@ def main() -> None:
                   f"| {sum(r['pp_messages_per_step'] for r in ranks):.0f} "
                   f"| {max(r['weight_bytes'] for r in ranks) / 1e6:.1f} | {busy} |", flush=True)
         print("# every layout decoded the same greedy tokens")
+        staged, engine_reference = {k: v for k, v in results.items() if v[0]["engine"]}, None
+        if staged:
+            print("\n| layout (T x P) | engine steps | decode tokens/s | busy per rank | CPU per rank "
+                  "| CPU ms per token, per rank | tokens/s bound, a free core per rank |\n|---|---|---|---|---|---|---|")
+        for layout, ranks in staged.items():
+            tp, pp = map(int, layout.split("x"))
+            for name, label in (("one_step", "one at a time"), ("overlap", "overlapping")):
+                e = [r["engine"][name] for r in ranks]
+                engine_reference = engine_reference or e[0]["tokens"]
+                assert e[0]["tokens"][: a.batch] == reference and e[0]["tokens"] == engine_reference, \
+                    f"{layout} engine ({name}) decoded other tokens"
+                ms = [x["cpu_ms_per_token"] for x in e]
+                # one at a time, the stages run in turn: sum over stages of the stage's slowest rank; overlapping:
+                # the slowest rank
+                stages = [max(ms[s * tp:(s + 1) * tp]) for s in range(pp)]
+                bound = 1e3 / (sum(stages) if name == "one_step" else max(stages))
+                busy = ", ".join(f"{x['busy']:.0%}" for x in e)
+                cpu = ", ".join(f"{x['cpu']:.0%}" for x in e)
+                print(f"| {tp} x {pp} | {label} | {e[0]['tokens_per_s']:.1f} | {busy} | {cpu} "
+                      f"| {', '.join(f'{m:.2f}' for m in ms)} | {bound:.0f} |", flush=True)
+            assert ranks[0]["engine"]["overlap"]["overlapped_steps"] > 0, f"{layout}: no step overlapped"
+        if not a.prefill_tokens:
+            return
         print(f"\n| layout (T x P) | prefill {a.prefill_tokens} tokens, chunked: ms (busy per rank) "
               "| in one piece: ms (busy per rank) |\n|---|---|---|")
         for layout, ranks in results.items():

@@ -7,7 +7,7 @@ from concurrent.futures import CancelledError
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 from .request import Request
-from .runner import Runner
+from .runner import Plan, Runner
 from .scheduler import Scheduler
 
 
@@ -16,28 +16,47 @@ class DecodeCore:
         self.runner, self.settle = runner, settle
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
 
-    def scheduler(self, prefill_chunk: Optional[int] = None) -> Scheduler:
-        """Fresh slot state; without a chunk limit every prompt is prefilled in the step that admits it."""
-        chunk = prefill_chunk or self.max_batch_size * self.max_seq_len
-        return Scheduler(self.max_batch_size, self.max_seq_len, chunk)
+    def scheduler(self, prefill_chunk: Optional[int] = None, slots: Optional[range] = None) -> Scheduler:
+        """Fresh slot state; without a chunk limit every prompt is prefilled in the step that admits it. slots: the
+        cache rows it owns (default all of them; the pipelined engine gives each of its groups a range)."""
+        slots = range(self.max_batch_size) if slots is None else slots
+        chunk = prefill_chunk or len(slots) * self.max_seq_len
+        return Scheduler(len(slots), self.max_seq_len, chunk, base=slots.start)
 
     def step(self, sched: Scheduler, broadcast: Optional[Callable] = None,
              publish: bool = False) -> List[Tuple[Request, str]]:
         """One step; returns the text deltas it produced. broadcast(ops) reaches model-parallel followers first;
         publish puts deltas on the requests' own streams (for callers iterating a request)."""
+        return self.finish(sched, *self.launch(sched, broadcast), publish=publish)
+
+    def launch(self, sched: Scheduler, broadcast: Optional[Callable] = None) -> Tuple[Plan, Optional[list]]:
+        """The first half of a step: plan it and start its forward passes; (plan, their outputs, or None if they
+        failed). The pipelined engine launches another group's step before finishing this one."""
         for r in sched.drop_cancelled():
             r.fail(CancelledError(f"request {r.id} was cancelled"), "cancelled")
             self.settle(r)
         plan = sched.plan()
-        deltas = []
+        outs: Optional[list] = []
         if plan.ops:
             if broadcast is not None:
                 broadcast(plan.ops)
             try:
-                deltas = self.runner.run(plan)
+                outs = self.runner.execute(plan.ops)
             except Exception as e:  # the cache state is unknown: fail the running requests, keep serving
-                for r in sched.running():
-                    r.fail(RuntimeError(f"request {r.id} failed: {e!r}"))
+                self._fail(sched, e)
+                outs = None
+        return plan, outs
+
+    def finish(self, sched: Scheduler, plan: Plan, outs: Optional[list],
+               publish: bool = False) -> List[Tuple[Request, str]]:
+        """The second half: sample from the launched passes' logits, advance the requests, retire what finished."""
+        deltas = []
+        if plan.ops:
+            if outs is not None:
+                try:
+                    deltas = self.runner.complete(plan, outs)
+                except Exception as e:
+                    self._fail(sched, e)
             sched.stats["steps"] += 1
             sched.stats["forwards"] += sum(op["kind"] in ("prefill", "decode") for op in plan.ops)
         if publish:
@@ -48,6 +67,11 @@ class DecodeCore:
                 sched.retire(r)
                 self.settle(r)
         return deltas
+
+    @staticmethod
+    def _fail(sched: Scheduler, e: Exception) -> None:
+        for r in sched.running():
+            r.fail(RuntimeError(f"request {r.id} failed: {e!r}"))
 
     def run(self, requests: Sequence[Request]) -> Iterator[List[Tuple[Request, str]]]:
         """Run requests to completion in this thread (the caller holds the cache): per step, the text deltas.

@@ -10,6 +10,10 @@ broadcasts the step's ops; the other ranks call `serve_forever()`, which replays
 `close()`. With pipeline stages (llama/pipeline.py) global rank 0 leads every rank of the job, and the last
 stage's logits reach it through the pipeline's forward pass. Sampling and text happen on rank 0 only; its RNG
 state is broadcast on close so later calls agree across ranks.
+
+Overlap (pipeline stages, on by default): the slots are split into one group per stage, whose steps are in flight
+at once so the stages work on different groups at the same time (llama/pipeline_engine.py). Only rank 0 decides:
+its first message moves the other ranks onto that protocol.
 """
 
 import threading
@@ -20,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from . import parallel
+from .pipeline_engine import Pipelined, follow
 from .request import Request
 
 
@@ -32,12 +37,13 @@ class Engine:
 
     HEARTBEAT = 60.0  # seconds between empty steps an idle model-parallel rank 0 sends (gloo/nccl time out)
 
-    def __init__(self, llama, prefill_chunk: int = 128):
+    def __init__(self, llama, prefill_chunk: int = 128, overlap: Optional[bool] = None):
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
+        if overlap not in (None, True, False):
+            raise ValueError(f"overlap must be True, False or None (on with pipeline stages), got {overlap!r}")
         self.llama = llama
         self.core = llama.core
-        self.scheduler = self.core.scheduler(prefill_chunk)
         self._incoming: deque = deque()
         self._cv = threading.Condition()
         self._thread: Optional[threading.Thread] = None
@@ -49,17 +55,26 @@ class Engine:
         if lockstep is not None:
             self._group, self._src = lockstep
             self._role = "leader" if dist.get_rank() == self._src else "follower"
+        stages = parallel.pipeline_parallel_size()
+        self._pipe = None  # the groups whose steps overlap (rank 0 of a pipeline job)
+        if self._role == "leader" and stages > 1 and overlap is not False:
+            self._pipe = Pipelined(self.core, prefill_chunk, stages)
+        self.groups = self._pipe.groups if self._pipe else [self.core.scheduler(prefill_chunk)]
+        self.scheduler = self.groups[0]
         if self._role == "leader":  # its idle heartbeats keep the other ranks' broadcast from timing out
             self._thread = threading.Thread(target=self._loop, name="llama-engine", daemon=True)
             self._thread.start()
 
     @property
     def slots(self) -> List[Optional[Request]]:
-        return self.scheduler.slots
+        return self.scheduler.slots if len(self.groups) == 1 else [r for g in self.groups for r in g.slots]
 
     @property
     def stats(self) -> dict:
-        return self.scheduler.stats
+        """The scheduler's counters (summed over the groups), with overlap: the Pipelined stats too."""
+        if self._pipe is None:
+            return self.scheduler.stats
+        return {**{k: sum(g.stats[k] for g in self.groups) for k in self.scheduler.stats}, **self._pipe.stats}
 
     def submit(self, prompt, *, prefix=None, **params) -> Request:
         """Queue a prompt (str or token ids) or a dialog (list of messages) with SamplingParams keywords.
@@ -107,7 +122,7 @@ class Engine:
         with self._cv:
             self._closed = True
             if cancel:
-                for r in list(self._incoming) + list(self.scheduler.waiting) + self.scheduler.running():
+                for r in list(self._incoming) + [r for g in self.groups for r in list(g.waiting) + g.running()]:
                     r.cancelled = True
             self._cv.notify_all()
             thread = self._thread
@@ -117,7 +132,10 @@ class Engine:
             states = {"cpu": torch.get_rng_state()}
             if torch.cuda.is_available():
                 states["cuda"] = torch.cuda.get_rng_state()
-            self._broadcast({"stop": states})
+            if self._pipe is not None:
+                self._pipe.stop(states)
+            else:
+                self._broadcast({"stop": states})
         self._released.set()
 
     def __enter__(self) -> "Engine":
@@ -134,6 +152,9 @@ class Engine:
             return
         while True:
             msg = self._broadcast(None)
+            if "pipelined" in msg:  # rank 0 overlaps steps: follow its point-to-point messages until it stops
+                with self.llama.cache.lock:
+                    msg = {"stop": follow(self.core.runner, msg["pipelined"])}
             if "stop" in msg:
                 torch.set_rng_state(msg["stop"]["cpu"])
                 if "cuda" in msg["stop"] and torch.cuda.is_available():
@@ -159,10 +180,13 @@ class Engine:
         more, so every request in the engine fails with the cause, and later submissions are refused."""
         with self._cv:
             self.error, self._closed = error, True
-            pending = list(self._incoming) + list(self.scheduler.waiting) + self.scheduler.running()
+            pending = list(self._incoming) + [r for g in self.groups for r in list(g.waiting) + g.running()]
             self._incoming.clear()
-            self.scheduler.waiting.clear()
-            self.scheduler.slots[:] = [None] * len(self.scheduler.slots)
+            for g in self.groups:
+                g.waiting.clear()
+                g.slots[:] = [None] * len(g.slots)
+            if self._pipe is not None:
+                self._pipe.inflight.clear()
             self._thread = None
             self._released.set()
             self._cv.notify_all()
@@ -176,7 +200,7 @@ class Engine:
             self._cv.notify_all()
 
     def _work_locked(self) -> bool:
-        return bool(self._incoming) or self.scheduler.has_work()
+        return bool(self._incoming) or (self._pipe or self.scheduler).has_work()
 
     def _loop(self) -> None:
         try:
@@ -191,6 +215,8 @@ class Engine:
         so the other ranks' waiting broadcast never reaches the process group's timeout.
         """
         broadcast = (lambda ops: self._broadcast({"ops": ops})) if self._role == "leader" else None
+        if self._pipe is not None:
+            self._broadcast(self._pipe.start())
         while True:
             with self._cv:
                 idle = not self._work_locked()
@@ -201,16 +227,28 @@ class Engine:
                 if idle:
                     idle = not self._cv.wait(self.HEARTBEAT) and not self._work_locked() and not self._closed
             if idle:
-                self._broadcast({"ops": []})
+                if self._pipe is not None:
+                    self._pipe.beat()
+                else:
+                    self._broadcast({"ops": []})
                 continue
-            with self.llama.cache.lock, self.core.runner.leader_samples():
+            with self.llama.cache.lock, self.core.runner.leader_samples(deferred=self._pipe is not None):
                 while True:
                     with self._cv:
-                        self.scheduler.add(self._incoming)
-                        self._incoming.clear()
-                    if not self.scheduler.has_work():
+                        self._take_incoming()
+                    if not (self._pipe or self.scheduler).has_work():
                         break
-                    self.core.step(self.scheduler, broadcast, publish=True)
+                    if self._pipe is not None:
+                        self._pipe.turn()
+                    else:
+                        self.core.step(self.scheduler, broadcast, publish=True)
+
+    def _take_incoming(self) -> None:
+        if self._pipe is not None:
+            self._pipe.assign(self._incoming)
+        else:
+            self.scheduler.add(self._incoming)
+        self._incoming.clear()
 
     def _broadcast(self, obj):
         objs = [obj]

@@ -222,12 +222,14 @@ class Llama:
         """A multi-turn conversation that keeps its KV cache between turns."""
         return ChatSession(self, system)
 
-    def engine(self, prefill_chunk: int = 128) -> Engine:
+    def engine(self, prefill_chunk: int = 128, overlap: Optional[bool] = None) -> Engine:
         """A continuous-batching engine over this generator's KV cache: submit requests from any thread.
 
         While it has requests in flight it owns the cache, so other calls on this generator wait until it is idle.
+        overlap (pipeline stages; rank 0's choice counts): keep one group of requests per stage in flight so the
+        stages work at once (default), or False for one step at a time.
         """
-        return Engine(self, prefill_chunk=prefill_chunk)
+        return Engine(self, prefill_chunk=prefill_chunk, overlap=overlap)
 
     # ----------------------------------------------------------------------------------------- scoring
     def score(self, texts: Sequence[Union[str, List[int]]]) -> List[Dict]:

@@ -78,6 +78,37 @@ def gguf_model(reader, path, args: ModelArgs, rank: int, world_size: int, device
     return model
 
 
+def gguf_stage(reader, path, args: ModelArgs, stage, rank: int, world_size: int,
+               dtype) -> pipeline.PipelineTransformer:
+    """This rank's pipeline stage from a GGUF file: only the stage's tensors are dequantized (its layers, plus the
+    embedding on the first stage and the output on the last: the embedding table when the file ties them), each
+    cut to tensor-parallel slice `rank` of `world_size`, layer by layer, their file pages released once read."""
+    pipeline.check_layout(args, world_size, stage.count)
+    globals_, layers, shapes = gguf_checkpoint.layer_groups(reader, path)
+    checkpoint.check_shapes(shapes, args, str(path))  # before any weight is dequantized
+    tied = "output.weight" not in shapes
+    state = {}
+    for t in globals_:
+        name = gguf_checkpoint.meta_name(t.name, path)
+        names = [n for n in ([name, "output.weight"] if tied and name == "tok_embeddings.weight" else [name])
+                 if pipeline.local_name(n, stage) is not None]
+        if names:
+            full = gguf_checkpoint.read_tensors([t], path, dtype)[name]
+            state.update({n: checkpoint.split_tensor(n, full, rank, world_size) for n in names})
+            gguf_checkpoint.release(reader, [t])
+    for i in stage.layers:
+        for name, t in gguf_checkpoint.read_tensors(layers[i], path, dtype).items():
+            state[pipeline.local_name(name, stage)] = checkpoint.split_tensor(name, t, rank, world_size)
+        gguf_checkpoint.release(reader, layers[i])
+    with torch.device("meta"):
+        model = pipeline.PipelineTransformer(args, stage)
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as e:
+        raise ValueError(f"{path}: stage {stage.index} does not match the metadata: {e}") from None
+    return model
+
+
 def load(
     ckpt_dir: str,
     tokenizer_path: Optional[str],
@@ -161,11 +192,12 @@ def load(
             print(f"Loaded in {time.time() - start:.2f} seconds")
         return model, tokenizer, compiled
     if staged:  # this rank's stage only: its layers and its tensor-parallel slice of them (llama/pipeline.py)
+        stage = pipeline.current_stage(args.n_layers)
         if gguf_path is not None:
-            raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size} loads Meta-layout checkpoint "
-                             f"directories only, not the GGUF file {gguf_path}")
-        model = pipeline.load_stage(ckpt_dir, args, pipeline.current_stage(args.n_layers),
-                                    parallel.model_parallel_rank(), mp_size)
+            with memory.freed_memory_returned():
+                model = gguf_stage(reader, gguf_path, args, stage, parallel.model_parallel_rank(), mp_size, dtype)
+        else:
+            model = pipeline.load_stage(ckpt_dir, args, stage, parallel.model_parallel_rank(), mp_size)
     elif gguf_path is not None:
         with memory.freed_memory_returned():
             model = gguf_model(reader, gguf_path, args, parallel.model_parallel_rank(), mp_size, device, dtype,

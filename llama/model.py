@@ -359,12 +359,18 @@ class Attention(Fusable):
         qk = apply_rotary(qkv[..., : (nq + nkv) * hd].view(B, T, nq + nkv, hd), cos, sin)  # one rotation for both
         return qk[:, :, :nq], qk[:, :, nq:], qkv[..., (nq + nkv) * hd :].view(B, T, nkv, hd)
 
+    def cached_rows(self, rows):
+        """(keys, values, rows): a slice of consecutive rows (an engine group's slots) is a view used in place."""
+        if isinstance(rows, slice):
+            return self.cache_k[rows], self.cache_v[rows], None
+        return self.cache_k, self.cache_v, rows
+
     def store(self, k, v, start, positions, rows) -> None:
         """Write new keys/values (B, T, heads, head_dim): the model's one cache write. Rows 0..B-1 that share
         positions start..start+T-1 take plain slices (no index tensors, the cheapest step); any other layout
         (per-row positions, chosen rows) is a scatter."""
         B, T = k.shape[:2]
-        ck, cv = self.cache_k, self.cache_v
+        ck, cv, rows = self.cached_rows(rows)
         if rows is None and start is not None:
             ck[:B, :, start : start + T] = k.transpose(1, 2)
             cv[:B, :, start : start + T] = v.transpose(1, 2)
@@ -377,7 +383,7 @@ class Attention(Fusable):
         B, T, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)
         self.store(k, v, start, positions, rows)
-        ck, cv = self.cache_k, self.cache_v
+        ck, cv, rows = self.cached_rows(rows)
         if rows is None:  # rows 0..B-1: read the cache in place
             keys, values = ck[:B, :, :kv_len], cv[:B, :, :kv_len]
         else:
@@ -484,7 +490,7 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """Logits (fp32) for tokens (B, T) placed at start_pos (an int, or one position per row): pure compute.
 
-        rows: cache rows to use (default 0..B-1). logit_index: one index per row into T; return only those
+        rows: cache rows to use (default 0..B-1): a tensor, or a slice of consecutive rows. logit_index: one index per row into T; return only those
         logits, shape (B, 1, V). kv_len: how many cache positions attention reads (default: just enough).
         """
         layer_args = self.layer_inputs(tokens, start_pos, rows, kv_len)

@@ -24,7 +24,9 @@ the receiving stage all-gathers the slices inside its node, so the bytes that cr
 with T.
 
 Long prefill passes are cut into sequence chunks (micro_batches) sent with isend, so stage s works on chunk j+1
-while stage s+1 works on chunk j. Decode steps are not overlapped (docs/pipeline.md says why and what it needs).
+while stage s+1 works on chunk j. Decode steps overlap through the engine (llama/pipeline_engine.py): with
+`deferred` set, the first stage's sampling passes return a Pending instead of waiting for the logits, and sends
+are kept in an Outbox instead of being waited for, so the first stage can run another group's step meanwhile.
 
 Why not torch.distributed.pipelining: it schedules training micro-batches through a stage's forward (and
 backward) with its own shape inference, and owns the loop that drives them. Inference here needs a persistent
@@ -121,6 +123,45 @@ def local_name(name: str, stage: Stage) -> Optional[str]:
     return name
 
 
+class Pending:
+    """Logits still on their way from the last stage: result() waits for them (and applies the indexing done on
+    the Pending meanwhile). What the first stage's sampling passes return while the engine overlaps steps."""
+
+    def __init__(self, wait: Callable[[], torch.Tensor]):
+        self._wait, self._value = wait, None
+
+    def __getitem__(self, index) -> "Pending":
+        return Pending(lambda: self.result()[index])
+
+    def result(self) -> torch.Tensor:
+        if self._value is None:
+            self._value = self._wait()
+        return self._value
+
+
+class Outbox:
+    """Sends in flight, each kept (with the tensor it reads) under the ticket of the engine step that made it until
+    settle() waits for it. Waiting at once would hold a stage until the receiver, maybe busy with an earlier step,
+    posts its receive; once a step's logits are back on the first stage, every send of that step has arrived."""
+
+    def __init__(self):
+        self.ticket = 0
+        self._sends: List[Tuple[int, dist.Work, torch.Tensor]] = []
+
+    def keep(self, work: dist.Work, tensor: torch.Tensor) -> None:
+        self._sends.append((self.ticket, work, tensor))
+
+    def settle(self, upto: Optional[int] = None) -> None:
+        """Wait for the sends of tickets <= upto (all when None)."""
+        keep = []
+        for ticket, work, tensor in self._sends:
+            if upto is None or ticket <= upto:
+                work.wait()
+            else:
+                keep.append((ticket, work, tensor))
+        self._sends = keep
+
+
 class PipelineTransformer(Transformer):
     """The layers of one stage (and the embedding on the first, the output on the last) with a forward pass that
     exchanges hidden states and logits with the other stages. Same call signature and result as Transformer."""
@@ -144,6 +185,8 @@ class PipelineTransformer(Transformer):
         # time kernel launches, not kernels, unless CUDA_LAUNCH_BLOCKING=1.
         self.traffic: Dict[str, float] = {"sent_bytes": 0, "messages": 0, "compute_s": 0.0, "wait_s": 0.0}
         self.logits_to = "all"  # or "last" or "first": see the module docstring (the runner switches it)
+        self.deferred = False  # the pipelined engine: sampling logits come back as a Pending, sends go to the outbox
+        self.outbox = Outbox()
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos=0, rows: Optional[torch.Tensor] = None,
@@ -173,8 +216,11 @@ class PipelineTransformer(Transformer):
             else:
                 pending.append(self._send(h, self.stage.ranks[self.stage.index + 1]))
         tic = time.perf_counter()
-        for work, _ in pending:  # (the sent tensor is kept alive until its send completes)
-            work.wait()
+        for work, part in pending:  # (the sent tensor is kept alive until its send completes)
+            if self.deferred:
+                self.outbox.keep(work, part)
+            else:
+                work.wait()
         self.traffic["wait_s"] += time.perf_counter() - tic
         logits = None
         if self.stage.last:
@@ -225,10 +271,26 @@ class PipelineTransformer(Transformer):
         first-stage peer, which all-gathers them inside its node."""
         if self.stage.last:
             tic = time.perf_counter()
-            self._send(logits, self.stage.ranks[0])[0].wait()
+            work, part = self._send(logits, self.stage.ranks[0])
+            if self.deferred:
+                self.outbox.keep(work, part)
+            else:
+                work.wait()
             self.traffic["wait_s"] += time.perf_counter() - tic
             return logits
-        return self._receive(shape, torch.float32, self.stage.ranks[-1])
+        if not self.deferred:
+            return self._receive(shape, torch.float32, self.stage.ranks[-1])
+        part = torch.empty(*shape[:-1], shape[-1] // self.tp, dtype=torch.float32, device=self.norm.weight.device)
+        work = dist.irecv(part, self.stage.ranks[-1])
+
+        @torch.inference_mode()  # (called later, from outside the forward pass)
+        def wait() -> torch.Tensor:
+            tic = time.perf_counter()
+            work.wait()
+            out = self._gather(part)
+            self.traffic["wait_s"] += time.perf_counter() - tic
+            return out
+        return Pending(wait)
 
     def _share_logits(self, logits: Optional[torch.Tensor], shape, device) -> torch.Tensor:
         """The last stage's logits on every rank: each last-stage rank broadcasts its vocabulary slice over its

@@ -12,6 +12,7 @@ import torch
 
 from .cache import KVCache
 from .compile import CompiledDecode
+from .pipeline import Pending
 from .request import Request
 from .sampling import RowSampler, prompt_top_entries, token_logprobs
 
@@ -24,6 +25,11 @@ class Plan:
     prefill: List[Tuple[Request, int, int]] = field(default_factory=list)  # (request, start, length), in op order
     twins: List[Tuple[Request, Request]] = field(default_factory=list)  # (request, the source it copies)
     decoding: List[Request] = field(default_factory=list)
+
+
+def resolve(outs: List) -> List:
+    """Ops' outputs with every deferred one (a pipeline stage's Pending logits) waited for, in order."""
+    return [o.result() if isinstance(o, Pending) else o for o in outs]
 
 
 def _name(proc) -> str:
@@ -40,14 +46,20 @@ class Runner:
         self.staged = self.share_samples = callable(getattr(model, "share_samples", None))
 
     @contextmanager
-    def leader_samples(self):
+    def leader_samples(self, deferred: bool = False):
         """While the engine serves: its leader samples every request, so the last pipeline stage sends the logits to
-        the first stage, where the leader is."""
+        the first stage, where the leader is. deferred (the pipelined engine): the first stage's sampling passes
+        return a Pending that complete() waits on, so a step's passes can be launched before the last one's
+        logits are back."""
         shared, self.share_samples = self.share_samples, False
+        if self.staged:
+            self.model.deferred = deferred
         try:
             yield
         finally:
             self.share_samples = shared
+            if self.staged:
+                self.model.deferred = False
 
     def _sampling_pass(self, *args, **kwargs) -> torch.Tensor:
         """A forward pass whose logits only sampling reads: on pipeline stages they stay on the last stage (shared
@@ -80,26 +92,27 @@ class Runner:
             return forward(torch.tensor(op["tokens"], device=dev), start, rows=slots, logit_index=last,
                            kv_len=op["kv_len"])
         elif kind == "decode":
-            return self._decode(op["tokens"], op["pos"], op["slots"])
+            return self._decode(op["tokens"], op["pos"], op["slots"], op.get("base", 0))
         else:
             raise ValueError(f"unknown op {kind!r}")
         return None
 
-    def _decode(self, tokens: List[int], pos: List[int], active: List[int]) -> torch.Tensor:
-        """Logits (rows, V) of one token per slot, rows indexed by slot.
+    def _decode(self, tokens: List[int], pos: List[int], active: List[int], base: int = 0) -> torch.Tensor:
+        """Logits (rows, V) of one token per slot, rows indexed by slot (slot s in cache row base + s).
 
         Compiled, the step spans every slot, so one graph (one copy of the weights) serves any mix of requests.
         Eager, it spans only slots 0..highest active; under compile="auto" its time counts toward compiling.
         """
         dev, c = self.device, self.compiled
         n_slots = len(tokens)
-        if c is not None and c.ready(c.key(n_slots, None)):
+        if c is not None and not base and c.ready(c.key(n_slots, None)):
             return c(torch.tensor(tokens, device=dev)[:, None], torch.tensor(pos, device=dev))[:, 0]
         width = max(active) + 1
         x = torch.tensor(tokens[:width], device=dev)[:, None]
         same = len(set(pos[:width])) == 1
         start = time.perf_counter()
-        logits = self._sampling_pass(x, pos[0] if same else torch.tensor(pos[:width], device=dev))[:, 0]
+        rows = {"rows": slice(base, base + width)} if base else {}  # an engine group's slots: rows in place
+        logits = self._sampling_pass(x, pos[0] if same else torch.tensor(pos[:width], device=dev), **rows)[:, 0]
         if c is not None and c.lazy:
             c.spent_eager(n_slots, None, time.perf_counter() - start)
         return logits
@@ -115,7 +128,12 @@ class Runner:
     def run(self, plan: Plan) -> List[Tuple[Request, str]]:
         """Execute a plan; sample and advance each request that has logits now. Returns (request, text delta)
         for new text. A request that fails is marked (finish_reason "error") and the others go on."""
-        outs = self.execute(plan.ops)
+        return self.complete(plan, self.execute(plan.ops))
+
+    def complete(self, plan: Plan, outs: List) -> List[Tuple[Request, str]]:
+        """The second half of run(): wait for deferred logits (in op order, as the pipeline's other first-stage
+        ranks do), then sample and advance."""
+        outs = resolve(outs)
         ready: List[Tuple[Request, torch.Tensor]] = []
         jobs = iter(plan.prefill)
         for op, out in zip(plan.ops, outs):

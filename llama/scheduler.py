@@ -6,6 +6,10 @@ lower free slots when no one waits (so the decode pass reads slots 0..B-1 in pla
 finished prompt's cache to its twins (the n samples of one prompt are prefilled once), and decodes one token for
 every request that has one to feed. It computes nothing itself: the plan's ops are plain lists and numbers, so
 model-parallel rank 0 can broadcast them to the other ranks.
+
+A scheduler may own a range of the cache's slots that starts past 0 (`base`): the pipelined engine runs one
+scheduler per group of slots (llama/pipeline_engine.py). Requests keep slot numbers local to their scheduler; the
+ops name the cache's rows.
 """
 
 import itertools
@@ -17,8 +21,9 @@ from .runner import Plan
 
 
 class Scheduler:
-    def __init__(self, max_batch_size: int, max_seq_len: int, prefill_chunk: int):
+    def __init__(self, max_batch_size: int, max_seq_len: int, prefill_chunk: int, base: int = 0):
         self.slots: List[Optional[Request]] = [None] * max_batch_size
+        self.base = base  # cache row of slot 0
         self.max_seq_len, self.prefill_chunk = max_seq_len, prefill_chunk
         self.waiting: deque = deque()
         self.stats = {"steps": 0, "forwards": 0, "admitted": 0, "finished": 0, "generated_tokens": 0,
@@ -88,7 +93,7 @@ class Scheduler:
         if r.prefix is not None:  # the prompt continues a Llama.prefill() prefix: load its positions
             n = r.prefix.reusable(r.prompt)
             if n:
-                plan.ops.append({"kind": "load", "prefix": r.prefix.id, "slot": s, "length": n})
+                plan.ops.append({"kind": "load", "prefix": r.prefix.id, "slot": self.base + s, "length": n})
                 if r.params.scores_prompt:
                     r.prompt_logprobs = r.prefix.prompt_logprobs(r.prompt, n)
             r.prefilled = r.reused = n
@@ -125,7 +130,7 @@ class Scheduler:
             length = max(length, r.next_pos if r.feed is not None else r.prefilled)
         if src and length:
             self.stats["moves"] += len(src)
-            plan.ops.append({"kind": "copy", "src": src, "dst": dst, "length": length})
+            plan.ops.append({"kind": "copy", "src": self._rows(src), "dst": self._rows(dst), "length": length})
 
     def _plan_prefill(self, plan: Plan) -> None:
         """Prompt chunks for this step, oldest requests first, prefill_chunk tokens in all; twins whose source has
@@ -153,7 +158,8 @@ class Scheduler:
                 budget -= c
         plan.ops += self._prefill_ops(plan.prefill)
         for r, src in twins:
-            plan.ops.append({"kind": "copy", "src": [src.slot], "dst": [r.slot], "length": len(r.prompt)})
+            plan.ops.append({"kind": "copy", "src": self._rows([src.slot]), "dst": self._rows([r.slot]),
+                             "length": len(r.prompt)})
         plan.twins = twins
 
     def _prefill_ops(self, jobs: List) -> List[dict]:
@@ -174,7 +180,7 @@ class Scheduler:
                 "kind": "prefill",
                 "tokens": [r.prompt[s : s + c] + [0] * (width - c) for r, s, c in g],
                 "start": starts[0] if len(set(starts)) == 1 else starts,
-                "slots": [r.slot for r, _, _ in g],
+                "slots": self._rows([r.slot for r, _, _ in g]),
                 "last": None if full else [c - 1 for _, _, c in g],
                 "kv_len": max(starts) + width,
             })
@@ -194,4 +200,11 @@ class Scheduler:
                 active.append(s)
             else:
                 pos[s] = r.prefilled
-        return {"kind": "decode", "tokens": tokens, "pos": pos, "slots": active}
+        op = {"kind": "decode", "tokens": tokens, "pos": pos, "slots": active}
+        if self.base:  # (ops of a scheduler that starts at row 0 look as they always have)
+            op["base"] = self.base
+        return op
+
+    def _rows(self, slots: List[int]) -> List[int]:
+        """Cache rows of local slot numbers."""
+        return [self.base + s for s in slots]

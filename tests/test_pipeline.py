@@ -1,7 +1,9 @@
 """Pipeline parallel under torchrun on CPU (gloo): P=2 (2 processes) and T=2 x P=2 as a simulated two-node job
 (two torchrun launches, c10d rendezvous on 127.0.0.1) give the stories260K goldens and the single process's seeded
 samples from 1- and 2-shard checkpoints, each rank holds about 1/(T x P) of the weights, the engine under P=2
-serves concurrent requests as each alone, and impossible layouts fail with a clear ValueError."""
+serves concurrent requests as each alone (its steps overlapping across the stages, and one step at a time), also
+when they arrive at different times, one is cancelled and others fail, and impossible layouts fail with a clear
+ValueError."""
 
 import json
 import os
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import GOLDENS, STORIES, error_lines, rank_env
+from conftest import GOLDENS, SHARED, STORIES, error_lines, rank_env
 from helpers import ONCE, build_stories
 
 TESTS = Path(__file__).resolve().parent
@@ -26,6 +28,27 @@ ENGINE_REQUESTS = [
     ("The little dog", dict(temperature=0.8, seed=9, max_gen_len=50, stop=["."])),
     ("One day, Tom saw", dict(temperature=0.0, max_gen_len=12)),
 ]
+
+# The pipelined engine's staggered run (2 groups of 2 slots): these arrive first, then LATER once the first has a
+# token, beside a request that is cancelled and two that fail.
+STAGGERED = [
+    (ONCE, dict(temperature=0.0, max_gen_len=60)),
+    ("Lily and her mom", dict(temperature=1.0, top_p=0.9, seed=5, max_gen_len=30)),
+    ("The little dog", dict(temperature=0.8, seed=9, max_gen_len=50, stop=["."])),
+]
+LATER = [
+    ("One day, Tom saw", dict(temperature=0.0, max_gen_len=12)),
+    ("Ben had a red ball", dict(temperature=0.7, seed=2, max_gen_len=45)),
+    ("The sun was", dict(temperature=0.0, max_gen_len=25)),
+]
+
+
+def broken_after_3(ids, logits):
+    """A logits processor that fails once its request has 3 tokens: that request fails mid-way, alone."""
+    if len(ids) >= 3:
+        raise RuntimeError("boom")
+    return logits
+
 
 # Run by every rank: python -c ... T P OUT MODE DIR...
 SCRIPT = f"import sys; sys.path.insert(0, {str(TESTS)!r}); import test_pipeline; test_pipeline.rank_main(sys.argv[1:])"
@@ -68,22 +91,84 @@ def alone(g) -> list:
     return [g.text_completion([p], **params)[0] for p, params in ENGINE_REQUESTS]
 
 
+def first_delta(request) -> None:
+    """Block until the request has produced some text (or finished)."""
+    next(iter(request), None)
+
+
+def staggered(d: str, rank: int) -> dict:
+    """The pipelined engine on a 4-slot build (two groups of 2): STAGGERED at once, LATER once the first has a
+    token, a long request cancelled after its first token, one whose logits processor fails mid-way and one
+    refused at submit (its prompt is longer than max_seq_len). Each request's output alone, from the same build."""
+    from llama import Llama
+
+    g = Llama.build(d, str(STORIES / "tokenizer.model"), max_seq_len=MAX_SEQ_LEN, max_batch_size=4,
+                    pipeline_parallel_size=2, device="cpu", dtype="float32")
+    out = {"alone": [g.text_completion([p], **params)[0] for p, params in STAGGERED + LATER]}
+    engine = g.engine()
+    if rank != 0:
+        engine.serve_forever()
+        return out
+    first = [engine.submit(p, **params) for p, params in STAGGERED]
+    first_delta(first[0])
+    doomed = engine.submit(ONCE, temperature=0.0, max_gen_len=200)
+    bad = engine.submit("Tom", temperature=0.0, max_gen_len=20, logits_processors=[broken_after_3])
+    too_long = engine.submit("Once " * 300, max_gen_len=5)
+    later = [engine.submit(p, **params) for p, params in LATER]
+    first_delta(doomed)
+    doomed.cancel()
+    out["engine"] = [r.result(timeout=120) for r in first + later]
+    out["errors"] = [type(r.exception(timeout=120)).__name__ + ": " + str(r.exception()) for r in (doomed, bad, too_long)]
+    engine.close()
+    out.update(stats=engine.stats, trace=engine._pipe.trace, slots=len(engine.groups[1].slots),
+               base=engine.groups[1].base)
+    return out
+
+
+GGUF = SHARED / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+
+
+def gguf_outputs(g) -> dict:
+    from llama.pipeline import weight_bytes
+
+    out = g.text_completion(GGUF_PROMPTS, temperature=0.0, max_gen_len=12)
+    return {"greedy": [o["generation"] for o in out], "weight_bytes": weight_bytes(g.model)}
+
+
 def rank_main(argv) -> None:
-    """One rank of a pipeline job: build from each checkpoint at (T, P), record outputs, stage and weight bytes;
-    mode "engine" also serves ENGINE_REQUESTS concurrently (rank 0 submits, the others follow)."""
+    """One rank of a pipeline job: build from each checkpoint at (T, P), record outputs, stage and weight bytes,
+    and serve ENGINE_REQUESTS through the engine (rank 0 submits, the others follow); mode "engine" also runs the
+    calls on Llama of extras(), the engine one step at a time and the staggered run; mode "gguf" builds the GGUF
+    file instead."""
     import torch
     import torch.distributed as dist
 
     from llama import Llama
-    from llama.pipeline import weight_bytes
 
     torch.set_num_threads(1)
     T, P, out, mode, *dirs = argv
     rank = int(os.environ["RANK"])
     result = {"group_rank": int(os.environ.get("GROUP_RANK", 0)), "dirs": {}, "two": dirs[-1]}
+    if mode == "gguf":  # each rank dequantizes only its stage's tensors
+        g = Llama.build(dirs[0], None, max_seq_len=64, max_batch_size=2, pipeline_parallel_size=int(P),
+                        device="cpu", dtype="float32")
+        result.update(gguf_outputs(g), stage=g.model.stage.index, layers=list(g.model.stage.layers))
+    else:
+        stories_main(int(T), int(P), mode, dirs, rank, result)
+    with open(f"{out}.{rank}.json", "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def stories_main(T: int, P: int, mode: str, dirs, rank: int, result: dict) -> None:
+    from llama import Llama
+    from llama.pipeline import weight_bytes
+
     for d in dirs:
         g = Llama.build(d, str(STORIES / "tokenizer.model"), max_seq_len=MAX_SEQ_LEN, max_batch_size=MAX_BATCH,
-                        model_parallel_size=int(T), pipeline_parallel_size=int(P), device="cpu", dtype="float32")
+                        model_parallel_size=T, pipeline_parallel_size=P, device="cpu", dtype="float32")
         stage = g.model.stage
         result["dirs"][d] = {**generations(g), "stage": stage.index, "layers": list(stage.layers),
                              "weight_bytes": weight_bytes(g.model), "embedding": g.model.tok_embeddings is not None,
@@ -92,19 +177,19 @@ def rank_main(argv) -> None:
     if mode == "engine":
         result["extras"] = extras(g)
         result["alone"] = alone(g)
-        engine = g.engine()
+    # The engine: steps overlapping across the stages (the default), and (P=2 run) one step at a time
+    for key, overlap in (("engine", None), ("one_step", False))[: 2 if mode == "engine" else 1]:
+        engine = g.engine(overlap=overlap)
         if rank == 0:
             reqs = [engine.submit(p, **params) for p, params in ENGINE_REQUESTS]  # all in flight at once
-            result["engine"] = [r.result(timeout=120) for r in reqs]
-            result["peak_active"] = engine.stats["peak_active"]
+            result[key] = [r.result(timeout=120) for r in reqs]
+            result[f"{key}_stats"] = engine.stats
             engine.close()
         else:
             engine.serve_forever()
+    if mode == "engine":
         result["unseeded"] = g.text_completion([ONCE], temperature=1.0, max_gen_len=20)  # RNG agrees after close
-    with open(f"{out}.{rank}.json", "w") as f:
-        json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
+        result["staggered"] = staggered(str(STORIES), rank)
 
 
 # ------------------------------------------------------------------------------------------------------ launching
@@ -162,7 +247,8 @@ def single():
     from llama.pipeline import weight_bytes
 
     g = build_stories(max_batch_size=MAX_BATCH, max_seq_len=MAX_SEQ_LEN)
-    out = {**generations(g), "extras": extras(g), "alone": alone(g), "weight_bytes": weight_bytes(g.model)}
+    out = {**generations(g), "extras": extras(g), "alone": alone(g), "weight_bytes": weight_bytes(g.model),
+           "staggered": [g.text_completion([p], **params)[0] for p, params in STAGGERED + LATER]}
     return {**out, "unseeded": g.text_completion([ONCE], temperature=1.0, max_gen_len=20)}
 
 
@@ -243,18 +329,68 @@ def test_two_stages_with_tied_embeddings_from_two_shards_match_one_process(p2, c
 
 def test_engine_under_two_stages_serves_concurrent_requests_as_each_alone(p2, single):
     r0, r1 = p2
-    assert r0["peak_active"] == MAX_BATCH  # really concurrent: the slots were full at once
-    assert r0["engine"] == r0["alone"] == single["alone"]
+    for key in ("engine", "one_step"):  # steps overlapping across the stages (the default), and one at a time
+        assert r0[f"{key}_stats"]["peak_active"] == MAX_BATCH  # really concurrent: the slots were full at once
+        assert r0[key] == r0["alone"] == single["alone"]
+    assert r0["engine_stats"]["overlapped"] > 0 and "overlapped" not in r0["one_step_stats"]
     assert r1["alone"] == r0["alone"]
     # The last stage's RNG drew the unseeded samples and reached rank 0 with them; rank 0's reached every rank
     # when the engine closed: a later unseeded call still matches the single process.
     assert r1["unseeded"] == r0["unseeded"] == single["unseeded"]
 
 
+def test_pipelined_engine_with_staggered_arrivals_a_cancellation_and_failures_matches_each_alone(p2, single):
+    """Two groups of 2 slots (the second at cache rows 2-3) whose steps are in flight at once; requests arriving
+    while others decode, one cancelled and two failing do not change any other request's output."""
+    r0, r1 = p2[0]["staggered"], p2[1]["staggered"]
+    assert r0["engine"] == r0["alone"] == r1["alone"] == single["staggered"]
+    cancelled, failed, refused = r0["errors"]
+    assert cancelled.startswith("CancelledError: request") and "was cancelled" in cancelled
+    assert failed.startswith("ValueError: request") and "broken_after_3 raised RuntimeError('boom')" in failed
+    assert refused.startswith("ValueError: prompt 0 has 301 tokens") and "max_seq_len=256" in refused
+    assert (r0["slots"], r0["base"]) == (2, 2)
+    stats = r0["stats"]
+    assert stats["peak_active"] == 4 and stats["admitted"] == 8  # the refused request never reached a slot
+
+
+def test_pipelined_engine_keeps_both_groups_in_flight_at_once(p2):
+    """The structural proof of overlap: rank 0 launched one group's step (the first stage ran its layers and sent
+    them on) before it finished the other group's step (before it took that step's logits back from the last
+    stage), so the stages worked on different groups at the same time. No wall-clock timing involved."""
+    r0 = p2[0]["staggered"]
+    stats, trace = r0["stats"], [tuple(e) for e in r0["trace"]]
+    assert stats["max_in_flight"] == 2
+    assert stats["overlapped"] >= stats["launched"] // 2  # most steps were launched with the other group in flight
+    assert trace[:3] == [("launch", 0, 1), ("launch", 1, 2), ("finish", 0, 1)]
+    # from then on the groups alternate: each group's step is launched right after the other group's finished
+    for (e1, g1, t1), (e2, g2, t2) in zip(trace[2:20:2], trace[3:21:2]):
+        assert (e1, e2) == ("finish", "launch") and g1 == g2 and t2 > t1
+
+
 def test_tp2_x_pp2_on_two_simulated_nodes(two_nodes, single, goldens):
     check_ranks(two_nodes, single, goldens, 2, 2)
+    # the pipelined engine with 2 tensor-parallel ranks per stage (rank 1 follows rank 0's finish messages)
+    assert two_nodes[0]["engine"] == single["alone"] and two_nodes[0]["engine_stats"]["overlapped"] > 0
     for rank, r in enumerate(two_nodes):  # each node (c10d group rank) holds one whole stage: TP stays on the node
         assert r["group_rank"] == rank // 2 == next(iter(r["dirs"].values()))["stage"]
+
+
+def test_two_stages_from_a_gguf_file_match_one_process(tmp_path):
+    """Each rank dequantizes only its stage's tensors of a Q4_1 GGUF file (tied embeddings: the table is the first
+    stage's embedding and the last stage's output) and the greedy text is the single process's."""
+    if not GGUF.is_file():
+        pytest.skip(f"{GGUF} not found")
+    from llama import Llama
+
+    procs = [launch(tmp_path, ["--standalone", "--nproc_per_node", "2"], 1, 2, "gguf", "gguf", [GGUF])]
+    want = gguf_outputs(Llama.build(str(GGUF), None, max_seq_len=64, max_batch_size=2, dtype="float32"))  # meanwhile
+    finish(procs)
+    ranks = outputs(tmp_path, "gguf", 2)
+    assert [r["greedy"] for r in ranks] == [want["greedy"]] * 2
+    assert [r["stage"] for r in ranks] == [0, 1] and [r["layers"] for r in ranks] == [list(range(15)),
+                                                                                      list(range(15, 30))]
+    for r in ranks:  # about half the weights each (the 28M-parameter table is on both, once as each role)
+        assert 0.5 * want["weight_bytes"] <= r["weight_bytes"] <= 0.75 * want["weight_bytes"], r["weight_bytes"]
 
 
 def test_bad_layouts_raise_clear_errors(checkpoints):
