@@ -5,7 +5,7 @@ counter-based hash (splitmix64) turned into a uniform number, then inverted thro
 vocabulary order). No generator state is shared between rows, so a request gives the same text alone, in any
 batch, at any max_batch_size and on every model-parallel rank, up to float rounding: the logits themselves differ
 in their last bits with the batch's shape, which changes a draw only where it falls within that rounding of the
-boundary between two tokens' bins (about once in 10^6 tokens or fewer).
+boundary between two tokens' bins.
 """
 
 from typing import List, Optional, Sequence, Tuple
