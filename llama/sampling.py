@@ -1,9 +1,11 @@
 """Token sampling: the reference's temperature + top-p, plus top-k and seeded draws independent of batching.
 
 A seeded draw for generated token t of sample j of a request with seed s is a pure function of (s, j, t): a
-counter-based hash (splitmix64) turned into a uniform number, then inverted through the filtered distribution.
-No generator state is shared between rows, so a request gives the same text alone, in any batch, at any
-max_batch_size and on every model-parallel rank.
+counter-based hash (splitmix64) turned into a uniform number, then inverted through the filtered distribution (in
+vocabulary order). No generator state is shared between rows, so a request gives the same text alone, in any
+batch, at any max_batch_size and on every model-parallel rank, up to float rounding: the logits themselves differ
+in their last bits with the batch's shape, which changes a draw only where it falls within that rounding of the
+boundary between two tokens' bins.
 """
 
 import math
@@ -76,21 +78,27 @@ def sample(
     probs_sort[cut] = 0.0
     probs_sort.div_(probs_sort.sum(dim=-1, keepdim=True))
 
-    choice = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    token = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     u = uniform[rows] if uniform is not None else None
-    seeded = ~torch.isnan(u) if u is not None else torch.zeros_like(choice, dtype=torch.bool)
+    seeded = ~torch.isnan(u) if u is not None else torch.zeros_like(token, dtype=torch.bool)
     free = ~seeded
     if bool(free.any()):
-        choice[free] = torch.multinomial(probs_sort[free], num_samples=1).squeeze(1)
+        choice = torch.multinomial(probs_sort[free], num_samples=1)
+        token[free] = torch.gather(probs_idx[free], -1, choice).squeeze(1)
     if bool(seeded.any()):
-        cdf = probs_sort[seeded].double().cumsum(dim=-1)
+        # The draw inverts the filtered distribution in vocabulary order, not in sorted order: two tokens whose
+        # probabilities differ only by float rounding (which the batch's shape changes) may sort either way, and
+        # in sorted order a draw anywhere in their two bins would then pick the other token. In vocabulary order
+        # only a draw within rounding of a bin boundary can change.
+        kept = torch.zeros_like(probs_sort[seeded]).scatter_(-1, probs_idx[seeded], probs_sort[seeded])
+        cdf = kept.double().cumsum(dim=-1)
         target = u[seeded].to(cdf)[:, None] * cdf[:, -1:]
         picked = torch.searchsorted(cdf, target, right=True).squeeze(1)
         # Never pick a token the filters removed (guards the last bin against rounding).
-        last_kept = (probs_sort[seeded] > 0).sum(dim=-1) - 1
-        choice[seeded] = torch.minimum(picked, last_kept)
+        last_kept = kept.shape[-1] - 1 - (kept > 0).flip(-1).int().argmax(dim=-1)
+        token[seeded] = torch.minimum(picked, last_kept)
     out = greedy.clone()
-    out[rows] = torch.gather(probs_idx, -1, choice[:, None]).squeeze(1)
+    out[rows] = token
     return out
 
 
