@@ -34,7 +34,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="tensor-parallel ranks per stage (default: the world size / pipeline size)")
     p.add_argument("--pipeline_parallel_size", "--pipeline-parallel-size", type=int, default=1,
                    help="pipeline stages under torchrun (docs/pipeline.md)")
-    p.add_argument("--compile", default="auto", help="auto (default), true, false, default, max-autotune")
+    p.add_argument("--compile", default="false",
+                   help="false (default: a compile runs in the engine's thread and would stall every stream while it "
+                        "lasts, minutes on a small CPU), auto, true, default, max-autotune")
     p.add_argument("--prefill_chunk", "--prefill-chunk", type=int, default=128)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--log-level", default="info", dest="log_level")
