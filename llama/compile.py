@@ -9,8 +9,9 @@ machine's bandwidth and every small operator costs a few microseconds; Inductor 
 fuses the norms, rotary embedding and activations. That needs static shapes: Transformer.decode_step attends
 over the whole cache under a mask, so one graph serves every position of a given batch size.
 
-Costs: compiling takes tens of seconds per batch size (Inductor caches compiled graphs and autotuning results on
-disk, so later runs are faster), and frozen weights are copied into the compiled graph. Weights must not change
+Costs: compiling takes tens of seconds per batch size, and frozen weights are copied into the compiled graph. On the
+CPU in a single process, each compiled step is kept on disk as an AOTInductor package (llama/compile_cache.py), so
+a later process loads it in seconds instead of compiling again. Weights must not change
 after compiling. Prefill and other calls stay eager. Hence compile="auto", Llama.build's default, compiles a batch
 size only once eager decoding at it has cost about what compiling will (CompiledDecode), and only when the copy
 fits in memory.
@@ -18,12 +19,12 @@ fits in memory.
 
 import time
 import warnings
-from typing import Dict, Optional, Union
+from typing import Callable, Dict, Optional, Union
 
 import torch
 import torch._inductor.config as inductor_config
 
-from . import parallel
+from . import compile_cache, parallel
 from .quantize import linear_layers
 
 MODES = ("auto", "max-autotune", "default")
@@ -74,8 +75,12 @@ class CompiledDecode:
         self.model, self.mode, self.lazy = model, mode, lazy
         own_storage(model)
         self.seen: Dict[tuple, float] = {}  # (batch size, rows given) -> seconds the first call took
+        self.packages: Dict[tuple, Callable] = {}  # keys whose step runs from an AOTInductor package
         self.eager: Dict[tuple, float] = {}  # lazy: eager decode seconds spent per key so far
         self.refused: set = set()  # keys left eager because compiling would not fit in memory
+        self.stored: Dict[tuple, bool] = {}  # keys with a package on disk (compile="auto" takes those at once)
+        self.loaded: set = set()  # keys whose package was on disk already (their time in seen is a load's)
+        self.weights: Optional[str] = None  # the weights' fingerprint, once a package is looked for
         self.estimate = 10.0 + 10.0 * weight_bytes(model) / 1e9  # seconds, fitted to measured compile times
         self.reset()
 
@@ -93,7 +98,7 @@ class CompiledDecode:
             return True
         if self.mode == "max-autotune" and key[0] >= FP32_EAGER_MIN_BATCH:
             return False
-        if key in self.refused or (self.lazy and self.eager.get(key, 0.0) < self.cost()):
+        if key in self.refused or (self.lazy and self.eager.get(key, 0.0) < self.cost() and not self.on_disk(key)):
             return False
         if not memory_allows(self.model):
             self.refused.add(key)
@@ -104,13 +109,28 @@ class CompiledDecode:
         return True
 
     def cost(self) -> float:
-        """Expected seconds to compile one more graph: the slowest measured so far, else the estimate."""
-        return max(self.seen.values()) if self.seen else self.estimate
+        """Expected seconds to compile one more graph: the slowest compile measured so far, else the estimate."""
+        compiled = [t for key, t in self.seen.items() if key not in self.loaded]
+        return max(compiled) if compiled else self.estimate
+
+    def on_disk(self, key: tuple) -> bool:
+        """Whether a package for this key is stored, so that loading it costs seconds, not a compile."""
+        if key not in self.stored:
+            self.stored[key] = self.package_path(key) is not None and self.package_path(key).is_file()
+        return self.stored[key]
+
+    def package_path(self, key: tuple):
+        if not compile_cache.enabled(self.model):
+            return None
+        if self.weights is None:
+            self.weights = compile_cache.fingerprint(self.model)
+        return compile_cache.package_path(self.weights, key[0], key[1], self.config)
 
     def reset(self) -> None:
-        """Forget compiled graphs (for a model whose caches were reallocated)."""
+        """Forget compiled graphs (for a model whose caches were reallocated); loaded packages stay (they take
+        the caches as inputs)."""
         self.fn = torch.compile(self.model.decode_step, dynamic=False, fullgraph=True)
-        self.seen.clear()
+        self.seen = {key: t for key, t in self.seen.items() if key in self.packages}
 
     @torch.inference_mode()  # freezing folds the weights in only for inference graphs
     def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, rows: Optional[torch.Tensor] = None):
@@ -135,12 +155,29 @@ class CompiledDecode:
 
     def step(self, tokens: torch.Tensor, pos: torch.Tensor, rows: Optional[torch.Tensor]):
         key = (tokens.shape[0], rows is not None)
+        if key in self.packages:
+            return self.packages[key](tokens, pos, rows)
         if key in self.seen:
             with inductor_config.patch(self.config):
                 return self._own(self.fn(tokens, pos, rows))
-        if parallel.is_main_process():
-            print(f"Compiling the decode step for batch size {key[0]} ({self.mode}); done once per batch size")
         start = time.time()
+        if self.package_path(key) is not None:
+            if parallel.is_main_process():
+                print(f"Loading the compiled decode step for batch size {key[0]} (compiled by an earlier process)"
+                      if self.on_disk(key) else
+                      f"Compiling the decode step for batch size {key[0]} ({self.mode}); kept on disk for later "
+                      "processes")
+            was_stored = self.on_disk(key)
+            package = compile_cache.get(self.model, self.weights, (tokens, pos, rows), self.config)
+            if package is not None:
+                if was_stored:
+                    self.loaded.add(key)
+                self.packages[key], self.stored[key] = package, True
+                out = package(tokens, pos, rows)
+                self.seen[key] = time.time() - start
+                return out
+        elif parallel.is_main_process():
+            print(f"Compiling the decode step for batch size {key[0]} ({self.mode}); done once per batch size")
         with inductor_config.patch(self.config):
             out = self._own(self.fn(tokens, pos, rows))
         self.seen[key] = time.time() - start

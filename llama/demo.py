@@ -23,8 +23,10 @@ DEMO_NOTE = ("Using the demo checkpoint: random weights, so its text is meaningl
              "See README.md (and docs/checkpoints.md) to run a real model.")
 
 
-def random_state_dict(args: ModelArgs, seed: int = 0, std: Optional[float] = None) -> Dict[str, torch.Tensor]:
-    """Full (unsharded) Meta-layout weights, fp32 on CPU, norms at 1.
+def random_state_dict(args: ModelArgs, seed: int = 0, std: Optional[float] = None,
+                      dtype: torch.dtype = torch.float32) -> Dict[str, torch.Tensor]:
+    """Full (unsharded) Meta-layout weights on CPU, norms at 1; drawn in fp32 and cast tensor by tensor, so a
+    7B-shaped bf16 state never holds an fp32 copy of the whole model.
 
     std None scales each matrix by 1/sqrt(fan_in) (embeddings N(0, 1)) so activations and logits stay in a
     realistic range at any size; otherwise every matrix is N(0, std).
@@ -33,10 +35,10 @@ def random_state_dict(args: ModelArgs, seed: int = 0, std: Optional[float] = Non
     state = {}
     for name, shape in expected_shapes(args).items():
         if len(shape) == 1:
-            state[name] = torch.ones(shape)
+            state[name] = torch.ones(shape, dtype=dtype)
         else:
             scale = std if std is not None else (1.0 if name == "tok_embeddings.weight" else shape[1] ** -0.5)
-            state[name] = torch.randn(shape, generator=g) * scale
+            state[name] = (torch.randn(shape, generator=g) * scale).to(dtype)
     return state
 
 
@@ -45,7 +47,7 @@ def write_random_checkpoint(out_dir, params: dict, tokenizer_path=None, seed: in
     """A Meta-layout checkpoint of random weights (params.json, consolidated.XX.pth, checklist.chk, and a copy
     of the tokenizer when given): the compute of a real model of that shape, with no download."""
     args = ModelArgs.from_params(params)
-    state = {k: v.to(dtype) for k, v in random_state_dict(args, seed, std).items()}
+    state = random_state_dict(args, seed, std, dtype)
     extra = {"tokenizer.model": Path(tokenizer_path)} if tokenizer_path else None
     save_checkpoint(state, params, out_dir, shards=shards, extra_files=extra)
     return Path(out_dir)

@@ -1,0 +1,152 @@
+"""Compiled decode steps kept on disk as AOTInductor packages, so a new process loads in seconds a step that an
+earlier process on this machine compiled.
+
+Inductor's own on-disk cache does not help here: the weights are frozen into the graph and prepacked as oneDNN
+tensors, which it cannot pickle, so every process compiled again. An AOTInductor package holds the compiled step
+and its folded weights. The KV cache is not in it: the step takes the cache tensors as inputs and writes them in
+place, so it always works on the model's current cache.
+
+Key: a fingerprint of the weights (shapes, dtypes and a strided sample of every tensor), the model's arguments, the
+batch size, whether rows are given, Inductor's settings, the PyTorch version and the CPU capability. Packages live in
+`$LLAMA_CACHE/aoti/` (default ~/.cache/llama); `LLAMA_COMPILE_CACHE=0` turns them off (torch.compile is used as
+before). CPU and a single process only: a model-parallel step holds collectives, and CUDA uses CUDA graphs.
+A package that cannot be read is rebuilt; one that cannot be built or written falls back to torch.compile.
+"""
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Dict, Optional
+
+import torch
+
+from . import parallel
+from .fetch import cache_dir
+
+FORMAT = 1  # bump when what a package holds or how it is called changes
+SAMPLE = 4096  # elements of each tensor that go into the fingerprint
+
+
+def enabled(model) -> bool:
+    """Whether this model's compiled steps are kept on disk: CPU, one process, not turned off."""
+    if os.environ.get("LLAMA_COMPILE_CACHE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    return model.norm.weight.device.type == "cpu" and parallel.model_parallel_size() == 1 \
+        and parallel.pipeline_parallel_size() == 1
+
+
+def is_cache(name: str) -> bool:
+    return name.endswith(("cache_k", "cache_v"))
+
+
+@torch.no_grad()
+def fingerprint(model) -> str:
+    """A hash of the weights that costs milliseconds: every tensor's name, shape, dtype and SAMPLE strided values.
+
+    Two checkpoints that differ only where no sample falls would collide; weights edited after loading are not
+    supported by compiled steps in any case (they are frozen into the graph).
+    """
+    h = hashlib.sha256(repr(model.params).encode())
+    named = dict(model.named_parameters())
+    named.update((k, b) for k, b in model.named_buffers() if b is not None and not is_cache(k))
+    for name in sorted(named):
+        t = named[name]
+        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
+        if t.is_mkldnn or t.numel() == 0:
+            continue
+        flat = t.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // SAMPLE)][:SAMPLE]
+        h.update(sample.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def package_path(weights: str, batch: int, rows: bool, config: Dict) -> Path:
+    h = hashlib.sha256(f"{FORMAT}|{weights}|{batch}|{rows}|{json.dumps(config, sort_keys=True)}|"
+                       f"{torch.__version__}|{torch.backends.cpu.get_cpu_capability()}".encode())
+    return cache_dir() / "aoti" / f"{h.hexdigest()[:32]}.pt2"
+
+
+class _Step(torch.nn.Module):
+    """decode_step with the KV cache as inputs, which torch.export needs.
+
+    The caches must not be the model's buffers while exporting: frozen buffers become constants, and a cache that
+    is all zeros then is folded away (measured: wrong logits from the package). As inputs, they are mutated in place.
+    """
+
+    def __init__(self, model, rows: bool):
+        super().__init__()
+        self.model, self.rows = model, rows
+
+    def forward(self, tokens, pos, *rest):
+        rows, caches = (rest[0], rest[1:]) if self.rows else (None, rest)  # a None input would upset the package
+        attns = [layer.attention for layer in self.model.layers]
+        for i, attn in enumerate(attns):
+            attn.cache_k, attn.cache_v = caches[2 * i], caches[2 * i + 1]
+        return self.model.decode_step(tokens, pos, rows)
+
+
+def caches(model) -> list:
+    return [t for layer in model.layers for t in (layer.attention.cache_k, layer.attention.cache_v)]
+
+
+def build(model, path: Path, inputs: tuple, config: Dict) -> None:
+    """Export the decode step for these inputs' shapes, compile it ahead of time and write the package atomically
+    (a concurrent reader sees no file or the whole file)."""
+    kv = caches(model)
+    attns = [layer.attention for layer in model.layers]
+    try:
+        for attn in attns:  # the caches exist only as the step's inputs while exporting
+            attn.cache_k = attn.cache_v = None
+        tokens, pos, rows = (None if t is None else t.contiguous() for t in inputs)
+        given = (tokens, pos) if rows is None else (tokens, pos, rows)
+        ep = torch.export.export(_Step(model, rows is not None).eval(), (*given, *kv), strict=False)
+    finally:
+        for i, attn in enumerate(attns):
+            attn.cache_k, attn.cache_v = kv[2 * i], kv[2 * i + 1]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
+    try:
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp), inductor_configs=config)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+class Loaded:
+    """A loaded package: callable like decode_step (tokens, pos, rows or None), reading and writing the model's
+    current KV cache tensors."""
+
+    def __init__(self, model, path: Path):
+        self.model, self.runner = model, torch._inductor.aoti_load_package(str(path))
+
+    def __call__(self, tokens, pos, rows=None):
+        # the package's kernels assume the exported inputs' strides, which are contiguous
+        tokens, pos = tokens.contiguous(), pos.contiguous()
+        if rows is None:
+            return self.runner(tokens, pos, *caches(self.model))
+        return self.runner(tokens, pos, rows.contiguous(), *caches(self.model))
+
+
+def get(model, weights: str, inputs: tuple, config: Dict) -> Optional[Callable]:
+    """The step for these inputs' shapes (tokens, pos, rows or None): loaded from the cache, else compiled, stored
+    and loaded; None when that fails (the caller uses torch.compile)."""
+    path = package_path(weights, inputs[0].shape[0], inputs[2] is not None, config)
+    if path.is_file():
+        try:
+            return Loaded(model, path)
+        except Exception as e:  # a truncated or foreign file: build it again
+            note(f"ignoring the unreadable compiled step {path} ({e.__class__.__name__}); compiling again")
+    try:
+        build(model, path, inputs, config)
+        return Loaded(model, path)
+    except Exception as e:
+        note(f"could not keep the compiled decode step in {path.parent} ({e.__class__.__name__}: "
+             f"{str(e).splitlines()[0][:200] if str(e) else ''}); compiling it for this process only")
+        return None
+
+
+def note(msg: str) -> None:
+    if parallel.is_main_process():
+        print(f"note: {msg}", file=sys.stderr)
