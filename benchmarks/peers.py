@@ -6,6 +6,7 @@ source). Meta's q/k rows are permuted into transformers' rotate-half layout; lla
 interleaved layout, so its tensors are written unchanged (q8_0 quantized by gguf's reference quantizer).
 """
 
+import sys
 import time
 from pathlib import Path
 
@@ -169,11 +170,7 @@ def run_llamacpp(cfg: dict) -> dict:
     import llama_cpp
 
     P, N, repeat = cfg["prompt"], cfg["gen"], cfg["repeat"]
-    path = Path(cfg["workdir"]) / f"{Path(cfg['ckpt']).name}-{cfg['gguf_type']}.gguf"
-    if not path.exists():
-        tmp = path.with_suffix(".partial")
-        write_gguf(cfg["ckpt"], cfg["tokenizer"], tmp, cfg["gguf_type"])
-        tmp.rename(path)
+    path = gguf_file(cfg, cfg["gguf_type"])
     start = time.perf_counter()
     llm = llama_cpp.Llama(str(path), n_ctx=P + N + 8, n_batch=max(P, 32), n_threads=torch.get_num_threads(),
                           n_threads_batch=torch.get_num_threads(), verbose=False)
@@ -198,6 +195,34 @@ def run_llamacpp(cfg: dict) -> dict:
     out["weight_bytes"] = sum(int(t.n_bytes) for t in _gguf_tensors(path) if t.name != "token_embd.weight")
     out["rss"] = peak_rss()
     return out
+
+
+def gguf_file(cfg: dict, qtype: str) -> Path:
+    """The checkpoint as GGUF in the workdir, written once: f32/bf16 by write_gguf, q8_0/q4_0 from the bf16 file by
+    llama.cpp's own quantizer (llama_model_quantize), as a llama.cpp user would make them."""
+    path = Path(cfg["workdir"]) / f"{Path(cfg['ckpt']).name}-{qtype}.gguf"
+    if not path.exists():
+        tmp = path.with_suffix(".partial")
+        start = time.perf_counter()
+        if qtype in ("q8_0", "q4_0"):
+            llamacpp_quantize(gguf_file(cfg, "bf16"), tmp, qtype)
+        else:
+            write_gguf(cfg["ckpt"], cfg["tokenizer"], tmp, qtype)
+        tmp.rename(path)
+        print(f"wrote {path} in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    return path
+
+
+def llamacpp_quantize(src: Path, dst: Path, qtype: str) -> None:
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = {"q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, "q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0}[qtype]
+    params.nthread = torch.get_num_threads()
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {src} to {qtype}")
 
 
 def _gguf_tensors(path: Path):

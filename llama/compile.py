@@ -116,7 +116,8 @@ class CompiledDecode:
     def on_disk(self, key: tuple) -> bool:
         """Whether a package for this key is stored, so that loading it costs seconds, not a compile."""
         if key not in self.stored:
-            self.stored[key] = self.package_path(key) is not None and self.package_path(key).is_file()
+            path = self.package_path(key)
+            self.stored[key] = path is not None and compile_cache.stored(path)
         return self.stored[key]
 
     def package_path(self, key: tuple):
@@ -167,10 +168,9 @@ class CompiledDecode:
                       if self.on_disk(key) else
                       f"Compiling the decode step for batch size {key[0]} ({self.mode}); kept on disk for later "
                       "processes")
-            was_stored = self.on_disk(key)
-            package = compile_cache.get(self.model, self.weights, (tokens, pos, rows), self.config)
+            package, loaded = compile_cache.get(self.model, self.weights, (tokens, pos, rows), self.config)
             if package is not None:
-                if was_stored:
+                if loaded:
                     self.loaded.add(key)
                 self.packages[key], self.stored[key] = package, True
                 out = package(tokens, pos, rows)

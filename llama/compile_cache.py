@@ -16,9 +16,11 @@ A package that cannot be read is rebuilt; one that cannot be built or written fa
 import hashlib
 import json
 import os
+import shutil
 import sys
+import zipfile
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -27,6 +29,8 @@ from .fetch import cache_dir
 
 FORMAT = 1  # bump when what a package holds or how it is called changes
 SAMPLE = 4096  # elements of each tensor that go into the fingerprint
+SO = "step.so"  # what a stored step keeps of its AOTInductor package: the shared library, weights included
+SIZE = "step.size"  # the library's size in bytes
 
 
 def enabled(model) -> bool:
@@ -65,7 +69,11 @@ def fingerprint(model) -> str:
 def package_path(weights: str, batch: int, rows: bool, config: Dict) -> Path:
     h = hashlib.sha256(f"{FORMAT}|{weights}|{batch}|{rows}|{json.dumps(config, sort_keys=True)}|"
                        f"{torch.__version__}|{torch.backends.cpu.get_cpu_capability()}".encode())
-    return cache_dir() / "aoti" / f"{h.hexdigest()[:32]}.pt2"
+    return cache_dir() / "aoti" / h.hexdigest()[:32]
+
+
+def stored(path: Path) -> bool:
+    return (path / SO).is_file()
 
 
 class _Step(torch.nn.Module):
@@ -92,8 +100,11 @@ def caches(model) -> list:
 
 
 def build(model, path: Path, inputs: tuple, config: Dict) -> None:
-    """Export the decode step for these inputs' shapes, compile it ahead of time and write the package atomically
-    (a concurrent reader sees no file or the whole file)."""
+    """Export the decode step for these inputs' shapes, compile it ahead of time and store the package's shared
+    library in the directory `path`, atomically (a concurrent reader sees no directory or a whole one).
+
+    Only the library is kept: loading it directly skips unzipping the package into a temporary directory on every
+    load, which cost as long again as loading (the library holds the weights, hundreds of MB)."""
     kv = caches(model)
     attns = [layer.attention for layer in model.layers]
     try:
@@ -106,45 +117,58 @@ def build(model, path: Path, inputs: tuple, config: Dict) -> None:
         for i, attn in enumerate(attns):
             attn.cache_k, attn.cache_v = kv[2 * i], kv[2 * i + 1]
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    package = tmp.with_suffix(".pt2")
     try:
-        torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp), inductor_configs=config)
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(package), inductor_configs=config)
+        with zipfile.ZipFile(package) as z:
+            [member] = [m for m in z.namelist() if m.endswith(".so")]
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            with z.open(member) as src, open(tmp / SO, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 24)
+        # its size, checked before loading: the dynamic loader kills the process (SIGBUS) on a truncated library
+        (tmp / SIZE).write_text(str((tmp / SO).stat().st_size))
+        shutil.rmtree(path, ignore_errors=True)  # an unreadable earlier one
         os.replace(tmp, path)
     finally:
-        tmp.unlink(missing_ok=True)
+        package.unlink(missing_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 class Loaded:
-    """A loaded package: callable like decode_step (tokens, pos, rows or None), reading and writing the model's
-    current KV cache tensors."""
+    """A stored step, loaded: callable like decode_step (tokens, pos, rows or None), reading and writing the
+    model's current KV cache tensors."""
 
     def __init__(self, model, path: Path):
-        self.model, self.runner = model, torch._inductor.aoti_load_package(str(path))
+        self.model = model
+        if (path / SO).stat().st_size != int((path / SIZE).read_text()):
+            raise ValueError(f"{path / SO} is not the size it was written with")
+        self.runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path / SO), 1)
 
     def __call__(self, tokens, pos, rows=None):
-        # the package's kernels assume the exported inputs' strides, which are contiguous
-        tokens, pos = tokens.contiguous(), pos.contiguous()
-        if rows is None:
-            return self.runner(tokens, pos, *caches(self.model))
-        return self.runner(tokens, pos, rows.contiguous(), *caches(self.model))
+        # flat inputs in the exported order; the kernels assume the exported (contiguous) strides
+        given = [tokens.contiguous(), pos.contiguous()] + ([] if rows is None else [rows.contiguous()])
+        return self.runner.run(given + caches(self.model))[0]
 
 
-def get(model, weights: str, inputs: tuple, config: Dict) -> Optional[Callable]:
-    """The step for these inputs' shapes (tokens, pos, rows or None): loaded from the cache, else compiled, stored
-    and loaded; None when that fails (the caller uses torch.compile)."""
+def get(model, weights: str, inputs: tuple, config: Dict) -> Tuple[Optional[Callable], bool]:
+    """The step for these inputs' shapes (tokens, pos, rows or None) and whether it was on disk already: loaded
+    from the cache, else compiled, stored and loaded; (None, False) when that fails (the caller uses
+    torch.compile)."""
     path = package_path(weights, inputs[0].shape[0], inputs[2] is not None, config)
-    if path.is_file():
+    if stored(path):
         try:
-            return Loaded(model, path)
+            return Loaded(model, path), True
         except Exception as e:  # a truncated or foreign file: build it again
             note(f"ignoring the unreadable compiled step {path} ({e.__class__.__name__}); compiling again")
     try:
         build(model, path, inputs, config)
-        return Loaded(model, path)
+        return Loaded(model, path), False
     except Exception as e:
         note(f"could not keep the compiled decode step in {path.parent} ({e.__class__.__name__}: "
              f"{str(e).splitlines()[0][:200] if str(e) else ''}); compiling it for this process only")
-        return None
+        return None, False
 
 
 def note(msg: str) -> None:
