@@ -27,7 +27,7 @@ import torch
 from . import parallel
 from .fetch import cache_dir
 
-FORMAT = 1  # bump when what a package holds or how it is called changes
+FORMAT = 2  # bump when what a stored step holds or how it is called changes
 SAMPLE = 4096  # elements of each tensor that go into the fingerprint
 SO = "step.so"  # what a stored step keeps of its AOTInductor package: the shared library, weights included
 SIZE = "step.size"  # the library's size in bytes
@@ -120,6 +120,8 @@ def build(model, path: Path, inputs: tuple, config: Dict) -> None:
     tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
     package = tmp.with_suffix(".pt2")
     try:
+        # weights appended to the library and memory-mapped at load, not copied out of its data section
+        config = {**config, "aot_inductor.force_mmap_weights": True}
         torch._inductor.aoti_compile_and_package(ep, package_path=str(package), inductor_configs=config)
         with zipfile.ZipFile(package) as z:
             [member] = [m for m in z.namelist() if m.endswith(".so")]
