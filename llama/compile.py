@@ -9,12 +9,12 @@ machine's bandwidth and every small operator costs a few microseconds; Inductor 
 fuses the norms, rotary embedding and activations. That needs static shapes: Transformer.decode_step attends
 over the whole cache under a mask, so one graph serves every position of a given batch size.
 
-Costs: compiling takes tens of seconds per batch size, and frozen weights are copied into the compiled graph. On the
-CPU in a single process, each compiled step is kept on disk as an AOTInductor package (llama/compile_cache.py), so
-a later process loads it in seconds instead of compiling again. Weights must not change
-after compiling. Prefill and other calls stay eager. Hence compile="auto", Llama.build's default, compiles a batch
-size only once eager decoding at it has cost about what compiling will (CompiledDecode), and only when the copy
-fits in memory.
+Costs: compiling takes tens of seconds per batch size, and frozen weights are copied into the compiled graph.
+On the CPU in a single process, each compiled step is kept on disk as an AOTInductor package
+(llama/compile_cache.py), so a later process loads it in under a second instead of compiling again. Weights must
+not change after compiling. Prefill and other calls stay eager. Hence compile="auto", Llama.build's default,
+compiles a batch size only once eager decoding at it has cost about what compiling will (CompiledDecode), or at
+once when the step is stored, and only when the copy fits in memory.
 """
 
 import time
