@@ -86,13 +86,14 @@ class _Step(torch.nn.Module):
     def __init__(self, model, rows: bool):
         super().__init__()
         self.model, self.rows = model, rows
+        self.traced = model.decode_step  # what torch.export traces (as compile.py hands it to torch.compile)
 
     def forward(self, tokens, pos, *rest):
         rows, caches = (rest[0], rest[1:]) if self.rows else (None, rest)  # a None input would upset the package
         attns = [layer.attention for layer in self.model.layers]
         for i, attn in enumerate(attns):
             attn.cache_k, attn.cache_v = caches[2 * i], caches[2 * i + 1]
-        return self.model.decode_step(tokens, pos, rows)
+        return self.traced(tokens, pos, rows)
 
 
 def caches(model) -> list:
