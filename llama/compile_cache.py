@@ -9,7 +9,8 @@ place, so it always works on the model's current cache.
 Key: a fingerprint of the weights (shapes, dtypes and a strided sample of every tensor), the model's arguments, the
 batch size, whether rows are given, Inductor's settings, the PyTorch version and the CPU capability. Packages live in
 `$LLAMA_CACHE/aoti/` (default ~/.cache/llama); `LLAMA_COMPILE_CACHE=0` turns them off (torch.compile is used as
-before). CPU and a single process only: a model-parallel step holds collectives, and CUDA uses CUDA graphs.
+before). CPU and a single process only: a model-parallel step holds collectives, and CUDA uses CUDA graphs; and
+not int8-dynamic, whose prepacked oneDNN weights torch.export cannot trace.
 A package that cannot be read is rebuilt; one that cannot be built or written falls back to torch.compile.
 """
 
@@ -34,11 +35,12 @@ SIZE = "step.size"  # the library's size in bytes
 
 
 def enabled(model) -> bool:
-    """Whether this model's compiled steps are kept on disk: CPU, one process, not turned off."""
+    """Whether this model's compiled steps are kept on disk: CPU, one process, not turned off, and no oneDNN-packed
+    weights (int8-dynamic's opaque tensors, which torch.export cannot trace)."""
     if os.environ.get("LLAMA_COMPILE_CACHE", "1").strip().lower() in ("0", "false", "no", "off"):
         return False
     return model.norm.weight.device.type == "cpu" and parallel.model_parallel_size() == 1 \
-        and parallel.pipeline_parallel_size() == 1
+        and parallel.pipeline_parallel_size() == 1 and not any(b.is_mkldnn for b in model.buffers())
 
 
 def is_cache(name: str) -> bool:

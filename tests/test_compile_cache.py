@@ -116,3 +116,10 @@ def test_turned_off_by_the_environment(stories_dir, monkeypatch):
     monkeypatch.setenv("LLAMA_COMPILE_CACHE", "0")
     assert not compile_cache.enabled(model)
     assert CompiledDecode(model).package_path((2, False)) is None
+
+
+def test_int8_dynamic_compiles_in_every_process(stories_dir):
+    """Its oneDNN-packed weights are opaque tensors that torch.export cannot trace: torch.compile, not a package."""
+    model = build(stories_dir, compile=False, quantize="int8-dynamic").model
+    assert not compile_cache.enabled(model)
+    assert compile_cache.enabled(build(stories_dir, compile=False, quantize="int8").model)
