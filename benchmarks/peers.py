@@ -3,7 +3,8 @@
 Both are optional benchmark dependencies, imported only here: `pip install transformers` (check with
 `pip install --dry-run` that it leaves torch alone) and `pip install llama-cpp-python gguf` (builds llama.cpp from
 source). Meta's q/k rows are permuted into transformers' rotate-half layout; llama.cpp's GGUF keeps Meta's
-interleaved layout, so its tensors are written unchanged (q8_0 quantized by gguf's reference quantizer).
+interleaved layout, so its tensors are written unchanged (f32/bf16; q8_0/q4_0 made from the bf16 file by
+llama.cpp's own quantizer).
 """
 
 import sys
@@ -109,17 +110,15 @@ GGUF_NAMES = {"attention.wq": "attn_q", "attention.wk": "attn_k", "attention.wv"
 
 
 def write_gguf(ckpt: str, tokenizer: str, path: Path, qtype: str) -> Path:
-    """Meta checkpoint -> GGUF (llama architecture), 2-D tensors as qtype (f32, bf16, q8_0 or q4_0; quantized by
-    gguf's reference quantizer, llama.cpp's block formats), norms f32."""
+    """Meta checkpoint -> GGUF (llama architecture), 2-D tensors as qtype (f32 or bf16), norms f32; gguf_file makes
+    the quantized types from the bf16 file with llama.cpp's quantizer."""
     import gguf
     import numpy as np
     from sentencepiece import SentencePieceProcessor
 
     args, meta = meta_state(ckpt)
-    qt = {"f32": gguf.GGMLQuantizationType.F32, "bf16": gguf.GGMLQuantizationType.BF16,
-          "q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}[qtype]
-    ftype = {"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
-             "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[qtype]
+    qt = {"f32": gguf.GGMLQuantizationType.F32, "bf16": gguf.GGMLQuantizationType.BF16}[qtype]
+    ftype = {"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16}[qtype]
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_context_length(4096)
     w.add_embedding_length(args.dim)
