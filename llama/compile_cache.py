@@ -10,7 +10,8 @@ Key: a fingerprint of the weights (shapes, dtypes and a strided sample of every 
 batch size, whether rows are given, Inductor's settings, the PyTorch version and the CPU capability. Packages live in
 `$LLAMA_CACHE/aoti/` (default ~/.cache/llama); `LLAMA_COMPILE_CACHE=0` turns them off (torch.compile is used as
 before). CPU and a single process only: a model-parallel step holds collectives, and CUDA uses CUDA graphs; and
-not int8-dynamic, whose prepacked oneDNN weights torch.export cannot trace.
+not int8-dynamic, whose prepacked oneDNN weights torch.export cannot trace, nor layers that run in our own CPU
+kernels (llama/cpu_kernels.py: an AOTInductor library cannot call an op loaded from another library).
 A package that cannot be read is rebuilt; one that cannot be built or written falls back to torch.compile.
 """
 
@@ -40,7 +41,8 @@ def enabled(model) -> bool:
     if os.environ.get("LLAMA_COMPILE_CACHE", "1").strip().lower() in ("0", "false", "no", "off"):
         return False
     return model.norm.weight.device.type == "cpu" and parallel.model_parallel_size() == 1 \
-        and parallel.pipeline_parallel_size() == 1 and not any(b.is_mkldnn for b in model.buffers())
+        and parallel.pipeline_parallel_size() == 1 and not any(b.is_mkldnn for b in model.buffers()) \
+        and not any(getattr(m, "int4_group", None) or getattr(m, "int8_dynamic", False) for m in model.modules())
 
 
 def is_cache(name: str) -> bool:

@@ -186,6 +186,8 @@ def load(
     if stored is not None:
         model = quant_checkpoint.load_model(ckpt_dir, args, parallel.model_parallel_rank(), mp_size, stored)
         model.to(device=device).eval()
+        if quantize != stored["scheme"]:  # int8 codes multiplied with int8 activations
+            quantization.quantize(model, quantize)
         quantization.cast_floating(model, dtype)
         compiled = compilation.compile_decode(model, compile)
         if parallel.is_main_process():

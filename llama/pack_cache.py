@@ -1,12 +1,14 @@
-"""A cache of int4 weights in the CPU kernel's packed layout, so a pre-quantized int4 checkpoint loads without
-repacking.
+"""A cache of int4 weights in the layout the model holds, so a pre-quantized int4 checkpoint loads without
+repacking or copying.
 
-Checkpoints store int4 codes in a portable, sliceable layout (llama/quant_int4.py); the kernel wants them
-interleaved by `aten._convert_weight_to_int4pack_for_cpu`, whose output depends on the CPU's instruction set
-(AVX-512, AVX2, ...) and may change between PyTorch versions. Repacking costs about as long as quantizing, so the
-first load of a checkpoint writes what it packed to `$LLAMA_CACHE/int4pack/` (default ~/.cache/llama), keyed by the
-checkpoint's files, the rank and model-parallel size, the group size, the PyTorch version and the CPU capability;
-later loads memory-map it instead. `LLAMA_INT4_CACHE=0` turns the cache off. A cache file that cannot be read is
+Checkpoints store int4 codes in a portable, sliceable layout, one tensor per Meta weight (llama/quant_int4.py).
+The model holds the attention's and feed-forward's projections fused, in its kernel's layout: our kernel takes the
+storage layout itself (then only the fusing copies, and the copy plus the checkpoint's pages would double the
+load's peak memory); aten's wants the codes interleaved by `aten._convert_weight_to_int4pack_for_cpu`, whose
+output depends on the CPU's instruction set and may change between PyTorch versions, and repacking costs about as
+long as quantizing. So the first load of a checkpoint writes what it built to `$LLAMA_CACHE/int4pack/` (default
+~/.cache/llama), keyed by the checkpoint's files, the rank and model-parallel size, the group size, the kernel,
+the PyTorch version and the CPU capability; later loads memory-map it instead. `LLAMA_INT4_CACHE=0` turns the cache off. A cache file that cannot be read is
 ignored (and rewritten); one that cannot be written (read-only disk, full disk) only costs the repack next time.
 """
 
@@ -18,10 +20,10 @@ from typing import Dict, Optional
 
 import torch
 
-from . import checkpoint
+from . import checkpoint, cpu_kernels
 from .fetch import cache_dir
 
-FORMAT = 1  # bump when what is stored changes
+FORMAT = 2  # bump when what is stored changes
 
 
 def enabled() -> bool:
@@ -36,7 +38,7 @@ def cache_path(ckpt_dir, rank: int, world_size: int, group_size: int) -> Optiona
     for p in sorted(checkpoint.shard_paths(ckpt_dir)) + [Path(ckpt_dir) / "params.json"]:
         st = p.stat()
         h.update(f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
-    h.update(f"{FORMAT}|{rank}|{world_size}|{group_size}|{torch.__version__}|"
+    h.update(f"{FORMAT}|{rank}|{world_size}|{group_size}|{cpu_kernels.available()}|{torch.__version__}|"
              f"{torch.backends.cpu.get_cpu_capability()}".encode())
     return cache_dir() / "int4pack" / f"{h.hexdigest()[:32]}.pt"
 

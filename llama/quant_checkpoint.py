@@ -20,7 +20,8 @@ from torch import nn
 
 from . import checkpoint, pack_cache
 from .model import ModelArgs, Transformer, check_model_parallel
-from .quant_int4 import DEFAULT_GROUP_SIZE, check_group_size, kernel_shapes, quantize_codes, set_int4, set_packed
+from .quant_int4 import (DEFAULT_GROUP_SIZE, check_group_size, kernel_shapes, own_kernel, quantize_codes, set_int4,
+                         set_packed)
 from .quantize import quantize_weight
 
 PARAMS_KEY = "quantization"
@@ -64,7 +65,11 @@ def stored_scheme(ckpt_dir) -> Optional[dict]:
 
 
 def check_request(ckpt_dir, stored: dict, quantize, group_size) -> Tuple[str, Optional[int]]:
-    """(scheme, group size) to load a quantized checkpoint with; ValueError if the caller asked for another."""
+    """(scheme, group size) to load a quantized checkpoint with; ValueError if the caller asked for another.
+
+    int8 weights also load as "int8-dynamic": both schemes quantize weights alike (llama/quantize.py)."""
+    if stored["scheme"] == "int8" and quantize == "int8-dynamic":
+        return quantize, None
     if quantize is not None and quantize != stored["scheme"]:
         raise ValueError(f"{ckpt_dir} holds {stored['scheme']} weights (params.json {PARAMS_KEY}); quantize="
                          f"{quantize!r} cannot be applied to them: pass quantize=None or {stored['scheme']!r}")
@@ -199,7 +204,7 @@ def _assign(layer, key: str, names, state, scheme: str, group_size: int, packs: 
         rows, inputs = sum(w.shape[0] for w in weights), weights[0].shape[1] * 2
         hit = packs.take(key, rows, inputs, group_size)
         if hit is not None:
-            set_packed(layer, *hit, rows)
+            set_packed(layer, *hit, rows, group_size if own_kernel(inputs) else None)
             return
     weight = weights[0] if len(names) == 1 else torch.cat(weights)
     scale = scales[0] if len(names) == 1 else torch.cat(scales)

@@ -5,17 +5,20 @@ Scheme: asymmetric round-to-nearest, like llama.cpp's q4_1 (q4_0 is the symmetri
 group, scale = (max - min) / 15 and w ~= (code - 8) * scale + zero with zero = min + 8 * scale, codes 0..15. The
 scale and zero are rounded to bf16 before the codes are chosen, so the codes fit the values actually applied.
 
-Kernel: torch.ops.aten._weight_int4pack_mm_for_cpu (PyTorch's CPU int4 GEMM, AVX-512 where the CPU has it) on
-weights packed once by aten._convert_weight_to_int4pack_for_cpu; bf16 activations. It needs the output size to be
-a multiple of 16 and the group size one of 32, 64, 128, 256 dividing the input size: other layers are padded
-(zero rows and columns, whose products are dropped). Measured against bf16, int8 and torchao in
-benchmarks/quant_kernels.py (docs/performance.md).
+Kernels, measured in benchmarks/quant_kernels.py (docs/performance.md):
+- ours (llama/cpu_kernels.py, x86 with AVX2, input size a multiple of 32): multiplies the storage layout as it is,
+  with activations quantized to int8 in blocks of 32 as llama.cpp's q4_0/q4_1 do, so no repacking at load. The
+  layer then holds the storage layout and `int4_group` is its group size.
+- otherwise torch.ops.aten._weight_int4pack_mm_for_cpu (PyTorch's CPU int4 GEMM) on weights packed once by
+  aten._convert_weight_to_int4pack_for_cpu; bf16 activations. It needs the output size to be a multiple of 16 and
+  the group size one of 32, 64, 128, 256 dividing the input size: other layers are padded (zero rows and columns,
+  whose products are dropped). `int4_group` is then None.
 
 Two layouts:
-- storage (checkpoints, llama/quant_checkpoint.py): codes (N, K/2) uint8, two per byte (even k in the low nibble),
-  and scales (N, ceil(K/G), 2) as (scale, zero) pairs. Rows and whole groups slice like the float weight, so a
-  checkpoint shards along the same dimensions as Meta's.
-- kernel (in the model): weight = packed (N', K'/2) uint8 in the kernel's own interleaved order (not sliceable),
+- storage (checkpoints, llama/quant_checkpoint.py, and our kernel): codes (N, K/2) uint8, two per byte (even k in
+  the low nibble), and scales (N, ceil(K/G), 2) as (scale, zero) pairs. Rows and whole groups slice like the float
+  weight, so a checkpoint shards along the same dimensions as Meta's.
+- aten's (in the model): weight = packed (N', K'/2) uint8 in the kernel's own interleaved order (not sliceable),
   scales = (K'/G, N', 2), N' and K' the padded sizes; the layer's out size is kept in `int4_out`.
 """
 
@@ -26,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from fairscale.nn.model_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from torch import nn
+
+from . import cpu_kernels
 
 GROUP_SIZES = (32, 64, 128, 256)  # what the CPU kernel takes
 DEFAULT_GROUP_SIZE = 32  # q4_0/q4_1's block size
@@ -73,14 +78,21 @@ def dequantize_codes(codes: torch.Tensor, scales: torch.Tensor, group_size: int)
     return ((q - 8) * s[..., 0:1] + s[..., 1:2]).view(n, -1)[:, :k]
 
 
+def own_kernel(inputs: int) -> bool:
+    """Whether a CPU int4 layer with this input size runs in our kernel (on the storage layout)."""
+    return inputs % cpu_kernels.BLOCK == 0 and cpu_kernels.available()
+
+
 def kernel_shapes(rows: int, inputs: int, group_size: int) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
-    """Shapes of the kernel layout (packed, scales) of a (rows, inputs) weight."""
+    """Shapes of the layout (weight, scales) a (rows, inputs) int4 layer holds in the model."""
+    if own_kernel(inputs):
+        return (rows, inputs // 2), (rows, math.ceil(inputs / group_size), 2)
     n_pad, groups = -(-rows // _ROWS) * _ROWS, math.ceil(inputs / group_size)
     return (n_pad, groups * group_size // 2), (groups, n_pad, 2)
 
 
 def to_kernel(codes: torch.Tensor, scales: torch.Tensor, group_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Storage layout -> kernel layout (packed (N', K'/2) uint8, scales (K'/G, N', 2)), padded as the kernel needs."""
+    """Storage layout -> aten's layout (packed (N', K'/2) uint8, scales (K'/G, N', 2)), padded as its kernel needs."""
     n, k = codes.shape[0], codes.shape[1] * 2
     groups = scales.shape[1]
     if groups != math.ceil(k / group_size):
@@ -116,20 +128,33 @@ def quantize_int4_weight(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_S
     return to_kernel(codes, scales, group_size)
 
 
+def int4_layer_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x @ W.T for an int4 Column/RowLinear, in whichever kernel its layout is for."""
+    if layer.int4_group:
+        return cpu_kernels.int4_linear(x, layer.weight, layer.scales, layer.int4_group)
+    return int4_linear(x, layer.weight, layer.scales, layer.int4_out)
+
+
 def is_int4(layer: nn.Module) -> bool:
     return getattr(layer, "scales", None) is not None and layer.scales.dim() == 3
 
 
 def set_int4(layer: nn.Module, codes: torch.Tensor, scales: torch.Tensor, group_size: int) -> None:
     """Make a Column/RowLinear an int4 layer from storage-layout codes and scales."""
-    set_packed(layer, *to_kernel(codes, scales, group_size), codes.shape[0])
+    if own_kernel(codes.shape[1] * 2):
+        set_packed(layer, codes.contiguous(), scales.contiguous(), codes.shape[0], group_size)
+    else:
+        set_packed(layer, *to_kernel(codes, scales, group_size), codes.shape[0])
 
 
-def set_packed(layer: nn.Module, packed: torch.Tensor, scales: torch.Tensor, out_features: int) -> None:
-    """Make a Column/RowLinear an int4 layer from kernel-layout weights (to_kernel's result)."""
+def set_packed(layer: nn.Module, packed: torch.Tensor, scales: torch.Tensor, out_features: int,
+               group_size: int = None) -> None:
+    """Make a Column/RowLinear an int4 layer from its model layout: the storage layout for our kernel (with its
+    group_size), or aten's (to_kernel's result, group_size None)."""
     layer.weight = nn.Parameter(packed, requires_grad=False)
     layer.scales = nn.Parameter(scales, requires_grad=False)
     layer.int4_out = out_features
+    layer.int4_group = group_size
 
 
 @torch.no_grad()

@@ -7,11 +7,12 @@ Decoding reads every weight once per token, so halving the bytes (vs bf16) nearl
   torch.ops.aten._weight_int8pack_mm, which is fast only with bf16 activations, so the scales are bf16 and
   activations are cast to bf16 around it. On CUDA it is gpt-fast's dequantize-then-multiply, which compiled
   decoding turns into one fused kernel.
-- "int8-dynamic" (CPU): each activation row is also quantized to int8 on the fly (one scale per row, so a row's
-  result never depends on the other rows of its batch) and the product runs in oneDNN's int8 GEMM on prepacked
-  weights (VNNI dot products, int32 accumulation). This is what llama.cpp's q8_0 does on CPU (it quantizes
-  activations to 8 bits in blocks of 32): faster than the weight-only kernel, most of all at batch 8, at a small
-  accuracy cost (docs/performance.md: speed and int8 accuracy). Without VNNI the activations get 7-bit codes.
+- "int8-dynamic" (CPU): activations are also quantized to int8 on the fly and multiplied by the int8 weights in
+  integers, as llama.cpp's q8_0 does. With our kernels (llama/cpu_kernels.py, x86 with AVX2) activations are
+  quantized in blocks of 32 with one scale each, exactly q8_0's activation scheme, and the weights stay plain int8
+  (so a stored "int8" checkpoint loads as int8-dynamic too). Without them the product runs in oneDNN's int8 GEMM
+  on prepacked weights with one activation scale per row (7-bit codes without VNNI). Either way a row's result
+  never depends on the other rows of its batch. Accuracy: docs/performance.md.
 
 Both are symmetric, per-output-channel, round-to-nearest: q8_0's scheme with one scale per row instead of per
 32 values. Under model parallel each rank quantizes its own shard: a column-parallel shard holds whole output
@@ -26,7 +27,8 @@ import torch.nn.functional as F
 from fairscale.nn.model_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from torch import nn
 
-from .quant_int4 import DEFAULT_GROUP_SIZE, int4_linear, quantize_int4
+from . import cpu_kernels
+from .quant_int4 import DEFAULT_GROUP_SIZE, int4_layer_linear, quantize_int4
 
 SCHEMES = ("int8", "int8-dynamic", "int4")
 
@@ -59,13 +61,21 @@ def product(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if layer.packed is not None:
         return dynamic_int8_linear(x, layer.packed, layer.scales, layer.zero_points)
     if layer.scales is not None and layer.scales.dim() == 3:  # group-wise int4 (llama/quant_int4.py)
-        return int4_linear(x, layer.weight, layer.scales, layer.int4_out)
+        return int4_layer_linear(layer, x)
+    if getattr(layer, "int8_dynamic", False):  # int8-dynamic in our kernel
+        return cpu_kernels.int8_linear(x, layer.weight, layer.scales)
     return linear(x, layer.weight, layer.scales)
 
 
 # oneDNN's fp32 linear, when this build has it: eager F.linear runs MKL's sgemm for fp32 on CPU, which is slower at
 # every batch size measured (docs/performance.md; bf16 already goes to oneDNN).
 ONEDNN_FP32 = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+# bf16 weights on CPU go to our kernel in eager mode (llama/cpu_kernels.py): oneDNN's bf16 GEMV streams the weights
+# more slowly on AVX2 CPUs, and its GEMM without native bf16 costs a whole GEMV per row (prefill). Under
+# torch.compile Inductor's own kernels run.
+BF16_KERNEL = True
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scales=None) -> torch.Tensor:
@@ -77,6 +87,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scales=None) -> torch.Tensor:
     into the same kernel by Inductor's patterns).
     """
     if scales is None:
+        if (BF16_KERNEL and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
+                and not torch.compiler.is_compiling() and cpu_kernels.available()):
+            return cpu_kernels.bf16_linear(x, weight)
         if (ONEDNN_FP32 and x.dtype == torch.float32 and x.device.type == "cpu" and weight.dtype == torch.float32
                 and not torch.compiler.is_compiling()):
             return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
@@ -152,17 +165,29 @@ def quantize_int8(model: nn.Module, scale_dtype: torch.dtype = torch.bfloat16) -
 
 @torch.no_grad()
 def quantize_int8_dynamic(model: nn.Module) -> nn.Module:
-    """Quantize, in place, every linear layer for "int8-dynamic": int8 weights prepacked for oneDNN, fp32 scales.
+    """Quantize, in place, every linear layer for "int8-dynamic": int8 weights and fp32 scales, for our kernel or
+    prepacked for oneDNN (then the prepacked copy replaces the weight, so the model holds each weight once).
 
-    The prepacked copy replaces the weight (weight becomes None), so the model holds each weight once.
+    Layers already "int8" (a stored int8 checkpoint) keep their codes: the two schemes quantize weights alike.
     """
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         raise ValueError(f"quantize='int8-dynamic' needs a CPU with oneDNN (the model is on {device}): use "
                          "quantize='int8' there")
     for module in linear_layers(model):
+        if module.packed is not None or getattr(module, "int8_dynamic", False):
+            continue
         if module.scales is None:
             q, scales = quantize_weight(module.weight, torch.float32)
+        elif module.scales.dim() == 1 and module.weight.dtype == torch.int8:
+            q, scales = module.weight.data, module.scales.data.float()
+        else:
+            continue  # another scheme's layer
+        if cpu_kernels.fits(q, q.shape[1]):
+            module.weight = nn.Parameter(q, requires_grad=False)
+            module.scales = nn.Parameter(scales, requires_grad=False)
+            module.int8_dynamic = True
+        else:
             module.packed = torch.ops.onednn.qlinear_prepack(q, None)
             module.scales = nn.Parameter(scales, requires_grad=False)
             module.zero_points = torch.zeros(q.shape[0], dtype=torch.int64)

@@ -87,13 +87,15 @@ def test_build_int4_follows_fp32_greedy_on_stories(stories_dir, goldens):
 
 
 def test_int4_compiled_decode_matches_eager():
+    """fp32 activations, so the comparison is tight: in bf16 a compiled graph rounds activations differently, and
+    a code flipped by the activation quantization (our kernel's) moves logits by a few percent."""
     from llama.compile import CompiledDecode
 
-    model = quantize_int4(random_model(dtype=torch.bfloat16).fuse(), 32)
+    model = quantize_int4(random_model(dtype=torch.float32).fuse(), 32)
     tokens, pos = torch.randint(0, 96, (2, 1)), torch.tensor([3, 5])
     eager = model.decode_step(tokens, pos)
     compiled = CompiledDecode(model, "default")(tokens, pos)
-    torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=2e-2 * eager.abs().max().item())
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4 * eager.abs().max().item())
 
 
 def test_bad_int4_arguments(stories_dir):
@@ -135,6 +137,9 @@ def test_cli_checkpoint_loads_to_the_same_logits_as_quantizing_at_load(small_ckp
     assert torch.equal(_logits(out), _logits(small_ckpt, scheme))
     with pytest.raises(ValueError, match="cannot be applied"):
         _logits(out, "int8" if scheme == "int4" else "int4")
+    if scheme == "int8":  # the stored codes, multiplied with int8 activations: close to weight-only, not equal
+        weight_only, dynamic = _logits(out).float(), _logits(out, "int8-dynamic").float()
+        assert 0 < (dynamic - weight_only).norm() / weight_only.norm() < 0.03
 
 
 def test_cli_refusals(small_ckpt, tmp_path, capsys):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import CPU_ONLY
-from llama import Llama
+from llama import Llama, cpu_kernels
 from llama.model import ColumnLinear, RowLinear
 from llama.quantize import (
     ACT_HALF_RANGE,
@@ -131,14 +131,20 @@ def test_dynamic_int8_linear_is_the_exact_integer_product(k):
         assert torch.equal(dynamic_int8_linear(x[i : i + 1], packed, scales, zp), got.view(6, 24)[i : i + 1])
 
 
-def test_int8_dynamic_replaces_every_weight_by_a_packed_copy():
+def test_int8_dynamic_replaces_every_weight():
     model = random_model().fuse()
     tokens = torch.randint(0, 96, (2, 6))
     ref = model(tokens, 0)
     quantize_int8_dynamic(model)
     linears = [m for m in model.modules() if isinstance(m, (ColumnLinear, RowLinear))]
     assert len(linears) == 2 * 4 + 1
-    assert all(m.weight is None and m.packed is not None and m.scales.dtype == torch.float32 for m in linears)
+    for m in linears:  # our kernel's plain int8 codes where the input size allows, else oneDNN's packed copy
+        if getattr(m, "int8_dynamic", False):
+            assert m.weight.dtype == torch.int8 and m.packed is None and m.weight.shape[1] % 32 == 0
+        else:
+            assert m.weight is None and m.packed is not None
+        assert m.scales.dtype == torch.float32
+    assert any(getattr(m, "int8_dynamic", False) for m in linears) == cpu_kernels.available()
     got = model(tokens, 0)
     assert (got - ref).abs().mean() < 0.08 * ref.abs().mean()
     quantize_int8_dynamic(model)  # a second call leaves the layers alone
@@ -153,16 +159,22 @@ def test_int8_dynamic_refuses_a_non_cpu_model():
 
 
 @CPU_ONLY
-def test_build_int8_dynamic_follows_fp32_greedy_and_batch_equals_solo(stories_dir, goldens):
-    """Measured: the prompts' greedy ids match fp32 for their first 57 and 79 tokens with 8-bit activations (VNNI),
-    35 and 51 with the 7-bit activations used without VNNI; asserted with margin. Each activation row has its own
-    scale, so batching does not change a single id."""
+def test_build_int8_dynamic_follows_fp32_and_batch_equals_solo(stories_dir, goldens):
+    """Teacher-forced on the goldens' sequences, against fp32. Measured argmax agreement / logit error: our kernel
+    (blocks of 32, 8 bits) 0.962 / 0.0199 and 0.979 / 0.0184; oneDNN without VNNI (7-bit rows) 0.970 / 0.0267 and
+    0.979 / 0.0202. Greedy ids then agree with the goldens for their first 16 and 59 tokens (ours), 35 and 51
+    (oneDNN, 7 bits), 57 and 79 (oneDNN with VNNI): a tiny model is chaotic, so the floor asserted is low."""
     llama = Llama.build(str(stories_dir), str(stories_dir / "tokenizer.model"), max_seq_len=256, max_batch_size=2,
                         quantize="int8-dynamic")
     assert llama.model.norm.weight.dtype == torch.float32  # activations keep the device default
+    fp32 = Llama.build(str(stories_dir), str(stories_dir / "tokenizer.model"), max_seq_len=256, max_batch_size=2)
+    for g in goldens.values():
+        tokens = torch.tensor([g["prompt_tokens"] + g["generated_tokens"]])
+        got, ref = llama.model(tokens, 0)[0].float(), fp32.model(tokens, 0)[0].float()
+        assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.95
+        assert (got - ref).norm() / ref.norm() < 0.03
     prompts = [g["prompt_tokens"] for g in goldens.values()]
     out, _ = llama.generate(prompts, max_gen_len=128, temperature=0)
-    agree = 48 if ACT_HALF_RANGE == 127 else 28
     for got, g in zip(out, goldens.values()):
-        assert got[:agree] == g["generated_tokens"][:agree]
+        assert got[:12] == g["generated_tokens"][:12]
     assert [llama.generate([p], max_gen_len=128, temperature=0)[0][0] for p in prompts] == out

@@ -1,0 +1,148 @@
+"""Our own CPU matrix-vector kernels (llama/csrc/cpu_kernels.cpp), built on first use and kept on disk.
+
+Why: on AVX2 CPUs PyTorch's kernels for the weights decoding reads stream them well below the memory's rate (its
+int4 GEMM, bf16 GEMV and int8 GEMM; docs/performance.md), and batch-1 decode speed is that rate. The kernels
+multiply int8 activation codes by int8 or int4 weight codes as llama.cpp does, and bf16 weights in fp32.
+
+The library is compiled with the system's C++ compiler against the installed PyTorch (about 15 s, once) into
+`$LLAMA_CACHE/kernels/<key>/` (default ~/.cache/llama), keyed by the source, PyTorch and the compiler; later
+processes load it in milliseconds. Where it cannot be had (no AVX2/FMA, no compiler, a failed build, or
+`LLAMA_CPU_KERNELS=0`) every caller falls back to PyTorch's kernels, after one line on stderr saying why.
+"""
+
+import fcntl
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .fetch import cache_dir
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+FLAGS = ("-O3", "-std=c++20", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp", "-w")
+BLOCK = 32  # activation block of the quantized kernels: inputs must be a multiple of it
+
+
+def enabled() -> bool:
+    return os.environ.get("LLAMA_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _cpu_flags() -> set:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
+def _note(why: str) -> None:
+    print(f"note: llama's CPU kernels are not used ({why}); PyTorch's kernels run instead", file=sys.stderr)
+
+
+def _compiler() -> Optional[str]:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+
+def library_path(cxx: str) -> Path:
+    h = hashlib.sha256(SOURCE.read_bytes())
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    h.update(f"|{torch.__version__}|{version}|{FLAGS}|{torch._C._GLIBCXX_USE_CXX11_ABI}".encode())
+    return cache_dir() / "kernels" / h.hexdigest()[:24] / "cpu_kernels.so"
+
+
+def _build(cxx: str, out: Path) -> None:
+    from torch.utils import cpp_extension
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same library
+        if out.exists():
+            return
+        print(f"note: compiling llama's CPU kernels into {out.parent} (once, about 15 s)", file=sys.stderr)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        cmd = [cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+        cmd += [f"-I{p}" for p in cpp_extension.include_paths()] + [str(SOURCE), "-o", tmp]
+        cmd += [a for p in cpp_extension.library_paths() for a in (f"-L{p}", f"-Wl,-rpath,{p}")]
+        cmd += ["-lc10", "-ltorch_cpu"]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
+            os.replace(tmp, out)  # whole or absent: a reader never sees half a library
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+@lru_cache(maxsize=None)
+def available() -> bool:
+    """Whether the kernels are loaded into torch.ops.llama_cpu (building them the first time on this machine)."""
+    if not enabled():
+        return False
+    if platform.machine().lower() not in ("x86_64", "amd64") or not {"avx2", "fma"} <= _cpu_flags():
+        _note("they need an x86-64 CPU with AVX2 and FMA")
+        return False
+    cxx = _compiler()
+    if cxx is None:
+        _note("no C++ compiler found: install g++ or set CXX")
+        return False
+    try:
+        path = library_path(cxx)
+        if not path.exists():
+            _build(cxx, path)
+        torch.ops.load_library(str(path))
+    except Exception as e:  # a failed build or load costs speed, never the run
+        _note(f"{e.__class__.__name__}: {e}")
+        return False
+    _register_fakes()
+    return True
+
+
+def _register_fakes() -> None:
+    """Shapes of the ops' results for torch.compile, which traces with tensors that hold no data."""
+    def rows_out(x, n):
+        return x.new_empty((x.shape[0], n), dtype=torch.float32)
+
+    for name, fake in (("int4_linear", lambda x, codes, scales, group: rows_out(x, codes.shape[0])),
+                       ("int8_linear", lambda x, weight, scales: rows_out(x, weight.shape[0])),
+                       ("bf16_linear", lambda x, weight: rows_out(x, weight.shape[0]))):
+        try:
+            torch.library.register_fake(f"llama_cpu::{name}")(fake)
+        except RuntimeError:  # registered already (a second import path)
+            pass
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
+
+
+def int4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x @ W.T for an int4 weight in storage layout (llama/quant_int4.py); result in x's dtype."""
+    y = torch.ops.llama_cpu.int4_linear(_rows(x), codes, scales, group_size)
+    return y.view(*x.shape[:-1], -1).to(x.dtype)
+
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x @ W.T for int8 weights with fp32 per-row scales, activations quantized in blocks of 32."""
+    y = torch.ops.llama_cpu.int8_linear(_rows(x), weight, scales)
+    return y.view(*x.shape[:-1], -1).to(x.dtype)
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ W.T for a bf16 weight, summed in fp32; result in x's dtype."""
+    y = torch.ops.llama_cpu.bf16_linear(_rows(x), weight)
+    return y.view(*x.shape[:-1], -1).to(x.dtype)
+
+
+def fits(weight: torch.Tensor, inputs: int) -> bool:
+    """Whether a CPU weight can go to the quantized kernels (contiguous, inputs a multiple of the block)."""
+    return weight.device.type == "cpu" and inputs % BLOCK == 0 and available()

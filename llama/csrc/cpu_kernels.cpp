@@ -1,0 +1,278 @@
+// CPU matrix-vector kernels for decoding: x @ W.T where W is read once per token, so speed is the rate weights
+// stream from memory. AVX2 + FMA (x86-64 since 2013); llama/cpu_kernels.py builds this file on first use and
+// falls back to PyTorch's kernels where it cannot.
+//
+// Quantized schemes multiply int8 codes by int8 codes, as llama.cpp does: each row of x is quantized on the fly in
+// blocks of 32 (symmetric, round to nearest even, scale d = amax / 127), so a block's dot product is an exact int32
+// sum of products, then scaled in fp32. A row's result never depends on the other rows of its batch: rows are
+// tiled only to reuse the weights loaded into registers, and every row's sums run in the same order.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;  // activation block (q8_0's)
+constexpr int64_t kTile = 4;    // rows of x multiplied per load of a weight block
+
+inline float bf16_to_float(uint16_t b) {
+  uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Integer dot product of 32 unsigned codes (0..127 at most) with 32 signed codes, as 8 int32 lanes.
+inline __m256i dot_u8_s8(__m256i u, __m256i s) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+// Activation rows quantized in blocks of 32. `interleave` stores each block as its 16 even elements then its 16
+// odd ones, the order in which the int4 storage layout's low and high nibbles unpack.
+struct Blocks {
+  std::vector<int8_t> q;   // (M, K)
+  std::vector<float> d;    // (M, K / 32) scales
+  std::vector<float> sum;  // (M, K / 32) d * sum of the block's codes
+};
+
+Blocks quantize_blocks(const float* x, int64_t M, int64_t K, bool interleave) {
+  const int64_t nb = K / kBlock;
+  Blocks out{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb)};
+  at::parallel_for(0, M * nb, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* v = x + i * kBlock;  // row m, block b: (m * nb + b) * 32 == m * K + b * 32
+      float amax = 0.f;
+      for (int64_t j = 0; j < kBlock; ++j) amax = std::fmax(amax, std::fabs(v[j]));
+      const float d = amax / 127.f;
+      int8_t* q = out.q.data() + i * kBlock;
+      int32_t total = 0;
+      for (int64_t j = 0; j < kBlock; ++j) {
+        const int32_t c = d > 0.f ? int32_t(std::nearbyint(v[j] / d)) : 0;
+        total += c;
+        q[interleave ? (j % 2) * 16 + j / 2 : j] = int8_t(c);
+      }
+      out.d[i] = d;
+      out.sum[i] = d * float(total);
+    }
+  });
+  return out;
+}
+
+void check_rows(const at::Tensor& x, int64_t K, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), op,
+              ": x must be a contiguous 2-d float32 tensor");
+  TORCH_CHECK(x.size(1) == K, op, ": x has ", x.size(1), " inputs, the weight ", K);
+  TORCH_CHECK(K % kBlock == 0, op, ": the input size must be a multiple of 32, got ", K);
+}
+
+// Rows [n0, n1) of y for rows m0 .. m0 + T of x: int4 weights, storage layout of llama/quant_int4.py.
+template <int T>
+void q4_tile(const Blocks& xb, const std::vector<float>& group_sum, int64_t m0, int64_t K, int64_t N,
+             const uint8_t* codes, const uint16_t* scales, int64_t groups, int64_t blocks_per_group, int64_t n0,
+             int64_t n1, float* y) {
+  const int64_t nb = K / kBlock;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* c = codes + n * (K / 2);
+    const uint16_t* sz = scales + n * groups * 2;
+    __m256 acc[T][2];
+    float corr[T];
+    for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps(), corr[t] = 0.f;
+    if (blocks_per_group == 1 && nb % 8 == 0) {  // group 32: the scales of 8 blocks at a time, in vectors
+      const __m256i hi_mask = _mm256_set1_epi32(int32_t(0xFFFF0000u));
+      __m256 corr_v[T];
+      for (int t = 0; t < T; ++t) corr_v[t] = _mm256_setzero_ps();
+      for (int64_t b8 = 0; b8 < nb; b8 += 8) {
+        const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + 2 * b8));  // (s, z) x 8
+        const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+        const __m256 zs = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, _mm256_castsi256_ps(_mm256_and_si256(pairs, hi_mask)));
+        alignas(32) float ds[T][8];
+        for (int t = 0; t < T; ++t) {
+          const int64_t i = (m0 + t) * nb + b8;
+          _mm256_store_ps(ds[t], _mm256_mul_ps(_mm256_loadu_ps(xb.d.data() + i), s));
+          corr_v[t] = _mm256_fmadd_ps(_mm256_loadu_ps(xb.sum.data() + i), zs, corr_v[t]);
+        }
+        for (int j = 0; j < 8; ++j) {
+          const int64_t b = b8 + j;
+          const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + b * 16));
+          const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
+          for (int t = 0; t < T; ++t) {
+            const int64_t i = (m0 + t) * nb + b;
+            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.q.data() + i * kBlock));
+            const __m256 p = _mm256_cvtepi32_ps(dot_u8_s8(w, xv));
+            acc[t][j & 1] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(ds[t] + j), acc[t][j & 1]);
+          }
+        }
+      }
+      for (int t = 0; t < T; ++t) corr[t] = hsum(corr_v[t]);
+    } else for (int64_t g = 0; g < groups; ++g) {
+      const float s = bf16_to_float(sz[2 * g]);
+      const float zs = bf16_to_float(sz[2 * g + 1]) - 8.f * s;  // w = code * s + (zero - 8 s)
+      for (int t = 0; t < T; ++t) corr[t] += group_sum[(m0 + t) * groups + g] * zs;
+      const int64_t b1 = std::min(nb, (g + 1) * blocks_per_group);
+      for (int64_t b = g * blocks_per_group; b < b1; ++b) {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + b * 16));
+        const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
+        for (int t = 0; t < T; ++t) {
+          const int64_t i = (m0 + t) * nb + b;
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.q.data() + i * kBlock));
+          const __m256 p = _mm256_cvtepi32_ps(dot_u8_s8(w, xv));
+          acc[t][b & 1] = _mm256_fmadd_ps(p, _mm256_set1_ps(xb.d[i] * s), acc[t][b & 1]);
+        }
+      }
+    }
+    for (int t = 0; t < T; ++t) y[(m0 + t) * N + n] = hsum(_mm256_add_ps(acc[t][0], acc[t][1])) + corr[t];
+  }
+}
+
+// Rows [n0, n1) of y for rows m0 .. m0 + T of x: int8 weights with one scale per output row.
+template <int T>
+void q8_tile(const Blocks& xb, int64_t m0, int64_t K, int64_t N, const int8_t* weight, const float* scales,
+             int64_t n0, int64_t n1, float* y) {
+  const int64_t nb = K / kBlock;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* wr = weight + n * K;
+    __m256 acc[T][2];
+    for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + b * kBlock));
+      const __m256i aw = _mm256_sign_epi8(w, w);  // |w|, with the sign moved onto x: |w| * (x * sign(w))
+      for (int t = 0; t < T; ++t) {
+        const int64_t i = (m0 + t) * nb + b;
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.q.data() + i * kBlock));
+        const __m256 p = _mm256_cvtepi32_ps(dot_u8_s8(aw, _mm256_sign_epi8(xv, w)));
+        acc[t][b & 1] = _mm256_fmadd_ps(p, _mm256_set1_ps(xb.d[i]), acc[t][b & 1]);
+      }
+    }
+    for (int t = 0; t < T; ++t) y[(m0 + t) * N + n] = hsum(_mm256_add_ps(acc[t][0], acc[t][1])) * scales[n];
+  }
+}
+
+// Rows [n0, n1) of y for rows m0 .. m0 + T of x: bf16 weights, fp32 activations and sums.
+template <int T>
+void bf16_tile(const float* x, int64_t m0, int64_t K, int64_t N, const uint16_t* weight, int64_t n0, int64_t n1,
+               float* y) {
+  const int64_t k16 = K / 16 * 16;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint16_t* wr = weight + n * K;
+    __m256 acc[T][2];
+    for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < k16; k += 16) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + k));
+      const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(raw)), 16));
+      const __m256 w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(raw, 1)), 16));
+      for (int t = 0; t < T; ++t) {
+        const float* xr = x + (m0 + t) * K + k;
+        acc[t][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), acc[t][0]);
+        acc[t][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), acc[t][1]);
+      }
+    }
+    for (int t = 0; t < T; ++t) {
+      float s = hsum(_mm256_add_ps(acc[t][0], acc[t][1]));
+      for (int64_t k = k16; k < K; ++k) s += bf16_to_float(wr[k]) * x[(m0 + t) * K + k];
+      y[(m0 + t) * N + n] = s;
+    }
+  }
+}
+
+// Splits the output rows over threads, and each thread's rows over tiles of x's rows.
+template <typename Tile>
+at::Tensor run_tiles(int64_t M, int64_t N, const at::Tensor& like, Tile tile) {
+  at::Tensor y = at::empty({M, N}, like.options().dtype(at::kFloat));
+  float* out = y.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t m0 = 0; m0 < M; m0 += kTile) tile(m0, std::min(kTile, M - m0), n0, n1, out);
+  });
+  return y;
+}
+
+#define DISPATCH_TILE(T_, CALL) \
+  switch (T_) {                 \
+    case 1: CALL(1); break;     \
+    case 2: CALL(2); break;     \
+    case 3: CALL(3); break;     \
+    default: CALL(4); break;    \
+  }
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t group_size) {
+  const int64_t N = codes.size(0), K = codes.size(1) * 2;
+  check_rows(x, K, "int4_linear");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous(), "int4_linear: codes must be contiguous uint8");
+  TORCH_CHECK(group_size % kBlock == 0, "int4_linear: group size must be a multiple of 32, got ", group_size);
+  const int64_t groups = (K + group_size - 1) / group_size;
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() && scales.dim() == 3 &&
+                  scales.size(0) == N && scales.size(1) == groups && scales.size(2) == 2,
+              "int4_linear: scales must be contiguous bf16 of shape (", N, ", ", groups, ", 2)");
+  const int64_t M = x.size(0);
+  const Blocks xb = quantize_blocks(x.data_ptr<float>(), M, K, true);
+  const int64_t nb = K / kBlock, bpg = group_size / kBlock;
+  std::vector<float> group_sum(M * groups, 0.f);  // sum over a group of d * sum of codes, per row
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) group_sum[m * groups + b / bpg] += xb.sum[m * nb + b];
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+  return run_tiles(M, N, x, [&](int64_t m0, int64_t t, int64_t n0, int64_t n1, float* y) {
+#define CALL(T) q4_tile<T>(xb, group_sum, m0, K, N, c, s, groups, bpg, n0, n1, y)
+    DISPATCH_TILE(t, CALL)
+#undef CALL
+  });
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
+  const int64_t N = weight.size(0), K = weight.size(1);
+  check_rows(x, K, "int8_linear");
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous(), "int8_linear: weight must be contiguous int8");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N,
+              "int8_linear: scales must be ", N, " contiguous float32 values");
+  const int64_t M = x.size(0);
+  const Blocks xb = quantize_blocks(x.data_ptr<float>(), M, K, false);
+  const int8_t* w = weight.data_ptr<int8_t>();
+  const float* s = scales.data_ptr<float>();
+  return run_tiles(M, N, x, [&](int64_t m0, int64_t t, int64_t n0, int64_t n1, float* y) {
+#define CALL(T) q8_tile<T>(xb, m0, K, N, w, s, n0, n1, y)
+    DISPATCH_TILE(t, CALL)
+#undef CALL
+  });
+}
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight) {
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == K,
+              "bf16_linear: x must be contiguous float32 of shape (M, ", K, ")");
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(), "bf16_linear: weight must be contiguous bf16");
+  const float* xp = x.data_ptr<float>();
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  return run_tiles(x.size(0), N, x, [&](int64_t m0, int64_t t, int64_t n0, int64_t n1, float* y) {
+#define CALL(T) bf16_tile<T>(xp, m0, K, N, w, n0, n1, y)
+    DISPATCH_TILE(t, CALL)
+#undef CALL
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(llama_cpu, m) {
+  m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, int group_size) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
+  m.def("bf16_linear(Tensor x, Tensor weight) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(llama_cpu, CPU, m) {
+  m.impl("int4_linear", int4_linear);
+  m.impl("int8_linear", int8_linear);
+  m.impl("bf16_linear", bf16_linear);
+}
