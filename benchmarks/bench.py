@@ -8,7 +8,8 @@
 
 --model is a Meta-layout checkpoint directory or a shape name (tiny, 110m, 1b, 7b), for which random weights are
 written to --workdir (reused by later runs that name the same directory) or a temporary directory (never into
-the repository). --prequantized also writes int8/int4 checkpoints there once (`python -m llama.quantize`) and
+the repository). --prequantized also writes int8/int4 checkpoints there once (`python -m llama.quantize`; int8-dynamic
+loads the int8 one) and
 loads those, as a user who quantized once would; without it, int8/int4 quantize at load. Each configuration runs in a fresh process, so
 peak RSS and compile state are its own. Per configuration: load time, peak RSS, prefill tok/s for a P-token
 prompt, time to first token, decode tok/s at each batch size (greedy, EOS disabled so every run decodes N
@@ -44,7 +45,8 @@ def run_llama(cfg: dict) -> dict:
     start = time.perf_counter()
     pre = cfg.get("prequantized")  # a checkpoint written by `python -m llama.quantize`: loads as its scheme
     llm = Llama.build(pre or cfg["ckpt"], cfg["tokenizer"], max_seq_len=P + N, max_batch_size=max(batches),
-                      dtype=DTYPES.get(cfg["dtype"]), quantize=None if pre else cfg["quantize"],
+                      dtype=DTYPES.get(cfg["dtype"]), quantize=cfg["quantize"] if cfg["quantize"] == "int8-dynamic"
+                      or not pre else None,
                       compile=cfg["compile"])
     out = {"load_s": time.perf_counter() - start}
     llm.tokenizer.stop_tokens = {}  # random weights: never stop early, every run decodes N tokens
@@ -206,8 +208,8 @@ def configs(args, ckpt: str, tokenizer: str):
             quantized = prec.startswith("int")
             cfg = dict(base, engine="llama", dtype=None if quantized else prec, quantize=prec if quantized else None,
                        compile=compile_arg[comp])
-            if args.prequantized and prec in ("int8", "int4"):
-                cfg["prequantized"] = prequantize(ckpt, args.workdir, prec)
+            if args.prequantized and prec in ("int8", "int8-dynamic", "int4"):  # int8-dynamic: the int8 codes
+                cfg["prequantized"] = prequantize(ckpt, args.workdir, "int8" if prec == "int8-dynamic" else prec)
             out.append(cfg)
         if "hf" in args.compare and not prec.startswith("int"):
             out.append(dict(base, engine="hf", dtype=prec))

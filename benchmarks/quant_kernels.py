@@ -5,9 +5,10 @@
 
 bf16 activations. Each kernel multiplies by `--copies` distinct matrices in turn (together larger than the
 last-level cache, so the weights stream from memory, as in decoding) and reports the best of `--repeat` rounds:
-ms per matrix and GB/s of the weight bytes it reads. Kernels: bf16 F.linear (oneDNN), ours ("int8":
-aten._weight_int8pack_mm; "int4": aten._weight_int4pack_mm_for_cpu, llama/quant_int4.py), and torchao's
-weight-only configs where this torchao version runs them on CPU (a kernel that fails is reported, not fatal).
+ms per matrix and GB/s of the weight bytes it reads. Kernels: bf16 F.linear (oneDNN), PyTorch's ("int8":
+aten._weight_int8pack_mm; "int4": aten._weight_int4pack_mm_for_cpu), ours (llama/cpu_kernels.py: int4 and
+int8-dynamic with int8 activation blocks, bf16 in fp32), and torchao's weight-only configs where this torchao
+version runs them on CPU (a kernel that fails is reported, not fatal).
 """
 
 import argparse
@@ -22,7 +23,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from llama.quant_int4 import int4_linear, quantize_int4_weight  # noqa: E402
+from llama import cpu_kernels  # noqa: E402
+from llama.quant_int4 import int4_linear, quantize_codes, quantize_int4_weight  # noqa: E402
 from llama.quantize import linear as int8_linear, quantize_weight  # noqa: E402
 
 
@@ -85,11 +87,19 @@ def main():
         rows = []
         rows.append(("bf16 F.linear", [(w,) for w in weights], lambda x, w: F.linear(x, w), 2 * n * k))
         q8 = [quantize_weight(w) for w in weights]
-        rows.append(("ours int8 (_weight_int8pack_mm)", q8, lambda x, q, s: int8_linear(x, q, s), n * k + 2 * n))
+        rows.append(("aten int8 (_weight_int8pack_mm)", q8, lambda x, q, s: int8_linear(x, q, s), n * k + 2 * n))
+        ours = cpu_kernels.available()
+        if ours:
+            rows.append(("ours bf16", [(w,) for w in weights], cpu_kernels.bf16_linear, 2 * n * k))
+            q8f = [(q, s.float()) for q, s in q8]
+            rows.append(("ours int8-dynamic", q8f, cpu_kernels.int8_linear, n * k + 4 * n))
         for g in a.group_sizes:
             q4 = [quantize_int4_weight(w, g) for w in weights]
-            rows.append((f"ours int4 g{g} (_weight_int4pack_mm)", q4,
-                         lambda x, p, sz, g=g: int4_linear(x, p, sz, g), n * k // 2 + 4 * n * k // g))
+            rows.append((f"aten int4 g{g} (_weight_int4pack_mm)", q4,
+                         lambda x, p, sz, g=g: int4_linear(x, p, sz, n), n * k // 2 + 4 * n * k // g))
+            if ours:
+                rows.append((f"ours int4 g{g}", [quantize_codes(w, g) for w in weights],
+                             lambda x, c, sz, g=g: cpu_kernels.int4_linear(x, c, sz, g), n * k // 2 + 4 * n * k // g))
         if a.torchao:
             for label, mods in torchao_kernels(weights, shape):
                 if isinstance(mods, str):

@@ -145,8 +145,7 @@ def load(
         raise ValueError(f"group_size applies to quantize='int4' only, got group_size={group_size!r} with "
                          f"quantize={quantize!r}")
     device = torch.device(device) if device is not None else parallel.default_device()
-    bf16 = dtype is None and quantize in ("int8", "int4")  # their CPU kernels want bf16 activations
-    dtype = parallel.resolve_dtype(torch.bfloat16 if bf16 else dtype, device)
+    dtype = parallel.resolve_dtype(quantization.activation_dtype(quantize) if dtype is None else dtype, device)
     start = time.time()
     mp_size = parallel.init_distributed(model_parallel_size, device, pipeline_parallel_size)
     torch.manual_seed(seed)  # every rank seeds alike, so unseeded sampling agrees across ranks

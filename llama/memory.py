@@ -18,6 +18,7 @@ from typing import Dict, Optional
 import torch
 
 from .model import ModelArgs
+from .quantize import activation_dtype
 
 MARGIN = 1.10
 ENV = "LLAMA_MEMORY_LIMIT"
@@ -103,7 +104,10 @@ def check_fits(args: ModelArgs, dtype: torch.dtype, scheme: Optional[str], group
         return
     options = []
     for label, dt, sc in (("dtype=bfloat16", torch.bfloat16, None), ('quantize="int8"', torch.bfloat16, "int8"),
-                          ('quantize="int4"', torch.bfloat16, "int4")):
+                          ('quantize="int4"', activation_dtype("int4") or torch.float32, "int4"),
+                          ('quantize="int4", dtype=bfloat16', torch.bfloat16, "int4")):
+        if options and sc == "int4" and dt == torch.bfloat16 and options[-1].startswith('quantize="int4"'):
+            continue  # int4 already fits as it loads by default
         if (dt, sc) == (dtype, scheme):
             continue
         if estimate(args, dt, sc, 32 if sc == "int4" else None, compile, world_size)["total"] <= have:

@@ -205,6 +205,16 @@ def cast_floating(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return model
 
 
+def activation_dtype(scheme: Optional[str]) -> Optional[torch.dtype]:
+    """The activation dtype a scheme runs in when the caller names none (None: the device's default).
+
+    PyTorch's int8/int4 CPU kernels want bf16; ours (llama/cpu_kernels.py) take fp32, and on CPUs without native
+    bf16 every other operator (norms, attention) runs faster in fp32 too, at twice the KV cache's bytes."""
+    if scheme == "int8" or (scheme == "int4" and not cpu_kernels.available()):
+        return torch.bfloat16
+    return None
+
+
 def quantize(model: nn.Module, scheme: str, group_size: Optional[int] = None) -> nn.Module:
     """Apply a quantization scheme by name (Llama.build's `quantize=`); group_size is int4's (default 32)."""
     if scheme not in SCHEMES:
