@@ -57,8 +57,10 @@ class Llama:
         torchrun, on CPU or CUDA.
 
         quantize="int8": int8 weight-only linear layers (activations bf16 unless dtype says otherwise);
-        "int8-dynamic" (CPU): int8 weights and per-row dynamic int8 activations in oneDNN (llama/quantize.py);
-        "int4" (CPU): group-wise 4-bit weights, group_size inputs per scale (default 32; llama/quant_int4.py).
+        "int8-dynamic" (CPU): int8 weights times int8 activations quantized on the fly, as llama.cpp's q8_0
+        (llama/quantize.py); "int4" (CPU): group-wise 4-bit weights, group_size inputs per scale (default 32;
+        llama/quant_int4.py), activations fp32 unless dtype says otherwise. On x86 CPUs with AVX2 both run in
+        our own kernels (llama/cpu_kernels.py, compiled once on first use), as do bf16 weights.
         A checkpoint written by `python -m llama.quantize` loads as the scheme it records, without requantizing.
         A configuration whose weights and KV cache would not fit in available memory (or LLAMA_MEMORY_LIMIT
         bytes) is refused before loading, naming what would fit (llama/memory.py).

@@ -167,9 +167,10 @@ def quantize_int4(model: nn.Module, group_size: int = DEFAULT_GROUP_SIZE) -> nn.
     width is a multiple of group_size.
     """
     check_group_size(group_size)
-    if model.norm.weight.device.type != "cpu":
-        raise ValueError(f"quantize='int4' runs on CPU only (PyTorch's CPU int4 kernel); the model is on "
-                         f"{model.norm.weight.device}: use quantize='int8' there")
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))  # a model, or one of its layers
+    if device.type != "cpu":
+        raise ValueError(f"quantize='int4' runs on CPU only (its kernels are CPU kernels); the model is on "
+                         f"{device}: use quantize='int8' there")
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.scales is None:
             codes, scales = quantize_codes(module.weight, group_size)

@@ -234,23 +234,30 @@ def test_stories260k_written_as_gguf_gives_the_goldens_in_f32_and_close_in_q8_0(
 
 
 # ------------------------------------------------------------------------------------------------- quantized loading
-def test_int8_load_streams_layer_by_layer_to_the_same_weights_as_quantizing_after(smol, golden):
-    """quantize="int8" quantizes each layer as it is read: the weights equal quantizing the bf16 model after a
-    full load, and greedy decoding stays on the fp32 golden for most tokens."""
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_load_streams_layer_by_layer_to_the_same_weights_as_quantizing_after(smol, golden, scheme):
+    """quantize= quantizes each layer as it is read: the weights equal quantizing the model after a full load (in
+    the activation dtype the scheme loads with), and greedy decoding stays on the fp32 golden for most tokens."""
     import torch
 
     from llama import quantize as quantization
 
-    q = Llama.build(str(GGUF), None, max_seq_len=256, max_batch_size=1, compile=False, quantize="int8")
-    ref = Llama.build(str(GGUF), None, max_seq_len=256, max_batch_size=1, compile=False, dtype="bfloat16")
-    quantization.quantize(ref.model, "int8")
+    q = Llama.build(str(GGUF), None, max_seq_len=256, max_batch_size=1, compile=False, quantize=scheme)
+    dtype = quantization.activation_dtype(scheme) or torch.float32
+    ref = Llama.build(str(GGUF), None, max_seq_len=256, max_batch_size=1, compile=False, dtype=dtype)
+    quantization.quantize(ref.model, scheme)
     ours, theirs = dict(q.model.named_parameters()), dict(ref.model.named_parameters())
-    assert ours.keys() == theirs.keys() and any(p.dtype == torch.int8 for p in ours.values())
+    assert ours.keys() == theirs.keys() and any(p.dtype in (torch.int8, torch.uint8) for p in ours.values())
     for name, p in ours.items():
         assert p.dtype == theirs[name].dtype and torch.equal(p, theirs[name]), name
     g = golden["prompts"]["Once upon a time"]
-    ids = q.generate([g["prompt_tokens"]], max_gen_len=16, temperature=0)[0][0]
-    assert sum(a == b for a, b in zip(ids, g["generated_tokens"])) >= 8, ids
+    if scheme == "int8":
+        ids = q.generate([g["prompt_tokens"]], max_gen_len=16, temperature=0)[0][0]
+        assert sum(a == b for a, b in zip(ids, g["generated_tokens"])) >= 8, ids
+    else:  # 4 bits diverge from fp32's greedy text within a few tokens: teacher-forced argmax instead (0.86 measured)
+        seq, n = g["prompt_tokens"] + g["generated_tokens"], len(g["generated_tokens"])
+        logits = q.model(torch.tensor([seq]), 0)[0, -n - 1 : -1]
+        assert (logits.argmax(-1) == torch.tensor(g["generated_tokens"])).float().mean() >= 0.75
 
 
 PEAK_PROBE = """
