@@ -494,7 +494,7 @@ class Transformer(nn.Module):
         logits, shape (B, 1, V). kv_len: how many cache positions attention reads (default: just enough).
         """
         layer_args = self.layer_inputs(tokens, start_pos, rows, kv_len)
-        h = self.tok_embeddings(tokens)
+        h = self.tok_embeddings(tokens).to(self.norm.weight.dtype)  # a quantized model's table may be narrower
         for layer in self.layers:
             h = layer(h, *layer_args)
         return self.logits(h, logit_index)
@@ -538,7 +538,7 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         key_pos = torch.arange(self.max_seq_len, device=tokens.device)
         mask = (key_pos[None, :] <= pos[:, None])[:, None, None, :]  # (B, 1, 1, max_seq_len)
-        h = self.tok_embeddings(tokens)
+        h = self.tok_embeddings(tokens).to(self.norm.weight.dtype)  # a quantized model's table may be narrower
         for layer in self.layers:
             h = layer(h, cos, sin, None, positions, rows, self.max_seq_len, mask)
         return self.output(self.norm(h)).float()
