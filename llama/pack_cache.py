@@ -1,15 +1,17 @@
-"""A cache of int4 weights in the layout the model holds, so a pre-quantized int4 checkpoint loads without
-repacking or copying.
+"""A cache of quantized weights in the layout the model holds, so a pre-quantized checkpoint loads without
+concatenating or repacking anything.
 
-Checkpoints store int4 codes in a portable, sliceable layout, one tensor per Meta weight (llama/quant_int4.py).
-The model holds the attention's and feed-forward's projections fused, in its kernel's layout: our kernel takes the
-storage layout itself (then only the fusing copies, and the copy plus the checkpoint's pages would double the
-load's peak memory); aten's wants the codes interleaved by `aten._convert_weight_to_int4pack_for_cpu`, whose
-output depends on the CPU's instruction set and may change between PyTorch versions, and repacking costs about as
-long as quantizing. So the first load of a checkpoint writes what it built to `$LLAMA_CACHE/int4pack/` (default
-~/.cache/llama), keyed by the checkpoint's files, the rank and model-parallel size, the group size, the kernel,
-the PyTorch version and the CPU capability; later loads memory-map it instead. `LLAMA_INT4_CACHE=0` turns the cache off. A cache file that cannot be read is
-ignored (and rewritten); one that cannot be written (read-only disk, full disk) only costs the repack next time.
+Checkpoints store int8 and int4 weights in a portable, sliceable layout, one tensor per Meta weight
+(llama/quant_checkpoint.py). The model holds the attention's q/k/v and the feed-forward's gate/up projections
+fused, in its kernel's layout: our kernels (llama/cpu_kernels.py) take the stored layout itself, so only the fusing
+copies, and the copies beside the checkpoint's pages would nearly double the load's peak memory; PyTorch's int4
+kernel wants the codes interleaved by `aten._convert_weight_to_int4pack_for_cpu`, whose output depends on the CPU's
+instruction set and may change between PyTorch versions, and repacking costs about as long as quantizing. So the
+first load of a checkpoint writes the layers it had to build (fused or repacked; a single stored tensor is used as
+it is) to `$LLAMA_CACHE/int4pack/` (default ~/.cache/llama), keyed by the checkpoint's files, the rank and
+model-parallel size, the group size, the kernel, the PyTorch version and the CPU capability; later loads
+memory-map it instead. `LLAMA_INT4_CACHE=0` turns the cache off. A cache file that cannot be read is ignored (and
+rewritten); one that cannot be written (read-only disk, full disk) only costs the copy next time.
 """
 
 import hashlib
@@ -23,7 +25,7 @@ import torch
 from . import checkpoint, cpu_kernels
 from .fetch import cache_dir
 
-FORMAT = 2  # bump when what is stored changes
+FORMAT = 3  # bump when what is stored changes
 
 
 def enabled() -> bool:
@@ -50,7 +52,7 @@ def load(path: Optional[Path]) -> Optional[Dict[str, torch.Tensor]]:
     try:
         return torch.load(path, mmap=True, weights_only=True, map_location="cpu")
     except Exception as e:  # a truncated or foreign file: repack and rewrite it
-        print(f"note: ignoring the unreadable int4 pack cache {path} ({e.__class__.__name__}); repacking",
+        print(f"note: ignoring the unreadable pack cache {path} ({e.__class__.__name__}); rebuilding it",
               file=sys.stderr)
         return None
 
@@ -65,6 +67,6 @@ def save(path: Optional[Path], tensors: Dict[str, torch.Tensor]) -> None:
         torch.save(tensors, tmp)
         os.replace(tmp, path)
     except OSError as e:
-        print(f"note: could not cache the packed int4 weights in {path.parent} ({e}); the next load repacks them",
+        print(f"note: could not cache the fused/packed weights in {path.parent} ({e}); the next load builds them again",
               file=sys.stderr)
         tmp.unlink(missing_ok=True)

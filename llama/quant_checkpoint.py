@@ -152,10 +152,10 @@ def load_model(ckpt_dir, args: ModelArgs, rank: int, world_size: int, stored: di
     paths, shards = _open(ckpt_dir)
     _check_shapes(paths, shards, args, scheme, group_size, world_size)
     state = {name: _slice(name, shards, rank, world_size, scheme) for name in shards[0]}
-    packs = None
-    if scheme == "int4":  # the kernel's layout, cached per machine: no repacking after the first load
-        path = pack_cache.cache_path(ckpt_dir, rank, world_size, group_size)
-        packs = Packs(path, pack_cache.load(path) or {}, {})
+    # The layers as the model holds them (fused; int4 in its kernel's layout), cached per machine: after the first
+    # load nothing is concatenated or repacked, so the model memory-maps its weights (llama/pack_cache.py)
+    path = pack_cache.cache_path(ckpt_dir, rank, world_size, group_size if scheme == "int4" else 0)
+    packs = Packs(path, pack_cache.load(path) or {}, {})
     with torch.device("meta"):
         model = Transformer(args)
         model.fuse()
@@ -187,12 +187,10 @@ class Packs:
     cached: Dict[str, torch.Tensor]
     fresh: Dict[str, torch.Tensor]
 
-    def take(self, key: str, rows: int, inputs: int, group_size: int):
-        """The cached (packed, scales) of layer `key` if they have the shapes its stored codes imply."""
+    def take(self, key: str, shapes):
+        """The cached (weight, scales) of layer `key` if they have the shapes its stored tensors imply."""
         packed, scales = self.cached.get(key + ".packed"), self.cached.get(key + ".scales")
-        if packed is None or scales is None:
-            return None
-        if (tuple(packed.shape), tuple(scales.shape)) != kernel_shapes(rows, inputs, group_size):
+        if packed is None or scales is None or (tuple(packed.shape), tuple(scales.shape)) != shapes:
             return None
         return packed, scales
 
@@ -200,11 +198,18 @@ class Packs:
 def _assign(layer, key: str, names, state, scheme: str, group_size: int, packs: Optional[Packs] = None) -> None:
     weights = [state.pop(n + ".weight") for n in names]
     scales = [state.pop(n + ".scales") for n in names]
-    if packs is not None:
-        rows, inputs = sum(w.shape[0] for w in weights), weights[0].shape[1] * 2
-        hit = packs.take(key, rows, inputs, group_size)
+    rows, inputs = sum(w.shape[0] for w in weights), weights[0].shape[1] * (2 if scheme == "int4" else 1)
+    own = scheme == "int8" or own_kernel(inputs)  # the stored layout is the model's (no repacking)
+    # A single stored tensor in the model's layout is used as it is (memory-mapped); fused or repacked ones are cached
+    cached = packs is not None and packs.path is not None and (len(names) > 1 or not own)
+    if cached:
+        shapes = kernel_shapes(rows, inputs, group_size) if scheme == "int4" else ((rows, inputs), (rows,))
+        hit = packs.take(key, shapes)
         if hit is not None:
-            set_packed(layer, *hit, rows, group_size if own_kernel(inputs) else None)
+            if scheme == "int8":
+                layer.weight, layer.scales = (nn.Parameter(t, requires_grad=False) for t in hit)
+            else:
+                set_packed(layer, *hit, rows, group_size if own else None)
             return
     weight = weights[0] if len(names) == 1 else torch.cat(weights)
     scale = scales[0] if len(names) == 1 else torch.cat(scales)
@@ -213,5 +218,5 @@ def _assign(layer, key: str, names, state, scheme: str, group_size: int, packs: 
         layer.scales = nn.Parameter(scale, requires_grad=False)
     else:
         set_int4(layer, weight, scale, group_size)
-        if packs is not None:
-            packs.fresh[key + ".packed"], packs.fresh[key + ".scales"] = layer.weight.data, layer.scales.data
+    if cached:
+        packs.fresh[key + ".packed"], packs.fresh[key + ".scales"] = layer.weight.data, layer.scales.data

@@ -1,12 +1,13 @@
-"""The int4 pack cache (llama/pack_cache.py): the first load of a pre-quantized int4 checkpoint writes the kernel's
-packed layout, later loads use it without repacking and give identical logits; a corrupt cache is repacked and
-rewritten; the key separates ranks, sizes and checkpoints; LLAMA_INT4_CACHE=0 writes nothing."""
+"""The pack cache (llama/pack_cache.py): the first load of a pre-quantized int8 or int4 checkpoint writes the layers
+it had to build (fused; int4 repacked for PyTorch's kernel), later loads take every one of them from the cache and
+give identical logits; a corrupt cache is rebuilt and rewritten; the key separates ranks, sizes and checkpoints;
+LLAMA_INT4_CACHE=0 writes nothing."""
 
 import pytest
 import torch
 
 from conftest import ON_CUDA, STORIES, need
-from llama import Llama, pack_cache
+from llama import Llama, cpu_kernels, pack_cache
 from llama import quant_checkpoint
 from llama.demo import write_random_checkpoint
 from llama.quantize_cli import quantize_checkpoint
@@ -17,12 +18,12 @@ PARAMS = {"dim": 128, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of
           "norm_eps": 1e-5}
 
 
-@pytest.fixture
-def int4_ckpt(tmp_path, monkeypatch):
+@pytest.fixture(params=["int4", "int8"])
+def int4_ckpt(request, tmp_path, monkeypatch):
     monkeypatch.setenv("LLAMA_CACHE", str(tmp_path / "cache"))
     src = write_random_checkpoint(tmp_path / "ckpt", PARAMS, seed=4, std=0.05)
-    quantize_checkpoint(src, tmp_path / "q4", "int4", progress=False)
-    return tmp_path / "q4"
+    quantize_checkpoint(src, tmp_path / "q", request.param, progress=False)
+    return tmp_path / "q"
 
 
 def logits(ckpt):
@@ -36,21 +37,28 @@ def test_second_load_uses_the_cache_without_repacking(int4_ckpt, tmp_path, monke
     files = list((tmp_path / "cache" / "int4pack").glob("*.pt"))
     assert len(files) == 1
     cached = torch.load(files[0], weights_only=True)
-    assert set(cached) == {f"{k}.{t}" for k in ["output"] + [f"layers.{i}.{m}" for i in range(2) for m in
-                                                            ("attention.wqkv", "attention.wo", "feed_forward.w13",
-                                                             "feed_forward.w2")] for t in ("packed", "scales")}
+    layers = ["attention.wqkv", "feed_forward.w13"]  # fused: built at load
+    int4 = cached["layers.0.attention.wqkv.packed"].dtype == torch.uint8
+    if int4 and not cpu_kernels.available():  # PyTorch's kernel: every layer repacked
+        layers += ["attention.wo", "feed_forward.w2"]
+    names = [f"layers.{i}.{m}" for i in range(2) for m in layers] + (["output"] if len(layers) > 2 else [])
+    assert set(cached) == {f"{k}.{t}" for k in names for t in ("packed", "scales")}
 
-    def no_repacking(*args, **kwargs):
-        raise AssertionError("repacked although the cache holds the packed weights")
+    take = quant_checkpoint.Packs.take
 
-    monkeypatch.setattr(quant_checkpoint, "set_int4", no_repacking)
+    def only_hits(self, key, shapes):
+        hit = take(self, key, shapes)
+        assert hit is not None, f"{key} built again although the cache holds it"
+        return hit
+
+    monkeypatch.setattr(quant_checkpoint.Packs, "take", only_hits)
     assert torch.equal(logits(int4_ckpt), first)
     monkeypatch.undo()
     monkeypatch.setenv("LLAMA_CACHE", str(tmp_path / "cache"))
 
-    files[0].write_bytes(files[0].read_bytes()[:1000])  # truncated: ignored, repacked, rewritten
+    files[0].write_bytes(files[0].read_bytes()[:1000])  # truncated: ignored, rebuilt, rewritten
     assert torch.equal(logits(int4_ckpt), first)
-    assert "ignoring the unreadable int4 pack cache" in capsys.readouterr().err
+    assert "ignoring the unreadable pack cache" in capsys.readouterr().err
     assert set(torch.load(files[0], weights_only=True)) == set(cached)
 
 
