@@ -41,6 +41,12 @@ inline __m256i dot_u8_s8(__m256i u, __m256i s) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
+// One block's 32 int4 codes (16 bytes, even k in the low nibbles) as 32 bytes 0..15: the low nibbles, then the high.
+inline __m256i unpack_nibbles(const uint8_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+}
+
 // Activation rows quantized in blocks of 32. `interleave` stores each block as its 16 even elements then its 16
 // odd ones, the order in which the int4 storage layout's low and high nibbles unpack.
 struct Blocks {
@@ -48,6 +54,12 @@ struct Blocks {
   std::vector<float> d;    // (M, K / 32) scales
   std::vector<float> sum;  // (M, K / 32) d * sum of the block's codes
 };
+
+// One block's integer dot product of unsigned codes w with row block i of xb, as 8 fp32 lanes.
+inline __m256 block_dot(__m256i w, const Blocks& xb, int64_t i) {
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.q.data() + i * kBlock));
+  return _mm256_cvtepi32_ps(dot_u8_s8(w, xv));
+}
 
 Blocks quantize_blocks(const float* x, int64_t M, int64_t K, bool interleave) {
   const int64_t nb = K / kBlock;
@@ -85,7 +97,6 @@ void q4_tile(const Blocks& xb, const std::vector<float>& group_sum, int64_t m0, 
              const uint8_t* codes, const uint16_t* scales, int64_t groups, int64_t blocks_per_group, int64_t n0,
              int64_t n1, float* y) {
   const int64_t nb = K / kBlock;
-  const __m256i low = _mm256_set1_epi8(0x0F);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* c = codes + n * (K / 2);
     const uint16_t* sz = scales + n * groups * 2;
@@ -107,15 +118,10 @@ void q4_tile(const Blocks& xb, const std::vector<float>& group_sum, int64_t m0, 
           corr_v[t] = _mm256_fmadd_ps(_mm256_loadu_ps(xb.sum.data() + i), zs, corr_v[t]);
         }
         for (int j = 0; j < 8; ++j) {
-          const int64_t b = b8 + j;
-          const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + b * 16));
-          const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
-          for (int t = 0; t < T; ++t) {
-            const int64_t i = (m0 + t) * nb + b;
-            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.q.data() + i * kBlock));
-            const __m256 p = _mm256_cvtepi32_ps(dot_u8_s8(w, xv));
-            acc[t][j & 1] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(ds[t] + j), acc[t][j & 1]);
-          }
+          const __m256i w = unpack_nibbles(c + (b8 + j) * 16);
+          for (int t = 0; t < T; ++t)
+            acc[t][j & 1] = _mm256_fmadd_ps(block_dot(w, xb, (m0 + t) * nb + b8 + j), _mm256_broadcast_ss(ds[t] + j),
+                                            acc[t][j & 1]);
         }
       }
       for (int t = 0; t < T; ++t) corr[t] = hsum(corr_v[t]);
@@ -125,13 +131,10 @@ void q4_tile(const Blocks& xb, const std::vector<float>& group_sum, int64_t m0, 
       for (int t = 0; t < T; ++t) corr[t] += group_sum[(m0 + t) * groups + g] * zs;
       const int64_t b1 = std::min(nb, (g + 1) * blocks_per_group);
       for (int64_t b = g * blocks_per_group; b < b1; ++b) {
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + b * 16));
-        const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
+        const __m256i w = unpack_nibbles(c + b * 16);
         for (int t = 0; t < T; ++t) {
           const int64_t i = (m0 + t) * nb + b;
-          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.q.data() + i * kBlock));
-          const __m256 p = _mm256_cvtepi32_ps(dot_u8_s8(w, xv));
-          acc[t][b & 1] = _mm256_fmadd_ps(p, _mm256_set1_ps(xb.d[i] * s), acc[t][b & 1]);
+          acc[t][b & 1] = _mm256_fmadd_ps(block_dot(w, xb, i), _mm256_set1_ps(xb.d[i] * s), acc[t][b & 1]);
         }
       }
     }
