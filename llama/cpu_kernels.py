@@ -7,10 +7,10 @@ multiply int8 activation codes by int8 or int4 weight codes as llama.cpp does, a
 The library is compiled with the system's C++ compiler against the installed PyTorch (about 15 s, once) into
 `$LLAMA_CACHE/kernels/<key>/` (default ~/.cache/llama), keyed by the source, PyTorch and the compiler; later
 processes load it in milliseconds. Where it cannot be had (no AVX2/FMA, no compiler, a failed build, or
-`LLAMA_CPU_KERNELS=0`) every caller falls back to PyTorch's kernels, after one line on stderr saying why.
+`LLAMA_CPU_KERNELS=0`) every caller falls back to PyTorch's kernels; an x86 CPU that was expected to run them
+prints one line on stderr saying why.
 """
 
-import fcntl
 import hashlib
 import os
 import platform
@@ -59,6 +59,8 @@ def library_path(cxx: str) -> Path:
 
 
 def _build(cxx: str, out: Path) -> None:
+    import fcntl  # POSIX; only reached on x86 with a compiler
+
     from torch.utils import cpp_extension
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -88,8 +90,10 @@ def available() -> bool:
     """Whether the kernels are loaded into torch.ops.llama_cpu (building them the first time on this machine)."""
     if not enabled():
         return False
-    if platform.machine().lower() not in ("x86_64", "amd64") or not {"avx2", "fma"} <= _cpu_flags():
-        _note("they need an x86-64 CPU with AVX2 and FMA")
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False  # other CPUs: PyTorch's kernels, as expected (no note)
+    if not {"avx2", "fma"} <= _cpu_flags():
+        _note("they need AVX2 and FMA, which this CPU lacks")
         return False
     cxx = _compiler()
     if cxx is None:
