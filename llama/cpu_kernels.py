@@ -147,6 +147,6 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], -1).to(x.dtype)
 
 
-def fits(weight: torch.Tensor, inputs: int) -> bool:
-    """Whether a CPU weight can go to the quantized kernels (contiguous, inputs a multiple of the block)."""
-    return weight.device.type == "cpu" and inputs % BLOCK == 0 and available()
+def takes(inputs: int) -> bool:
+    """Whether a CPU layer with this input size can go to the quantized kernels (a multiple of the block), built."""
+    return inputs % BLOCK == 0 and available()

@@ -80,7 +80,7 @@ def dequantize_codes(codes: torch.Tensor, scales: torch.Tensor, group_size: int)
 
 def own_kernel(inputs: int) -> bool:
     """Whether a CPU int4 layer with this input size runs in our kernel (on the storage layout)."""
-    return inputs % cpu_kernels.BLOCK == 0 and cpu_kernels.available()
+    return cpu_kernels.takes(inputs)
 
 
 def kernel_shapes(rows: int, inputs: int, group_size: int) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:

@@ -72,12 +72,6 @@ def product(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 ONEDNN_FP32 = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-# bf16 weights on CPU go to our kernel in eager mode (llama/cpu_kernels.py): oneDNN's bf16 GEMV streams the weights
-# more slowly on AVX2 CPUs, and its GEMM without native bf16 costs a whole GEMV per row (prefill). Under
-# torch.compile Inductor's own kernels run.
-BF16_KERNEL = True
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, scales=None) -> torch.Tensor:
     """x @ weight.T; with scales, weight is int8 with one scale per output row ("int8").
 
@@ -87,7 +81,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scales=None) -> torch.Tensor:
     into the same kernel by Inductor's patterns).
     """
     if scales is None:
-        if (BF16_KERNEL and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
+        # bf16 on CPU, eager: our kernel (llama/cpu_kernels.py); oneDNN's streams more slowly on AVX2 and without
+        # native bf16 its GEMM costs a whole GEMV per row. Under torch.compile Inductor's own kernels run.
+        if (weight.dtype == torch.bfloat16 and x.device.type == "cpu"
                 and not torch.compiler.is_compiling() and cpu_kernels.available()):
             return cpu_kernels.bf16_linear(x, weight)
         if (ONEDNN_FP32 and x.dtype == torch.float32 and x.device.type == "cpu" and weight.dtype == torch.float32
@@ -183,7 +179,7 @@ def quantize_int8_dynamic(model: nn.Module) -> nn.Module:
             q, scales = module.weight.data, module.scales.data.float()
         else:
             continue  # another scheme's layer
-        if cpu_kernels.fits(q, q.shape[1]):
+        if cpu_kernels.takes(q.shape[1]):
             module.weight = nn.Parameter(q, requires_grad=False)
             module.scales = nn.Parameter(scales, requires_grad=False)
             module.int8_dynamic = True
