@@ -90,7 +90,7 @@ def main():
         rows.append(("aten int8 (_weight_int8pack_mm)", q8, lambda x, q, s: int8_linear(x, q, s), n * k + 2 * n))
         ours = cpu_kernels.available()
         if ours:
-            rows.append(("ours bf16", [(w,) for w in weights], cpu_kernels.bf16_linear, 2 * n * k))
+            rows.append(("ours bf16", [(w,) for w in weights], cpu_kernels.float_linear, 2 * n * k))
             q8f = [(q, s.float()) for q, s in q8]
             rows.append(("ours int8-dynamic", q8f, cpu_kernels.int8_linear, n * k + 4 * n))
         for g in a.group_sizes:

@@ -1,8 +1,11 @@
-"""Our own CPU matrix-vector kernels (llama/csrc/cpu_kernels.cpp), built on first use and kept on disk.
+"""Our own CPU kernels (llama/csrc/: matrix-vector products, a decode step's attention and RMSNorm), built on first
+use and kept on disk.
 
 Why: on AVX2 CPUs PyTorch's kernels for the weights decoding reads stream them well below the memory's rate (its
 int4 GEMM, bf16 GEMV and int8 GEMM; docs/performance.md), and batch-1 decode speed is that rate. The kernels
-multiply int8 activation codes by int8 or int4 weight codes as llama.cpp does, and bf16 weights in fp32.
+multiply int8 activation codes by int8 or int4 weight codes as llama.cpp does, and bf16 or fp32 weights in fp32.
+Two more ops do a decode step's attention (rotary embedding, cache write and attention over the cached positions)
+and RMSNorm, each in one call instead of many small ones.
 
 The library is compiled with the system's C++ compiler against the installed PyTorch (about 15 s, once) into
 `$LLAMA_CACHE/kernels/<key>/` (default ~/.cache/llama), keyed by the source, PyTorch and the compiler; later
@@ -26,7 +29,8 @@ import torch
 
 from .fetch import cache_dir
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "decode_ops.cpp")  # one library; both include csrc/simd.h
 FLAGS = ("-O3", "-std=c++20", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp", "-w")
 BLOCK = 32  # activation block of the quantized kernels: inputs must be a multiple of it
 
@@ -52,7 +56,9 @@ def _compiler() -> Optional[str]:
 
 
 def library_path(cxx: str) -> Path:
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for path in (*SOURCES, CSRC / "simd.h"):
+        h.update(path.read_bytes())
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     h.update(f"|{torch.__version__}|{version}|{FLAGS}|{torch._C._GLIBCXX_USE_CXX11_ABI}".encode())
     return cache_dir() / "kernels" / h.hexdigest()[:24] / "cpu_kernels.so"
@@ -72,7 +78,7 @@ def _build(cxx: str, out: Path) -> None:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         cmd = [cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
-        cmd += [f"-I{p}" for p in cpp_extension.include_paths()] + [str(SOURCE), "-o", tmp]
+        cmd += [f"-I{p}" for p in cpp_extension.include_paths()] + [str(p) for p in SOURCES] + ["-o", tmp]
         cmd += [a for p in cpp_extension.library_paths() for a in (f"-L{p}", f"-Wl,-rpath,{p}")]
         cmd += ["-lc10", "-ltorch_cpu"]
         try:
@@ -118,7 +124,7 @@ def _register_fakes() -> None:
 
     for name, fake in (("int4_linear", lambda x, codes, scales, group: rows_out(x, codes.shape[0])),
                        ("int8_linear", lambda x, weight, scales: rows_out(x, weight.shape[0])),
-                       ("bf16_linear", lambda x, weight: rows_out(x, weight.shape[0]))):
+                       ("float_linear", lambda x, weight: rows_out(x, weight.shape[0]))):
         try:
             torch.library.register_fake(f"llama_cpu::{name}")(fake)
         except RuntimeError:  # registered already (a second import path)
@@ -141,10 +147,47 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> 
     return y.view(*x.shape[:-1], -1).to(x.dtype)
 
 
-def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ W.T for a bf16 weight, summed in fp32; result in x's dtype."""
-    y = torch.ops.llama_cpu.bf16_linear(_rows(x), weight)
+def float_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ W.T for a bf16 or fp32 weight, summed in fp32; result in x's dtype."""
+    y = torch.ops.llama_cpu.float_linear(_rows(x), weight)
     return y.view(*x.shape[:-1], -1).to(x.dtype)
+
+
+def norms(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether rms_norm can run: eager, on CPU, x and weight of one dtype (fp32 or bf16), the kernels built."""
+    return (x.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in (torch.float32, torch.bfloat16)
+            and weight.is_contiguous()
+            and not torch.compiler.is_compiling() and available())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """model.RMSNorm in one call: rows normalised in fp32, rounded to x's dtype, scaled by weight."""
+    return torch.ops.llama_cpu.rms_norm(x.contiguous(), weight, eps)
+
+
+def attends(x: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether decode_attention can run this step: eager, on CPU, activations in the cache's dtype (fp32 or bf16),
+    head_dim a multiple of 8, and the kernels built."""
+    return (x.device.type == "cpu" and x.dtype == cache.dtype and cache.dtype in (torch.float32, torch.bfloat16)
+            and cache.shape[-1] % 8 == 0 and not torch.compiler.is_compiling() and available())
+
+
+def decode_attention(q, k, v, cos, sin, cache_k, cache_v, rows, positions, kv_len: int) -> torch.Tensor:
+    """One token per row: rotate q and k (B, heads * head_dim), write k and v into the cache at `positions` (one per
+    row, or one for all), attend over positions 0 .. position (at most kv_len) and return (B, heads * head_dim).
+    rows: the cache rows (an int64 tensor), a slice of consecutive rows, or None for 0..B-1."""
+    half = cos.shape[-1]
+    row0 = 0
+    if isinstance(rows, slice):
+        row0, rows = rows.start or 0, None
+    return torch.ops.llama_cpu.decode_attention(q, k, v, cos.reshape(-1, half), sin.reshape(-1, half), cache_k,
+                                                cache_v, rows, row0, positions.reshape(-1), kv_len)
+
+
+def takes_float(weight: torch.Tensor) -> bool:
+    """Whether an unquantized CPU weight's eager products run in float_linear (bf16 always; fp32 up to
+    quantize.FP32_KERNEL_MAX_ROWS rows)."""
+    return weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and available()
 
 
 def takes(inputs: int) -> bool:

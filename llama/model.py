@@ -18,6 +18,8 @@ from fairscale.nn.model_parallel.initialize import get_model_parallel_world_size
 from fairscale.nn.model_parallel.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
 from torch import nn
 
+from . import cpu_kernels
+from .fusion import Fusable
 from .parallel import gather_last_dim, reduce_sum
 from .quantize import product
 
@@ -150,6 +152,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         # Normalise in fp32, round to the model dtype, then scale: the reference's order of operations.
+        if cpu_kernels.norms(x, self.weight):
+            return cpu_kernels.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).type_as(x) * self.weight
 
 
@@ -246,72 +250,6 @@ class Embedding(ParallelEmbedding):
         return y if self.mp == 1 else gather_last_dim(y)
 
 
-@torch.no_grad()
-def fuse_columns(layers) -> ColumnLinear:
-    """One ColumnLinear computing all of `layers` (same input) in one product.
-
-    Each rank concatenates its own local shards, so under model parallel the fused layer is still column-parallel:
-    rank r holds [q_r; k_r; v_r], exactly the rows of its local q, k and v.
-    """
-    with torch.device("meta"):
-        fused = ColumnLinear(layers[0].in_features, sum(layer.out_features for layer in layers))
-    fused.weight = nn.Parameter(torch.cat([layer.weight for layer in layers]), requires_grad=False)
-    if layers[0].scales is not None:
-        fused.scales = nn.Parameter(torch.cat([layer.scales for layer in layers]), requires_grad=False)
-    return fused
-
-
-class Fusable(nn.Module):
-    """A module whose parallel projections (`FUSED`: fused name -> Meta names) can be merged into one after loading.
-
-    state_dict() still speaks Meta's names (the fused tensors are split back, as views), and load_state_dict()
-    accepts them, so checkpoints and tools never see the fused layout.
-    """
-
-    FUSED: dict = {}
-
-    def fuse(self) -> None:
-        for fused_name, names in self.FUSED.items():
-            if getattr(self, fused_name, None) is not None:
-                continue
-            setattr(self, fused_name, fuse_columns([getattr(self, n) for n in names]))
-            for n in names:
-                setattr(self, n, None)
-        if not getattr(self, "_fuse_hooks", False):
-            self._register_state_dict_hook(_split_fused)
-            self.register_load_state_dict_pre_hook(_join_fused)
-            self._fuse_hooks = True
-
-    @property
-    def fused(self) -> bool:
-        return any(getattr(self, name, None) is not None for name in self.FUSED)
-
-    def split_sizes(self, fused_name: str):
-        return [self.local_sizes[n] for n in self.FUSED[fused_name]]
-
-
-def _split_fused(module, state_dict, prefix, local_metadata):
-    for fused_name, names in module.FUSED.items():
-        layer = getattr(module, fused_name, None)
-        if layer is not None and layer.scales is not None and layer.scales.dim() == 3:
-            continue  # int4's packed layout cannot be cut into rows: kept fused (quant_checkpoint writes Meta names)
-        for kind in ("weight", "scales"):
-            key = f"{prefix}{fused_name}.{kind}"
-            if key in state_dict:
-                for name, part in zip(names, state_dict.pop(key).split(module.split_sizes(fused_name))):
-                    state_dict[f"{prefix}{name}.{kind}"] = part
-
-
-def _join_fused(module, state_dict, prefix, *args):
-    if not module.fused:
-        return
-    for fused_name, names in module.FUSED.items():
-        for kind in ("weight", "scales"):
-            keys = [f"{prefix}{name}.{kind}" for name in names]
-            if all(k in state_dict for k in keys):
-                state_dict[f"{prefix}{fused_name}.{kind}"] = torch.cat([state_dict.pop(k) for k in keys])
-
-
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Attention of one query per row, written out so Inductor fuses it (SDPA is an opaque ~50 us call per layer).
 
@@ -359,6 +297,18 @@ class Attention(Fusable):
         qk = apply_rotary(qkv[..., : (nq + nkv) * hd].view(B, T, nq + nkv, hd), cos, sin)  # one rotation for both
         return qk[:, :, :nq], qk[:, :, nq:], qkv[..., (nq + nkv) * hd :].view(B, T, nkv, hd)
 
+    def decode(self, x, cos, sin, positions, rows, kv_len):
+        """One token per row in one call of our CPU kernel (llama/cpu_kernels.py): rotation, cache write and
+        attention, as qkv(), store() and the attention below compute them. Returns (B, heads * head_dim)."""
+        B = x.shape[0]
+        nq, nkv, hd = self.n_local_heads * self.head_dim, self.n_local_kv_heads * self.head_dim, self.head_dim
+        if self.wqkv is None:
+            q, k, v = self.wq(x).view(B, nq), self.wk(x).view(B, nkv), self.wv(x).view(B, nkv)
+        else:
+            qkv = self.wqkv(x).view(B, -1)
+            q, k, v = qkv[:, :nq], qkv[:, nq : nq + nkv], qkv[:, nq + nkv :]
+        return cpu_kernels.decode_attention(q, k, v, cos, sin, self.cache_k, self.cache_v, rows, positions, kv_len)
+
     def cached_rows(self, rows):
         """(keys, values, rows): a slice of consecutive rows (an engine group's slots) is a view used in place."""
         if isinstance(rows, slice):
@@ -381,6 +331,8 @@ class Attention(Fusable):
 
     def forward(self, x, cos, sin, start, positions, rows, kv_len, mask):
         B, T, _ = x.shape
+        if T == 1 and self.cache_k is not None and cpu_kernels.attends(x, self.cache_k):
+            return self.wo(self.decode(x, cos, sin, positions, rows, kv_len).view(B, 1, -1))
         q, k, v = self.qkv(x, cos, sin)
         self.store(k, v, start, positions, rows)
         ck, cv, rows = self.cached_rows(rows)

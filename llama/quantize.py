@@ -28,6 +28,7 @@ from fairscale.nn.model_parallel.layers import ColumnParallelLinear, RowParallel
 from torch import nn
 
 from . import cpu_kernels
+from .fusion import Fusable
 from .quant_int4 import DEFAULT_GROUP_SIZE, int4_layer_linear, quantize_int4
 
 SCHEMES = ("int8", "int8-dynamic", "int4")
@@ -72,23 +73,31 @@ def product(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 ONEDNN_FP32 = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+# fp32 products of at most this many rows run in our kernel (it reads the weights at the memory's rate); larger ones
+# are compute-bound and oneDNN's GEMM is faster there (docs/performance.md, "Why these defaults").
+FP32_KERNEL_MAX_ROWS = 8
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, scales=None) -> torch.Tensor:
     """x @ weight.T; with scales, weight is int8 with one scale per output row ("int8").
 
-    Unquantized fp32 on CPU goes to oneDNN (ONEDNN_FP32), except inside torch.compile, where Inductor's own GEMM
-    template is faster still. The int8 kernel needs in_features % 16 == 0 (other widths give wrong results or
+    Unquantized on CPU, eager: our kernel or oneDNN (below); inside torch.compile, Inductor's own GEMM templates,
+    faster still for fp32. The int8 kernel needs in_features % 16 == 0 (other widths give wrong results or
     crash), so tiny layers dequantize the weight first instead (scaling after the product would be turned back
     into the same kernel by Inductor's patterns).
     """
     if scales is None:
-        # bf16 on CPU, eager: our kernel (llama/cpu_kernels.py); oneDNN's streams more slowly on AVX2 and without
-        # native bf16 its GEMM costs a whole GEMV per row. Under torch.compile Inductor's own kernels run.
-        if (weight.dtype == torch.bfloat16 and x.device.type == "cpu"
-                and not torch.compiler.is_compiling() and cpu_kernels.available()):
-            return cpu_kernels.bf16_linear(x, weight)
-        if (ONEDNN_FP32 and x.dtype == torch.float32 and x.device.type == "cpu" and weight.dtype == torch.float32
-                and not torch.compiler.is_compiling()):
-            return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+        if x.device.type == "cpu" and not torch.compiler.is_compiling():
+            # Eager on CPU: bf16 goes to our kernel (oneDNN's streams more slowly on AVX2, and without native bf16
+            # its GEMM costs a whole GEMV per row), as does fp32 up to a few rows (a GEMV); larger fp32 batches go
+            # to oneDNN's GEMM. Under torch.compile Inductor's own kernels run.
+            if weight.dtype == torch.bfloat16 and cpu_kernels.available():
+                return cpu_kernels.float_linear(x, weight)
+            if weight.dtype == torch.float32 and x.dtype == torch.float32:
+                if x.numel() <= FP32_KERNEL_MAX_ROWS * x.shape[-1] and cpu_kernels.available():
+                    return cpu_kernels.float_linear(x, weight)
+                if ONEDNN_FP32:
+                    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
         return F.linear(x, weight)
     if weight.shape[1] % 16:
         return F.linear(x, weight.to(x.dtype) * scales[:, None].to(x.dtype))
@@ -218,11 +227,17 @@ def activation_dtype(scheme: Optional[str]) -> Optional[torch.dtype]:
 
 
 def quantize(model: nn.Module, scheme: str, group_size: Optional[int] = None) -> nn.Module:
-    """Apply a quantization scheme by name (Llama.build's `quantize=`); group_size is int4's (default 32)."""
+    """Apply a quantization scheme by name (Llama.build's `quantize=`); group_size is int4's (default 32).
+
+    Fuses q/k/v and gate/up first, as loading does (one product each; int4's layout cannot be concatenated later).
+    """
     if scheme not in SCHEMES:
         raise ValueError(f"quantize must be one of {SCHEMES} or None, got {scheme!r}")
     if group_size is not None and scheme != "int4":
         raise ValueError(f"group_size applies to quantize='int4' only, got group_size={group_size!r} with {scheme!r}")
+    for m in model.modules():
+        if isinstance(m, Fusable):
+            m.fuse()
     if scheme == "int4":
         return quantize_int4(model, DEFAULT_GROUP_SIZE if group_size is None else group_size)
     return quantize_int8(model) if scheme == "int8" else quantize_int8_dynamic(model)

@@ -1,6 +1,6 @@
 """Our CPU kernels (llama/cpu_kernels.py): each against a float64 reference of what it computes (the dequantized
 weight times the block-quantized activations), every row of a batch equal to that row alone (bitwise), every
-path of the int4 kernel (group 32 in vectors of 8 blocks, other groups, partial vectors), shapes refused by name,
+path of the int4 kernel, the decode attention op against the model's eager step (group 32 in vectors of 8 blocks, other groups, partial vectors), shapes refused by name,
 the build kept and reused, and the fallback to PyTorch's kernels when turned off."""
 
 import os
@@ -9,9 +9,11 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import REPO
 from llama import cpu_kernels
+from llama.model import apply_rotary, rope_tables
 from llama.quant_int4 import dequantize_codes, quantize_codes
 from llama.quantize import quantize_weight
 
@@ -63,20 +65,112 @@ def test_int8_is_the_dequantized_product(n, k):
         check_rows(lambda v: torch.ops.llama_cpu.int8_linear(v, q, scales), x, block_dequantized(x).double() @ weight.T)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n, k", [(48, 256), (24, 100), (5, 13)])  # 100, 13: tails shorter than a vector
-def test_bf16_is_the_float_product(n, k):
+def test_float_weights_are_the_float_product(n, k, dtype):
     torch.manual_seed(n + k)
-    w = torch.randn(n, k).bfloat16()
+    w = torch.randn(n, k).to(dtype)
     for m in BATCHES:
         x = torch.randn(m, k)
-        check_rows(lambda v: torch.ops.llama_cpu.bf16_linear(v, w), x, x.double() @ w.double().T)
+        check_rows(lambda v: torch.ops.llama_cpu.float_linear(v, w), x, x.double() @ w.double().T)
+
+
+def test_many_rows_take_the_weights_in_chunks():
+    """Past one tile of rows, weight rows are taken in L2-sized chunks (here 8 rows of 16 KB): same sums, bitwise,
+    as each row alone, for every kernel."""
+    torch.manual_seed(0)
+    n, k = 70, 4096
+    w = torch.randn(n, k)
+    q8, s8 = quantize_weight(w, torch.float32)
+    codes, s4 = quantize_codes(w, 32)
+    x = torch.randn(11, k)
+    ops = {"fp32": (lambda v: torch.ops.llama_cpu.float_linear(v, w), x.double() @ w.double().T),
+           "int8": (lambda v: torch.ops.llama_cpu.int8_linear(v, q8, s8),
+                    block_dequantized(x).double() @ (q8.double() * s8.double()[:, None]).T),
+           "int4": (lambda v: torch.ops.llama_cpu.int4_linear(v, codes, s4, 32),
+                    block_dequantized(x).double() @ dequantize_codes(codes, s4, 32).double().T)}
+    for name, (op, ref) in ops.items():
+        check_rows(op, x, ref)
+
+
+def reference_decode_attention(q, k, v, cos, sin, cache_k, cache_v, rows, positions, kv_len):
+    """What the model's eager path computes for one token per row: apply_rotary, the cache write, SDPA under the
+    position mask."""
+    B, D = q.shape[0], cache_k.shape[-1]
+    H, Hkv = q.shape[1] // D, cache_k.shape[1]
+    index = torch.arange(B) if rows is None else rows
+    pos = positions.expand(B)
+    qr = apply_rotary(q.reshape(B, 1, H, D), cos.view(-1, 1, D // 2), sin.view(-1, 1, D // 2))
+    kr = apply_rotary(k.reshape(B, 1, Hkv, D), cos.view(-1, 1, D // 2), sin.view(-1, 1, D // 2))
+    cache_k[index, :, pos] = kr[:, 0]
+    cache_v[index, :, pos] = v.reshape(B, Hkv, D)
+    mask = (torch.arange(kv_len)[None] <= pos[:, None])[:, None, None]
+    out = F.scaled_dot_product_attention(qr.transpose(1, 2), cache_k[index, :, :kv_len], cache_v[index, :, :kv_len],
+                                         attn_mask=mask, enable_gqa=H != Hkv)
+    return out.transpose(1, 2).reshape(B, H * D)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, rows, positions", [
+    (8, 8, 64, None, [11]),            # one row at the newest position
+    (8, 2, 16, [3, 0, 4], [5, 17, 3]),  # grouped queries, chosen cache rows, a position per row
+    (4, 4, 128, "slice", [9]),          # an engine group's consecutive rows, one shared position
+])
+def test_decode_attention_is_the_eager_step(dtype, heads, kv_heads, head_dim, rows, positions):
+    """Rotation and cache writes bitwise as the model's eager path; attention within rounding of SDPA; each row
+    alone gives the same output bitwise (batch == solo)."""
+    torch.manual_seed(heads + head_dim)
+    B = 3 if rows == "slice" or (rows and len(rows) == 3) else 1
+    S = 24
+    cache_k, cache_v = torch.randn(6, kv_heads, S, head_dim).to(dtype), torch.randn(6, kv_heads, S, head_dim).to(dtype)
+    qkv = torch.randn(B, (heads + 2 * kv_heads) * head_dim).to(dtype)  # strided views into one product, as fused
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+    pos = torch.tensor(positions)
+    cos_t, sin_t = rope_tables(head_dim, 2 * S)
+    cos, sin = cos_t[pos], sin_t[pos]
+    kv_len = int(pos.max()) + 1
+    row_arg = slice(2, 2 + B) if rows == "slice" else (None if rows is None else torch.tensor(rows))
+    ref_rows = torch.arange(2, 2 + B) if rows == "slice" else row_arg
+    ref_k, ref_v = cache_k.clone(), cache_v.clone()
+    want = reference_decode_attention(q, k, v, cos, sin, ref_k, ref_v, ref_rows, pos, kv_len)
+    before_k, before_v = cache_k.clone(), cache_v.clone()
+    got = cpu_kernels.decode_attention(q, k, v, cos, sin, cache_k, cache_v, row_arg, pos, kv_len)
+    assert torch.equal(cache_k, ref_k) and torch.equal(cache_v, ref_v)
+    assert got.dtype == dtype and got.shape == want.shape
+    tol = dict(rtol=0, atol=2e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1.6e-2)  # bf16: one ulp near 2
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    if B > 1:
+        for b in range(B):
+            ck, cv = before_k.clone(), before_v.clone()
+            one_rows = ref_rows[b : b + 1]
+            one_pos = pos[b : b + 1] if len(pos) > 1 else pos
+            alone = cpu_kernels.decode_attention(q[b : b + 1], k[b : b + 1], v[b : b + 1], cos[b : b + 1] if len(pos) > 1
+                                                 else cos, sin[b : b + 1] if len(pos) > 1 else sin, ck, cv, one_rows,
+                                                 one_pos, kv_len)
+            assert torch.equal(alone, got[b : b + 1])
+
+
+def test_decode_attention_refuses_bad_inputs_by_name():
+    cache = torch.zeros(2, 2, 8, 12)
+    q, kv = torch.zeros(1, 24), torch.zeros(1, 24)
+    cos = sin = torch.zeros(1, 6)
+    with pytest.raises(RuntimeError, match="head_dim must be a multiple of 8, got 12"):
+        cpu_kernels.decode_attention(q, kv, kv, cos, sin, cache, cache.clone(), None, torch.tensor([0]), 1)
+    cache = torch.zeros(2, 2, 8, 16)
+    q, kv, cos = torch.zeros(1, 32), torch.zeros(1, 32), torch.zeros(1, 8)
+    with pytest.raises(RuntimeError, match="position 8 outside the cache's 8"):
+        cpu_kernels.decode_attention(q, kv, kv, cos, cos, cache, cache.clone(), None, torch.tensor([8]), 8)
+    with pytest.raises(RuntimeError, match="row 2 outside the cache's 2"):
+        cpu_kernels.decode_attention(q, kv, kv, cos, cos, cache, cache.clone(), torch.tensor([2]), torch.tensor([0]), 1)
+    with pytest.raises(RuntimeError, match="in the cache's dtype"):
+        cpu_kernels.decode_attention(q.bfloat16(), kv, kv, cos, cos, cache, cache.clone(), None, torch.tensor([0]), 1)
 
 
 def test_wrappers_keep_shape_and_dtype():
     w = torch.randn(16, 64)
     codes, scales = quantize_codes(w, 32)
     x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
-    for y in (cpu_kernels.int4_linear(x, codes, scales, 32), cpu_kernels.bf16_linear(x, w.bfloat16()),
+    for y in (cpu_kernels.int4_linear(x, codes, scales, 32), cpu_kernels.float_linear(x, w.bfloat16()),
               cpu_kernels.int8_linear(x, *quantize_weight(w, torch.float32))):
         assert y.shape == (2, 3, 16) and y.dtype == torch.bfloat16
 
@@ -91,7 +185,7 @@ def test_bad_shapes_are_named():
     with pytest.raises(RuntimeError, match=r"scales must be contiguous bf16 of shape \(16, 2, 2\)"):
         torch.ops.llama_cpu.int4_linear(torch.randn(1, 64), codes, scales.float(), 32)
     with pytest.raises(RuntimeError, match="x must be contiguous float32"):
-        torch.ops.llama_cpu.bf16_linear(torch.randn(1, 64).bfloat16(), torch.randn(16, 64).bfloat16())
+        torch.ops.llama_cpu.float_linear(torch.randn(1, 64).bfloat16(), torch.randn(16, 64).bfloat16())
 
 
 def test_built_once_and_turned_off_by_env(tmp_path):

@@ -1,5 +1,5 @@
 // CPU matrix-vector kernels for decoding: x @ W.T where W is read once per token, so speed is the rate weights
-// stream from memory. AVX2 + FMA (x86-64 since 2013); llama/cpu_kernels.py builds this file on first use and
+// stream from memory. AVX2 + FMA (x86-64 since 2013); llama/cpu_kernels.py builds this file (with decode_ops.cpp) on first use and
 // falls back to PyTorch's kernels where it cannot.
 //
 // Quantized schemes multiply int8 codes by int8 codes, as llama.cpp does: each row of x is quantized on the fly in
@@ -12,29 +12,26 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
+
+using namespace llama_cpu;
 
 constexpr int64_t kBlock = 32;  // activation block (q8_0's)
 constexpr int64_t kTile = 4;    // rows of x multiplied per load of a weight block
 
-inline float bf16_to_float(uint16_t b) {
-  uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+// Weights are read once, front to back: asking for the bytes kPrefetch ahead keeps more of the stream in flight
+// than the hardware prefetcher alone, and the non-temporal hint keeps them from evicting what is reused (x, the
+// scales' neighbours) on their way through (bf16 GEMV ~40 -> ~45-50 GB/s measured, docs/performance.md).
+constexpr int64_t kPrefetch = 4096;
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p) + kPrefetch, _MM_HINT_NTA); }
 
 // Integer dot product of 32 unsigned codes (0..127 at most) with 32 signed codes, as 8 int32 lanes.
 inline __m256i dot_u8_s8(__m256i u, __m256i s) {
@@ -97,18 +94,44 @@ void q4_tile(const Blocks& xb, const std::vector<float>& group_sum, int64_t m0, 
              const uint8_t* codes, const uint16_t* scales, int64_t groups, int64_t blocks_per_group, int64_t n0,
              int64_t n1, float* y) {
   const int64_t nb = K / kBlock;
+  alignas(32) int32_t lanes[8], loads[8];  // with 2 or 4 groups per 8 blocks: block j's group, the groups to load
+  for (int j = 0; j < 8; ++j) lanes[j] = j / int32_t(blocks_per_group), loads[j] = j < 8 / blocks_per_group ? -1 : 0;
+  const __m256i block_group = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
+  const __m256i first_groups = _mm256_load_si256(reinterpret_cast<const __m256i*>(loads));
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* c = codes + n * (K / 2);
     const uint16_t* sz = scales + n * groups * 2;
     __m256 acc[T][2];
     float corr[T];
     for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps(), corr[t] = 0.f;
-    if (blocks_per_group == 1 && nb % 8 == 0) {  // group 32: the scales of 8 blocks at a time, in vectors
+    if (nb % 8 == 0) {  // the scales of 8 blocks at a time, in vectors
       const __m256i hi_mask = _mm256_set1_epi32(int32_t(0xFFFF0000u));
+      const uint32_t* group_pairs = reinterpret_cast<const uint32_t*>(sz);  // (s, z) of group g as one 32-bit word
       __m256 corr_v[T];
       for (int t = 0; t < T; ++t) corr_v[t] = _mm256_setzero_ps();
+      int64_t g = 0, in_group = 0;  // the group of the next block, and its index within that group
       for (int64_t b8 = 0; b8 < nb; b8 += 8) {
-        const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + 2 * b8));  // (s, z) x 8
+        prefetch(c + b8 * 16);
+        prefetch(c + b8 * 16 + 64);
+        __m256i pairs;  // (s, z) of each of the 8 blocks' groups
+        if (blocks_per_group == 1) {
+          prefetch(group_pairs + b8);
+          pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_pairs + b8));
+        } else if (8 % blocks_per_group == 0) {  // 2 or 4 groups: load them, repeat each over its blocks
+          const uint32_t* gp = group_pairs + (b8 >> 3) * (8 / blocks_per_group);
+          prefetch(gp);
+          pairs = _mm256_permutevar8x32_epi32(_mm256_maskload_epi32(reinterpret_cast<const int*>(gp), first_groups),
+                                              block_group);
+        } else if (blocks_per_group % 8 == 0) {  // one group
+          pairs = _mm256_set1_epi32(int32_t(group_pairs[b8 / blocks_per_group]));
+        } else {  // walk the groups (no division per block: it would cost more than the block)
+          alignas(32) uint32_t block_pairs[8];
+          for (int j = 0; j < 8; ++j) {
+            block_pairs[j] = group_pairs[g];
+            if (++in_group == blocks_per_group) in_group = 0, ++g;
+          }
+          pairs = _mm256_load_si256(reinterpret_cast<const __m256i*>(block_pairs));
+        }
         const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
         const __m256 zs = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, _mm256_castsi256_ps(_mm256_and_si256(pairs, hi_mask)));
         alignas(32) float ds[T][8];
@@ -125,12 +148,14 @@ void q4_tile(const Blocks& xb, const std::vector<float>& group_sum, int64_t m0, 
         }
       }
       for (int t = 0; t < T; ++t) corr[t] = hsum(corr_v[t]);
-    } else for (int64_t g = 0; g < groups; ++g) {
+    } else for (int64_t g = 0; g < groups; ++g) {  // inputs not a multiple of 256: a group at a time
       const float s = bf16_to_float(sz[2 * g]);
       const float zs = bf16_to_float(sz[2 * g + 1]) - 8.f * s;  // w = code * s + (zero - 8 s)
       for (int t = 0; t < T; ++t) corr[t] += group_sum[(m0 + t) * groups + g] * zs;
       const int64_t b1 = std::min(nb, (g + 1) * blocks_per_group);
+      prefetch(sz + 2 * g);
       for (int64_t b = g * blocks_per_group; b < b1; ++b) {
+        if (b % 4 == 0) prefetch(c + b * 16);
         const __m256i w = unpack_nibbles(c + b * 16);
         for (int t = 0; t < T; ++t) {
           const int64_t i = (m0 + t) * nb + b;
@@ -152,6 +177,7 @@ void q8_tile(const Blocks& xb, int64_t m0, int64_t K, int64_t N, const int8_t* w
     __m256 acc[T][2];
     for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
+      prefetch(wr + b * kBlock);
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + b * kBlock));
       const __m256i aw = _mm256_sign_epi8(w, w);  // |w|, with the sign moved onto x: |w| * (x * sign(w))
       for (int t = 0; t < T; ++t) {
@@ -165,19 +191,46 @@ void q8_tile(const Blocks& xb, int64_t m0, int64_t K, int64_t N, const int8_t* w
   }
 }
 
-// Rows [n0, n1) of y for rows m0 .. m0 + T of x: bf16 weights, fp32 activations and sums.
-template <int T>
-void bf16_tile(const float* x, int64_t m0, int64_t K, int64_t N, const uint16_t* weight, int64_t n0, int64_t n1,
-               float* y) {
+// 16 weights widened to fp32. bf16 is the high half of an fp32, so a 32-bit lane holding elements (2i, 2i+1) gives
+// element 2i shifted up and element 2i+1 masked, without shuffles (which would limit the rate): w0 holds the even
+// elements of the 16 and w1 the odd ones, and x must be in that order (evens_odds). fp32 weights: as they are.
+inline void load16(const uint16_t* w, __m256& w0, __m256& w1) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  w0 = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+  w1 = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
+}
+inline void load16(const float* w, __m256& w0, __m256& w1) {
+  w0 = _mm256_loadu_ps(w);
+  w1 = _mm256_loadu_ps(w + 8);
+}
+inline float to_float(uint16_t b) { return bf16_to_float(b); }
+inline float to_float(float f) { return f; }
+
+// x with each whole block of 16 reordered as its 8 even elements, then its 8 odd ones (the bf16 weights' order).
+at::Tensor evens_odds(const at::Tensor& x) {
+  at::Tensor out = x.clone();
+  const int64_t M = x.size(0), K = x.size(1);
+  const float* src = x.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k + 16 <= K; k += 16)
+      for (int64_t j = 0; j < 16; ++j) dst[m * K + k + (j % 2) * 8 + j / 2] = src[m * K + k + j];
+  return out;
+}
+
+// Rows [n0, n1) of y for rows m0 .. m0 + T of x: bf16 or fp32 weights, fp32 activations and sums.
+template <int T, typename W>
+void float_tile(const float* x, int64_t m0, int64_t K, int64_t N, const W* weight, int64_t n0, int64_t n1,
+                float* y) {
   const int64_t k16 = K / 16 * 16;
   for (int64_t n = n0; n < n1; ++n) {
-    const uint16_t* wr = weight + n * K;
+    const W* wr = weight + n * K;
     __m256 acc[T][2];
     for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     for (int64_t k = 0; k < k16; k += 16) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + k));
-      const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(raw)), 16));
-      const __m256 w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(raw, 1)), 16));
+      __m256 w0, w1;
+      prefetch(wr + k);
+      load16(wr + k, w0, w1);
       for (int t = 0; t < T; ++t) {
         const float* xr = x + (m0 + t) * K + k;
         acc[t][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), acc[t][0]);
@@ -186,19 +239,28 @@ void bf16_tile(const float* x, int64_t m0, int64_t K, int64_t N, const uint16_t*
     }
     for (int t = 0; t < T; ++t) {
       float s = hsum(_mm256_add_ps(acc[t][0], acc[t][1]));
-      for (int64_t k = k16; k < K; ++k) s += bf16_to_float(wr[k]) * x[(m0 + t) * K + k];
+      for (int64_t k = k16; k < K; ++k) s += to_float(wr[k]) * x[(m0 + t) * K + k];
       y[(m0 + t) * N + n] = s;
     }
   }
 }
 
-// Splits the output rows over threads, and each thread's rows over tiles of x's rows.
+// Splits the output rows over threads, and each thread's rows over tiles of x's rows. With more rows of x than one
+// tile, a thread takes its weight rows in chunks of about kChunkBytes, small enough to stay in L2 while every tile
+// passes over them, so a prefill reads the weights from memory once instead of once per tile. The order in which
+// any (row, output) pair is summed is the same either way.
+constexpr int64_t kChunkBytes = 128 << 10;
+
 template <typename Tile>
-at::Tensor run_tiles(int64_t M, int64_t N, const at::Tensor& like, Tile tile) {
+at::Tensor run_tiles(int64_t M, int64_t N, int64_t row_bytes, const at::Tensor& like, Tile tile) {
   at::Tensor y = at::empty({M, N}, like.options().dtype(at::kFloat));
   float* out = y.data_ptr<float>();
+  const int64_t chunk = M <= kTile ? N : std::max<int64_t>(4, kChunkBytes / std::max<int64_t>(row_bytes, 1));
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t m0 = 0; m0 < M; m0 += kTile) tile(m0, std::min(kTile, M - m0), n0, n1, out);
+    for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
+      const int64_t c1 = std::min(n1, c0 + chunk);
+      for (int64_t m0 = 0; m0 < M; m0 += kTile) tile(m0, std::min(kTile, M - m0), c0, c1, out);
+    }
   });
   return y;
 }
@@ -228,7 +290,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
     for (int64_t b = 0; b < nb; ++b) group_sum[m * groups + b / bpg] += xb.sum[m * nb + b];
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
-  return run_tiles(M, N, x, [&](int64_t m0, int64_t t, int64_t n0, int64_t n1, float* y) {
+  return run_tiles(M, N, K / 2 + groups * 4, x, [&](int64_t m0, int64_t t, int64_t n0, int64_t n1, float* y) {
 #define CALL(T) q4_tile<T>(xb, group_sum, m0, K, N, c, s, groups, bpg, n0, n1, y)
     DISPATCH_TILE(t, CALL)
 #undef CALL
@@ -245,22 +307,34 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   const Blocks xb = quantize_blocks(x.data_ptr<float>(), M, K, false);
   const int8_t* w = weight.data_ptr<int8_t>();
   const float* s = scales.data_ptr<float>();
-  return run_tiles(M, N, x, [&](int64_t m0, int64_t t, int64_t n0, int64_t n1, float* y) {
+  return run_tiles(M, N, K, x, [&](int64_t m0, int64_t t, int64_t n0, int64_t n1, float* y) {
 #define CALL(T) q8_tile<T>(xb, m0, K, N, w, s, n0, n1, y)
     DISPATCH_TILE(t, CALL)
 #undef CALL
   });
 }
 
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight) {
+// x @ W.T for a bf16 or fp32 weight: fp32 activations, sums and result.
+at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight) {
   const int64_t N = weight.size(0), K = weight.size(1);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == K,
-              "bf16_linear: x must be contiguous float32 of shape (M, ", K, ")");
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(), "bf16_linear: weight must be contiguous bf16");
+              "float_linear: x must be contiguous float32 of shape (M, ", K, ")");
+  TORCH_CHECK((weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat) && weight.is_contiguous(),
+              "float_linear: weight must be contiguous bf16 or float32");
   const float* xp = x.data_ptr<float>();
+  if (weight.scalar_type() == at::kFloat) {
+    const float* w = weight.data_ptr<float>();
+    return run_tiles(x.size(0), N, K * 4, x, [&](int64_t m0, int64_t t, int64_t n0, int64_t n1, float* y) {
+#define CALL(T) float_tile<T>(xp, m0, K, N, w, n0, n1, y)
+      DISPATCH_TILE(t, CALL)
+#undef CALL
+    });
+  }
   const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
-  return run_tiles(x.size(0), N, x, [&](int64_t m0, int64_t t, int64_t n0, int64_t n1, float* y) {
-#define CALL(T) bf16_tile<T>(xp, m0, K, N, w, n0, n1, y)
+  const at::Tensor xs = evens_odds(x);
+  xp = xs.data_ptr<float>();
+  return run_tiles(x.size(0), N, K * 2, x, [&](int64_t m0, int64_t t, int64_t n0, int64_t n1, float* y) {
+#define CALL(T) float_tile<T>(xp, m0, K, N, w, n0, n1, y)
     DISPATCH_TILE(t, CALL)
 #undef CALL
   });
@@ -271,11 +345,11 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight) {
 TORCH_LIBRARY(llama_cpu, m) {
   m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, int group_size) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
-  m.def("bf16_linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("float_linear(Tensor x, Tensor weight) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llama_cpu, CPU, m) {
   m.impl("int4_linear", int4_linear);
   m.impl("int8_linear", int8_linear);
-  m.impl("bf16_linear", bf16_linear);
+  m.impl("float_linear", float_linear);
 }
