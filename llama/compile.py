@@ -24,8 +24,8 @@ from typing import Callable, Dict, Optional, Union
 import torch
 import torch._inductor.config as inductor_config
 
-from . import compile_cache, parallel
-from .quantize import linear_layers
+from . import compile_cache, cpu_kernels, parallel
+from .quantize import FP32_KERNEL_MAX_ROWS, linear_layers
 
 MODES = ("auto", "max-autotune", "default")
 
@@ -36,6 +36,11 @@ AUTO_MIN_PARAMS = 50_000_000
 # fp32 batches this large stay eager: oneDNN's eager fp32 GEMM beats Inductor's template there, and smaller
 # batches are faster compiled (docs/performance.md, "Why these defaults").
 FP32_EAGER_MIN_BATCH = 32
+
+# compile="auto" keeps batch sizes up to this eager on CPU when our kernels run the whole model (one tile of their
+# rows: eager streams the weights as fast as a compiled step, without the compile or its weight copy); unquantized
+# fp32, up to the rows our fp32 kernel takes (docs/performance.md, "Why these defaults").
+EAGER_KERNEL_MAX_BATCH = 4
 
 # Inductor's own lowering of oneDNN's int8 linear (int8-dynamic) warns about its internal tensor copy: not ours.
 warnings.filterwarnings("ignore", message="To copy construct from a tensor", module="torch._inductor.mkldnn_lowerings")
@@ -82,6 +87,7 @@ class CompiledDecode:
         self.loaded: set = set()  # keys whose package was on disk already (their time in seen is a load's)
         self.weights: Optional[str] = None  # the weights' fingerprint, once a package is looked for
         self.estimate = 10.0 + 10.0 * weight_bytes(model) / 1e9  # seconds, fitted to measured compile times
+        self.eager_up_to = eager_batches(model) if lazy else 0  # batch sizes "auto" never compiles
         self.reset()
 
     def key(self, batch: int, rows) -> tuple:
@@ -96,7 +102,7 @@ class CompiledDecode:
         """Whether this key runs compiled now (compiling it first if that is due)."""
         if key in self.seen:
             return True
-        if self.mode == "max-autotune" and key[0] >= FP32_EAGER_MIN_BATCH:
+        if key[0] <= self.eager_up_to or (self.mode == "max-autotune" and key[0] >= FP32_EAGER_MIN_BATCH):
             return False
         if key in self.refused or (self.lazy and self.eager.get(key, 0.0) < self.cost() and not self.on_disk(key)):
             return False
@@ -216,6 +222,27 @@ def auto_mode(model) -> str:
     fp32 = model.norm.weight.dtype == torch.float32
     quantized = any(getattr(m, "scales", None) is not None for m in model.modules())
     return "max-autotune" if fp32 and not quantized else "default"
+
+
+def eager_batches(model) -> int:
+    """Batch sizes up to which compile="auto" leaves decoding eager: on CPU, when our kernels (llama/cpu_kernels.py)
+    run every product and the attention and RMSNorm of a decode step, eager matched or beat the compiled step
+    (measured, docs/performance.md); 0 where they do not (PyTorch's kernels, other devices)."""
+    if (model.norm.weight.device.type != "cpu" or model.norm.weight.dtype not in (torch.float32, torch.bfloat16)
+            or model.params.head_dim % 8 or not cpu_kernels.available()):
+        return 0
+    quantized = False
+    for m in linear_layers(model):
+        if m.packed is not None or (m.scales is not None and m.scales.dim() == 3 and getattr(m, "int4_group", None) is None):
+            return 0  # oneDNN's int8 or aten's int4 layout
+        if m.scales is not None and m.scales.dim() == 1 and not getattr(m, "int8_dynamic", False):
+            return 0  # int8 weight-only: aten's kernel
+        if m.scales is None and not cpu_kernels.takes_float(m.weight):
+            return 0
+        quantized = quantized or m.scales is not None
+    if model.norm.weight.dtype == torch.float32 and not quantized:
+        return FP32_KERNEL_MAX_ROWS
+    return EAGER_KERNEL_MAX_BATCH
 
 
 def linear_weights(model) -> list:

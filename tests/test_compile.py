@@ -16,6 +16,7 @@ import torch
 from conftest import CPU_ONLY
 from llama import Llama
 from llama import compile as compilation
+from llama.cache import KVCache
 from llama.compile import CompiledDecode, bucket, compile_decode, own_storage
 from llama.quantize import quantize_int8
 
@@ -120,6 +121,7 @@ def test_auto_compiles_a_batch_size_once_eager_decoding_has_cost_as_much(stories
     here), then compile it; both paths give the goldens, so the switch is invisible in the output."""
     llama = build(stories_dir, compile=False)
     step = llama.runner.compiled = CompiledDecode(llama.model, "default", lazy=True)
+    step.eager_up_to = 0  # as on a model our CPU kernels do not run (they keep every batch size of this one eager)
     step.estimate = 0.05  # seconds of eager decoding before compiling
     prompts = [g["prompt_tokens"] for g in goldens.values()]
     out, _ = llama.generate(prompts, max_gen_len=128, temperature=0)
@@ -127,6 +129,29 @@ def test_auto_compiles_a_batch_size_once_eager_decoding_has_cost_as_much(stories
     assert step.cost() == step.seen[(2, False)]  # later batch sizes wait for the measured compile time
     for got, g in zip(out, goldens.values()):
         assert got == g["generated_tokens"]
+
+
+def test_auto_leaves_batch_sizes_our_cpu_kernels_run_eager(monkeypatch):
+    """With our kernels running every product, attention and norm, eager decoding matched or beat the compiled step:
+    "auto" keeps fp32 eager up to the rows our fp32 kernel takes and other dtypes up to one tile of rows; without
+    them, or for layers in PyTorch's kernels, the lazy rule decides."""
+    from test_model import random_model
+
+    from llama import cpu_kernels
+
+    model = random_model()
+    KVCache(model, 8, 32)
+    step = CompiledDecode(model, "default", lazy=True)
+    if not cpu_kernels.available():
+        assert step.eager_up_to == 0
+        return
+    assert step.eager_up_to == compilation.FP32_KERNEL_MAX_ROWS == 8 and not step.ready((8, False)) and not step.seen
+    assert CompiledDecode(model, "default", lazy=False).ready((1, False))  # compile=True still compiles
+    bf16 = random_model().to(torch.bfloat16)
+    assert compilation.eager_batches(bf16) == compilation.EAGER_KERNEL_MAX_BATCH
+    assert compilation.eager_batches(quantize_int8(random_model())) == 0  # int8 weight-only: PyTorch's kernel
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    assert compilation.eager_batches(model) == 0
 
 
 def test_a_batch_size_that_would_not_fit_in_memory_stays_eager(stories_dir, goldens, monkeypatch, capsys):

@@ -1,0 +1,22 @@
+"""loader.fuses: when loading fuses q/k/v and gate/up (a copy of those weights) and when it keeps them apart."""
+
+import torch
+
+from llama import cpu_kernels, loader, memory
+from llama.model import ModelArgs
+
+SMALL = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, multiple_of=16)
+LLAMA2_7B = ModelArgs(dim=4096, n_layers=32, n_heads=32, vocab_size=32000, multiple_of=256)  # fused copy: 9 GB bf16
+
+
+def test_a_large_unquantized_cpu_model_stays_unfused_where_our_kernels_run(monkeypatch):
+    monkeypatch.setattr(memory, "available_bytes", lambda: 24 * 2**30)
+    cpu = torch.device("cpu")
+    assert loader.fuses(SMALL, torch.bfloat16, cpu, None, "auto")  # a small copy: fewer products pay
+    big = loader.fuses(LLAMA2_7B, torch.bfloat16, cpu, None, "auto")
+    assert big is not cpu_kernels.available()  # 9 GB of 24: unfused where our kernels stream each weight
+    assert loader.fuses(LLAMA2_7B, torch.bfloat16, cpu, None, "auto", ranks=4)  # each rank's share is small
+    assert loader.fuses(LLAMA2_7B, torch.bfloat16, cpu, "int4", "auto")  # quantized: fused, then packed
+    assert loader.fuses(LLAMA2_7B, torch.bfloat16, cpu, None, True)  # a compiled graph copies the weights anyway
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    assert loader.fuses(LLAMA2_7B, torch.bfloat16, cpu, None, "auto")  # PyTorch's kernels: one product is faster
