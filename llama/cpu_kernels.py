@@ -180,14 +180,17 @@ def decode_attention(q, k, v, cos, sin, cache_k, cache_v, rows, positions, kv_le
     row0 = 0
     if isinstance(rows, slice):
         row0, rows = rows.start or 0, None
+    elif rows is not None:
+        rows = rows.to(torch.int64).contiguous()
     return torch.ops.llama_cpu.decode_attention(q, k, v, cos.reshape(-1, half), sin.reshape(-1, half), cache_k,
-                                                cache_v, rows, row0, positions.reshape(-1), kv_len)
+                                                cache_v, rows, row0, positions.reshape(-1).to(torch.int64), kv_len)
 
 
 def takes_float(weight: torch.Tensor) -> bool:
     """Whether an unquantized CPU weight's eager products run in float_linear (bf16 always; fp32 up to
     quantize.FP32_KERNEL_MAX_ROWS rows)."""
-    return weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and available()
+    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and weight.is_contiguous()
+            and available())
 
 
 def takes(inputs: int) -> bool:

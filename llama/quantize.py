@@ -91,10 +91,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scales=None) -> torch.Tensor:
             # Eager on CPU: bf16 goes to our kernel (oneDNN's streams more slowly on AVX2, and without native bf16
             # its GEMM costs a whole GEMV per row), as does fp32 up to a few rows (a GEMV); larger fp32 batches go
             # to oneDNN's GEMM. Under torch.compile Inductor's own kernels run.
-            if weight.dtype == torch.bfloat16 and cpu_kernels.available():
+            if weight.dtype == torch.bfloat16 and cpu_kernels.takes_float(weight):
                 return cpu_kernels.float_linear(x, weight)
             if weight.dtype == torch.float32 and x.dtype == torch.float32:
-                if x.numel() <= FP32_KERNEL_MAX_ROWS * x.shape[-1] and cpu_kernels.available():
+                if x.numel() <= FP32_KERNEL_MAX_ROWS * x.shape[-1] and cpu_kernels.takes_float(weight):
                     return cpu_kernels.float_linear(x, weight)
                 if ONEDNN_FP32:
                     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")

@@ -211,3 +211,23 @@ def test_built_once_and_turned_off_by_env(tmp_path):
     assert "compiling" not in second.stderr and second.stdout.split()[-2:] == ["True", "32"]
     off = run(LLAMA_CPU_KERNELS="0")
     assert off.stdout.split()[-2:] == ["False", "None"]
+
+
+def test_eager_products_take_our_kernel_or_fall_back():
+    """quantize.linear sends eager CPU products of contiguous bf16 weights, and fp32 ones up to
+    FP32_KERNEL_MAX_ROWS rows, to float_linear; a strided weight (a row-parallel shard's view) still multiplies."""
+    from llama.quantize import FP32_KERNEL_MAX_ROWS, linear
+
+    torch.manual_seed(0)
+    w = torch.randn(24, 64)
+    for rows in (1, FP32_KERNEL_MAX_ROWS, FP32_KERNEL_MAX_ROWS + 1):
+        x = torch.randn(rows, 64)
+        want = x.double() @ w.double().T
+        torch.testing.assert_close(linear(x, w).double(), want, rtol=1e-5, atol=1e-4)
+        if rows <= FP32_KERNEL_MAX_ROWS:
+            assert torch.equal(linear(x, w), torch.ops.llama_cpu.float_linear(x, w))
+    strided = torch.randn(24, 128)[:, ::2]
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(linear(x, strided).double(), x.double() @ strided.double().T, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(linear(x.bfloat16(), strided.bfloat16()).float(),
+                               (x.bfloat16().float() @ strided.bfloat16().float().T), rtol=2e-2, atol=5e-2)
