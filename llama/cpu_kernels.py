@@ -153,11 +153,15 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], -1).to(x.dtype)
 
 
+def _eager_float(t: torch.Tensor) -> bool:
+    """The condition every float op here shares: an fp32 or bf16 CPU tensor, outside torch.compile, kernels built."""
+    return (t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16) and not torch.compiler.is_compiling()
+            and available())
+
+
 def norms(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether rms_norm can run: eager, on CPU, x and weight of one dtype (fp32 or bf16), the kernels built."""
-    return (x.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in (torch.float32, torch.bfloat16)
-            and weight.is_contiguous()
-            and not torch.compiler.is_compiling() and available())
+    """Whether rms_norm can run: x and a contiguous weight of one dtype (fp32 or bf16), eager on CPU."""
+    return x.dtype == weight.dtype and weight.is_contiguous() and _eager_float(x)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -166,10 +170,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def attends(x: torch.Tensor, cache: torch.Tensor) -> bool:
-    """Whether decode_attention can run this step: eager, on CPU, activations in the cache's dtype (fp32 or bf16),
-    head_dim a multiple of 8, and the kernels built."""
-    return (x.device.type == "cpu" and x.dtype == cache.dtype and cache.dtype in (torch.float32, torch.bfloat16)
-            and cache.shape[-1] % 8 == 0 and not torch.compiler.is_compiling() and available())
+    """Whether decode_attention can run this step: activations in the cache's dtype (fp32 or bf16), head_dim a
+    multiple of 8, eager on CPU."""
+    return x.dtype == cache.dtype and cache.shape[-1] % 8 == 0 and _eager_float(cache)
 
 
 def decode_attention(q, k, v, cos, sin, cache_k, cache_v, rows, positions, kv_len: int) -> torch.Tensor:
@@ -189,8 +192,7 @@ def decode_attention(q, k, v, cos, sin, cache_k, cache_v, rows, positions, kv_le
 def takes_float(weight: torch.Tensor) -> bool:
     """Whether an unquantized CPU weight's eager products run in float_linear (bf16 always; fp32 up to
     quantize.FP32_KERNEL_MAX_ROWS rows)."""
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and weight.is_contiguous()
-            and available())
+    return weight.is_contiguous() and _eager_float(weight)
 
 
 def takes(inputs: int) -> bool:

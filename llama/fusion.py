@@ -1,7 +1,8 @@
 """Fusing parallel projections (q/k/v, gate/up) into one product each, after loading.
 
-Fewer, larger products per layer; checkpoints and tools still see Meta's names. Where fusing only copies weights
-(unquantized on a CPU our kernels run) the loader skips it (llama/loader.py, fuses()).
+Fewer, larger products per layer; checkpoints and tools still see Meta's names. Where the copy that fusing makes
+would cost more than it gains (a large unquantized model on a CPU our kernels run) the loader skips it
+(llama/loader.py, fuses()).
 """
 
 import torch

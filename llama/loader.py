@@ -45,7 +45,7 @@ def fuses(args: ModelArgs, dtype, device, quantize: Optional[str], compile, rank
     if compile is not None and compile is not False and compile != "auto":
         return True
     fused = args.dim * (args.n_heads + 2 * args.n_kv_heads) * args.head_dim + 2 * args.dim * args.hidden_dim
-    copy = args.n_layers * fused * torch.empty((), dtype=dtype).element_size() / ranks
+    copy = args.n_layers * fused * dtype.itemsize / ranks
     have = memory.available_bytes()
     return have is None or copy <= have / 4
 
