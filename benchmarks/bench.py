@@ -46,7 +46,7 @@ def run_llama(cfg: dict) -> dict:
     pre = cfg.get("prequantized")  # a checkpoint written by `python -m llama.quantize`: loads as its scheme
     llm = Llama.build(pre or cfg["ckpt"], cfg["tokenizer"], max_seq_len=P + N, max_batch_size=max(batches),
                       dtype=DTYPES.get(cfg["dtype"]), quantize=cfg["quantize"] if cfg["quantize"] == "int8-dynamic"
-                      or not pre else None,
+                      or not pre else None, group_size=None if pre else cfg.get("group_size"),
                       compile=cfg["compile"])
     out = {"load_s": time.perf_counter() - start}
     llm.tokenizer.stop_tokens = {}  # random weights: never stop early, every run decodes N tokens
@@ -98,6 +98,7 @@ def spawn(cfg: dict, timeout: float) -> dict:
 def label(cfg: dict) -> str:
     if cfg["engine"] == "llama":
         prec = cfg["quantize"] or cfg["dtype"]
+        prec += f"-g{cfg['group_size']}" if cfg.get("group_size") else ""
         state = {False: "eager", "auto": "compile=auto"}.get(cfg["compile"], "compiled")
         return f"llama {prec}{' (pre-quantized)' if cfg.get('prequantized') else ''} {state}"
     if cfg["engine"] == "llamacpp":
@@ -184,14 +185,15 @@ def int8_accuracy(ckpt: str, tokenizer: str, goldens: Path) -> dict:
 
 
 # --------------------------------------------------------------------------------------------- main
-def prequantize(ckpt: str, workdir: str, scheme: str) -> str:
+def prequantize(ckpt: str, workdir: str, scheme: str, group_size: int = None) -> str:
     """The `python -m llama.quantize` copy of ckpt in workdir (written once, in a subprocess, and timed)."""
-    out = Path(workdir) / f"{Path(ckpt).name}-{scheme}"
+    out = Path(workdir) / f"{Path(ckpt).name}-{scheme}{f'-g{group_size}' if group_size else ''}"
     if not (out / "params.json").exists():
         t = time.perf_counter()
         tmp = out.with_name(out.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
-        subprocess.run([sys.executable, "-m", "llama.quantize", ckpt, str(tmp), "--scheme", scheme, "--no-progress"],
+        subprocess.run([sys.executable, "-m", "llama.quantize", ckpt, str(tmp), "--scheme", scheme, "--no-progress"]
+                       + (["--group-size", str(group_size)] if group_size else []),
                        check=True, cwd=Path(__file__).resolve().parents[1])
         tmp.rename(out)
         print(f"wrote the {scheme} checkpoint {out} in {time.perf_counter() - t:.0f} s", flush=True)
@@ -206,14 +208,17 @@ def configs(args, ckpt: str, tokenizer: str):
         for comp in args.compile:
             compile_arg = {"off": False, "auto": "auto", "on": True if args.compile_mode == "dtype" else args.compile_mode}
             quantized = prec.startswith("int")
-            cfg = dict(base, engine="llama", dtype=None if quantized else prec, quantize=prec if quantized else None,
-                       compile=compile_arg[comp])
-            if args.prequantized and prec in ("int8", "int8-dynamic", "int4"):  # int8-dynamic: the int8 codes
-                cfg["prequantized"] = prequantize(ckpt, args.workdir, "int8" if prec == "int8-dynamic" else prec)
+            scheme, _, group = prec.partition("-g")  # int4-g64: int4 with groups of 64
+            cfg = dict(base, engine="llama", dtype=None if quantized else prec, quantize=scheme if quantized else None,
+                       group_size=int(group) if group else None, compile=compile_arg[comp])
+            if args.prequantized and quantized:  # int8-dynamic: the int8 codes
+                cfg["prequantized"] = prequantize(ckpt, args.workdir, "int8" if prec == "int8-dynamic" else scheme,
+                                                  cfg["group_size"])
             out.append(cfg)
         if "hf" in args.compare and not prec.startswith("int"):
             out.append(dict(base, engine="hf", dtype=prec))
-        gguf_type = {"fp32": "f32", "bf16": "bf16", "int8": "q8_0", "int8-dynamic": "q8_0", "int4": "q4_0"}[prec]
+        gguf_type = {"fp32": "f32", "bf16": "bf16", "int8": "q8_0", "int8-dynamic": "q8_0", "int4": "q4_0"}[
+            prec.partition("-g")[0]]
         if "llamacpp" in args.compare and not any(c.get("gguf_type") == gguf_type for c in out):
             out.append(dict(base, engine="llamacpp", gguf_type=gguf_type, batch=[1], workdir=args.workdir))
     return out
@@ -224,8 +229,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="110m", help="checkpoint directory or shape: " + ", ".join(SHAPES))
     ap.add_argument("--tokenizer", help="tokenizer.model (default: the checkpoint's, else the Llama 2 tokenizer)")
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16", "int8", "int8-dynamic"],
-                    choices=["fp32", "bf16", "int8", "int8-dynamic", "int4"],
-                    help="int8 schemes: see llama/quantize.py; int4: llama/quant_int4.py (group 32)")
+                    choices=["fp32", "bf16", "int8", "int8-dynamic", "int4", "int4-g64", "int4-g128"],
+                    help="int8 schemes: see llama/quantize.py; int4: llama/quant_int4.py (group 32; -g64: "
+                         "groups of 64, q4_0's size)")
     ap.add_argument("--prequantized", action="store_true",
                     help="int8/int4: load checkpoints written once into --workdir by python -m llama.quantize")
     ap.add_argument("--compile", nargs="+", default=["off", "on"], choices=["off", "on", "auto"],

@@ -1,9 +1,12 @@
 """Group-wise 4-bit weights ("int4"): every run of `group_size` input weights of an output row gets its own scale and
 offset, so a weight costs 4 bits plus 32 bits per group (4.5 bits at group 32, 7B: ~3.8 GB).
 
-Scheme: asymmetric round-to-nearest, like llama.cpp's q4_1 (q4_0 is the symmetric variant with no offset): per
-group, scale = (max - min) / 15 and w ~= (code - 8) * scale + zero with zero = min + 8 * scale, codes 0..15. The
-scale and zero are rounded to bf16 before the codes are chosen, so the codes fit the values actually applied.
+Scheme: asymmetric, like llama.cpp's q4_1 (q4_0 is the symmetric variant with no offset): per group,
+w ~= (code - 8) * scale + zero, codes 0..15. The (scale, zero) pair is searched per group: round-to-nearest over
+[min, max] (scale = (max - min) / 15) and a few least-squares fits to codes from slightly stretched or clipped
+grids, keeping the pair with the least squared error, each weight weighted by its size (a cheap form of
+llama.cpp's k-quant search). Scale and zero are rounded to bf16 before the codes are chosen, so the codes fit the
+values actually applied.
 
 Kernels, measured in benchmarks/quant_kernels.py (docs/performance.md):
 - ours (llama/cpu_kernels.py, x86 with AVX2, input size a multiple of 32): multiplies the storage layout as it is,
@@ -43,24 +46,88 @@ def check_group_size(group_size) -> int:
     return group_size
 
 
+# The search's candidates: code ranges of 15 + offset steps over a group's (max - min), so that positive offsets
+# clip the extremes (llama.cpp's make_qkx2_quants walks a similar grid). Each is followed by a least-squares fit.
+_RANGE_OFFSETS = (-0.3, 0.0, 0.3, 0.6)
+_CHUNK_ROWS = 512  # rows quantized at a time: the search's temporaries stay in cache, and memory flat
+
+
 def quantize_codes(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
                    scale_dtype: torch.dtype = torch.bfloat16) -> Tuple[torch.Tensor, torch.Tensor]:
     """(N, K) float weight -> storage layout (codes (N, K/2) uint8, scales (N, ceil(K/G), 2) scale_dtype).
 
-    A last, partial group is quantized as if padded with zeros.
+    Per group, the (scale, zero) with the least weighted squared error among round-to-nearest over [min, max] and a
+    few weighted least-squares fits (`_search`): never worse than round-to-nearest by that measure. A last, partial
+    group is searched on its own values.
     """
     check_group_size(group_size)
     n, k = weight.shape
     if k % 2:
         raise ValueError(f"int4 weights need an even input size, got a ({n}, {k}) weight")
-    groups = math.ceil(k / group_size)
-    w = F.pad(weight.float(), (0, groups * group_size - k)).view(n, groups, group_size)
-    lo, hi = w.amin(dim=2), w.amax(dim=2)
-    scale = ((hi - lo) / 15).clamp_min(1e-12).to(scale_dtype)  # a constant group: any scale, codes all 8
-    zero = (lo + 8 * scale.float()).to(scale_dtype)
-    codes = torch.round((w - zero.float()[..., None]) / scale.float()[..., None] + 8).clamp_(0, 15).to(torch.uint8)
-    codes = codes.view(n, -1)[:, :k]
-    return codes[:, 0::2] | (codes[:, 1::2] << 4), torch.stack([scale, zero], dim=-1)
+    full, tail = divmod(k, group_size)
+    codes = torch.empty(n, k // 2, dtype=torch.uint8)
+    scales = torch.empty(n, full + (tail > 0), 2, dtype=scale_dtype)
+    for r0 in range(0, n, _CHUNK_ROWS):
+        rows = weight[r0 : r0 + _CHUNK_ROWS].float()
+        parts = [rows[:, : full * group_size].reshape(rows.shape[0], full, group_size)]
+        if tail:  # searched on its own values (padding would pull the fit toward zero)
+            parts.append(rows[:, full * group_size :].reshape(rows.shape[0], 1, tail))
+        q, pairs = [], []
+        for w in parts:
+            scale, zero = _search(w, scale_dtype)
+            q.append(_codes(w, scale, zero).flatten(1))
+            pairs.append(torch.cat([scale, zero], dim=2))
+        q = torch.cat(q, dim=1)
+        codes[r0 : r0 + _CHUNK_ROWS] = q[:, 0::2] | (q[:, 1::2] << 4)
+        scales[r0 : r0 + _CHUNK_ROWS] = torch.cat(pairs, dim=1).to(scale_dtype)
+    return codes, scales
+
+
+def _codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return torch.round((w - zero) / scale + 8).clamp_(0, 15).to(torch.uint8)
+
+
+def importance(w: torch.Tensor) -> torch.Tensor:
+    """Per-weight weights of the search's squared error, per group of w (..., G): |w| plus the group's root mean
+    square, as llama.cpp's k-quants weigh theirs without an importance matrix (large weights count more: an
+    unweighted search clips them and lost perplexity on both models measured)."""
+    return w.abs() + w.pow(2).mean(dim=-1, keepdim=True).sqrt()
+
+
+def _search(w: torch.Tensor, scale_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per group of w (rows, groups, G): the fp32 values of the scale_dtype (scale, zero), each (rows, groups, 1),
+    whose round-to-nearest codes reconstruct w with the least `importance`-weighted squared error."""
+    lo, hi = w.amin(dim=2, keepdim=True), w.amax(dim=2, keepdim=True)
+    rng = hi - lo
+    plain = (rng / 15).clamp_min(1e-12)  # round-to-nearest over [min, max]; a constant group: any scale, codes 8
+    best = None
+    imp = importance(w)
+    sum_w = imp.sum(dim=2, keepdim=True)
+    sum_x = (imp * w).sum(dim=2, keepdim=True)
+    for offset in (None,) + _RANGE_OFFSETS:
+        if offset is None:
+            scale, low = plain, lo
+        else:  # codes from a stretched or shrunk grid, then the scale and low end that fit them best
+            l = ((w - lo) * ((15 + offset) / rng.clamp_min(1e-12))).round_().clamp_(0, 15)
+            il = imp * l
+            sum_l, sum_ll = il.sum(dim=2, keepdim=True), (il * l).sum(dim=2, keepdim=True)
+            sum_xl = (il * w).sum(dim=2, keepdim=True)
+            det = sum_w * sum_ll - sum_l * sum_l  # ~0 when every code is equal: no fit
+            fit = det > 1e-6 * sum_w * sum_ll
+            det = torch.where(fit, det, torch.ones_like(det))
+            scale = torch.where(fit, ((sum_w * sum_xl - sum_x * sum_l) / det).clamp_min(1e-12), plain)
+            low = torch.where(fit, (sum_ll * sum_x - sum_l * sum_xl) / det, lo)
+        scale = scale.to(scale_dtype).float()
+        zero = (low + 8 * scale).to(scale_dtype).float()
+        err = _codes(w, scale, zero).float().sub_(8).mul_(scale).add_(zero).sub_(w).pow_(2).mul_(imp)
+        err = err.sum(dim=2, keepdim=True)
+        if best is None:
+            best = err, scale, zero
+        else:
+            better = err < best[0]
+            best = (torch.where(better, err, best[0]), torch.where(better, scale, best[1]),
+                    torch.where(better, zero, best[2]))
+    return best[1], best[2]
 
 
 def unpack_codes(codes: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from llama.demo import write_random_checkpoint
 from llama.memory import NotEnoughMemory, estimate, parse_bytes
 from llama.quantize import activation_dtype
 from llama.model import ColumnLinear, ModelArgs, RowLinear
-from llama.quant_int4 import (dequantize_codes, int4_linear, quantize_codes, quantize_int4, to_kernel,
+from llama.quant_int4 import (dequantize_codes, importance, int4_linear, quantize_codes, quantize_int4, to_kernel,
                               unpack_codes)
 from llama.quantize_cli import main as quantize_main, quantize_checkpoint
 
@@ -30,18 +30,59 @@ PARAMS = {"dim": 128, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of
           "norm_eps": 1e-5}
 
 
-@pytest.mark.parametrize("shape", [(48, 64), (40, 100)])  # 100: a partial last group
-def test_codes_error_is_half_a_step_per_group(shape):
-    w = torch.randn(*shape) * torch.logspace(-3, 1, shape[0])[:, None]
+def round_to_nearest(w: torch.Tensor, g: int) -> torch.Tensor:
+    """The plain scheme the search starts from: scale (max - min) / 15 per group, zero min + 8 scale, both bf16; a
+    last, partial group over its own values."""
+    n, k = w.shape
+    full = k - k % g
+    if full < k:
+        return torch.cat([round_to_nearest(w[:, :full], g), round_to_nearest(w[:, full:], k - full)], dim=1)
+    v = w.reshape(n, -1, g)
+    lo, hi = v.amin(2, keepdim=True), v.amax(2, keepdim=True)
+    scale = ((hi - lo) / 15).clamp_min(1e-12).bfloat16().float()
+    zero = (lo + 8 * scale).bfloat16().float()
+    return ((torch.round((v - zero) / scale + 8).clamp(0, 15) - 8) * scale + zero).view(n, k)
+
+
+def group_errors(back: torch.Tensor, w: torch.Tensor, g: int) -> torch.Tensor:
+    """Per group, the squared error weighted as the search weighs it (a last, partial group over its own values)."""
+    n, k = w.shape
+    full = k - k % g
+    if full < k:
+        return torch.cat([group_errors(back[:, :full], w[:, :full], g),
+                          group_errors(back[:, full:], w[:, full:], k - full)], dim=1)
+    v = w.reshape(n, -1, g)
+    return ((back.reshape(n, -1, g) - v).pow(2) * importance(v)).sum(-1)
+
+
+@pytest.mark.parametrize("shape, g", [((48, 64), 32), ((40, 100), 32), ((64, 256), 64), ((16, 512), 128)])
+def test_codes_search_beats_round_to_nearest_in_every_group(shape, g):
+    """The (scale, zero) search never loses to round-to-nearest over [min, max] in any group (by the weighted error
+    it minimizes), and on Gaussian weights cuts that error by over 10 %."""
+    torch.manual_seed(0)
+    w = torch.randn(*shape) * torch.logspace(-3, 1, shape[0])[:, None]  # scales from 1e-3 to 10 across rows
     w[3] = 0.5  # a constant row: every group of it exact
-    codes, scales = quantize_codes(w, 32)
+    codes, scales = quantize_codes(w, g)
     assert codes.dtype == torch.uint8 and codes.shape == (shape[0], shape[1] // 2)
-    assert scales.dtype == torch.bfloat16 and scales.shape == (shape[0], -(-shape[1] // 32), 2)
-    back = dequantize_codes(codes, scales, 32)
-    step = scales[..., 0].float().repeat_interleave(32, dim=1)[:, : shape[1]]
-    assert torch.all((back - w).abs() <= step / 2 * 1.02 + 1e-6)
-    assert torch.allclose(back[3], w[3], atol=2e-3)
+    assert scales.dtype == torch.bfloat16 and scales.shape == (shape[0], -(-shape[1] // g), 2)
     assert unpack_codes(codes).max() <= 15
+    back = dequantize_codes(codes, scales, g)
+    ours, plain = group_errors(back, w, g), group_errors(round_to_nearest(w, g), w, g)
+    assert torch.all(ours <= plain)
+    assert torch.allclose(back[3], w[3], atol=2e-3)
+    rel = group_errors(back, w, g).sum(1) / plain.sum(1).clamp_min(1e-30)
+    assert float(rel[torch.arange(shape[0]) != 3].mean()) < 0.93  # measured 0.85-0.90
+
+
+def test_group_64_is_closer_than_llama_cpp_q4_0_at_the_same_size():
+    """Group 64 stores as many bytes as q4_0 (4.5 bits per weight); its weights must be at least as close."""
+    gguf = pytest.importorskip("gguf")
+    torch.manual_seed(0)
+    w = torch.randn(256, 1024) * 0.02
+    qt = gguf.GGMLQuantizationType.Q4_0
+    q4_0 = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w.numpy(), qt), qt))
+    ours = dequantize_codes(*quantize_codes(w, 64), 64)
+    assert float((ours - w).pow(2).sum()) < 0.97 * float((q4_0 - w).pow(2).sum())
 
 
 @pytest.mark.parametrize("n, k, g", [(64, 128, 32), (40, 100, 32), (344, 64, 64), (48, 256, 128)])
