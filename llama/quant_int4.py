@@ -49,7 +49,9 @@ def check_group_size(group_size) -> int:
 # The search's candidates: code ranges of 15 + offset steps over a group's (max - min), so that positive offsets
 # clip the extremes (llama.cpp's make_qkx2_quants walks a similar grid). Each is followed by a least-squares fit.
 _RANGE_OFFSETS = (-0.3, 0.0, 0.3, 0.6)
-_CHUNK_ROWS = 512  # rows quantized at a time: the search's temporaries stay in cache, and memory flat
+# Weights quantized at a time: the search's temporaries stay in cache and under the 1 MB above which loading
+# gives each allocation its own mapping (memory.freed_memory_returned; 512 rows of 4096 took 4-7x as long there).
+_CHUNK_ELEMENTS = 1 << 18
 
 
 def quantize_codes(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
@@ -67,8 +69,9 @@ def quantize_codes(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
     full, tail = divmod(k, group_size)
     codes = torch.empty(n, k // 2, dtype=torch.uint8)
     scales = torch.empty(n, full + (tail > 0), 2, dtype=scale_dtype)
-    for r0 in range(0, n, _CHUNK_ROWS):
-        rows = weight[r0 : r0 + _CHUNK_ROWS].float()
+    chunk = max(1, _CHUNK_ELEMENTS // k)
+    for r0 in range(0, n, chunk):
+        rows = weight[r0 : r0 + chunk].float()
         parts = [rows[:, : full * group_size].reshape(rows.shape[0], full, group_size)]
         if tail:  # searched on its own values (padding would pull the fit toward zero)
             parts.append(rows[:, full * group_size :].reshape(rows.shape[0], 1, tail))
@@ -78,8 +81,8 @@ def quantize_codes(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
             q.append(_codes(w, scale, zero).flatten(1))
             pairs.append(torch.cat([scale, zero], dim=2))
         q = torch.cat(q, dim=1)
-        codes[r0 : r0 + _CHUNK_ROWS] = q[:, 0::2] | (q[:, 1::2] << 4)
-        scales[r0 : r0 + _CHUNK_ROWS] = torch.cat(pairs, dim=1).to(scale_dtype)
+        codes[r0 : r0 + chunk] = q[:, 0::2] | (q[:, 1::2] << 4)
+        scales[r0 : r0 + chunk] = torch.cat(pairs, dim=1).to(scale_dtype)
     return codes, scales
 
 
