@@ -49,9 +49,10 @@ def check_group_size(group_size) -> int:
 # The search's candidates: code ranges of 15 + offset steps over a group's (max - min), so that positive offsets
 # clip the extremes (llama.cpp's make_qkx2_quants walks a similar grid). Each is followed by a least-squares fit.
 _RANGE_OFFSETS = (-0.3, 0.0, 0.3, 0.6)
-# Weights quantized at a time: the search's temporaries stay in cache and under the 1 MB above which loading
-# gives each allocation its own mapping (memory.freed_memory_returned; 512 rows of 4096 took 4-7x as long there).
-_CHUNK_ELEMENTS = 1 << 18
+# Weights quantized at a time: the search's fp32 temporaries (512 KB) stay in cache and under the 1 MB from which
+# loading gives each allocation its own mapping (memory.freed_memory_returned): at 1 MB every temporary was
+# page-faulted in afresh, 4x slower.
+_CHUNK_ELEMENTS = 1 << 17
 
 
 def quantize_codes(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
