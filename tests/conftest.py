@@ -1,7 +1,9 @@
 """Shared fixtures: paths into ../shared (skipped with a reason when absent) and one stories260K generator."""
 
+import atexit
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -11,8 +13,10 @@ import torch
 # The test models are tiny: one thread is as fast, and never oversubscribes a shared 2-core machine.
 torch.set_num_threads(1)
 
-# The suite never writes the user's cache (the demo checkpoint, int4 pack caches); subprocesses inherit this.
+# The suite never writes the user's cache (the demo checkpoint, int4 pack caches); subprocesses inherit this. It is
+# removed when the session ends, so runs do not pile up in /tmp.
 os.environ["LLAMA_CACHE"] = tempfile.mkdtemp(prefix="llama-test-cache-")
+atexit.register(shutil.rmtree, os.environ["LLAMA_CACHE"], ignore_errors=True)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("LLAMA_SHARED") or REPO.parent / "shared")
