@@ -125,7 +125,19 @@ def machine() -> str:
         pass
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return (f"{cpu} ({torch.backends.cpu.get_cpu_capability()}), {os.cpu_count()} cores, {mem:.0f} GiB RAM, "
-            f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads; {our_kernels()}")
+
+
+def our_kernels() -> str:
+    """Which of our CPU kernels run here: the results depend on it (llama/cpu_kernels.py)."""
+    from llama import cpu_kernels
+
+    if not cpu_kernels.available():
+        return "our CPU kernels off (PyTorch's kernels)"
+    caps = torch.cpu.get_capabilities()
+    vnni = all(caps.get(f"avx512_{f}", False) for f in ("f", "bw", "dq", "vl", "vnni"))
+    tile = "AVX-512 VNNI" if vnni and os.environ.get("LLAMA_CPU_AVX512") != "0" else "AVX2"
+    return f"our CPU kernels on (int4 tile: {tile})"
 
 
 def run_requests(llm, prompts: List[List[int]], params) -> List[float]:

@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .cache import KVCache
-from .compile import CompiledDecode
+from .compile import CompiledDecode, bucket
 from .pipeline import Pending
 from .request import Request
 from .sampling import RowSampler, prompt_top_entries, token_logprobs
@@ -100,21 +100,24 @@ class Runner:
     def _decode(self, tokens: List[int], pos: List[int], active: List[int], base: int = 0) -> torch.Tensor:
         """Logits (rows, V) of one token per slot, rows indexed by slot (slot s in cache row base + s).
 
-        Compiled, the step spans every slot, so one graph (one copy of the weights) serves any mix of requests.
-        Eager, it spans only slots 0..highest active; under compile="auto" its time counts toward compiling.
+        Both paths span slots 0..highest active, not every slot: decoding one request in a cache of 8 rows must not
+        cost 8 rows' products. Compiled, that width is rounded up to its graph's batch size (a power of two, so a
+        handful of graphs serve any mix of requests; each is subject to the memory check, as graphs of float
+        weights hold their own copy). Eager, under compile="auto", the step's time counts toward compiling the
+        graph of that size.
         """
         dev, c = self.device, self.compiled
-        n_slots = len(tokens)
-        if c is not None and not base and c.ready(c.key(n_slots, None)):
-            return c(torch.tensor(tokens, device=dev)[:, None], torch.tensor(pos, device=dev))[:, 0]
         width = max(active) + 1
+        size = min(bucket(width, self.model.max_batch_size), len(tokens))  # the graph's batch: slots 0..size-1
+        if c is not None and not base and c.ready(c.key(size, None)):
+            return c(torch.tensor(tokens[:size], device=dev)[:, None], torch.tensor(pos[:size], device=dev))[:, 0]
         x = torch.tensor(tokens[:width], device=dev)[:, None]
         same = len(set(pos[:width])) == 1
         start = time.perf_counter()
         rows = {"rows": slice(base, base + width)} if base else {}  # an engine group's slots: rows in place
         logits = self._sampling_pass(x, pos[0] if same else torch.tensor(pos[:width], device=dev), **rows)[:, 0]
         if c is not None and c.lazy:
-            c.spent_eager(n_slots, None, time.perf_counter() - start)
+            c.spent_eager(size, None, time.perf_counter() - start)
         return logits
 
     @torch.inference_mode()

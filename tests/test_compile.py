@@ -18,7 +18,7 @@ from llama import Llama
 from llama import compile as compilation
 from llama.cache import KVCache
 from llama.compile import CompiledDecode, bucket, compile_decode, own_storage
-from llama.quantize import quantize_int8
+from llama.quantize import quantize_int8, quantize_int8_dynamic
 
 pytestmark = pytest.mark.skipif(
     not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
@@ -134,7 +134,7 @@ def test_auto_compiles_a_batch_size_once_eager_decoding_has_cost_as_much(stories
 def test_auto_leaves_batch_sizes_our_cpu_kernels_run_eager(monkeypatch):
     """With our kernels running every product, attention and norm, eager decoding matched or beat the compiled step:
     "auto" keeps fp32 eager up to the rows our fp32 kernel takes and other dtypes up to one tile of rows; without
-    them, or for layers in PyTorch's kernels, the lazy rule decides."""
+    them, for layers in PyTorch's kernels, or for small quantized models (faster compiled), the lazy rule decides."""
     from test_model import random_model
 
     from llama import cpu_kernels
@@ -150,6 +150,10 @@ def test_auto_leaves_batch_sizes_our_cpu_kernels_run_eager(monkeypatch):
     bf16 = random_model().to(torch.bfloat16)
     assert compilation.eager_batches(bf16) == compilation.EAGER_KERNEL_MAX_BATCH
     assert compilation.eager_batches(quantize_int8(random_model())) == 0  # int8 weight-only: PyTorch's kernel
+    small = quantize_int8_dynamic(random_model(multiple_of=32))  # every product in our int8 kernel
+    assert compilation.eager_batches(small) == 0  # a small quantized model: the lazy rule decides
+    monkeypatch.setattr(compilation, "QUANTIZED_EAGER_MIN_BYTES", 0)  # as if it were large
+    assert compilation.eager_batches(small) == compilation.EAGER_KERNEL_MAX_BATCH
     monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     assert compilation.eager_batches(model) == 0
 

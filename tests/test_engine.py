@@ -293,9 +293,10 @@ def test_submit_from_many_threads(gen):
         assert results[i] == alone(gen, p, temperature=0.0, max_gen_len=LENGTHS[i])
 
 
-def test_compiled_decode_step_gets_one_batch_size(gen, monkeypatch):
-    """With a compiled decode step (llama.compile) the engine always decodes over every slot, so one graph serves
-    all steps; the step is stood in for by the eager decode_step it would compile."""
+def test_compiled_decode_step_spans_the_slots_in_use(gen, monkeypatch):
+    """With a compiled decode step (llama.compile) the engine decodes over slots 0..highest active, rounded up to a
+    graph's batch size (bucket: 1, 2, then all 3 slots), rows in place; not over every slot, so the last request
+    left does not pay for three rows. The step is stood in for by the eager decode_step it would compile."""
     sizes = []
 
     class Step:  # CompiledDecode's interface, already compiled for every size
@@ -316,14 +317,16 @@ def test_compiled_decode_step_gets_one_batch_size(gen, monkeypatch):
         handles = [engine.submit(p, temperature=0.0, max_gen_len=n) for p, n in zip(PROMPTS, LENGTHS)]
         results = [h.result(timeout=60) for h in handles]
     monkeypatch.setattr(gen.runner, "compiled", None)
-    assert set(sizes) == {(SLOTS, True)} and len(sizes) >= max(LENGTHS) - 1
+    assert {rows for _, rows in sizes} == {True} and len(sizes) >= max(LENGTHS) - 1
+    assert {b for b, _ in sizes} <= {1, 2, SLOTS} and SLOTS in {b for b, _ in sizes}
+    assert min(b for b, _ in sizes) < SLOTS  # the tail: fewer requests than slots
     for p, n, got in zip(PROMPTS, LENGTHS, results):
         assert got == alone(gen, p, temperature=0.0, max_gen_len=n)
 
 
 def test_auto_compile_still_eager_decodes_only_the_slots_in_use(gen, monkeypatch):
-    """compile="auto" before its graph is due: steps span only the slots in use (not all of them, as a compiled
-    graph would), and their time counts toward compiling the all-slots graph."""
+    """compile="auto" before its graph is due: steps span only the slots in use, and their time counts toward
+    compiling the graph of that width (one request in slot 0: the batch-1 graph), not the all-slots one."""
     from llama.compile import CompiledDecode
 
     step = CompiledDecode(gen.model, "default", lazy=True)
@@ -337,7 +340,7 @@ def test_auto_compile_still_eager_decodes_only_the_slots_in_use(gen, monkeypatch
     monkeypatch.setattr(gen.runner, "compiled", None)
     assert result == alone(gen, PROMPTS[0], temperature=0.0, max_gen_len=12)
     assert (1, 1) in widths and (SLOTS, 1) not in widths  # one request: one-row decode steps
-    assert step.eager[(SLOTS, False)] > 0 and not step.seen
+    assert step.eager[(1, False)] > 0 and (SLOTS, False) not in step.eager and not step.seen
 
 
 # ------------------------------------------------------------------------------------------------------ model parallel
