@@ -37,15 +37,13 @@ AUTO_MIN_PARAMS = 50_000_000
 # batches are faster compiled (docs/performance.md, "Why these defaults").
 FP32_EAGER_MIN_BATCH = 32
 
-# compile="auto" keeps batch sizes up to this eager on CPU when our kernels run the whole model (one tile of their
-# rows: eager streams the weights as fast as a compiled step, without the compile or its weight copy); unquantized
-# fp32, up to the rows our fp32 kernel takes (docs/performance.md, "Why these defaults").
+# compile="auto" keeps batch sizes up to this eager on CPU when our kernels run the whole model and its weights
+# take EAGER_KERNEL_MIN_BYTES or more (one tile of their rows; unquantized fp32, up to the rows our fp32 kernel
+# takes): there the eager step is almost all weight streaming in our kernels, a compiled step would win back a few
+# percent after minutes of compiling, and float weights would be copied into its graph. Smaller models go by the
+# lazy rule: their compiled step is clearly faster (docs/performance.md, "Why these defaults").
 EAGER_KERNEL_MAX_BATCH = 4
-
-# ... except quantized models (int4, int8-dynamic) with fewer weight bytes than this: there the compiled step is
-# clearly faster than eager and the lazy rule decides. Above it the eager overhead is a few percent of a step,
-# less than compiling (minutes at 7B) would win back (docs/performance.md, "Why these defaults").
-QUANTIZED_EAGER_MIN_BYTES = 1 << 30
+EAGER_KERNEL_MIN_BYTES = 1 << 30
 
 # Inductor's own lowering of oneDNN's int8 linear (int8-dynamic) warns about its internal tensor copy: not ours.
 warnings.filterwarnings("ignore", message="To copy construct from a tensor", module="torch._inductor.mkldnn_lowerings")
@@ -230,10 +228,9 @@ def auto_mode(model) -> str:
 
 
 def eager_batches(model) -> int:
-    """Batch sizes up to which compile="auto" leaves decoding eager: on CPU, when our kernels (llama/cpu_kernels.py)
-    run every product and the attention and RMSNorm of a decode step, eager matched or beat the compiled step, or
-    the model is large enough that compiling does not pay (measured, docs/performance.md); 0 where they do not
-    (PyTorch's kernels, other devices, quantized models under QUANTIZED_EAGER_MIN_BYTES)."""
+    """Batch sizes up to which compile="auto" leaves decoding eager: on CPU, for models of EAGER_KERNEL_MIN_BYTES
+    or more whose every product, attention and RMSNorm of a decode step run in our kernels (llama/cpu_kernels.py);
+    0 otherwise (PyTorch's kernels, other devices, small models: the lazy rule decides)."""
     if (model.norm.weight.device.type != "cpu" or model.norm.weight.dtype not in (torch.float32, torch.bfloat16)
             or model.params.head_dim % 8 or not cpu_kernels.available()):
         return 0
@@ -246,10 +243,10 @@ def eager_batches(model) -> int:
         if m.scales is None and not cpu_kernels.takes_float(m.weight):
             return 0
         quantized = quantized or m.scales is not None
+    if weight_bytes(model) < EAGER_KERNEL_MIN_BYTES:
+        return 0
     if model.norm.weight.dtype == torch.float32 and not quantized:
         return FP32_KERNEL_MAX_ROWS
-    if quantized and weight_bytes(model) < QUANTIZED_EAGER_MIN_BYTES:
-        return 0
     return EAGER_KERNEL_MAX_BATCH
 
 
