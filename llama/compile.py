@@ -37,11 +37,12 @@ AUTO_MIN_PARAMS = 50_000_000
 # batches are faster compiled (docs/performance.md, "Why these defaults").
 FP32_EAGER_MIN_BATCH = 32
 
-# compile="auto" keeps batch sizes up to this eager on CPU when our kernels run the whole model and its weights
-# take EAGER_KERNEL_MIN_BYTES or more (one tile of their rows; unquantized fp32, up to the rows our fp32 kernel
-# takes): there the eager step is almost all weight streaming in our kernels, a compiled step would win back a few
-# percent after minutes of compiling, and float weights would be copied into its graph. Smaller models go by the
-# lazy rule: their compiled step is clearly faster (docs/performance.md, "Why these defaults").
+# compile="auto" keeps batch sizes up to this eager on CPU when our kernels run the whole model (one tile of their
+# rows; unquantized fp32, up to the rows our fp32 kernel takes). For float weights a compiled graph would hold its
+# own copy of them, and loading even a stored step made a short generation slower than eager. Quantized weights are
+# not copied: there it applies only to models of EAGER_KERNEL_MIN_BYTES or more, whose eager step is almost all
+# weight streaming in our kernels (a compiled step would win back a few percent after minutes of compiling);
+# smaller quantized models, clearly faster compiled, go by the lazy rule (docs/performance.md, "Why these defaults").
 EAGER_KERNEL_MAX_BATCH = 4
 EAGER_KERNEL_MIN_BYTES = 1 << 30
 
@@ -228,9 +229,10 @@ def auto_mode(model) -> str:
 
 
 def eager_batches(model) -> int:
-    """Batch sizes up to which compile="auto" leaves decoding eager: on CPU, for models of EAGER_KERNEL_MIN_BYTES
-    or more whose every product, attention and RMSNorm of a decode step run in our kernels (llama/cpu_kernels.py);
-    0 otherwise (PyTorch's kernels, other devices, small models: the lazy rule decides)."""
+    """Batch sizes up to which compile="auto" leaves decoding eager: on CPU, when every product, attention and
+    RMSNorm of a decode step run in our kernels (llama/cpu_kernels.py), for float weights and for quantized models
+    of EAGER_KERNEL_MIN_BYTES or more; 0 otherwise (PyTorch's kernels, other devices, small quantized models: the
+    lazy rule decides)."""
     if (model.norm.weight.device.type != "cpu" or model.norm.weight.dtype not in (torch.float32, torch.bfloat16)
             or model.params.head_dim % 8 or not cpu_kernels.available()):
         return 0
@@ -243,11 +245,9 @@ def eager_batches(model) -> int:
         if m.scales is None and not cpu_kernels.takes_float(m.weight):
             return 0
         quantized = quantized or m.scales is not None
-    if weight_bytes(model) < EAGER_KERNEL_MIN_BYTES:
-        return 0
-    if model.norm.weight.dtype == torch.float32 and not quantized:
-        return FP32_KERNEL_MAX_ROWS
-    return EAGER_KERNEL_MAX_BATCH
+    if not quantized:
+        return FP32_KERNEL_MAX_ROWS if model.norm.weight.dtype == torch.float32 else EAGER_KERNEL_MAX_BATCH
+    return EAGER_KERNEL_MAX_BATCH if weight_bytes(model) >= EAGER_KERNEL_MIN_BYTES else 0
 
 
 def linear_weights(model) -> list:

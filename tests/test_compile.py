@@ -121,7 +121,7 @@ def test_auto_compiles_a_batch_size_once_eager_decoding_has_cost_as_much(stories
     here), then compile it; both paths give the goldens, so the switch is invisible in the output."""
     llama = build(stories_dir, compile=False)
     step = llama.runner.compiled = CompiledDecode(llama.model, "default", lazy=True)
-    assert step.eager_up_to == 0  # a small model: the lazy rule decides
+    step.eager_up_to = 0  # as on a model our CPU kernels do not run (they keep every batch size of this one eager)
     step.estimate = 0.05  # seconds of eager decoding before compiling
     prompts = [g["prompt_tokens"] for g in goldens.values()]
     out, _ = llama.generate(prompts, max_gen_len=128, temperature=0)
@@ -131,19 +131,17 @@ def test_auto_compiles_a_batch_size_once_eager_decoding_has_cost_as_much(stories
         assert got == g["generated_tokens"]
 
 
-def test_auto_leaves_batch_sizes_our_cpu_kernels_run_eager_on_large_models(monkeypatch):
-    """Where our kernels run every product, attention and norm of a large model, the eager step is almost all weight
-    streaming: "auto" keeps fp32 eager up to the rows our fp32 kernel takes and other dtypes up to one tile of rows.
-    For small models (faster compiled), without our kernels, or for layers in PyTorch's kernels, the lazy rule
-    decides."""
+def test_auto_leaves_batch_sizes_our_cpu_kernels_run_eager(monkeypatch):
+    """Where our kernels run every product, attention and norm, "auto" keeps fp32 eager up to the rows our fp32
+    kernel takes and bf16 up to one tile of rows (a compiled graph would copy float weights); quantized models too
+    when large (their eager step is almost all weight streaming), while small ones, faster compiled, go by the lazy
+    rule, as do models without our kernels or with layers in PyTorch's kernels."""
     from test_model import random_model
 
     from llama import cpu_kernels
 
     model = random_model(multiple_of=32)  # every input size a multiple of 32: all in our kernels
     KVCache(model, 8, 32)
-    assert compilation.eager_batches(model) == 0  # a few KB of weights: small
-    monkeypatch.setattr(compilation, "EAGER_KERNEL_MIN_BYTES", 0)  # as if it were large
     step = CompiledDecode(model, "default", lazy=True)
     if not cpu_kernels.available():
         assert step.eager_up_to == 0
@@ -152,8 +150,10 @@ def test_auto_leaves_batch_sizes_our_cpu_kernels_run_eager_on_large_models(monke
     assert CompiledDecode(model, "default", lazy=False).ready((1, False))  # compile=True still compiles
     bf16 = random_model(multiple_of=32).to(torch.bfloat16)
     assert compilation.eager_batches(bf16) == compilation.EAGER_KERNEL_MAX_BATCH
-    assert compilation.eager_batches(quantize_int8_dynamic(random_model(multiple_of=32))) == \
-        compilation.EAGER_KERNEL_MAX_BATCH
+    small = quantize_int8_dynamic(random_model(multiple_of=32))
+    assert compilation.eager_batches(small) == 0  # a few KB of quantized weights: the lazy rule
+    monkeypatch.setattr(compilation, "EAGER_KERNEL_MIN_BYTES", 0)  # as if it were large
+    assert compilation.eager_batches(small) == compilation.EAGER_KERNEL_MAX_BATCH
     assert compilation.eager_batches(quantize_int8(random_model())) == 0  # int8 weight-only: PyTorch's kernel
     monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     assert compilation.eager_batches(model) == 0

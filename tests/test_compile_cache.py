@@ -80,7 +80,7 @@ def test_auto_takes_a_stored_step_at_once(cache, stories_dir, monkeypatch):
     monkeypatch.setenv("LLAMA_CACHE", str(cache))
     llama = build(stories_dir, compile=False)
     lazy = CompiledDecode(llama.model, lazy=True)
-    assert lazy.eager_up_to == 0  # a small model: the lazy rule (and the stored step) decide
+    lazy.eager_up_to = 0  # as on a model our CPU kernels do not run (they keep this one eager at every batch size)
     assert lazy.ready((2, False))  # stored: no eager time spent, yet ready
     assert not lazy.ready((1, False))  # not stored: waits
     assert lazy.cost() == lazy.estimate
