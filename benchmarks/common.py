@@ -137,7 +137,7 @@ def our_kernels() -> str:
     caps = torch.cpu.get_capabilities()
     vnni = all(caps.get(f"avx512_{f}", False) for f in ("f", "bw", "dq", "vl", "vnni"))
     tile = "AVX-512 VNNI" if vnni and os.environ.get("LLAMA_CPU_AVX512") != "0" else "AVX2"
-    return f"our CPU kernels on (int4 tile: {tile})"
+    return f"our CPU kernels on (int4/int8 tiles: {tile})"
 
 
 def run_requests(llm, prompts: List[List[int]], params) -> List[float]:

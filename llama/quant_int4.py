@@ -1,5 +1,6 @@
 """Group-wise 4-bit weights ("int4"): every run of `group_size` input weights of an output row gets its own scale and
-offset, so a weight costs 4 bits plus 32 bits per group (4.5 bits at group 32, 7B: ~3.8 GB).
+offset, so a weight costs 4 bits plus 32 bits per group (5 bits at group 32, 7B: ~4.1 GB; 4.5 bits at group 64,
+llama.cpp q4_0's size).
 
 Scheme: asymmetric, like llama.cpp's q4_1 (q4_0 is the symmetric variant with no offset): per group,
 w ~= (code - 8) * scale + zero, codes 0..15. The (scale, zero) pair is searched per group: round-to-nearest over

@@ -1,8 +1,8 @@
 """Our CPU kernels (llama/cpu_kernels.py): each against a float64 reference of what it computes (the dequantized
 weight times the block-quantized activations), every row of a batch equal to that row alone (bitwise), every
-path of the int4 kernel (both tiles: AVX2, and AVX-512 VNNI where the CPU has it; group 32 in vectors of 8 blocks,
-other groups, partial vectors), the decode attention op against the model's eager step, shapes refused by name,
-the build kept and reused, and the fallback to PyTorch's kernels when turned off."""
+path of the int4 kernel (group 32 in vectors of 8 blocks, other groups, partial vectors), both tiles of the int4
+and int8 kernels (AVX2, and AVX-512 VNNI where the CPU has it), the decode attention op against the model's eager
+step, shapes refused by name, the build kept and reused, and the fallback to PyTorch's kernels when turned off."""
 
 import os
 import subprocess
@@ -46,8 +46,9 @@ VNNI = all(torch.cpu.get_capabilities().get(f"avx512_{f}", False) for f in ("f",
 
 
 @pytest.fixture(params=["avx2", "avx512-vnni"])
-def int4_tile(request, monkeypatch):
-    """Each int4 tile in turn: AVX2, and AVX-512 VNNI (rows of 8-block multiples, where the CPU has it)."""
+def tile(request, monkeypatch):
+    """Each tile of the int4 and int8 kernels in turn: AVX2, and AVX-512 VNNI (rows of 8-block multiples, where the
+    CPU has it)."""
     if request.param == "avx512-vnni" and not VNNI:
         pytest.skip("this CPU has no AVX-512 VNNI")
     monkeypatch.setenv("LLAMA_CPU_AVX512", "0" if request.param == "avx2" else "1")
@@ -56,7 +57,7 @@ def int4_tile(request, monkeypatch):
 
 @pytest.mark.parametrize("n, k, g", [(48, 256, 32), (40, 64, 32), (24, 96, 32), (33, 512, 64), (16, 256, 128),
                                      (20, 512, 256), (8, 320, 64), (12, 768, 64)])  # 320 / 64: a partial
-def test_int4_is_the_dequantized_product(n, k, g, int4_tile):  # last group; 768 / 64: 12 groups over 24 blocks
+def test_int4_is_the_dequantized_product(n, k, g, tile):  # last group; 768 / 64: 12 groups over 24 blocks
     torch.manual_seed(n + k + g)
     w = torch.randn(n, k) * torch.logspace(-2, 0, n)[:, None]
     codes, scales = quantize_codes(w, g)
@@ -68,8 +69,8 @@ def test_int4_is_the_dequantized_product(n, k, g, int4_tile):  # last group; 768
                    block_dequantized(x).double() @ weight.T)
 
 
-@pytest.mark.parametrize("n, k", [(48, 256), (24, 96), (7, 4096)])
-def test_int8_is_the_dequantized_product(n, k):
+@pytest.mark.parametrize("n, k", [(48, 256), (24, 96), (7, 4096)])  # 96: 3 blocks, the AVX2 tile only
+def test_int8_is_the_dequantized_product(n, k, tile):
     torch.manual_seed(n + k)
     q, scales = quantize_weight(torch.randn(n, k), torch.float32)
     weight = (q.double() * scales.double()[:, None])
@@ -88,7 +89,7 @@ def test_float_weights_are_the_float_product(n, k, dtype):
         check_rows(lambda v: torch.ops.llama_cpu.float_linear(v, w), x, x.double() @ w.double().T)
 
 
-def test_many_rows_take_the_weights_in_chunks(int4_tile):
+def test_many_rows_take_the_weights_in_chunks(tile):
     """Past one tile of rows, weight rows are taken in L2-sized chunks (here 8 rows of 16 KB): same sums, bitwise,
     as each row alone, for every kernel."""
     torch.manual_seed(0)
