@@ -47,8 +47,7 @@ inline __m256i unpack_nibbles(const uint8_t* p) {
 }
 
 // Memory aligned to a cache line: the VNNI tiles load 64 bytes of activation codes at a time, and from malloc's
-// 16-byte alignment every such load would straddle two lines (7B int8-dynamic decoded at 6.6 or 9.4-10 tok/s
-// depending on where the allocation happened to fall).
+// 16-byte alignment every such load would straddle two lines.
 template <typename T>
 struct LineAligned {
   using value_type = T;
