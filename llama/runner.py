@@ -100,15 +100,18 @@ class Runner:
     def _decode(self, tokens: List[int], pos: List[int], active: List[int], base: int = 0) -> torch.Tensor:
         """Logits (rows, V) of one token per slot, rows indexed by slot (slot s in cache row base + s).
 
-        Both paths span slots 0..highest active, not every slot: decoding one request in a cache of 8 rows must not
-        cost 8 rows' products. Compiled, that width is rounded up to its graph's batch size (a power of two, so a
-        handful of graphs serve any mix of requests; each is subject to the memory check, as graphs of float
-        weights hold their own copy). Eager, under compile="auto", the step's time counts toward compiling the
-        graph of that size.
+        Eager, the step spans slots 0..highest active. Compiled on CPU too, rounded up to its graph's batch size (a
+        power of two, so a handful of graphs serve any mix of requests; each is subject to the memory check, as
+        graphs of float weights hold their own copy): there each row costs its products, and one request in a
+        cache of 8 rows must not pay for 8. Compiled on CUDA, the step spans every slot: a GPU decodes a few rows in
+        the time of one, and one graph (one compile, one CUDA graph) serves every step. Under compile="auto" an
+        eager step's time counts toward compiling the graph of its size.
         """
         dev, c = self.device, self.compiled
         width = max(active) + 1
-        size = min(bucket(width, self.model.max_batch_size), len(tokens))  # the graph's batch: slots 0..size-1
+        size = len(tokens)  # the graph's batch: slots 0..size-1
+        if not getattr(c, "cuda", False):
+            size = min(bucket(width, self.model.max_batch_size), size)
         if c is not None and not base and c.ready(c.key(size, None)):
             return c(torch.tensor(tokens[:size], device=dev)[:, None], torch.tensor(pos[:size], device=dev))[:, 0]
         x = torch.tensor(tokens[:width], device=dev)[:, None]

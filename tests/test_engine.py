@@ -293,14 +293,17 @@ def test_submit_from_many_threads(gen):
         assert results[i] == alone(gen, p, temperature=0.0, max_gen_len=LENGTHS[i])
 
 
-def test_compiled_decode_step_spans_the_slots_in_use(gen, monkeypatch):
-    """With a compiled decode step (llama.compile) the engine decodes over slots 0..highest active, rounded up to a
-    graph's batch size (bucket: 1, 2, then all 3 slots), rows in place; not over every slot, so the last request
-    left does not pay for three rows. The step is stood in for by the eager decode_step it would compile."""
+@pytest.mark.parametrize("cuda", [False, True])
+def test_compiled_decode_step_spans_the_slots_in_use(gen, monkeypatch, cuda):
+    """With a compiled decode step (llama.compile) on CPU the engine decodes over slots 0..highest active, rounded
+    up to a graph's batch size (bucket: 1, 2, then all 3 slots), rows in place; not over every slot, so the last
+    request left does not pay for three rows. On CUDA every step spans every slot (one graph). The step is stood in
+    for by the eager decode_step it would compile."""
     sizes = []
 
     class Step:  # CompiledDecode's interface, already compiled for every size
         lazy = False
+        cuda = False
 
         def key(self, batch, rows):
             return batch, rows is not None
@@ -312,14 +315,19 @@ def test_compiled_decode_step_spans_the_slots_in_use(gen, monkeypatch):
             sizes.append((tokens.shape[0], rows is None))
             return gen.model.decode_step(tokens, pos, rows)
 
-    monkeypatch.setattr(gen.runner, "compiled", Step())
+    step = Step()
+    step.cuda = cuda  # only the width rule reads it; the model stays on the CPU
+    monkeypatch.setattr(gen.runner, "compiled", step)
     with gen.engine() as engine:
         handles = [engine.submit(p, temperature=0.0, max_gen_len=n) for p, n in zip(PROMPTS, LENGTHS)]
         results = [h.result(timeout=60) for h in handles]
     monkeypatch.setattr(gen.runner, "compiled", None)
     assert {rows for _, rows in sizes} == {True} and len(sizes) >= max(LENGTHS) - 1
-    assert {b for b, _ in sizes} <= {1, 2, SLOTS} and SLOTS in {b for b, _ in sizes}
-    assert min(b for b, _ in sizes) < SLOTS  # the tail: fewer requests than slots
+    if cuda:
+        assert {b for b, _ in sizes} == {SLOTS}
+    else:
+        assert {b for b, _ in sizes} <= {1, 2, SLOTS} and SLOTS in {b for b, _ in sizes}
+        assert min(b for b, _ in sizes) < SLOTS  # the tail: fewer requests than slots
     for p, n, got in zip(PROMPTS, LENGTHS, results):
         assert got == alone(gen, p, temperature=0.0, max_gen_len=n)
 
