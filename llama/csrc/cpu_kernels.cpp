@@ -211,6 +211,17 @@ void q4_tile(const Blocks& xb, const std::vector<float>& group_sum, int64_t m0, 
 // other rows of its batch.
 #define LLAMA_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 
+// The VNNI tiles' per-block scales: 8 blocks' scales in the low half of a vector, spread so that block pair p gets
+// block 2p's scale in lanes 0-7 and block 2p + 1's in lanes 8-15, as the pair's dot products lie.
+struct PairScales {
+  __m512i pick[4];
+  LLAMA_AVX512 PairScales() {
+    for (int p = 0; p < 4; ++p)
+      pick[p] = _mm512_inserti64x4(_mm512_set1_epi32(2 * p), _mm256_set1_epi32(2 * p + 1), 1);
+  }
+  LLAMA_AVX512 __m512 of(int p, __m512 eight) const { return _mm512_permutexvar_ps(pick[p], eight); }
+};
+
 template <int T>
 LLAMA_AVX512 void q4_tile_vnni(const Blocks& xb, int64_t m0, int64_t K, int64_t N, const uint8_t* codes,
                                const uint16_t* scales, int64_t groups, int64_t blocks_per_group, int64_t n0,
@@ -219,9 +230,7 @@ LLAMA_AVX512 void q4_tile_vnni(const Blocks& xb, int64_t m0, int64_t K, int64_t 
   const GroupPairs group_pairs(blocks_per_group);
   const __m512i twice = _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0);  // 128-bit lanes: block 0, block 0, 1, 1
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  __m512i pick[4];  // per block pair p: lanes 0-7 take the scale of block 2p, lanes 8-15 that of block 2p + 1
-  for (int p = 0; p < 4; ++p)
-    pick[p] = _mm512_inserti64x4(_mm512_set1_epi32(2 * p), _mm256_set1_epi32(2 * p + 1), 1);
+  const PairScales pair_scales;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* c = codes + n * (K / 2);
     const uint32_t* pairs = reinterpret_cast<const uint32_t*>(scales + n * groups * 2);
@@ -248,7 +257,7 @@ LLAMA_AVX512 void q4_tile_vnni(const Blocks& xb, int64_t m0, int64_t K, int64_t 
         for (int t = 0; t < T; ++t) {
           const __m512i xv = _mm512_loadu_si512(xb.q.data() + ((m0 + t) * nb + b8 + 2 * p) * kBlock);
           const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv));
-          acc[t][p & 1] = _mm512_fmadd_ps(dot, _mm512_permutexvar_ps(pick[p], ds[t]), acc[t][p & 1]);
+          acc[t][p & 1] = _mm512_fmadd_ps(dot, pair_scales.of(p, ds[t]), acc[t][p & 1]);
         }
       }
     }
@@ -298,9 +307,7 @@ template <int T>
 LLAMA_AVX512 void q8_tile_vnni(const Blocks& xb, int64_t m0, int64_t K, int64_t N, const int8_t* weight,
                                const float* scales, int64_t n0, int64_t n1, float* y) {
   const int64_t nb = K / kBlock;
-  __m512i pick[4];  // per block pair p: lanes 0-7 take the scale of block 2p, lanes 8-15 that of block 2p + 1
-  for (int p = 0; p < 4; ++p)
-    pick[p] = _mm512_inserti64x4(_mm512_set1_epi32(2 * p), _mm256_set1_epi32(2 * p + 1), 1);
+  const PairScales pair_scales;
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* wr = weight + n * K;
     __m512 acc[T][2];
@@ -318,7 +325,7 @@ LLAMA_AVX512 void q8_tile_vnni(const Blocks& xb, int64_t m0, int64_t K, int64_t 
           const __m512i xv = _mm512_loadu_si512(xb.q.data() + ((m0 + t) * nb + b8 + 2 * p) * kBlock);
           const __m512i sx = _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv);
           const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, sx));
-          acc[t][p & 1] = _mm512_fmadd_ps(dot, _mm512_permutexvar_ps(pick[p], ds[t]), acc[t][p & 1]);
+          acc[t][p & 1] = _mm512_fmadd_ps(dot, pair_scales.of(p, ds[t]), acc[t][p & 1]);
         }
       }
     }
