@@ -148,8 +148,11 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> 
 
 
 def float_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ W.T for a bf16 or fp32 weight, summed in fp32; result in x's dtype."""
-    y = torch.ops.llama_cpu.float_linear(_rows(x), weight)
+    """x @ W.T for a bf16 or fp32 weight, summed in fp32; result in x's dtype. bf16 activations with bf16 weights go
+    in as they are (AVX-512 BF16 dot products where the CPU has them); others in fp32."""
+    both_bf16 = x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+    rows = x.reshape(-1, x.shape[-1]).contiguous() if both_bf16 else _rows(x)
+    y = torch.ops.llama_cpu.float_linear(rows, weight)
     return y.view(*x.shape[:-1], -1).to(x.dtype)
 
 

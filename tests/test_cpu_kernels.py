@@ -1,7 +1,8 @@
 """Our CPU kernels (llama/cpu_kernels.py): each against a float64 reference of what it computes (the dequantized
 weight times the block-quantized activations), every row of a batch equal to that row alone (bitwise), every
 path of the int4 kernel (group 32 in vectors of 8 blocks, other groups, partial vectors), both tiles of the int4
-and int8 kernels (AVX2, and AVX-512 VNNI where the CPU has it), the decode attention op against the model's eager
+and int8 kernels (AVX2, and AVX-512 VNNI where the CPU has it) and of bf16 products (AVX2 in fp32, and AVX-512 BF16
+dot products where the CPU has them), the decode attention op against the model's eager
 step, shapes refused by name, the build kept and reused, and the fallback to PyTorch's kernels when turned off."""
 
 import os
@@ -79,13 +80,28 @@ def test_int8_is_the_dequantized_product(n, k, tile):
         check_rows(lambda v: torch.ops.llama_cpu.int8_linear(v, q, scales), x, block_dequantized(x).double() @ weight.T)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("n, k", [(48, 256), (24, 100), (5, 13)])  # 100, 13: tails shorter than a vector
-def test_float_weights_are_the_float_product(n, k, dtype):
+BF16_DOT = all(torch.cpu.get_capabilities().get(f"avx512_{f}", False) for f in ("f", "bw", "vl", "bf16"))
+
+
+@pytest.fixture(params=["avx2", "avx512-bf16"])
+def float_tile(request, monkeypatch):
+    """Each tile of float_linear for bf16 weights and activations in turn: AVX2 (in fp32), and AVX-512 BF16 dot
+    products where the CPU has them."""
+    if request.param == "avx512-bf16" and not BF16_DOT:
+        pytest.skip("this CPU has no AVX-512 BF16")
+    monkeypatch.setenv("LLAMA_CPU_AVX512", "0" if request.param == "avx2" else "1")
+    return request.param
+
+
+@pytest.mark.parametrize("x_dtype, w_dtype", [(torch.float32, torch.bfloat16), (torch.float32, torch.float32),
+                                              (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("n, k", [(48, 256), (24, 100), (5, 13), (9, 4160)])  # tails shorter than a vector
+def test_float_weights_are_the_float_product(n, k, x_dtype, w_dtype, float_tile):
+    """Exact products of the given values summed in fp32: bf16 activations are never rounded further."""
     torch.manual_seed(n + k)
-    w = torch.randn(n, k).to(dtype)
+    w = torch.randn(n, k).to(w_dtype)
     for m in BATCHES:
-        x = torch.randn(m, k)
+        x = torch.randn(m, k).to(x_dtype)
         check_rows(lambda v: torch.ops.llama_cpu.float_linear(v, w), x, x.double() @ w.double().T)
 
 
@@ -98,7 +114,9 @@ def test_many_rows_take_the_weights_in_chunks(tile):
     q8, s8 = quantize_weight(w, torch.float32)
     codes, s4 = quantize_codes(w, 32)
     x = torch.randn(11, k)
+    xb, wb = x.bfloat16(), w.bfloat16()
     ops = {"fp32": (lambda v: torch.ops.llama_cpu.float_linear(v, w), x.double() @ w.double().T),
+           "bf16": (lambda v: torch.ops.llama_cpu.float_linear(v.bfloat16(), wb), xb.double() @ wb.double().T),
            "int8": (lambda v: torch.ops.llama_cpu.int8_linear(v, q8, s8),
                     block_dequantized(x).double() @ (q8.double() * s8.double()[:, None]).T),
            "int4": (lambda v: torch.ops.llama_cpu.int4_linear(v, codes, s4, 32),
@@ -198,8 +216,8 @@ def test_bad_shapes_are_named():
         torch.ops.llama_cpu.int8_linear(torch.randn(1, 48), q, s)
     with pytest.raises(RuntimeError, match=r"scales must be contiguous bf16 of shape \(16, 2, 2\)"):
         torch.ops.llama_cpu.int4_linear(torch.randn(1, 64), codes, scales.float(), 32)
-    with pytest.raises(RuntimeError, match="x must be contiguous float32"):
-        torch.ops.llama_cpu.float_linear(torch.randn(1, 64).bfloat16(), torch.randn(16, 64).bfloat16())
+    with pytest.raises(RuntimeError, match=r"x must be contiguous float32 or bf16 of shape \(M, 64\)"):
+        torch.ops.llama_cpu.float_linear(torch.randn(1, 64).half(), torch.randn(16, 64).bfloat16())
 
 
 def test_built_once_and_turned_off_by_env(tmp_path):

@@ -388,6 +388,61 @@ void float_tile(const float* x, int64_t m0, int64_t K, int64_t N, const W* weigh
   }
 }
 
+// float_tile for bf16 weights and bf16 activations on CPUs with AVX-512 BF16: vdpbf16ps multiplies 16 pairs of bf16
+// (each product exact in fp32) and adds every pair's sum into an fp32 lane, 32 products per instruction where
+// float_tile widens the weights first and does 8 per FMA. Only for activations that are bf16 already (a bf16 model's),
+// so nothing is rounded that was not. Each row of x is summed in 32-element vectors over four accumulators in the
+// same order whatever T, the last vector masked to K; the sums run in another order than float_tile's.
+#define LLAMA_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+// Weight rows n .. n + R of y for rows m0 .. m0 + T of x: each activation vector loaded once for R weight rows.
+template <int T, int R>
+LLAMA_AVX512_BF16 inline void bf16_rows_dot(const uint16_t* x, int64_t m0, int64_t K, int64_t N,
+                                            const uint16_t* weight, int64_t n, float* y) {
+  const int64_t full = K / 32, tail = K % 32;
+  const __mmask32 last = __mmask32((1u << tail) - 1);
+  __m512 acc[T][R][2];
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) acc[t][r][0] = acc[t][r][1] = _mm512_setzero_ps();
+  // vector v of every row into accumulator j (== v % 2); masked: the last, partial vector
+  auto step = [&](int64_t v, int j, bool masked) LLAMA_AVX512_BF16 {
+    __m512i w[R];
+    for (int r = 0; r < R; ++r) {
+      const uint16_t* wp = weight + (n + r) * K + v * 32;
+      prefetch(wp);
+      w[r] = masked ? _mm512_maskz_loadu_epi16(last, wp) : _mm512_loadu_si512(wp);
+    }
+    for (int t = 0; t < T; ++t) {
+      const uint16_t* xp = x + (m0 + t) * K + v * 32;
+      const __m512i xv = masked ? _mm512_maskz_loadu_epi16(last, xp) : _mm512_loadu_si512(xp);
+      for (int r = 0; r < R; ++r) acc[t][r][j] = _mm512_dpbf16_ps(acc[t][r][j], (__m512bh)xv, (__m512bh)w[r]);
+    }
+  };
+  int64_t v = 0;
+  for (; v + 2 <= full; v += 2) step(v, 0, false), step(v + 1, 1, false);
+  if (v < full) step(v, 0, false), ++v;
+  if (tail) step(v, int(v & 1), true);
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r)
+      y[(m0 + t) * N + n + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t][r][0], acc[t][r][1]));
+}
+
+template <int T>
+LLAMA_AVX512_BF16 void bf16_tile_dot(const uint16_t* x, int64_t m0, int64_t K, int64_t N, const uint16_t* weight,
+                                     int64_t n0, int64_t n1, float* y) {
+  int64_t n = n0;
+  for (; n + 2 <= n1; n += 2) bf16_rows_dot<T, 2>(x, m0, K, N, weight, n, y);
+  if (n < n1) bf16_rows_dot<T, 1>(x, m0, K, N, weight, n, y);
+}
+
+// Whether bf16_tile_dot may run: the CPU has AVX-512 (F, BW, VL) and BF16, and LLAMA_CPU_AVX512 is not "0".
+bool use_bf16_dot() {
+  static const bool cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+  const char* env = std::getenv("LLAMA_CPU_AVX512");
+  return cpu && !(env && std::strcmp(env, "0") == 0);
+}
+
 // Splits the output rows over threads, and each thread's rows over tiles of x's rows. With more rows of x than one
 // tile, a thread takes its weight rows in chunks of about kChunkBytes, small enough to stay in L2 while every tile
 // passes over them, so a prefill reads the weights from memory once instead of once per tile. The order in which
@@ -469,13 +524,25 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   });
 }
 
-// x @ W.T for a bf16 or fp32 weight: fp32 activations, sums and result.
-at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight) {
+// x @ W.T for a bf16 or fp32 weight, summed in fp32. x is fp32, or bf16 (taken as is by bf16_tile_dot where it
+// runs, else widened to fp32).
+at::Tensor float_linear(const at::Tensor& x_in, const at::Tensor& weight) {
   const int64_t N = weight.size(0), K = weight.size(1);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == K,
-              "float_linear: x must be contiguous float32 of shape (M, ", K, ")");
+  TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16) &&
+                  x_in.is_contiguous() && x_in.size(1) == K,
+              "float_linear: x must be contiguous float32 or bf16 of shape (M, ", K, ")");
   TORCH_CHECK((weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat) && weight.is_contiguous(),
               "float_linear: weight must be contiguous bf16 or float32");
+  if (x_in.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && use_bf16_dot()) {
+    const uint16_t* xp = reinterpret_cast<const uint16_t*>(x_in.data_ptr<at::BFloat16>());
+    const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+    return run_tiles(x_in.size(0), N, K * 2, x_in, [&](int64_t m0, int64_t t, int64_t n0, int64_t n1, float* y) {
+#define CALL(T) bf16_tile_dot<T>(xp, m0, K, N, w, n0, n1, y)
+      DISPATCH_TILE(t, CALL)
+#undef CALL
+    });
+  }
+  const at::Tensor x = x_in.to(at::kFloat);
   const float* xp = x.data_ptr<float>();
   if (weight.scalar_type() == at::kFloat) {
     const float* w = weight.data_ptr<float>();
