@@ -8,12 +8,13 @@
 
 --model is a Meta-layout checkpoint directory or a shape name (tiny, 110m, 1b, 7b), for which random weights are
 written to --workdir (reused by later runs that name the same directory) or a temporary directory (never into
-the repository). --prequantized also writes int8/int4 checkpoints there once (`python -m llama.quantize`; int8-dynamic
-loads the int8 one) and
-loads those, as a user who quantized once would; without it, int8/int4 quantize at load. Each configuration runs in a fresh process, so
-peak RSS and compile state are its own. Per configuration: load time, peak RSS, prefill tok/s for a P-token
-prompt, time to first token, decode tok/s at each batch size (greedy, EOS disabled so every run decodes N
-tokens), and at batch 1 the weight bytes streamed per second against the read bandwidth measured in the same run.
+the repository). --prequantized also writes int8/int4 checkpoints there once (`python -m llama.quantize`;
+int8-dynamic loads the int8 one) and loads those, as a user who quantized once would; without it, int8/int4
+quantize at load. Each configuration runs in a fresh process, so peak RSS and compile state are its own. Per
+configuration: load time, peak RSS at the end of loading and over the whole run (also against the size of the
+checkpoint files loaded, where they load as they are), prefill tok/s for a P-token prompt, time to first token,
+decode tok/s at each batch size (greedy, EOS disabled so every run decodes N tokens), and at batch 1 the weight
+bytes streamed per second against the read bandwidth measured in the same run.
 
 Every engine is timed per generated token (llama's decode loop, transformers' streamer, llama.cpp's token
 generator): decode tok/s = B / median time between tokens, TTFT = median time to the first token, over --repeat
@@ -48,7 +49,7 @@ def run_llama(cfg: dict) -> dict:
                       dtype=DTYPES.get(cfg["dtype"]), quantize=cfg["quantize"] if cfg["quantize"] == "int8-dynamic"
                       or not pre else None, group_size=None if pre else cfg.get("group_size"),
                       compile=cfg["compile"])
-    out = {"load_s": time.perf_counter() - start}
+    out = {"load_s": time.perf_counter() - start, "load_rss": peak_rss()}
     llm.tokenizer.stop_tokens = {}  # random weights: never stop early, every run decodes N tokens
     prompt = prompt_tokens(llm.model.vocab_size, P)
     x = torch.tensor([prompt])
@@ -69,6 +70,8 @@ def run_llama(cfg: dict) -> dict:
         out["decode_tps"][b] = r["decode_tps"]
     out["weight_bytes"] = weight_bytes(llm.model)
     out["rss"] = peak_rss()
+    if pre or not cfg["quantize"]:  # the files loaded as they are (not quantized at load)
+        out["checkpoint_bytes"] = sum(f.stat().st_size for f in Path(pre or cfg["ckpt"]).iterdir() if f.is_file())
     return out
 
 
@@ -119,7 +122,7 @@ def fmt(v, spec=".1f"):
 
 def report(results, batches, bandwidth: float) -> str:
     """A markdown table: one row per configuration, ratios against peers of the same precision."""
-    head = ["configuration", "load s", "peak RSS GB", "prefill tok/s", "TTFT ms"]
+    head = ["configuration", "load s", "load peak RSS GB", "run peak RSS GB", "run peak / checkpoint", "prefill tok/s", "TTFT ms"]
     head += [f"decode b={b} tok/s" for b in batches] + ["GB/s (b=1)", "% of bandwidth", "vs transformers (b=1/8)",
                                                         "vs llama.cpp (b=1)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -133,7 +136,9 @@ def report(results, batches, bandwidth: float) -> str:
             continue
         dec = {int(k): v for k, v in r["decode_tps"].items()}
         gbs = r["weight_bytes"] * dec[batches[0]] / 1e9 if r.get("weight_bytes") and batches[0] == 1 else None
-        row = [label(cfg), fmt(r.get("load_s")), fmt(r["rss"] / 1e9 if r.get("rss") else None, ".2f"),
+        row = [label(cfg), fmt(r.get("load_s")), fmt(r["load_rss"] / 1e9 if r.get("load_rss") else None, ".2f"),
+               fmt(r["rss"] / 1e9 if r.get("rss") else None, ".2f"),
+               fmt(r["rss"] / r["checkpoint_bytes"] if r.get("rss") and r.get("checkpoint_bytes") else None, ".2f"),
                fmt(r.get("prefill_tps"), ".0f"), fmt(r.get("ttft_ms"))]
         row += [fmt(dec.get(b)) for b in batches]
         row += [fmt(gbs), fmt(100 * gbs / bandwidth if gbs else None, ".0f")]

@@ -135,9 +135,11 @@ def our_kernels() -> str:
     if not cpu_kernels.available():
         return "our CPU kernels off (PyTorch's kernels)"
     caps = torch.cpu.get_capabilities()
-    vnni = all(caps.get(f"avx512_{f}", False) for f in ("f", "bw", "dq", "vl", "vnni"))
-    tile = "AVX-512 VNNI" if vnni and os.environ.get("LLAMA_CPU_AVX512") != "0" else "AVX2"
-    return f"our CPU kernels on (int4/int8 tiles: {tile})"
+    avx512 = os.environ.get("LLAMA_CPU_AVX512") != "0"
+    vnni = avx512 and all(caps.get(f"avx512_{f}", False) for f in ("f", "bw", "dq", "vl", "vnni"))
+    bf16 = avx512 and all(caps.get(f"avx512_{f}", False) for f in ("f", "bw", "vl", "bf16"))
+    return (f"our CPU kernels on (int4/int8 tiles: {'AVX-512 VNNI' if vnni else 'AVX2'}; "
+            f"bf16 tile: {'AVX-512 BF16' if bf16 else 'AVX2, in fp32'})")
 
 
 def run_requests(llm, prompts: List[List[int]], params) -> List[float]:

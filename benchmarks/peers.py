@@ -60,7 +60,7 @@ def run_hf(cfg: dict) -> dict:
     model.load_state_dict({k: v.to(dtype) for k, v in hf.items()}, strict=False)
     del meta, hf
     model.to(dtype).eval()
-    out = {"load_s": time.perf_counter() - start}
+    out = {"load_s": time.perf_counter() - start, "load_rss": peak_rss()}
     prompt = prompt_tokens(args.vocab_size, P)
     x = torch.tensor([prompt])
     with torch.inference_mode():
@@ -173,7 +173,7 @@ def run_llamacpp(cfg: dict) -> dict:
     start = time.perf_counter()
     llm = llama_cpp.Llama(str(path), n_ctx=P + N + 8, n_batch=max(P, 32), n_threads=torch.get_num_threads(),
                           n_threads_batch=torch.get_num_threads(), verbose=False)
-    out = {"load_s": time.perf_counter() - start, "gguf_type": cfg["gguf_type"]}
+    out = {"load_s": time.perf_counter() - start, "load_rss": peak_rss(), "gguf_type": cfg["gguf_type"]}
     prompt = prompt_tokens(llm.n_vocab(), P)
 
     def prefill():
@@ -192,7 +192,7 @@ def run_llamacpp(cfg: dict) -> dict:
     r = summarize([run(N) for _ in range(repeat)], 1)
     out["ttft_ms"], out["decode_tps"] = r["ttft_ms"], {1: r["decode_tps"]}
     out["weight_bytes"] = sum(int(t.n_bytes) for t in _gguf_tensors(path) if t.name != "token_embd.weight")
-    out["rss"] = peak_rss()
+    out["rss"], out["checkpoint_bytes"] = peak_rss(), path.stat().st_size
     return out
 
 
