@@ -9,12 +9,16 @@ machine's bandwidth and every small operator costs a few microseconds; Inductor 
 fuses the norms, rotary embedding and activations. That needs static shapes: Transformer.decode_step attends
 over the whole cache under a mask, so one graph serves every position of a given batch size.
 
-Costs: compiling takes tens of seconds per batch size, and frozen weights are copied into the compiled graph.
-On the CPU in a single process, each compiled step is kept on disk as an AOTInductor package
-(llama/compile_cache.py), so a later process loads it in under a second instead of compiling again. Weights must
-not change after compiling. Prefill and other calls stay eager. Hence compile="auto", Llama.build's default,
-compiles a batch size only once eager decoding at it has cost about what compiling will (CompiledDecode), or at
-once when the step is stored, and only when the copy fits in memory.
+Where our CPU kernels take every linear layer (llama/cpu_kernels.py: unquantized bf16, or fp32 up to a few rows),
+the step calls them on the model's own weights instead, with freezing off: nothing is copied into the graph, it
+compiles in about half the time, and Inductor still fuses everything around the products.
+
+Costs: compiling takes seconds to tens of seconds per batch size, and frozen weights are copied into the compiled
+graph. On the CPU in a single process, a step with frozen weights is kept on disk as an AOTInductor package
+(llama/compile_cache.py), so a later process loads it in under a second instead of compiling again. Frozen
+weights must not change after compiling. Prefill and other calls stay eager. Hence compile="auto", Llama.build's
+default, compiles a batch size only once eager decoding at it has cost about what compiling will (CompiledDecode),
+or at once when the step is stored, and only when any copy fits in memory.
 """
 
 import time
@@ -25,7 +29,7 @@ import torch
 import torch._inductor.config as inductor_config
 
 from . import compile_cache, cpu_kernels, parallel
-from .quantize import FP32_KERNEL_MAX_ROWS, linear_layers
+from .quantize import FP32_KERNEL_MAX_ROWS, float_kernel_model, linear_layers
 
 MODES = ("auto", "max-autotune", "default")
 
@@ -81,6 +85,13 @@ class CompiledDecode:
             # peak for a 13.5 GB model compiled at three batch sizes, and matrix-vector products at half speed).
             self.config.update({"freezing": False, "triton.cudagraphs": True, "coordinate_descent_tuning": True,
                                 "max_autotune_gemm_backends": "ATEN,TRITON"})
+        # Float weights in our kernels stay out of the graph: the step calls float_linear on the model's own
+        # tensors, so nothing is frozen, prepacked or copied (a frozen graph held a copy of every weight).
+        self.outside = not self.cuda and float_kernel_model(model)
+        if self.outside:
+            self.config["freezing"] = False
+        # fp32 batches this large stay eager where they would not run in Inductor's frozen-weight GEMM template
+        self.fp32_gemm_eager = mode == "max-autotune" or (self.outside and model.norm.weight.dtype == torch.float32)
         self.model, self.mode, self.lazy = model, mode, lazy
         own_storage(model)
         self.seen: Dict[tuple, float] = {}  # (batch size, rows given) -> seconds the first call took
@@ -106,7 +117,7 @@ class CompiledDecode:
         """Whether this key runs compiled now (compiling it first if that is due)."""
         if key in self.seen:
             return True
-        if key[0] <= self.eager_up_to or (self.mode == "max-autotune" and key[0] >= FP32_EAGER_MIN_BATCH):
+        if key[0] <= self.eager_up_to or (self.fp32_gemm_eager and key[0] >= FP32_EAGER_MIN_BATCH):
             return False
         if key in self.refused or (self.lazy and self.eager.get(key, 0.0) < self.cost() and not self.on_disk(key)):
             return False
@@ -219,9 +230,10 @@ def own_storage(model) -> None:
 
 
 def auto_mode(model) -> str:
-    """max-autotune for fp32 weights (Inductor's own GEMV template wins there), default (freezing only) for bf16
-    and int8 (oneDNN's prepacked GEMV wins there); the measurements are in docs/performance.md."""
-    if model.norm.weight.device.type != "cpu":
+    """max-autotune for fp32 weights that our kernels do not take (Inductor's own GEMV template on frozen weights
+    wins there), default otherwise (our kernels; oneDNN's prepacked GEMV for bf16 and int8); the measurements are
+    in docs/performance.md."""
+    if model.norm.weight.device.type != "cpu" or float_kernel_model(model):
         return "default"  # the fp32 GEMV template measured best is Inductor's CPU one
     fp32 = model.norm.weight.dtype == torch.float32
     quantized = any(getattr(m, "scales", None) is not None for m in model.modules())
@@ -263,10 +275,12 @@ def weight_bytes(model) -> int:
 def memory_allows(model) -> bool:
     """Whether another compiled graph fits: freezing copies (and prepacks) fp32/bf16 weights into every graph.
 
-    int8 weights are not copied. Reads MemAvailable (Linux); elsewhere it cannot tell and says yes, as it does under
-    model parallel, where every rank must make the same choice.
+    int8 weights are not copied, nor float weights in our kernels (they stay out of the graph). Reads MemAvailable
+    (Linux); elsewhere it cannot tell and says yes, as it does under model parallel, where every rank must make the
+    same choice.
     """
-    if model.norm.weight.device.type != "cpu" or not any(p.is_floating_point() for p in linear_weights(model)):
+    if (model.norm.weight.device.type != "cpu" or not any(p.is_floating_point() for p in linear_weights(model))
+            or float_kernel_model(model)):
         return True
     if parallel.model_parallel_size() > 1:
         return True

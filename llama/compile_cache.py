@@ -28,6 +28,7 @@ import torch
 
 from . import parallel
 from .fetch import cache_dir
+from .quantize import float_kernel_model
 
 FORMAT = 2  # bump when what a stored step holds or how it is called changes
 SAMPLE = 4096  # elements of each tensor that go into the fingerprint
@@ -42,7 +43,8 @@ def enabled(model) -> bool:
         return False
     return model.norm.weight.device.type == "cpu" and parallel.model_parallel_size() == 1 \
         and parallel.pipeline_parallel_size() == 1 and not any(b.is_mkldnn for b in model.buffers()) \
-        and not any(getattr(m, "int4_group", None) or getattr(m, "int8_dynamic", False) for m in model.modules())
+        and not any(getattr(m, "int4_group", None) or getattr(m, "int8_dynamic", False) for m in model.modules()) \
+        and not float_kernel_model(model)
 
 
 def is_cache(name: str) -> bool:

@@ -91,6 +91,9 @@ def _build(cxx: str, out: Path) -> None:
                 os.unlink(tmp)
 
 
+_loaded = False  # set once available() has loaded the ops: what torch.compile's tracing reads instead of calling it
+
+
 @lru_cache(maxsize=None)
 def available() -> bool:
     """Whether the kernels are loaded into torch.ops.llama_cpu (building them the first time on this machine)."""
@@ -114,6 +117,8 @@ def available() -> bool:
         _note(f"{e.__class__.__name__}: {e}")
         return False
     _register_fakes()
+    global _loaded
+    _loaded = True
     return True
 
 
@@ -193,9 +198,11 @@ def decode_attention(q, k, v, cos, sin, cache_k, cache_v, rows, positions, kv_le
 
 
 def takes_float(weight: torch.Tensor) -> bool:
-    """Whether an unquantized CPU weight's eager products run in float_linear (bf16 always; fp32 up to
-    quantize.FP32_KERNEL_MAX_ROWS rows)."""
-    return weight.is_contiguous() and _eager_float(weight)
+    """Whether an unquantized CPU weight's products run in float_linear (bf16 always; fp32 up to
+    quantize.FP32_KERNEL_MAX_ROWS rows), eager or inside torch.compile, where the weight then stays out of the
+    graph (llama/compile.py)."""
+    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and weight.is_contiguous()
+            and (_loaded if torch.compiler.is_compiling() else available()))
 
 
 def takes(inputs: int) -> bool:

@@ -81,22 +81,22 @@ FP32_KERNEL_MAX_ROWS = 8
 def linear(x: torch.Tensor, weight: torch.Tensor, scales=None) -> torch.Tensor:
     """x @ weight.T; with scales, weight is int8 with one scale per output row ("int8").
 
-    Unquantized on CPU, eager: our kernel or oneDNN (below); inside torch.compile, Inductor's own GEMM templates,
-    faster still for fp32. The int8 kernel needs in_features % 16 == 0 (other widths give wrong results or
+    Unquantized on CPU: our kernel or oneDNN (below). The int8 kernel needs in_features % 16 == 0 (other widths give wrong results or
     crash), so tiny layers dequantize the weight first instead (scaling after the product would be turned back
     into the same kernel by Inductor's patterns).
     """
     if scales is None:
-        if x.device.type == "cpu" and not torch.compiler.is_compiling():
-            # Eager on CPU: bf16 goes to our kernel (oneDNN's streams more slowly on AVX2, and without native bf16
-            # its GEMM costs a whole GEMV per row), as does fp32 up to a few rows (a GEMV); larger fp32 batches go
-            # to oneDNN's GEMM. Under torch.compile Inductor's own kernels run.
+        if x.device.type == "cpu":
+            # On CPU bf16 goes to our kernel (oneDNN's streams more slowly, and without native bf16 its GEMM costs
+            # a whole GEMV per row), as does fp32 up to a few rows (a GEMV); larger fp32 batches go to oneDNN's
+            # GEMM eagerly, to Inductor's choice compiled. The same inside torch.compile: a compiled step then
+            # calls our kernel on the model's own weights instead of freezing a copy into its graph.
             if weight.dtype == torch.bfloat16 and cpu_kernels.takes_float(weight):
                 return cpu_kernels.float_linear(x, weight)
             if weight.dtype == torch.float32 and x.dtype == torch.float32:
                 if x.numel() <= FP32_KERNEL_MAX_ROWS * x.shape[-1] and cpu_kernels.takes_float(weight):
                     return cpu_kernels.float_linear(x, weight)
-                if ONEDNN_FP32:
+                if ONEDNN_FP32 and not torch.compiler.is_compiling():
                     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
         return F.linear(x, weight)
     if weight.shape[1] % 16:
@@ -151,6 +151,13 @@ def dynamic_int8_linear(x, packed, scales, zero_points) -> torch.Tensor:
 
 def linear_layers(model: nn.Module):
     return [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+
+
+def float_kernel_model(model: nn.Module) -> bool:
+    """Whether every linear layer is an unquantized CPU weight our float_linear takes (llama/cpu_kernels.py), so
+    that a compiled step can call it on the model's own weights (llama/compile.py)."""
+    return all(m.scales is None and m.packed is None and cpu_kernels.takes_float(m.weight)
+               for m in linear_layers(model))
 
 
 @torch.no_grad()

@@ -1,6 +1,6 @@
-"""The compiled decode step (torch.compile, max-autotune, frozen weights) gives the reference's greedy ids on
-stories260K in fp32, alone and under model parallel (collectives inside the graph), and both int8 schemes
-compiled follow their eager selves.
+"""The compiled decode step (torch.compile: our CPU kernels on the model's own float weights where they run, else
+max-autotune on frozen weights) gives the reference's greedy ids on stories260K in fp32, alone and under model
+parallel (collectives inside the graph), and both int8 schemes compiled follow their eager selves.
 
 Compiling costs seconds to tens of seconds per graph, so this module compiles few graphs; Inductor's on-disk
 cache makes reruns faster. Skipped when there is no C++ compiler for Inductor's CPU backend.
@@ -173,14 +173,43 @@ def test_a_batch_size_that_would_not_fit_in_memory_stays_eager(stories_dir, gold
 def test_memory_check_counts_copied_weights_only(monkeypatch):
     from test_model import random_model
 
-    model = random_model()
+    from llama import cpu_kernels
+
+    model = random_model(multiple_of=32)
     assert compilation.memory_allows(model)  # a few KB of weights
     real_open = open
     monkeypatch.setattr("builtins.open", lambda path, *a, **k: io.StringIO("MemAvailable:  1024 kB\n")
                         if path == "/proc/meminfo" else real_open(path, *a, **k))
-    assert not compilation.memory_allows(model)  # 1 MB free: no room for another copy
+    # float weights in our kernels stay out of the graph: nothing to copy, even with 1 MB free
+    assert compilation.memory_allows(model) == cpu_kernels.available()
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    assert not compilation.memory_allows(model)  # frozen into the graph: no room for another copy
     quantize_int8(model)
     assert compilation.memory_allows(model)  # int8 weights are not copied into graphs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_step_reads_the_models_own_float_weights(dtype):
+    """With our CPU kernels a compiled step calls them on the model's weights (no frozen copy in the graph): an
+    in-place change to a weight after compiling shows in the next compiled step."""
+    from test_model import random_model
+
+    from llama import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("llama's CPU kernels are not available here: frozen graphs copy the weights")
+    model = random_model(dtype=dtype, multiple_of=32)
+    KVCache(model, 2, 32)
+    step = CompiledDecode(model)  # compile=True's mode choice
+    assert step.mode == "default" and step.config["freezing"] is False
+    tokens, pos = torch.tensor([[3], [5]]), torch.tensor([0, 0])
+    before = step(tokens, pos)
+    with torch.no_grad():
+        model.output.weight.mul_(2)
+    after = step(tokens, pos)
+    assert step.seen.keys() == {(2, False)}  # one graph, not recompiled
+    torch.testing.assert_close(after.float(), 2 * before.float(), rtol=1e-2, atol=1e-3)
+    assert not torch.equal(after, before)
 
 
 def test_auto_applies_to_cpu_models_above_the_size_threshold(monkeypatch):
@@ -198,12 +227,20 @@ def test_auto_applies_to_cpu_models_above_the_size_threshold(monkeypatch):
     assert compile_decode(model, "auto") is None  # ranks could switch at different steps: eager
 
 
-def test_large_fp32_batches_stay_eager():
-    """oneDNN's eager fp32 GEMM beats Inductor's template from batch 32 (measured): such graphs are not compiled."""
+@pytest.mark.parametrize("kernels", [True, False])
+def test_large_fp32_batches_stay_eager(kernels, monkeypatch):
+    """oneDNN's eager fp32 GEMM beats Inductor's template from batch 32 (measured), and Inductor's unfrozen choice
+    where our kernels keep the weights out of the graph: such graphs are not compiled."""
     from test_model import random_model
 
-    model = random_model(max_batch=32)
-    step = CompiledDecode(model, "auto")  # fp32: max-autotune
-    assert step.mode == "max-autotune"
+    from llama import cpu_kernels
+
+    if not kernels:
+        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    elif not cpu_kernels.available():
+        pytest.skip("llama's CPU kernels are not available here")
+    model = random_model(max_batch=32, multiple_of=32)
+    step = CompiledDecode(model, "auto")  # fp32: max-autotune on frozen weights, or our kernels
+    assert step.mode == ("default" if kernels else "max-autotune")
     assert step.ready(step.key(8, None)) and not step.ready(step.key(20, None))  # 20 pads to 32
     assert step(torch.zeros(20, 1, dtype=torch.long), torch.zeros(20, dtype=torch.long)) is None  # eager instead

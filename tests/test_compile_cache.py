@@ -2,6 +2,9 @@
 and gives the same greedy ids; compile="auto" takes a stored step at once; an unreadable package is rebuilt; the
 key tells weights, batch sizes, rows and settings apart.
 
+Stored steps hold frozen weights: they are for models our CPU kernels do not run (whose compiled steps call the
+kernels on the model's own weights instead), so these tests turn the kernels off.
+
 Each test that compiles pays one AOTInductor compile of stories260K's step (tens of seconds), so they share one
 cache directory and one compile.
 """
@@ -16,7 +19,7 @@ import torch
 
 from conftest import GOLDENS, ON_CUDA, REPO, error_lines
 from llama import Llama
-from llama import compile_cache
+from llama import compile_cache, cpu_kernels
 from llama.compile import CompiledDecode
 
 pytestmark = [
@@ -37,11 +40,23 @@ print("packages", sorted(llama.runner.compiled.packages), "loaded", sorted(llama
 '''
 
 
+def kernels_off(mp) -> None:
+    """As on a machine without our CPU kernels: eager and compiled products in PyTorch's kernels."""
+    mp.setattr(cpu_kernels, "available", lambda: False)
+    mp.setattr(cpu_kernels, "_loaded", False)
+
+
+@pytest.fixture(autouse=True)
+def no_kernels(monkeypatch):
+    kernels_off(monkeypatch)
+
+
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory, stories_dir, goldens):
     """A cache directory holding stories260K's batch-2 step, compiled here (the greedy ids checked on the way)."""
     path = tmp_path_factory.mktemp("llama-cache")
     with pytest.MonkeyPatch.context() as mp:
+        kernels_off(mp)
         mp.setenv("LLAMA_CACHE", str(path))
         llama = build(stories_dir, compile=True)
         out, _ = llama.generate([g["prompt_tokens"] for g in goldens.values()], max_gen_len=128, temperature=0)
@@ -61,7 +76,7 @@ def run_load(cache, stories_dir, tmp_path):
     """LOAD in a new process (a library this process has loaded would be reused by the dynamic loader)."""
     script = tmp_path / "load.py"
     script.write_text(LOAD)
-    env = {**os.environ, "LLAMA_CACHE": str(cache), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "LLAMA_CACHE": str(cache), "PYTHONPATH": str(REPO), "LLAMA_CPU_KERNELS": "0"}
     proc = subprocess.run([sys.executable, str(script), str(stories_dir), str(GOLDENS)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, error_lines(proc.stderr)
@@ -115,6 +130,16 @@ def test_turned_off_by_the_environment(stories_dir, monkeypatch):
     model = build(stories_dir, compile=False).model
     assert compile_cache.enabled(model)
     monkeypatch.setenv("LLAMA_COMPILE_CACHE", "0")
+    assert not compile_cache.enabled(model)
+    assert CompiledDecode(model).package_path((2, False)) is None
+
+
+def test_float_models_in_our_kernels_are_not_stored(stories_dir, monkeypatch):
+    """Their compiled steps call our kernels on the model's own weights; a package would hold a frozen copy."""
+    monkeypatch.undo()  # the kernels as this machine has them
+    if not cpu_kernels.available():
+        pytest.skip("llama's CPU kernels are not available here")
+    model = build(stories_dir, compile=False).model
     assert not compile_cache.enabled(model)
     assert CompiledDecode(model).package_path((2, False)) is None
 
