@@ -70,8 +70,9 @@ def run_llama(cfg: dict) -> dict:
         out["decode_tps"][b] = r["decode_tps"]
     out["weight_bytes"] = weight_bytes(llm.model)
     out["rss"] = peak_rss()
-    if pre or not cfg["quantize"]:  # the files loaded as they are (not quantized at load)
-        out["checkpoint_bytes"] = sum(f.stat().st_size for f in Path(pre or cfg["ckpt"]).iterdir() if f.is_file())
+    files = sum(f.stat().st_size for f in Path(pre or cfg["ckpt"]).iterdir() if f.is_file())
+    if (pre or not cfg["quantize"]) and out["weight_bytes"] <= files:  # loaded as stored: not widened, not quantized
+        out["checkpoint_bytes"] = files
     return out
 
 

@@ -42,11 +42,10 @@ AUTO_MIN_PARAMS = 50_000_000
 FP32_EAGER_MIN_BATCH = 32
 
 # compile="auto" keeps batch sizes up to this eager on CPU when our kernels run the whole model (one tile of their
-# rows; unquantized fp32, up to the rows our fp32 kernel takes). For float weights a compiled graph would hold its
-# own copy of them, and loading even a stored step made a short generation slower than eager. Quantized weights are
-# not copied: there it applies only to models of EAGER_KERNEL_MIN_BYTES or more, whose eager step is almost all
-# weight streaming in our kernels (a compiled step would win back a few percent after minutes of compiling);
-# smaller quantized models, clearly faster compiled, go by the lazy rule (docs/performance.md, "Why these defaults").
+# rows; unquantized fp32, up to the rows our fp32 kernel takes), for models of EAGER_KERNEL_MIN_BYTES or more, whose
+# eager step is almost all weight streaming in our kernels (a compiled step would win back a few percent after
+# minutes of compiling). Smaller models, faster compiled, go by the lazy rule (docs/performance.md, "Why these
+# defaults").
 EAGER_KERNEL_MAX_BATCH = 4
 EAGER_KERNEL_MIN_BYTES = 1 << 30
 
@@ -242,9 +241,8 @@ def auto_mode(model) -> str:
 
 def eager_batches(model) -> int:
     """Batch sizes up to which compile="auto" leaves decoding eager: on CPU, when every product, attention and
-    RMSNorm of a decode step run in our kernels (llama/cpu_kernels.py), for float weights and for quantized models
-    of EAGER_KERNEL_MIN_BYTES or more; 0 otherwise (PyTorch's kernels, other devices, small quantized models: the
-    lazy rule decides)."""
+    RMSNorm of a decode step run in our kernels (llama/cpu_kernels.py), for models of EAGER_KERNEL_MIN_BYTES or
+    more; 0 otherwise (PyTorch's kernels, other devices, smaller models: the lazy rule decides)."""
     if (model.norm.weight.device.type != "cpu" or model.norm.weight.dtype not in (torch.float32, torch.bfloat16)
             or model.params.head_dim % 8 or not cpu_kernels.available()):
         return 0
@@ -257,9 +255,9 @@ def eager_batches(model) -> int:
         if m.scales is None and not cpu_kernels.takes_float(m.weight):
             return 0
         quantized = quantized or m.scales is not None
-    if not quantized:
-        return FP32_KERNEL_MAX_ROWS if model.norm.weight.dtype == torch.float32 else EAGER_KERNEL_MAX_BATCH
-    return EAGER_KERNEL_MAX_BATCH if weight_bytes(model) >= EAGER_KERNEL_MIN_BYTES else 0
+    if weight_bytes(model) < EAGER_KERNEL_MIN_BYTES:
+        return 0
+    return FP32_KERNEL_MAX_ROWS if not quantized and model.norm.weight.dtype == torch.float32 else EAGER_KERNEL_MAX_BATCH
 
 
 def linear_weights(model) -> list:

@@ -10,8 +10,10 @@ Key: a fingerprint of the weights (shapes, dtypes and a strided sample of every 
 batch size, whether rows are given, Inductor's settings, the PyTorch version and the CPU capability. Packages live in
 `$LLAMA_CACHE/aoti/` (default ~/.cache/llama); `LLAMA_COMPILE_CACHE=0` turns them off (torch.compile is used as
 before). CPU and a single process only: a model-parallel step holds collectives, and CUDA uses CUDA graphs; and
-not int8-dynamic, whose prepacked oneDNN weights torch.export cannot trace, nor layers that run in our own CPU
-kernels (llama/cpu_kernels.py: an AOTInductor library cannot call an op loaded from another library).
+not int8-dynamic, whose prepacked oneDNN weights torch.export cannot trace, nor steps that call our own CPU
+kernels (llama/cpu_kernels.py): those keep the weights out of the graph, and a package would freeze a copy of them
+into its library (AOTInductor can call the ops themselves, through its proxy executor; keeping such a step would
+need the package to take the model's weights at load instead).
 A package that cannot be read is rebuilt; one that cannot be built or written falls back to torch.compile.
 """
 

@@ -121,7 +121,7 @@ def test_auto_compiles_a_batch_size_once_eager_decoding_has_cost_as_much(stories
     here), then compile it; both paths give the goldens, so the switch is invisible in the output."""
     llama = build(stories_dir, compile=False)
     step = llama.runner.compiled = CompiledDecode(llama.model, "default", lazy=True)
-    step.eager_up_to = 0  # as on a model our CPU kernels do not run (they keep every batch size of this one eager)
+    step.eager_up_to = 0  # whatever the size rule says (this model is far below it): the lazy rule decides
     step.estimate = 0.05  # seconds of eager decoding before compiling
     prompts = [g["prompt_tokens"] for g in goldens.values()]
     out, _ = llama.generate(prompts, max_gen_len=128, temperature=0)
@@ -132,27 +132,28 @@ def test_auto_compiles_a_batch_size_once_eager_decoding_has_cost_as_much(stories
 
 
 def test_auto_leaves_batch_sizes_our_cpu_kernels_run_eager(monkeypatch):
-    """Where our kernels run every product, attention and norm, "auto" keeps fp32 eager up to the rows our fp32
-    kernel takes and bf16 up to one tile of rows (a compiled graph would copy float weights); quantized models too
-    when large (their eager step is almost all weight streaming), while small ones, faster compiled, go by the lazy
-    rule, as do models without our kernels or with layers in PyTorch's kernels."""
+    """Where our kernels run every product, attention and norm of a large model, "auto" keeps fp32 eager up to the
+    rows our fp32 kernel takes, and bf16 and quantized models up to one tile of rows (their eager step is almost all
+    weight streaming); smaller models, faster compiled, go by the lazy rule, as do models without our kernels or
+    with layers in PyTorch's kernels."""
     from test_model import random_model
 
     from llama import cpu_kernels
 
     model = random_model(multiple_of=32)  # every input size a multiple of 32: all in our kernels
     KVCache(model, 8, 32)
+    bf16 = random_model(multiple_of=32).to(torch.bfloat16)
+    small = quantize_int8_dynamic(random_model(multiple_of=32))
+    for m in (model, bf16, small):
+        assert compilation.eager_batches(m) == 0  # a few KB of weights: the lazy rule
+    monkeypatch.setattr(compilation, "EAGER_KERNEL_MIN_BYTES", 0)  # as if they were large
     step = CompiledDecode(model, "default", lazy=True)
     if not cpu_kernels.available():
         assert step.eager_up_to == 0
         return
     assert step.eager_up_to == compilation.FP32_KERNEL_MAX_ROWS == 8 and not step.ready((8, False)) and not step.seen
     assert CompiledDecode(model, "default", lazy=False).ready((1, False))  # compile=True still compiles
-    bf16 = random_model(multiple_of=32).to(torch.bfloat16)
     assert compilation.eager_batches(bf16) == compilation.EAGER_KERNEL_MAX_BATCH
-    small = quantize_int8_dynamic(random_model(multiple_of=32))
-    assert compilation.eager_batches(small) == 0  # a few KB of quantized weights: the lazy rule
-    monkeypatch.setattr(compilation, "EAGER_KERNEL_MIN_BYTES", 0)  # as if it were large
     assert compilation.eager_batches(small) == compilation.EAGER_KERNEL_MAX_BATCH
     assert compilation.eager_batches(quantize_int8(random_model())) == 0  # int8 weight-only: PyTorch's kernel
     monkeypatch.setattr(cpu_kernels, "available", lambda: False)
