@@ -2,8 +2,8 @@
 and gives the same greedy ids; compile="auto" takes a stored step at once; an unreadable package is rebuilt; the
 key tells weights, batch sizes, rows and settings apart.
 
-Stored steps hold frozen weights: they are for models our CPU kernels do not run (whose compiled steps call the
-kernels on the model's own weights instead), so these tests turn the kernels off.
+Most tests here turn our CPU kernels off, so that the step freezes the weights into its package (as on CPUs
+without them); the last ones keep them on: the step calls them on the model's own weights, bound at load.
 
 Each test that compiles pays one AOTInductor compile of stories260K's step (tens of seconds), so they share one
 cache directory and one compile.
@@ -72,11 +72,11 @@ def build(stories_dir, **kw):
                        **kw)
 
 
-def run_load(cache, stories_dir, tmp_path):
+def run_load(cache, stories_dir, tmp_path, kernels=False):
     """LOAD in a new process (a library this process has loaded would be reused by the dynamic loader)."""
     script = tmp_path / "load.py"
     script.write_text(LOAD)
-    env = {**os.environ, "LLAMA_CACHE": str(cache), "PYTHONPATH": str(REPO), "LLAMA_CPU_KERNELS": "0"}
+    env = {**os.environ, "LLAMA_CACHE": str(cache), "PYTHONPATH": str(REPO), "LLAMA_CPU_KERNELS": "1" if kernels else "0"}
     proc = subprocess.run([sys.executable, str(script), str(stories_dir), str(GOLDENS)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, error_lines(proc.stderr)
@@ -134,14 +134,58 @@ def test_turned_off_by_the_environment(stories_dir, monkeypatch):
     assert CompiledDecode(model).package_path((2, False)) is None
 
 
-def test_float_models_in_our_kernels_are_not_stored(stories_dir, monkeypatch):
-    """Their compiled steps call our kernels on the model's own weights; a package would hold a frozen copy."""
-    monkeypatch.undo()  # the kernels as this machine has them
+@pytest.fixture(scope="module")
+def kernel_cache(tmp_path_factory, stories_dir, goldens):
+    """A cache directory holding stories260K's batch-2 step compiled with our CPU kernels on: the step calls them
+    on the model's weights, so the package holds none."""
     if not cpu_kernels.available():
         pytest.skip("llama's CPU kernels are not available here")
+    path = tmp_path_factory.mktemp("llama-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LLAMA_CACHE", str(path))
+        llama = build(stories_dir, compile=True)
+        out, _ = llama.generate([g["prompt_tokens"] for g in goldens.values()], max_gen_len=128, temperature=0)
+    step = llama.runner.compiled
+    assert step.config["freezing"] is False and step.packages.keys() == {(2, False)} and not step.loaded
+    assert out == [g["generated_tokens"] for g in goldens.values()]
+    [stored] = (path / "aoti").glob("*/step.so")
+    assert (stored.parent / compile_cache.CALLS).is_file()  # the calls of our ops, beside the library
+    return path
+
+
+def test_a_step_calling_our_kernels_is_stored_without_the_weights(kernel_cache, stories_dir, tmp_path,
+                                                                  monkeypatch):
+    """A new process loads it and gives the goldens; loaded here, it reads the model's own weights: a weight changed
+    in place after loading shows in its logits (a package holding a copy would not see it)."""
+    monkeypatch.undo()  # the kernels as this machine has them
+    proc = run_load(kernel_cache, stories_dir, tmp_path, kernels=True)
+    assert "packages [(2, False)] loaded [(2, False)]" in proc.stdout and "Compiling" not in proc.stdout
+    monkeypatch.setenv("LLAMA_CACHE", str(kernel_cache))
     model = build(stories_dir, compile=False).model
-    assert not compile_cache.enabled(model)
-    assert CompiledDecode(model).package_path((2, False)) is None
+    step = CompiledDecode(model)
+    tokens, pos = torch.tensor([[5], [7]]), torch.tensor([0, 0])
+    with torch.inference_mode():
+        before = step(tokens, pos)
+        assert step.loaded == {(2, False)}
+        model.output.weight.mul_(2)
+        after = step(tokens, pos)
+    torch.testing.assert_close(after, 2 * before)
+
+
+def test_a_stored_int4_step_gives_what_torch_compile_gives(stories_dir, goldens, tmp_path, monkeypatch):
+    """int4 steps call our int4 kernel on the stored codes: the package's greedy ids equal torch.compile's."""
+    monkeypatch.undo()
+    if not cpu_kernels.available():
+        pytest.skip("llama's CPU kernels are not available here")
+    monkeypatch.setenv("LLAMA_CACHE", str(tmp_path))
+    prompts = [g["prompt_tokens"] for g in goldens.values()]
+    outs = {}
+    for keep in ("0", "1"):
+        monkeypatch.setenv("LLAMA_COMPILE_CACHE", keep)
+        llama = build(stories_dir, compile=True, quantize="int4")
+        outs[keep], _ = llama.generate(prompts, max_gen_len=64, temperature=0)
+        assert bool(llama.runner.compiled.packages) == (keep == "1")
+    assert outs["1"] == outs["0"]
 
 
 def test_int8_dynamic_compiles_in_every_process(stories_dir):
