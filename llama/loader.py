@@ -34,15 +34,15 @@ def check_options(max_seq_len, max_batch_size, seed, compile, quantize) -> None:
 
 def fuses(args: ModelArgs, dtype, device, quantize: Optional[str], compile, ranks: int = 1) -> bool:
     """Whether loading fuses q/k/v and gate/up into one product each. Fusing concatenates their weights (a copy)
-    for fewer, larger products: on small models that is worth ~8 % eager and ~28 % compiled (134M bf16), and
-    compiled graphs copy the weights anyway. Unquantized on a CPU where our kernels run (llama/cpu_kernels.py),
-    the copy also sits in memory beside the checkpoint's mapped pages (a 7B bf16 model peaked at 22.1 GB fused,
-    13.8 GB not, and loaded in 8.3 s instead of 0.2), so there it fuses only when the copy is under a quarter of
-    the available memory or a compiled step is asked for. Quantized weights are always fused before quantizing
-    (the pack cache keeps them)."""
+    for fewer, larger products: on small models that is worth ~8 % eager and ~28 % compiled (134M bf16). Unquantized
+    on a CPU where our kernels run (llama/cpu_kernels.py), the copy sits in memory beside the checkpoint's mapped
+    pages (a 7B bf16 model peaked at 22.1 GB fused, 13.8 GB not, and loaded in 8.3 s instead of 0.2), so there it
+    fuses only when the copy is under a quarter of the available memory, compiled or not (a compiled step calls our
+    kernels on the model's weights, fused or not), or a compiled step is asked for under model parallel (its graph
+    freezes a copy anyway). Quantized weights are always fused before quantizing (the pack cache keeps them)."""
     if quantize is not None or torch.device(device).type != "cpu" or not cpu_kernels.available():
         return True
-    if compile is not None and compile is not False and compile != "auto":
+    if compile is not None and compile is not False and compile != "auto" and ranks > 1:
         return True
     fused = args.dim * (args.n_heads + 2 * args.n_kv_heads) * args.head_dim + 2 * args.dim * args.hidden_dim
     copy = args.n_layers * fused * dtype.itemsize / ranks

@@ -3,8 +3,9 @@
 estimate() counts what a rank holds once loaded: the linear layers' weights in the target dtype or quantization
 scheme, the embedding and norms in the target dtype, the KV cache (max_batch_size x max_seq_len, both K and V, in
 the activation dtype), and, for compile=True/"max-autotune"/"default" with float weights on CPU, one frozen copy
-of the weights inside the compiled graph (compile="auto" checks memory itself before compiling and stays eager
-when it would not fit; llama/compile.py). Available memory is MemAvailable from /proc/meminfo, or the bytes in
+of the weights inside the compiled graph, except in a single process where our CPU kernels run (the compiled step
+calls them on the model's own weights; llama/compile.py). compile="auto" checks memory itself before compiling
+and stays eager when a copy would not fit. Available memory is MemAvailable from /proc/meminfo, or the bytes in
 $LLAMA_MEMORY_LIMIT (a number, optionally with a K/M/G/T suffix: for tests and for sharing a machine); on other
 systems without the variable nothing is refused. The load itself streams (memory-mapped shards), so the estimate
 is of the resident model, with a 10% margin for allocator slack and transient copies.
@@ -17,6 +18,7 @@ from typing import Dict, Optional
 
 import torch
 
+from . import cpu_kernels
 from .model import ModelArgs
 from .quantize import activation_dtype
 
@@ -63,8 +65,9 @@ def linear_bytes(n: int, k: int, scheme: Optional[str], dtype: torch.dtype, grou
 
 
 def estimate(args: ModelArgs, dtype: torch.dtype, scheme: Optional[str] = None, group_size: Optional[int] = None,
-             compile=None, world_size: int = 1) -> Dict[str, int]:
-    """Bytes one rank needs, by part: weights, embeddings, kv_cache, compile_copy, total."""
+             compile=None, world_size: int = 1, kernels: bool = False) -> Dict[str, int]:
+    """Bytes one rank needs, by part: weights, embeddings, kv_cache, compile_copy, total. kernels: our CPU kernels
+    run here (no compiled copy of float weights in a single process)."""
     d, hd, hidden = args.dim, args.head_dim, args.hidden_dim
     size = torch.empty((), dtype=dtype).element_size()
     shapes = [(args.n_heads * hd + 2 * args.n_kv_heads * hd, d), (d, args.n_heads * hd), (2 * hidden, d),
@@ -76,7 +79,7 @@ def estimate(args: ModelArgs, dtype: torch.dtype, scheme: Optional[str] = None, 
     embeddings = (vocab * d) // world_size * size + (2 * args.n_layers + 1) * d * size
     kv = 2 * args.n_layers * args.max_batch_size * args.max_seq_len * (args.n_kv_heads // world_size) * hd * size
     eager_compile = compile is True or compile in ("max-autotune", "default")
-    copy = weights if eager_compile and scheme is None else 0
+    copy = weights if eager_compile and scheme is None and not (kernels and world_size == 1) else 0
     parts = {"weights": weights, "embeddings": embeddings, "kv_cache": kv, "compile_copy": copy}
     parts["total"] = int(sum(parts.values()) * MARGIN)
     return parts
@@ -96,7 +99,8 @@ def check_fits(args: ModelArgs, dtype: torch.dtype, scheme: Optional[str], group
     have = available_bytes()
     if have is None:
         return
-    need = estimate(args, dtype, scheme, group_size, compile, world_size)
+    kernels = cpu_kernels.available()
+    need = estimate(args, dtype, scheme, group_size, compile, world_size, kernels)
     # ranks on this host (torchrun) draw on the same memory: each checks that all of them fit
     local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
     have //= local
@@ -110,7 +114,7 @@ def check_fits(args: ModelArgs, dtype: torch.dtype, scheme: Optional[str], group
             continue  # int4 already fits as it loads by default
         if (dt, sc) == (dtype, scheme):
             continue
-        if estimate(args, dt, sc, 32 if sc == "int4" else None, compile, world_size)["total"] <= have:
+        if estimate(args, dt, sc, 32 if sc == "int4" else None, compile, world_size, kernels)["total"] <= have:
             options.append(label)
     if need["compile_copy"] and need["total"] - int(need["compile_copy"] * MARGIN) <= have:
         options.append('compile="auto" or False (no frozen copy of the weights)')

@@ -17,6 +17,10 @@ def test_a_large_unquantized_cpu_model_stays_unfused_where_our_kernels_run(monke
     assert big is not cpu_kernels.available()  # 9 GB of 24: unfused where our kernels stream each weight
     assert loader.fuses(LLAMA2_7B, torch.bfloat16, cpu, None, "auto", ranks=4)  # each rank's share is small
     assert loader.fuses(LLAMA2_7B, torch.bfloat16, cpu, "int4", "auto")  # quantized: fused, then packed
-    assert loader.fuses(LLAMA2_7B, torch.bfloat16, cpu, None, True)  # a compiled graph copies the weights anyway
+    # a compiled step calls our kernels on the weights, fused or not; under model parallel its graph freezes a copy
+    assert loader.fuses(LLAMA2_7B, torch.bfloat16, cpu, None, True) is big
+    monkeypatch.setattr(memory, "available_bytes", lambda: 8 * 2**30)  # each rank's 4.5 GB share is over a quarter
+    assert loader.fuses(LLAMA2_7B, torch.bfloat16, cpu, None, "auto", ranks=2) is not cpu_kernels.available()
+    assert loader.fuses(LLAMA2_7B, torch.bfloat16, cpu, None, True, ranks=2)
     monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     assert loader.fuses(LLAMA2_7B, torch.bfloat16, cpu, None, "auto")  # PyTorch's kernels: one product is faster

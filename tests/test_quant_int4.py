@@ -283,6 +283,18 @@ def test_memory_refusal_names_what_would_fit(small_ckpt, monkeypatch):
         Llama.build(str(small_ckpt), _tok(small_ckpt), 32, 2, quantize="int4", compile=False)
 
 
+def test_compiled_copy_counted_only_where_graphs_freeze_the_weights():
+    """compile=True copies float weights into a frozen graph, but not where our CPU kernels run in one process
+    (the step calls them on the model's own weights); quantized weights are never copied."""
+    args = ModelArgs.from_params(PARAMS, max_seq_len=32, max_batch_size=2)
+    frozen = estimate(args, torch.bfloat16, compile=True)
+    assert frozen["compile_copy"] == frozen["weights"] > 0
+    assert estimate(args, torch.bfloat16, compile=True, kernels=True)["compile_copy"] == 0
+    assert estimate(args, torch.bfloat16, compile=True, world_size=2, kernels=True)["compile_copy"] > 0
+    assert estimate(args, torch.bfloat16, "int8", compile=True)["compile_copy"] == 0
+    assert estimate(args, torch.bfloat16, compile="auto")["compile_copy"] == 0  # "auto" checks before compiling
+
+
 def test_parse_bytes():
     assert parse_bytes("2G") == 2 * 2**30 and parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("100") == 100
     with pytest.raises(ValueError, match="LLAMA_MEMORY_LIMIT must be a byte count"):
