@@ -9,9 +9,10 @@ machine's bandwidth and every small operator costs a few microseconds; Inductor 
 fuses the norms, rotary embedding and activations. That needs static shapes: Transformer.decode_step attends
 over the whole cache under a mask, so one graph serves every position of a given batch size.
 
-Where our CPU kernels take every linear layer (llama/cpu_kernels.py: unquantized bf16, or fp32 up to a few rows),
-the step calls them on the model's own weights instead, with freezing off: nothing is copied into the graph, it
-compiles in about half the time, and Inductor still fuses everything around the products.
+Where our CPU kernels take every linear layer (llama/cpu_kernels.py: unquantized bf16, fp32 up to a few rows,
+int4, int8-dynamic), the step calls them on the model's own weights instead, with freezing off: nothing is copied
+into the graph (nor into a stored step), a float step compiles in about half the time, and Inductor still fuses
+everything around the products.
 
 Costs: compiling takes seconds to tens of seconds per batch size, and frozen weights are copied into the compiled
 graph. On the CPU in a single process, a step with frozen weights is kept on disk as an AOTInductor package
@@ -29,7 +30,7 @@ import torch
 import torch._inductor.config as inductor_config
 
 from . import compile_cache, cpu_kernels, parallel
-from .quantize import FP32_KERNEL_MAX_ROWS, float_kernel_model, linear_layers
+from .quantize import FP32_KERNEL_MAX_ROWS, float_kernel_model, kernel_model, linear_layers
 
 MODES = ("auto", "max-autotune", "default")
 
@@ -84,15 +85,18 @@ class CompiledDecode:
             # peak for a 13.5 GB model compiled at three batch sizes, and matrix-vector products at half speed).
             self.config.update({"freezing": False, "triton.cudagraphs": True, "coordinate_descent_tuning": True,
                                 "max_autotune_gemm_backends": "ATEN,TRITON"})
-        # Float weights in our kernels stay out of the graph: the step calls float_linear on the model's own
-        # tensors, so nothing is frozen, prepacked or copied (a frozen graph held a copy of every weight).
-        self.outside = not self.cuda and float_kernel_model(model)
+        # Weights in our kernels stay out of the graph: the step calls them on the model's own tensors, so nothing
+        # is frozen, prepacked or copied (a frozen graph held a copy of every float weight, and a stored one of
+        # every weight).
+        self.outside = not self.cuda and kernel_model(model)
         if self.outside:
             self.config["freezing"] = False
         # fp32 batches this large stay eager where they would not run in Inductor's frozen-weight GEMM template
-        self.fp32_gemm_eager = mode == "max-autotune" or (self.outside and model.norm.weight.dtype == torch.float32)
+        self.fp32_gemm_eager = mode == "max-autotune" or (
+            self.outside and float_kernel_model(model) and model.norm.weight.dtype == torch.float32)
         self.model, self.mode, self.lazy = model, mode, lazy
-        own_storage(model)
+        if not self.outside:  # our kernels read a view at its offset; only frozen templates need their own storage
+            own_storage(model)
         self.seen: Dict[tuple, float] = {}  # (batch size, rows given) -> seconds the first call took
         self.packages: Dict[tuple, Callable] = {}  # keys whose step runs from an AOTInductor package
         self.eager: Dict[tuple, float] = {}  # lazy: eager decode seconds spent per key so far
@@ -278,7 +282,7 @@ def memory_allows(model) -> bool:
     same choice.
     """
     if (model.norm.weight.device.type != "cpu" or not any(p.is_floating_point() for p in linear_weights(model))
-            or float_kernel_model(model)):
+            or kernel_model(model)):
         return True
     if parallel.model_parallel_size() > 1:
         return True

@@ -154,10 +154,23 @@ def linear_layers(model: nn.Module):
 
 
 def float_kernel_model(model: nn.Module) -> bool:
-    """Whether every linear layer is an unquantized CPU weight our float_linear takes (llama/cpu_kernels.py), so
-    that a compiled step can call it on the model's own weights (llama/compile.py)."""
+    """Whether every linear layer is an unquantized CPU weight our float_linear takes (llama/cpu_kernels.py)."""
     return all(m.scales is None and m.packed is None and cpu_kernels.takes_float(m.weight)
                for m in linear_layers(model))
+
+
+def kernel_model(model: nn.Module) -> bool:
+    """Whether every linear layer runs in our CPU kernels (float_linear, int4 in its storage layout, int8-dynamic
+    on plain int8 weights), so that a compiled step can call them on the model's own tensors (llama/compile.py)."""
+    def ours(m) -> bool:
+        if m.packed is not None or m.weight.device.type != "cpu":
+            return False
+        if m.scales is None:
+            return cpu_kernels.takes_float(m.weight)
+        if m.scales.dim() == 3:
+            return getattr(m, "int4_group", None) is not None
+        return getattr(m, "int8_dynamic", False)
+    return all(ours(m) for m in linear_layers(model))
 
 
 @torch.no_grad()
