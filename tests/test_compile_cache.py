@@ -172,22 +172,32 @@ def test_a_step_calling_our_kernels_is_stored_without_the_weights(kernel_cache, 
     torch.testing.assert_close(after, 2 * before)
 
 
-def test_a_stored_int4_step_gives_what_torch_compile_gives(stories_dir, goldens, tmp_path, monkeypatch):
-    """int4 steps call our int4 kernel on the model's codes (not frozen into the package): the package's greedy ids
-    equal torch.compile's."""
+def test_a_stored_int4_step_gives_what_torch_compile_gives(tmp_path, monkeypatch):
+    """An int4 model whose layers all run in our int4 kernel: its step takes the model's codes (freezing off, so
+    neither graph nor package holds a copy), and the stored step's logits are torch.compile's."""
+    from test_model import random_model
+
+    from llama.cache import KVCache
+    from llama.quant_int4 import quantize_int4
+    from llama.quantize import kernel_model
+
     monkeypatch.undo()
     if not cpu_kernels.available():
         pytest.skip("llama's CPU kernels are not available here")
     monkeypatch.setenv("LLAMA_CACHE", str(tmp_path))
-    prompts = [g["prompt_tokens"] for g in goldens.values()]
+    model = quantize_int4(random_model(multiple_of=32).fuse(), 32)
+    assert kernel_model(model)
+    KVCache(model, 2, 32)
+    tokens, pos = torch.tensor([[3], [5]]), torch.tensor([0, 0])
     outs = {}
     for keep in ("0", "1"):
         monkeypatch.setenv("LLAMA_COMPILE_CACHE", keep)
-        llama = build(stories_dir, compile=True, quantize="int4")
-        outs[keep], _ = llama.generate(prompts, max_gen_len=64, temperature=0)
-        step = llama.runner.compiled
-        assert bool(step.packages) == (keep == "1") and step.config["freezing"] is False  # codes not copied
-    assert outs["1"] == outs["0"]
+        step = CompiledDecode(model)
+        assert step.config["freezing"] is False
+        with torch.inference_mode():
+            outs[keep] = step(tokens, pos)
+        assert bool(step.packages) == (keep == "1")
+    torch.testing.assert_close(outs["1"], outs["0"], rtol=1e-5, atol=1e-5)
 
 
 def test_int8_dynamic_compiles_in_every_process(stories_dir):
