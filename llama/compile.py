@@ -261,7 +261,8 @@ def eager_batches(model) -> int:
         quantized = quantized or m.scales is not None
     if weight_bytes(model) < EAGER_KERNEL_MIN_BYTES:
         return 0
-    return FP32_KERNEL_MAX_ROWS if not quantized and model.norm.weight.dtype == torch.float32 else EAGER_KERNEL_MAX_BATCH
+    fp32 = not quantized and model.norm.weight.dtype == torch.float32
+    return FP32_KERNEL_MAX_ROWS if fp32 else EAGER_KERNEL_MAX_BATCH
 
 
 def linear_weights(model) -> list:
