@@ -123,7 +123,8 @@ def fmt(v, spec=".1f"):
 
 def report(results, batches, bandwidth: float) -> str:
     """A markdown table: one row per configuration, ratios against peers of the same precision."""
-    head = ["configuration", "load s", "load peak RSS GB", "run peak RSS GB", "run peak / checkpoint", "prefill tok/s", "TTFT ms"]
+    head = ["configuration", "load s", "load peak RSS GB", "run peak RSS GB", "run peak / checkpoint",
+            "prefill tok/s", "TTFT ms"]
     head += [f"decode b={b} tok/s" for b in batches] + ["GB/s (b=1)", "% of bandwidth", "vs transformers (b=1/8)",
                                                         "vs llama.cpp (b=1)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -250,15 +250,9 @@ def eager_batches(model) -> int:
     if (model.norm.weight.device.type != "cpu" or model.norm.weight.dtype not in (torch.float32, torch.bfloat16)
             or model.params.head_dim % 8 or not cpu_kernels.available()):
         return 0
-    quantized = False
-    for m in linear_layers(model):
-        if m.packed is not None or (m.scales is not None and m.scales.dim() == 3 and getattr(m, "int4_group", None) is None):
-            return 0  # oneDNN's int8 or aten's int4 layout
-        if m.scales is not None and m.scales.dim() == 1 and not getattr(m, "int8_dynamic", False):
-            return 0  # int8 weight-only: aten's kernel
-        if m.scales is None and not cpu_kernels.takes_float(m.weight):
-            return 0
-        quantized = quantized or m.scales is not None
+    if not kernel_model(model):
+        return 0  # a layer in PyTorch's kernels (oneDNN's int8, aten's int4 layout, int8 weight-only, a strided view)
+    quantized = any(m.scales is not None for m in linear_layers(model))
     if weight_bytes(model) < EAGER_KERNEL_MIN_BYTES:
         return 0
     fp32 = not quantized and model.norm.weight.dtype == torch.float32

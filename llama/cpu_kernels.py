@@ -161,10 +161,14 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], -1).to(x.dtype)
 
 
+def _float_cpu(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16)
+
+
 def _eager_float(t: torch.Tensor) -> bool:
-    """The condition every float op here shares: an fp32 or bf16 CPU tensor, outside torch.compile, kernels built."""
-    return (t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16) and not torch.compiler.is_compiling()
-            and available())
+    """The condition the attention and norm ops share: an fp32 or bf16 CPU tensor, outside torch.compile, kernels
+    built."""
+    return _float_cpu(t) and not torch.compiler.is_compiling() and available()
 
 
 def norms(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -201,8 +205,7 @@ def takes_float(weight: torch.Tensor) -> bool:
     """Whether an unquantized CPU weight's products run in float_linear (bf16 always; fp32 up to
     quantize.FP32_KERNEL_MAX_ROWS rows), eager or inside torch.compile, where the weight then stays out of the
     graph (llama/compile.py)."""
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and weight.is_contiguous()
-            and (_loaded if torch.compiler.is_compiling() else available()))
+    return _float_cpu(weight) and weight.is_contiguous() and (_loaded if torch.compiler.is_compiling() else available())
 
 
 def takes(inputs: int) -> bool:

@@ -81,9 +81,9 @@ FP32_KERNEL_MAX_ROWS = 8
 def linear(x: torch.Tensor, weight: torch.Tensor, scales=None) -> torch.Tensor:
     """x @ weight.T; with scales, weight is int8 with one scale per output row ("int8").
 
-    Unquantized on CPU: our kernel or oneDNN (below). The int8 kernel needs in_features % 16 == 0 (other widths give wrong results or
-    crash), so tiny layers dequantize the weight first instead (scaling after the product would be turned back
-    into the same kernel by Inductor's patterns).
+    Unquantized on CPU: our kernel or oneDNN (below). The int8 kernel needs in_features % 16 == 0 (other widths
+    give wrong results or crash), so tiny layers dequantize the weight first instead (scaling after the product
+    would be turned back into the same kernel by Inductor's patterns).
     """
     if scales is None:
         if x.device.type == "cpu":
@@ -155,8 +155,7 @@ def linear_layers(model: nn.Module):
 
 def float_kernel_model(model: nn.Module) -> bool:
     """Whether every linear layer is an unquantized CPU weight our float_linear takes (llama/cpu_kernels.py)."""
-    return all(m.scales is None and m.packed is None and cpu_kernels.takes_float(m.weight)
-               for m in linear_layers(model))
+    return all(m.scales is None for m in linear_layers(model)) and kernel_model(model)
 
 
 def kernel_model(model: nn.Module) -> bool:
