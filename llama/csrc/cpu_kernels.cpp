@@ -317,7 +317,7 @@ LLAMA_AVX512 void q8_tile_vnni(const Blocks& xb, int64_t m0, int64_t K, int64_t 
       for (int t = 0; t < T; ++t) ds[t] = _mm512_castps256_ps512(_mm256_loadu_ps(xb.d.data() + (m0 + t) * nb + b8));
       for (int p = 0; p < 4; ++p) {
         const int8_t* wp = wr + (b8 + 2 * p) * kBlock;
-        prefetch(wp);
+        if (T > 1) prefetch(wp);  // one row of x: the hardware prefetcher alone is faster (bf16_tile_dot's note)
         const __m512i w = _mm512_loadu_si512(wp);
         const __mmask64 negative = _mm512_movepi8_mask(w);
         const __m512i aw = _mm512_abs_epi8(w);
@@ -391,12 +391,13 @@ void float_tile(const float* x, int64_t m0, int64_t K, int64_t N, const W* weigh
 // float_tile for bf16 weights and bf16 activations on CPUs with AVX-512 BF16: vdpbf16ps multiplies 16 pairs of bf16
 // (each product exact in fp32) and adds every pair's sum into an fp32 lane, 32 products per instruction where
 // float_tile widens the weights first and does 8 per FMA. Only for activations that are bf16 already (a bf16 model's),
-// so nothing is rounded that was not. Each row of x is summed in 32-element vectors over four accumulators in the
+// so nothing is rounded that was not. Each row of x is summed in 32-element vectors over two accumulators in the
 // same order whatever T, the last vector masked to K; the sums run in another order than float_tile's.
 #define LLAMA_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
 // Weight rows n .. n + R of y for rows m0 .. m0 + T of x: each activation vector loaded once for R weight rows.
-template <int T, int R>
+// Prefetch: ask for the weights kPrefetch ahead (pays where the rows are reused across a tile of x).
+template <int T, int R, bool Prefetch>
 LLAMA_AVX512_BF16 inline void bf16_rows_dot(const uint16_t* x, int64_t m0, int64_t K, int64_t N,
                                             const uint16_t* weight, int64_t n, float* y) {
   const int64_t full = K / 32, tail = K % 32;
@@ -409,7 +410,7 @@ LLAMA_AVX512_BF16 inline void bf16_rows_dot(const uint16_t* x, int64_t m0, int64
     __m512i w[R];
     for (int r = 0; r < R; ++r) {
       const uint16_t* wp = weight + (n + r) * K + v * 32;
-      prefetch(wp);
+      if (Prefetch) prefetch(wp);
       w[r] = masked ? _mm512_maskz_loadu_epi16(last, wp) : _mm512_loadu_si512(wp);
     }
     for (int t = 0; t < T; ++t) {
@@ -427,12 +428,20 @@ LLAMA_AVX512_BF16 inline void bf16_rows_dot(const uint16_t* x, int64_t m0, int64
       y[(m0 + t) * N + n + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t][r][0], acc[t][r][1]));
 }
 
+// One row of x (batch-1 decode) reads the weights as a single stream, one row after the next, and leaves the
+// prefetching to the hardware: pairs of rows 8 KB apart (K = 4096) and the software prefetch each cost a third of
+// the 7B model's batch-1 rate on this machine (docs/performance.md, "At 7B"). Tiles of several rows are
+// compute-bound, and there the pairs and the prefetch pay.
 template <int T>
 LLAMA_AVX512_BF16 void bf16_tile_dot(const uint16_t* x, int64_t m0, int64_t K, int64_t N, const uint16_t* weight,
                                      int64_t n0, int64_t n1, float* y) {
   int64_t n = n0;
-  for (; n + 2 <= n1; n += 2) bf16_rows_dot<T, 2>(x, m0, K, N, weight, n, y);
-  if (n < n1) bf16_rows_dot<T, 1>(x, m0, K, N, weight, n, y);
+  if (T == 1) {
+    for (; n < n1; ++n) bf16_rows_dot<1, 1, false>(x, m0, K, N, weight, n, y);
+    return;
+  }
+  for (; n + 2 <= n1; n += 2) bf16_rows_dot<T, 2, true>(x, m0, K, N, weight, n, y);
+  if (n < n1) bf16_rows_dot<T, 1, true>(x, m0, K, N, weight, n, y);
 }
 
 // Whether bf16_tile_dot may run: the CPU has AVX-512 (F, BW, VL) and BF16, and LLAMA_CPU_AVX512 is not "0".
