@@ -24,6 +24,7 @@ runs. The machine is shared and noisy: medians resist short stalls, but compare 
 import argparse
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -98,6 +99,28 @@ def spawn(cfg: dict, timeout: float) -> dict:
     return {"error": f"exit {proc.returncode}: {tail}"}
 
 
+# --------------------------------------------------------------------------------------------- rounds
+def merge_rounds(rounds: list) -> dict:
+    """One configuration's results over --rounds: the median of every figure, and each round's batch-1 decode
+    rate kept (`b1_rounds`) so ratios can be taken round by round."""
+    ok = [r for r in rounds if "error" not in r]
+    if not ok:
+        return rounds[0]
+    out = dict(ok[0])
+    for key, value in ok[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = statistics.median(r[key] for r in ok if r.get(key) is not None)
+        elif isinstance(value, dict):
+            out[key] = {k: statistics.median(r[key][k] for r in ok if k in r.get(key, {})) for k in value}
+    out["b1_rounds"] = [r["decode_tps"].get("1") for r in rounds if "error" not in r]
+    return out
+
+
+def round_ratios(ours: dict, peer: dict) -> list:
+    """Batch-1 decode ratios of two configurations, round by round (each pair ran minutes apart at most)."""
+    return [a / b for a, b in zip(ours.get("b1_rounds", []), peer.get("b1_rounds", [])) if a and b]
+
+
 # --------------------------------------------------------------------------------------------- report
 def label(cfg: dict) -> str:
     if cfg["engine"] == "llama":
@@ -150,8 +173,13 @@ def report(results, batches, bandwidth: float) -> str:
             hdec = {int(k): v for k, v in hf["decode_tps"].items()}
             ratios = "/".join(fmt(dec[b] / hdec[b], ".2f") + "x" for b in batches[:2] if b in hdec and b in dec)
         row.append(ratios)
-        row.append(fmt(dec[1] / {int(k): v for k, v in cpp["decode_tps"].items()}[1], ".2f") + "x"
-                   if cfg["engine"] == "llama" and cpp and 1 in dec else "—")
+        vs_cpp = "—"
+        if cfg["engine"] == "llama" and cpp and 1 in dec:
+            vs_cpp = fmt(dec[1] / {int(k): v for k, v in cpp["decode_tps"].items()}[1], ".2f") + "x"
+            per_round = round_ratios(r, cpp)
+            if len(per_round) > 1:  # the ratio of the medians, then the range of the rounds' own ratios
+                vs_cpp += f" ({min(per_round):.2f}–{max(per_round):.2f}x)"
+        row.append(vs_cpp)
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -249,6 +277,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens P")
     ap.add_argument("--gen", type=int, default=64, help="tokens generated per decode run N")
     ap.add_argument("--repeat", type=int, default=3, help="runs per measurement (median of steps, best prefill)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every configuration this many times in turn (fresh processes) and report medians, "
+                         "with the range of the round-by-round ratios against llama.cpp")
     ap.add_argument("--compare", nargs="*", default=[], choices=["hf", "llamacpp"])
     ap.add_argument("--workdir", help="where random weights and GGUF files go (default: a temporary directory)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per configuration")
@@ -266,6 +297,8 @@ def main(argv=None) -> int:
         tok = args.tokenizer or str(ckpt / "tokenizer.model")
         print(json.dumps(int8_accuracy(str(ckpt), tok, SHARED / "goldens" / "stories260K_greedy.json"), indent=1))
         return 0
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.batch[0] != 1:
         args.batch = sorted(set(args.batch) | {1})
 
@@ -285,16 +318,20 @@ def main(argv=None) -> int:
                                  else str(LLAMA2_TOKENIZER))
         bw = [read_bandwidth()]
         print(f"machine: {machine()}\nread bandwidth: {bw[0]:.1f} GB/s", flush=True)
-        results = []
-        for cfg in configs(args, str(ckpt), tok):
-            r = spawn(cfg, args.timeout)
-            results.append((cfg, r))
-            print(f"{label(cfg)}: {json.dumps(r)}", flush=True)
+        cfgs = configs(args, str(ckpt), tok)
+        rounds = [[] for _ in cfgs]
+        for i in range(args.rounds):  # configurations in turn, so the machine's drift reaches each alike
+            for cfg, runs in zip(cfgs, rounds):
+                runs.append(spawn(cfg, args.timeout))
+                print(f"{label(cfg)}{f' (round {i + 1})' if args.rounds > 1 else ''}: {json.dumps(runs[-1])}",
+                      flush=True)
+        results = [(cfg, merge_rounds(runs)) for cfg, runs in zip(cfgs, rounds)]
         bw.append(read_bandwidth())
         limit = max(bw)
         print(f"\nread bandwidth before/after: {bw[0]:.1f} / {bw[1]:.1f} GB/s; the limit below is {limit:.1f} GB/s")
         print(f"command: python benchmarks/bench.py {' '.join(argv if argv is not None else sys.argv[1:])}")
-        print(f"model {args.model}, prompt {args.prompt} tokens, {args.gen} generated, {args.repeat} runs each\n")
+        print(f"model {args.model}, prompt {args.prompt} tokens, {args.gen} generated, {args.repeat} runs each"
+              + (f", medians over {args.rounds} rounds" if args.rounds > 1 else "") + "\n")
         print(report(results, args.batch, limit))
         if args.json:
             Path(args.json).write_text(json.dumps({"bandwidth": bw, "results": results}, indent=1))
