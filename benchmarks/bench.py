@@ -54,7 +54,19 @@ def run_llama(cfg: dict) -> dict:
     llm.tokenizer.stop_tokens = {}  # random weights: never stop early, every run decodes N tokens
     prompt = prompt_tokens(llm.model.vocab_size, P)
     x = torch.tensor([prompt])
+    # The weights are memory-mapped: the first pass reads what the page cache lacks (another engine's run may have
+    # evicted it) by page faults, where llama.cpp reads its file at load. Pass again until a pass is no faster than
+    # the one before, so the figures below are the model's, not the disk's; first_pass_s keeps the cost.
+    t = time.perf_counter()
     llm.model(x, 0)
+    out["first_pass_s"] = last = time.perf_counter() - t
+    for _ in range(4):
+        t = time.perf_counter()
+        llm.model(x, 0)
+        now = time.perf_counter() - t
+        if now >= 0.8 * last:
+            break
+        last = now
     out["prefill_tps"] = P / best_time(lambda: llm.model(x, 0), repeat)
 
     def run(b, n):
