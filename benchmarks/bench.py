@@ -124,7 +124,8 @@ def merge_rounds(rounds: list) -> dict:
             out[key] = statistics.median(r[key] for r in ok if r.get(key) is not None)
         elif isinstance(value, dict):
             out[key] = {k: statistics.median(r[key][k] for r in ok if k in r.get(key, {})) for k in value}
-    out["b1_rounds"] = [r["decode_tps"].get("1") for r in rounds if "error" not in r]
+    # None for a failed round, so that round_ratios pairs the same rounds of two configurations
+    out["b1_rounds"] = [None if "error" in r else r["decode_tps"].get("1") for r in rounds]
     return out
 
 
