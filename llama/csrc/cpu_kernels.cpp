@@ -396,8 +396,7 @@ void float_tile(const float* x, int64_t m0, int64_t K, int64_t N, const W* weigh
 #define LLAMA_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
 // Weight rows n .. n + R of y for rows m0 .. m0 + T of x: each activation vector loaded once for R weight rows.
-// Prefetch: ask for the weights kPrefetch ahead (pays where the rows are reused across a tile of x).
-template <int T, int R, bool Prefetch>
+template <int T, int R>
 LLAMA_AVX512_BF16 inline void bf16_rows_dot(const uint16_t* x, int64_t m0, int64_t K, int64_t N,
                                             const uint16_t* weight, int64_t n, float* y) {
   const int64_t full = K / 32, tail = K % 32;
@@ -410,7 +409,7 @@ LLAMA_AVX512_BF16 inline void bf16_rows_dot(const uint16_t* x, int64_t m0, int64
     __m512i w[R];
     for (int r = 0; r < R; ++r) {
       const uint16_t* wp = weight + (n + r) * K + v * 32;
-      if (Prefetch) prefetch(wp);
+      if (T > 1) prefetch(wp);  // one row of x: the hardware prefetcher alone (below)
       w[r] = masked ? _mm512_maskz_loadu_epi16(last, wp) : _mm512_loadu_si512(wp);
     }
     for (int t = 0; t < T; ++t) {
@@ -437,11 +436,11 @@ LLAMA_AVX512_BF16 void bf16_tile_dot(const uint16_t* x, int64_t m0, int64_t K, i
                                      int64_t n0, int64_t n1, float* y) {
   int64_t n = n0;
   if (T == 1) {
-    for (; n < n1; ++n) bf16_rows_dot<1, 1, false>(x, m0, K, N, weight, n, y);
+    for (; n < n1; ++n) bf16_rows_dot<1, 1>(x, m0, K, N, weight, n, y);
     return;
   }
-  for (; n + 2 <= n1; n += 2) bf16_rows_dot<T, 2, true>(x, m0, K, N, weight, n, y);
-  if (n < n1) bf16_rows_dot<T, 1, true>(x, m0, K, N, weight, n, y);
+  for (; n + 2 <= n1; n += 2) bf16_rows_dot<T, 2>(x, m0, K, N, weight, n, y);
+  if (n < n1) bf16_rows_dot<T, 1>(x, m0, K, N, weight, n, y);
 }
 
 // Whether bf16_tile_dot may run: the CPU has AVX-512 (F, BW, VL) and BF16, and LLAMA_CPU_AVX512 is not "0".
