@@ -54,9 +54,10 @@ def run_llama(cfg: dict) -> dict:
     llm.tokenizer.stop_tokens = {}  # random weights: never stop early, every run decodes N tokens
     prompt = prompt_tokens(llm.model.vocab_size, P)
     x = torch.tensor([prompt])
-    # The weights are memory-mapped: the first pass reads what the page cache lacks (another engine's run may have
-    # evicted it) by page faults, where llama.cpp reads its file at load. Pass again until a pass is no faster than
-    # the one before, so the figures below are the model's, not the disk's; first_pass_s keeps the cost.
+    # Llama.build reads memory-mapped weights into memory when they fit (llama/preload.py), as llama.cpp reads its
+    # file at load. Where they do not, the first passes read what the page cache lacks by page faults: pass again
+    # until a pass is no faster than the one before, so the figures below are the model's, not the disk's;
+    # first_pass_s keeps the cost.
     t = time.perf_counter()
     llm.model(x, 0)
     out["first_pass_s"] = last = time.perf_counter() - t

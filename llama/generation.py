@@ -51,6 +51,7 @@ class Llama:
         rope_scaling_factor: Optional[float] = None,
         pipeline_parallel_size: int = 1,
         group_size: Optional[int] = None,
+        preload: Optional[bool] = None,
     ) -> "Llama":
         """Load a checkpoint: a Meta-layout directory, or a GGUF file (or a directory holding one; its embedded
         tokenizer and chat template are used unless tokenizer_path is given). Works in plain python and under
@@ -71,11 +72,14 @@ class Llama:
         cannot say so).
         pipeline_parallel_size: P > 1 splits the layers into P stages under torchrun, each tensor-parallel over
         model_parallel_size ranks (world size = T x P; docs/pipeline.md); stages decode eagerly.
+        preload: memory-mapped weights are read into memory before build returns, so the first token does not
+        wait for the disk: None (default) when they fit in available memory, True always, False never
+        (llama/preload.py).
         """
         model, tokenizer, compiled = loader.load(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size,
                                                  model_parallel_size, seed, device, dtype, verify, compile, quantize,
                                                  rope_scaling_factor, pipeline_parallel_size=pipeline_parallel_size,
-                                                 group_size=group_size)
+                                                 group_size=group_size, preload=preload)
         return Llama(model, tokenizer, max_batch_size, max_seq_len, compiled)
 
     def __init__(self, model, tokenizer, max_batch_size: int, max_seq_len: int, compiled=None):

@@ -14,14 +14,15 @@ from . import checkpoint, parallel
 from . import compile as compilation
 from . import cpu_kernels
 from . import quantize as quantization
-from . import gguf_checkpoint, memory, pipeline, quant_checkpoint, tokenizer_hf
+from . import gguf_checkpoint, memory, pipeline, preload as residency, quant_checkpoint, tokenizer_hf
 from .fusion import Fusable
 from .model import ModelArgs, Transformer, check_model_parallel
 from .params import positive_int
 from .tokenizer import load_tokenizer
 
 
-def check_options(max_seq_len, max_batch_size, seed, compile, quantize) -> None:
+def check_options(max_seq_len, max_batch_size, seed, compile, quantize, preload=None) -> None:
+    residency.check(preload)
     positive_int("max_seq_len", max_seq_len)
     positive_int("max_batch_size", max_batch_size)
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -146,12 +147,13 @@ def load(
     rope_scaling_factor: Optional[float] = None,
     pipeline_parallel_size: int = 1,
     group_size: Optional[int] = None,
+    preload: Optional[bool] = None,
 ) -> Tuple[Transformer, object, Optional[compilation.CompiledDecode]]:
     """(model, tokenizer, compiled decode policy or None) for Llama.build; see its docstring for the options.
 
     The KV cache is not allocated here: the generator that owns it does (llama/cache.py).
     """
-    check_options(max_seq_len, max_batch_size, seed, compile, quantize)
+    check_options(max_seq_len, max_batch_size, seed, compile, quantize, preload)
     staged = pipeline_parallel_size != 1
     if staged and not any(compile is v for v in (False, None)) and compile != "auto":
         raise ValueError(f"compile={compile!r} is not available with pipeline_parallel_size="
@@ -211,6 +213,7 @@ def load(
         if quantize != stored["scheme"]:  # int8 codes multiplied with int8 activations
             quantization.quantize(model, quantize)
         quantization.cast_floating(model, dtype)
+        residency.read_weights(model, preload, progress=parallel.is_main_process())
         compiled = compilation.compile_decode(model, compile)
         if parallel.is_main_process():
             print(f"Loaded in {time.time() - start:.2f} seconds")
@@ -243,6 +246,7 @@ def load(
     prepare(model, device, dtype, quantize, group_size, fuse)  # what layer-by-layer loading has not done yet
     if tied and model.output.scales is None:  # casting copied each: share the embedding again
         model.output.weight = model.tok_embeddings.weight
+    residency.read_weights(model, preload, progress=parallel.is_main_process())
     compiled = None if staged else compilation.compile_decode(model, compile)
     if parallel.is_main_process():
         print(f"Loaded in {time.time() - start:.2f} seconds")

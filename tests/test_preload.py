@@ -1,0 +1,80 @@
+"""preload: memory-mapped weights are read into memory at load when they fit, lazily otherwise."""
+
+import pytest
+import torch
+
+from llama import Llama, loader, preload
+from llama.demo import train_demo_tokenizer, write_random_checkpoint
+
+PARAMS = {"dim": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 64, "norm_eps": 1e-5,
+          "vocab_size": 2048}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("preload")
+    tok = train_demo_tokenizer(d / "demo.model")
+    write_random_checkpoint(d, PARAMS, tokenizer_path=tok, dtype=torch.bfloat16)
+    return d
+
+
+def mapped_rss(name: str) -> int:
+    """Bytes of this process's mappings of files called `name` that are in its page tables (smaps Rss)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5:  # a mapping's first line
+                inside = line.rstrip().endswith("/" + name)
+            elif inside and head[0] == "Rss:":
+                total += int(head[1]) * 1024
+    return total
+
+
+def build(ckpt, monkeypatch, **kw):
+    monkeypatch.setattr(loader, "fuses", lambda *a, **k: False)  # keep the weights as the file maps them
+    return Llama.build(str(ckpt), str(ckpt / "tokenizer.model"), 64, 1, dtype="bfloat16", compile=False, **kw)
+
+
+def weight_bytes(model) -> int:
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in model.parameters()}
+    return sum(storages.values())
+
+
+@pytest.mark.skipif(not preload.file_mappings(), reason="needs /proc/self/maps (Linux)")
+def test_lazy_load_leaves_pages_out_and_read_weights_brings_every_one_in(ckpt, monkeypatch):
+    llm = build(ckpt, monkeypatch, preload=False)
+    weights = weight_bytes(llm.model)
+    assert weights > 4 << 20
+    before = mapped_rss("consolidated.00.pth")
+    assert before < weights / 2  # mapped, not read: build() touched no weight
+    assert preload.read_weights(llm.model) == weights  # every parameter lies in the mapping, each counted once
+    assert mapped_rss("consolidated.00.pth") >= weights
+
+
+@pytest.mark.skipif(not preload.file_mappings(), reason="needs /proc/self/maps (Linux)")
+def test_build_reads_the_weights_by_default_and_generates_the_same(ckpt, monkeypatch):
+    lazy = build(ckpt, monkeypatch, preload=False)
+    want = lazy.text_completion(["Once upon"], max_gen_len=8, temperature=0)
+    del lazy
+    llm = build(ckpt, monkeypatch)
+    assert mapped_rss("consolidated.00.pth") >= weight_bytes(llm.model)
+    assert llm.text_completion(["Once upon"], max_gen_len=8, temperature=0) == want
+
+
+def test_weights_that_would_not_fit_stay_lazy(ckpt, monkeypatch):
+    llm = build(ckpt, monkeypatch, preload=False)
+    monkeypatch.setenv("LLAMA_MEMORY_LIMIT", "1M")  # far under the weights
+    assert preload.read_weights(llm.model) == 0
+    assert preload.read_weights(llm.model, False) == 0
+
+
+def test_weights_not_in_a_file_are_not_counted(ckpt, monkeypatch):
+    llm = Llama.build(str(ckpt), str(ckpt / "tokenizer.model"), 64, 1, dtype="float32", compile=False)
+    assert preload.read_weights(llm.model, True) == 0  # cast to fp32: copies in anonymous memory
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, 0.5])
+def test_a_bad_preload_value_is_refused_before_loading(ckpt, bad):
+    with pytest.raises(ValueError, match="preload must be True, False or None"):
+        Llama.build(str(ckpt / "missing"), None, 64, 1, preload=bad)
