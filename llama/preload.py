@@ -9,7 +9,9 @@ from the disk faults again on the guest's first access, so only a read leaves th
 Weights that do not fit stay mapped lazily: reading them all at load would only evict what the first step needs.
 """
 
+import ctypes
 import mmap
+import sys
 from typing import Iterable, List, Optional, Tuple
 
 import torch
@@ -19,6 +21,13 @@ from . import memory
 
 _CHUNK = 256 << 20  # bytes read per call: a progress bar that moves
 _PAGE = mmap.PAGESIZE
+_PASSES = 4  # reads of the pages still missing after the first
+try:
+    _mincore = ctypes.CDLL(None, use_errno=True).mincore if sys.platform.startswith("linux") else None
+    if _mincore is not None:
+        _mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+except (OSError, AttributeError):
+    _mincore = None
 
 
 def file_mappings() -> List[Tuple[int, int]]:
@@ -62,6 +71,18 @@ def mapped_storages(tensors: Iterable[torch.Tensor],
     return sorted(out, key=lambda s: s.data_ptr())
 
 
+def missing_pages(storage: torch.UntypedStorage) -> Optional[torch.Tensor]:
+    """Byte offsets into storage, one in each of its pages the page cache lacks (mincore); None if unknown."""
+    if _mincore is None:
+        return None
+    ptr, size = storage.data_ptr(), storage.nbytes()
+    lo = ptr // _PAGE * _PAGE
+    vec = torch.empty(-(-(ptr + size - lo) // _PAGE), dtype=torch.uint8)
+    if _mincore(lo, ptr + size - lo, vec.data_ptr()) != 0:
+        return None
+    return (torch.nonzero((vec & 1) == 0).flatten() * _PAGE - (ptr - lo)).clamp_(min=0)
+
+
 def read_weights(model: torch.nn.Module, mode: Optional[bool] = None, progress: bool = True) -> int:
     """Read the model's memory-mapped weights into memory; returns the bytes read (0 when none were).
 
@@ -85,4 +106,13 @@ def read_weights(model: torch.nn.Module, mode: Optional[bool] = None, progress: 
             for start in range(0, len(data), _CHUNK):
                 data[start:start + _CHUNK:_PAGE].sum()  # one byte per page: each page faulted in, in order
                 bar.update(min(_CHUNK, len(data) - start))
+        # With the page cache full of other files that were in use (another model's), reclaim takes the pages
+        # just read, each read once, before those: read the missing ones again, which marks them in use.
+        for _ in range(_PASSES):
+            missing = [(s, missing_pages(s)) for s in storages]
+            if not any(m is not None and len(m) for _, m in missing):
+                break
+            for storage, offsets in missing:
+                if offsets is not None and len(offsets):
+                    torch.empty(0, dtype=torch.uint8).set_(storage)[offsets].sum()
     return total
