@@ -6,7 +6,10 @@ token's latency, and in any step timed while pages are still coming in. When the
 memory, load() reads them here instead, by reading one byte of every page in file order (the faults read ahead
 in large requests). A read, not madvise(MADV_POPULATE_READ): in a virtual machine, memory the host has just filled
 from the disk faults again on the guest's first access, so only a read leaves the first step nothing to wait for.
-Weights that do not fit stay mapped lazily: reading them all at load would only evict what the first step needs.
+Pages read once are the first that reclaim takes when the page cache is full of files in use (another model's),
+so the pages mincore then reports missing are read again, which marks them in use. Weights that do not fit stay
+mapped lazily: reading them all at load would only evict what the first step needs. Linux only (the mappings come
+from /proc/self/maps); elsewhere weights stay lazy.
 """
 
 import ctypes
@@ -106,8 +109,7 @@ def read_weights(model: torch.nn.Module, mode: Optional[bool] = None, progress: 
             for start in range(0, len(data), _CHUNK):
                 data[start:start + _CHUNK:_PAGE].sum()  # one byte per page: each page faulted in, in order
                 bar.update(min(_CHUNK, len(data) - start))
-        # With the page cache full of other files that were in use (another model's), reclaim takes the pages
-        # just read, each read once, before those: read the missing ones again, which marks them in use.
+        # reclaim may have taken pages just read (the module's docstring): read those again
         for _ in range(_PASSES):
             missing = [(s, missing_pages(s)) for s in storages]
             if not any(m is not None and len(m) for _, m in missing):

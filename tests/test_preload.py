@@ -1,5 +1,8 @@
 """preload: memory-mapped weights are read into memory at load when they fit, lazily otherwise."""
 
+import mmap
+import os
+
 import pytest
 import torch
 
@@ -60,6 +63,36 @@ def test_build_reads_the_weights_by_default_and_generates_the_same(ckpt, monkeyp
     llm = build(ckpt, monkeypatch)
     assert mapped_rss("consolidated.00.pth") >= weight_bytes(llm.model)
     assert llm.text_completion(["Once upon"], max_gen_len=8, temperature=0) == want
+
+
+def filesystem(path) -> str:
+    """The type of the filesystem holding path, from /proc/mounts (the longest mount point above it)."""
+    best, kind = "", ""
+    with open("/proc/mounts") as f:
+        for line in f:
+            _, point, fs = line.split()[:3]
+            if str(path).startswith(point.rstrip("/") + "/") and len(point) > len(best):
+                best, kind = point, fs
+    return kind
+
+
+@pytest.mark.skipif(preload._mincore is None or not hasattr(os, "posix_fadvise"), reason="needs mincore (Linux)")
+def test_missing_pages_lists_what_the_page_cache_lacks_until_the_weights_are_read(ckpt, tmp_path, monkeypatch):
+    if filesystem(tmp_path) in ("tmpfs", "ramfs"):
+        pytest.skip(f"{tmp_path} is in memory: its pages cannot be dropped from the page cache")
+    write_random_checkpoint(tmp_path, PARAMS, tokenizer_path=ckpt / "tokenizer.model", dtype=torch.bfloat16)
+    llm = build(tmp_path, monkeypatch, preload=False)  # its own file: no other test's model maps its pages
+    fd = os.open(tmp_path / "consolidated.00.pth", os.O_RDONLY)
+    os.fsync(fd)  # pages still to be written back cannot be dropped
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # drops the pages no process maps: the weights, unread
+    os.close(fd)
+    storages = preload.mapped_storages([*llm.model.parameters()], preload.file_mappings())
+    pages = sum(-(-s.nbytes() // mmap.PAGESIZE) for s in storages)
+    missing = [preload.missing_pages(s) for s in storages]
+    assert all(len(m) == 0 or (0 <= int(m.min()) and int(m.max()) < s.nbytes()) for s, m in zip(storages, missing))
+    assert sum(len(m) for m in missing) > pages / 2
+    preload.read_weights(llm.model, True)
+    assert sum(len(preload.missing_pages(s)) for s in storages) == 0
 
 
 def test_weights_that_would_not_fit_stay_lazy(ckpt, monkeypatch):
