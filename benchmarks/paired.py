@@ -1,0 +1,119 @@
+"""Batch-1 decode against llama.cpp in one process, in alternating blocks: ratios that the machine's drift cancels.
+
+    python benchmarks/paired.py --model 7b --workdir DIR [--dtypes int4 int8-dynamic] [--blocks 10] [--tokens 8]
+
+bench.py runs each engine in its own process, minutes apart, and on a shared machine the memory bandwidth moves
+by a factor of two over minutes (docs/performance.md, "At 7B"). Here one process per scheme loads both models,
+ours (the `python -m llama.quantize` copy, made as bench.py makes it) and llama.cpp's GGUF (q4_0 / q8_0 from
+llama.cpp's own quantizer), then decodes `--tokens` tokens with each in turn, `--blocks` times, the order
+alternating. Each block gives one ratio of two rates measured seconds apart. Both sets of weights must fit in
+memory together: 7B bf16 (2 x 13.5 GB) does not in 24 GB, so bf16 is refused unless it fits.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench import prequantize
+from common import LLAMA2_TOKENIZER, machine, prompt_tokens, read_bandwidth, run_requests, shape_checkpoint, step_times
+from peers import gguf_file
+
+GGUF_TYPE = {"bf16": "bf16", "int8-dynamic": "q8_0", "int4": "q4_0"}
+
+
+def rate(times) -> float:
+    """tok/s from step timestamps: the median decode step (the first interval is the prefill)."""
+    return 1 / statistics.median(b - a for a, b in zip(times[2:], times[3:]))
+
+
+def measure(cfg: dict) -> dict:
+    """In a child process: both models loaded, decoded in alternating blocks."""
+    import llama_cpp
+
+    from llama import Llama
+    from llama.params import SamplingParams
+
+    n, prompt_len = cfg["tokens"], 16
+    ours = Llama.build(cfg["ours"], cfg["tokenizer"], max_seq_len=prompt_len + n + 8, max_batch_size=1,
+                       dtype="bfloat16" if cfg["dtype"] == "bf16" else None, compile=False,
+                       quantize="int8-dynamic" if cfg["dtype"] == "int8-dynamic" else None)
+    ours.tokenizer.stop_tokens = {}  # random weights: every block decodes n tokens
+    peer = llama_cpp.Llama(cfg["gguf"], n_ctx=prompt_len + n + 8, n_batch=32, n_threads=torch.get_num_threads(),
+                           n_threads_batch=torch.get_num_threads(), verbose=False)
+    prompt = prompt_tokens(ours.model.vocab_size, prompt_len)
+    params = SamplingParams(temperature=0, max_gen_len=n)
+
+    def run_ours():
+        return rate(run_requests(ours, [prompt], params))
+
+    def run_peer():
+        peer.reset()
+        tokens = peer.generate(prompt, top_k=1, temp=0.0, reset=True)
+        return rate(step_times(next(tokens) for _ in range(n)))
+
+    run_ours(), run_peer()  # warm both: first passes, thread pools
+    blocks = []
+    for b in range(cfg["blocks"]):
+        pair = {}
+        for name, fn in (("ours", run_ours), ("peer", run_peer))[:: 1 if b % 2 == 0 else -1]:
+            pair[name] = fn()
+        blocks.append(pair)
+    return {"blocks": blocks}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="7b", help="a shape of benchmarks/common.py, written once into --workdir")
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--dtypes", nargs="+", default=["int4", "int8-dynamic"], choices=list(GGUF_TYPE))
+    p.add_argument("--blocks", type=int, default=10)
+    p.add_argument("--tokens", type=int, default=8, help="tokens decoded per block and engine")
+    p.add_argument("--measure", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.measure:
+        print("RESULT " + json.dumps(measure(json.loads(a.measure))))
+        return
+    from llama import memory
+
+    ckpt = Path(a.workdir) / f"random-{a.model}"
+    if not (ckpt / "params.json").exists():
+        shape_checkpoint(a.model, ckpt)
+    print(machine())
+    print(f"read bandwidth: {read_bandwidth():.1f} GB/s")
+    print(f"command: python benchmarks/paired.py {' '.join(sys.argv[1:])}")
+    print("| scheme | ours tok/s, median | llama.cpp tok/s, median | ours / llama.cpp, median of blocks | range | blocks |")
+    print("|---|---|---|---|---|---|")
+    for dtype in a.dtypes:
+        cfg = {"ckpt": str(ckpt), "tokenizer": str(LLAMA2_TOKENIZER), "workdir": a.workdir}
+        gguf = gguf_file(cfg, GGUF_TYPE[dtype])
+        ours = str(ckpt) if dtype == "bf16" else prequantize(str(ckpt), a.workdir, dtype.replace("-dynamic", ""))
+        need = gguf.stat().st_size + sum(f.stat().st_size for f in Path(ours).glob("*.pth"))
+        have = memory.available_bytes()
+        if have is not None and need * memory.MARGIN > have:
+            print(f"| {dtype} | not run: both models need {need / 1e9:.1f} GB, {have / 1e9:.1f} GB available |||||")
+            continue
+        cfg.update(dtype=dtype, ours=ours, gguf=str(gguf), blocks=a.blocks, tokens=a.tokens)
+        t = time.perf_counter()
+        proc = subprocess.run([sys.executable, __file__, "--workdir", a.workdir, "--measure", json.dumps(cfg)],
+                              capture_output=True, text=True)
+        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if line is None:
+            print(f"| {dtype} | failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]} |||||")
+            continue
+        blocks = json.loads(line[len("RESULT "):])["blocks"]
+        ratios = [b["ours"] / b["peer"] for b in blocks]
+        print(f"| {dtype} | {statistics.median(b['ours'] for b in blocks):.2f} | "
+              f"{statistics.median(b['peer'] for b in blocks):.2f} | {statistics.median(ratios):.2f}x | "
+              f"{min(ratios):.2f}–{max(ratios):.2f}x | {len(blocks)} in {time.perf_counter() - t:.0f} s |", flush=True)
+        print("  blocks (ours, llama.cpp tok/s): " + ", ".join(f"{b['ours']:.2f}/{b['peer']:.2f}" for b in blocks),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
