@@ -2,14 +2,17 @@
 the `gguf` package and turned into this package's parameters, Meta-named weights and tokenizer.
 
 Only the `llama` architecture is accepted. Quantized tensors (Q8_0, Q4_0, Q4_1) are dequantized at load, tensor
-by tensor, to the requested dtype; F32/F16/BF16 are cast. llama.cpp's converter stores q/k rows in Meta's
-interleaved rotary order already (it undoes Hugging Face's permutation), so they are used as they are.
+by tensor, to the requested dtype; F32/F16/BF16 are cast, or, already in the requested dtype, used in place: the
+tensor maps the file's bytes (read-only, as Meta checkpoints are memory-mapped), so a bf16 file loads without a
+copy. llama.cpp's converter stores q/k rows in Meta's interleaved rotary order already (it undoes Hugging Face's
+permutation), so they are used as they are.
 """
 
 import json
 import math
 import mmap
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -102,8 +105,24 @@ def read_state_dict(reader, path: Path, dtype: torch.dtype = torch.float32) -> D
     return read_tensors(tqdm(reader.tensors, desc=f"reading {path.name}", unit="tensor", disable=not big), path, dtype)
 
 
+_FLOAT = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def in_place(t, dtype: torch.dtype) -> bool:
+    """Whether reader tensor t is used as the file holds it (its type is dtype): no copy, and its pages kept."""
+    return _FLOAT.get(t.tensor_type.name) == dtype and t.data.flags.c_contiguous
+
+
+def mapped_tensor(data: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """The file's bytes of one tensor as a flat torch tensor of dtype, without a copy. The memory map is
+    read-only; the model never writes its weights (casting, fusing and quantizing make new tensors)."""
+    with warnings.catch_warnings():  # torch warns that the array is not writable: it is the mapped file
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(data.reshape(-1).view(np.uint8)).view(dtype)
+
+
 def read_tensors(tensors, path: Path, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
-    """These reader tensors, Meta-named, dequantized or cast to dtype."""
+    """These reader tensors, Meta-named, dequantized or cast to dtype (in place where they are dtype already)."""
     state = {}
     for t in tensors:
         kind = t.tensor_type.name
@@ -112,7 +131,7 @@ def read_tensors(tensors, path: Path, dtype: torch.dtype) -> Dict[str, torch.Ten
                              f"(supported: {', '.join(SUPPORTED)})")
         shape = tensor_shape(t)
         try:
-            values = dequantize_tensor(t.data, kind, dtype)
+            values = mapped_tensor(t.data, dtype) if in_place(t, dtype) else dequantize_tensor(t.data, kind, dtype)
         except (ValueError, IndexError, RuntimeError) as e:
             raise ValueError(f"{path}: tensor {t.name} ({kind}) cannot be read (truncated or corrupt?): {e}") from None
         if values.numel() != math.prod(shape):
@@ -126,13 +145,16 @@ def tensor_shape(t) -> Tuple[int, ...]:
     return tuple(int(n) for n in reversed(t.shape))  # GGUF lists the fastest dimension first
 
 
-def release(reader, tensors) -> None:
+def release(reader, tensors, dtype: Optional[torch.dtype] = None) -> None:
     """Drop these tensors' file pages from this process's resident set once they are read (they stay in the page
-    cache and fault back in if touched): loading layer by layer then never holds the whole file too."""
+    cache and fault back in if touched): loading layer by layer then never holds the whole file too. Tensors
+    read in place as dtype keep theirs: they are the weights."""
     mm = getattr(reader.data, "_mmap", None)  # numpy.memmap's mmap object
     if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
         return
     for t in tensors:
+        if dtype is not None and in_place(t, dtype):
+            continue
         start = int(t.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
         end = min(int(t.data_offset) + int(t.n_bytes), len(mm))
         try:

@@ -75,6 +75,9 @@ def gguf_model(reader, path, args: ModelArgs, rank: int, world_size: int, device
     checkpoint.check_shapes(shapes, args, str(path))  # before any weight is dequantized
     with torch.device("meta"):
         model = Transformer(args)
+    # whole tensors already in dtype stay mapped, their pages kept (gguf_checkpoint.in_place); slices and quantized
+    # layers are copies, after which the pages they were read from are released
+    keep = dtype if quantize is None and world_size == 1 else None
     full = gguf_checkpoint.read_tensors(globals_, path, dtype)
     state = {name: checkpoint.split_tensor(name, t, rank, world_size) for name, t in full.items()}
     if "output.weight" not in state:
@@ -82,7 +85,7 @@ def gguf_model(reader, path, args: ModelArgs, rank: int, world_size: int, device
                                   checkpoint.split_tensor("output.weight", full["tok_embeddings.weight"], rank,
                                                           world_size))
     del full
-    gguf_checkpoint.release(reader, globals_)
+    gguf_checkpoint.release(reader, globals_, keep)
     model.load_state_dict(state, strict=False, assign=True)
     if "output.weight" not in shapes and world_size == 1:  # one Parameter, so .to() keeps one copy
         model.output.weight = model.tok_embeddings.weight
@@ -97,7 +100,7 @@ def gguf_model(reader, path, args: ModelArgs, rank: int, world_size: int, device
         except RuntimeError as e:
             raise ValueError(f"{path}: layer {i} does not match the metadata: {e}") from None
         prepare(model.layers[i], device, dtype, quantize, group_size, fuse)
-        gguf_checkpoint.release(reader, layers[i])
+        gguf_checkpoint.release(reader, layers[i], keep)
     return model
 
 
@@ -110,6 +113,7 @@ def gguf_stage(reader, path, args: ModelArgs, stage, rank: int, world_size: int,
     globals_, layers, shapes = gguf_checkpoint.layer_groups(reader, path)
     checkpoint.check_shapes(shapes, args, str(path))  # before any weight is dequantized
     tied = "output.weight" not in shapes
+    keep = dtype if world_size == 1 else None  # tensor-parallel slices are copies: release what they came from
     state = {}
     for t in globals_:
         name = gguf_checkpoint.meta_name(t.name, path)
@@ -118,11 +122,11 @@ def gguf_stage(reader, path, args: ModelArgs, stage, rank: int, world_size: int,
         if names:
             full = gguf_checkpoint.read_tensors([t], path, dtype)[name]
             state.update({n: checkpoint.split_tensor(n, full, rank, world_size) for n in names})
-            gguf_checkpoint.release(reader, [t])
+            gguf_checkpoint.release(reader, [t], keep)
     for i in stage.layers:
         for name, t in gguf_checkpoint.read_tensors(layers[i], path, dtype).items():
             state[pipeline.local_name(name, stage)] = checkpoint.split_tensor(name, t, rank, world_size)
-        gguf_checkpoint.release(reader, layers[i])
+        gguf_checkpoint.release(reader, layers[i], keep)
     with torch.device("meta"):
         model = pipeline.PipelineTransformer(args, stage)
     try:

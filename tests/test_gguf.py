@@ -233,6 +233,33 @@ def test_stories260k_written_as_gguf_gives_the_goldens_in_f32_and_close_in_q8_0(
 
 
 
+def test_a_bf16_gguf_loads_in_place_to_the_logits_of_the_same_weights_from_meta(goldens, tmp_path):
+    """BF16 tensors loaded as bf16 are the file's own bytes (memory-mapped, no copy: a 7B bf16 file loads in
+    seconds), and give the logits of the Meta checkpoint cast to bf16, exactly."""
+    import torch
+
+    from conftest import STORIES
+    from helpers import ONCE, write_meta_gguf
+    from llama import preload
+
+    if not preload.file_mappings():
+        pytest.skip("needs /proc/self/maps (Linux) to see where the weights live")
+    state = torch.load(need(STORIES / "consolidated.00.pth"), map_location="cpu")
+    params = json.loads((STORIES / "params.json").read_text())
+    path = write_meta_gguf(tmp_path / "bf16.gguf", state, params, STORIES / "tokenizer.model", quant="BF16")
+    kw = dict(max_seq_len=256, max_batch_size=1, compile=False, dtype="bfloat16", preload=False)
+    meta = Llama.build(str(STORIES), str(STORIES / "tokenizer.model"), **kw)
+    gen = Llama.build(str(path), None, **kw)
+    in_file = [s.data_ptr() for s in preload.mapped_storages([*gen.model.parameters()], preload.file_mappings())]
+    wo = gen.model.layers[0].attention.wo.weight
+    assert wo.untyped_storage().data_ptr() in in_file, "the bf16 weight was copied"
+    g = goldens[ONCE]
+    seq = [g["prompt_tokens"] + g["generated_tokens"]]
+    with meta.cache.hold(), gen.cache.hold():
+        ref, ours = meta.runner.logits(seq)[0], gen.runner.logits(seq)[0]
+    assert torch.equal(ours, ref), (ours - ref).abs().max()
+
+
 # ------------------------------------------------------------------------------------------------- quantized loading
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quantized_load_streams_layer_by_layer_to_the_same_weights_as_quantizing_after(smol, golden, scheme):
