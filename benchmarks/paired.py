@@ -1,6 +1,7 @@
 """Batch-1 decode against llama.cpp in one process, in alternating blocks: ratios that the machine's drift cancels.
 
     python benchmarks/paired.py --model 7b --workdir DIR [--dtypes int4 int8-dynamic] [--blocks 10] [--tokens 8]
+                                [--compile off|on|auto]
 
 bench.py runs each engine in its own process, minutes apart, and on a shared machine the memory bandwidth moves
 by a factor of two over minutes (docs/performance.md, "At 7B"). Here one process per scheme loads both models,
@@ -42,7 +43,7 @@ def measure(cfg: dict) -> dict:
 
     n, prompt_len = cfg["tokens"], 16
     ours = Llama.build(cfg["ours"], None if cfg["dtype"] == "bf16" else cfg["tokenizer"], max_seq_len=prompt_len + n + 8, max_batch_size=1,
-                       dtype="bfloat16" if cfg["dtype"] == "bf16" else None, compile=False,
+                       dtype="bfloat16" if cfg["dtype"] == "bf16" else None, compile={"off": False, "on": True, "auto": "auto"}[cfg["compile"]],
                        quantize="int8-dynamic" if cfg["dtype"] == "int8-dynamic" else None)
     ours.tokenizer.stop_tokens = {}  # random weights: every block decodes n tokens
     peer = llama_cpp.Llama(cfg["gguf"], n_ctx=prompt_len + n + 8, n_batch=32, n_threads=torch.get_num_threads(),
@@ -75,6 +76,8 @@ def main():
     p.add_argument("--dtypes", nargs="+", default=["int4", "int8-dynamic"], choices=list(GGUF_TYPE))
     p.add_argument("--blocks", type=int, default=10)
     p.add_argument("--tokens", type=int, default=8, help="tokens decoded per block and engine")
+    p.add_argument("--compile", choices=["off", "on", "auto"], default="off",
+                   help="ours eager, compiled (the step is stored on disk once compiled), or the default policy")
     p.add_argument("--measure", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.measure:
@@ -99,7 +102,7 @@ def main():
         if have is not None and need * memory.MARGIN > have:
             print(f"| {dtype} | not run: both models need {need / 1e9:.1f} GB, {have / 1e9:.1f} GB available |||||")
             continue
-        cfg.update(dtype=dtype, ours=ours, gguf=str(gguf), blocks=a.blocks, tokens=a.tokens)
+        cfg.update(dtype=dtype, ours=ours, gguf=str(gguf), blocks=a.blocks, tokens=a.tokens, compile=a.compile)
         t = time.perf_counter()
         proc = subprocess.run([sys.executable, __file__, "--workdir", a.workdir, "--measure", json.dumps(cfg)],
                               capture_output=True, text=True)

@@ -44,9 +44,9 @@ FP32_EAGER_MIN_BATCH = 32
 
 # compile="auto" keeps batch sizes up to this eager on CPU when our kernels run the whole model (one tile of their
 # rows; unquantized fp32, up to the rows our fp32 kernel takes), for models of EAGER_KERNEL_MIN_BYTES or more, whose
-# eager step is almost all weight streaming in our kernels (a compiled step would win back a few percent after
-# minutes of compiling). Smaller models, faster compiled, go by the lazy rule (docs/performance.md, "Why these
-# defaults").
+# eager step is almost all weight streaming in our kernels (a compiled step wins back a few percent, after minutes
+# of compiling), unless the step is stored on disk (compile=True once): then it loads in seconds and takes those
+# few percent. Smaller models, faster compiled, go by the lazy rule (docs/performance.md, "Why these defaults").
 EAGER_KERNEL_MAX_BATCH = 4
 EAGER_KERNEL_MIN_BYTES = 1 << 30
 
@@ -120,7 +120,9 @@ class CompiledDecode:
         """Whether this key runs compiled now (compiling it first if that is due)."""
         if key in self.seen:
             return True
-        if key[0] <= self.eager_up_to or (self.fp32_gemm_eager and key[0] >= FP32_EAGER_MIN_BATCH):
+        if self.fp32_gemm_eager and key[0] >= FP32_EAGER_MIN_BATCH:
+            return False
+        if key[0] <= self.eager_up_to and not self.on_disk(key):  # stored: a load of seconds, not minutes
             return False
         if key in self.refused or (self.lazy and self.eager.get(key, 0.0) < self.cost() and not self.on_disk(key)):
             return False

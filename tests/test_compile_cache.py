@@ -99,6 +99,10 @@ def test_auto_takes_a_stored_step_at_once(cache, stories_dir, monkeypatch):
     assert lazy.ready((2, False))  # stored: no eager time spent, yet ready
     assert not lazy.ready((1, False))  # not stored: waits
     assert lazy.cost() == lazy.estimate
+    big = CompiledDecode(llama.model, lazy=True)
+    big.eager_up_to = 4  # as for a model of 1 GB+ in our kernels: batch sizes up to 4 stay eager...
+    assert big.ready((2, False))  # ...unless their step is stored
+    assert not big.ready((1, False)) and not big.ready((4, False))
 
 
 def test_an_unreadable_package_is_compiled_again(cache, stories_dir, tmp_path):
