@@ -75,9 +75,9 @@ def gguf_model(reader, path, args: ModelArgs, rank: int, world_size: int, device
     checkpoint.check_shapes(shapes, args, str(path))  # before any weight is dequantized
     with torch.device("meta"):
         model = Transformer(args)
-    # whole tensors already in dtype stay mapped, their pages kept (gguf_checkpoint.in_place); slices and quantized
-    # layers are copies, after which the pages they were read from are released
-    keep = dtype if quantize is None and world_size == 1 else None
+    # whole tensors already in dtype stay mapped on CPU, their pages kept (gguf_checkpoint.in_place); slices,
+    # quantized layers and layers moved to a GPU are copies, after which the pages they came from are released
+    keep = dtype if quantize is None and world_size == 1 and torch.device(device).type == "cpu" else None
     full = gguf_checkpoint.read_tensors(globals_, path, dtype)
     state = {name: checkpoint.split_tensor(name, t, rank, world_size) for name, t in full.items()}
     if "output.weight" not in state:
