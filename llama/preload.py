@@ -34,7 +34,8 @@ except (OSError, AttributeError):
 
 
 def file_mappings() -> List[Tuple[int, int]]:
-    """(start, end) of this process's mappings of files, from /proc/self/maps; [] where there is none."""
+    """(start, end) of this process's mappings of files, from /proc/self/maps, adjacent ones joined (a mapping
+    the kernel split still holds one storage); [] where there is none."""
     spans = []
     try:
         with open("/proc/self/maps") as f:
@@ -45,7 +46,13 @@ def file_mappings() -> List[Tuple[int, int]]:
                     spans.append((int(lo, 16), int(hi, 16)))
     except OSError:
         return []
-    return spans
+    joined: List[Tuple[int, int]] = []
+    for lo, hi in sorted(spans):
+        if joined and lo == joined[-1][1]:
+            joined[-1] = (joined[-1][0], hi)
+        else:
+            joined.append((lo, hi))
+    return joined
 
 
 def check(mode) -> None:

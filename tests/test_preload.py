@@ -21,14 +21,15 @@ def ckpt(tmp_path_factory):
     return d
 
 
-def mapped_rss(name: str) -> int:
-    """Bytes of this process's mappings of files called `name` that are in its page tables (smaps Rss)."""
-    total, inside = 0, False
+def mapped_rss(path) -> int:
+    """Bytes of this process's mappings of this file that are in its page tables (smaps Rss). Other tests' models
+    in the same process map files of the same name: only this path counts."""
+    want, total, inside = str(path.resolve()), 0, False
     with open("/proc/self/smaps") as f:
         for line in f:
-            head = line.split()
+            head = line.split(maxsplit=5)
             if "-" in head[0] and len(head) >= 5:  # a mapping's first line
-                inside = line.rstrip().endswith("/" + name)
+                inside = len(head) == 6 and head[5].rstrip("\n") == want
             elif inside and head[0] == "Rss:":
                 total += int(head[1]) * 1024
     return total
@@ -49,10 +50,10 @@ def test_lazy_load_leaves_pages_out_and_read_weights_brings_every_one_in(ckpt, m
     llm = build(ckpt, monkeypatch, preload=False)
     weights = weight_bytes(llm.model)
     assert weights > 4 << 20
-    before = mapped_rss("consolidated.00.pth")
+    before = mapped_rss(ckpt / "consolidated.00.pth")
     assert before < weights / 2  # mapped, not read: build() touched no weight
     assert preload.read_weights(llm.model) == weights  # every parameter lies in the mapping, each counted once
-    assert mapped_rss("consolidated.00.pth") >= weights
+    assert mapped_rss(ckpt / "consolidated.00.pth") >= weights
 
 
 @pytest.mark.skipif(not preload.file_mappings(), reason="needs /proc/self/maps (Linux)")
@@ -61,7 +62,7 @@ def test_build_reads_the_weights_by_default_and_generates_the_same(ckpt, monkeyp
     want = lazy.text_completion(["Once upon"], max_gen_len=8, temperature=0)
     del lazy
     llm = build(ckpt, monkeypatch)
-    assert mapped_rss("consolidated.00.pth") >= weight_bytes(llm.model)
+    assert mapped_rss(ckpt / "consolidated.00.pth") >= weight_bytes(llm.model)
     assert llm.text_completion(["Once upon"], max_gen_len=8, temperature=0) == want
 
 
