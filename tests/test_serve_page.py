@@ -1,5 +1,6 @@
 """The chat page at / in a real headless chromium (playwright driving Debian's chromium): send a message, see the
-streamed answer appear, stop a long one, start a new conversation; a screenshot mid-answer is saved."""
+streamed answer appear, stop a long one, start a new conversation; a screenshot of the stopped, partial answer is
+saved."""
 
 import os
 import shutil
@@ -64,12 +65,14 @@ def test_chat_page_streams_stops_and_keeps_conversations(server, page, tmp_path)
     page.click("#send")
     page.wait_for_function("() => { const m = document.querySelectorAll('.msg.assistant');"
                            " return m.length && m[m.length - 1].textContent.length > 20; }", timeout=30000)
-    shot = os.environ.get("LLAMA_SCREENSHOT") or str(tmp_path / "chat_page_mid_answer.png")
-    page.screenshot(path=shot)
-    print(f"screenshot: {shot}")
-    assert page.is_enabled("#stop"), "the answer ended before the stop button could be tested"
+    # stop at once: the tiny model's answer lasts a fraction of a second, and a screenshot taken first (100 ms
+    # or more) once let it end between the check and the click
     first = page.inner_text(".msg.assistant")
-    page.click("#stop")
+    assert page.is_enabled("#stop"), "the answer ended before the stop button could be tested"
+    page.click("#stop", timeout=5000)
+    shot = os.environ.get("LLAMA_SCREENSHOT") or str(tmp_path / "chat_page_mid_answer.png")
+    page.screenshot(path=shot)  # the partial answer, stopped
+    print(f"screenshot: {shot}")
     page.wait_for_function("() => document.getElementById('status').textContent === 'stopped'", timeout=10000)
     assert page.is_enabled("#send") and not page.is_enabled("#stop")
     time.sleep(0.3)
