@@ -112,16 +112,21 @@ def read_weights(model: torch.nn.Module, mode: Optional[bool] = None, progress: 
     with torch.inference_mode(), tqdm(total=total, desc="reading weights", unit="B", unit_scale=True,
                                       disable=not progress or total < 1 << 30) as bar:
         for storage in storages:
-            data = torch.empty(0, dtype=torch.uint8).set_(storage)
+            data = _bytes(storage)
             for start in range(0, len(data), _CHUNK):
                 data[start:start + _CHUNK:_PAGE].sum()  # one byte per page: each page faulted in, in order
                 bar.update(min(_CHUNK, len(data) - start))
-        # reclaim may have taken pages just read (the module's docstring): read those again
-        for _ in range(_PASSES):
-            missing = [(s, missing_pages(s)) for s in storages]
-            if not any(m is not None and len(m) for _, m in missing):
-                break
-            for storage, offsets in missing:
+        for _ in range(_PASSES):  # reclaim may have taken pages just read (the module's docstring): read those again
+            again = 0
+            for storage in storages:
+                offsets = missing_pages(storage)
                 if offsets is not None and len(offsets):
-                    torch.empty(0, dtype=torch.uint8).set_(storage)[offsets].sum()
+                    _bytes(storage)[offsets].sum()
+                    again += len(offsets)
+            if not again:
+                break
     return total
+
+
+def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
