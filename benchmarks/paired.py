@@ -1,13 +1,14 @@
 """Batch-1 decode against llama.cpp in one process, in alternating blocks: ratios that the machine's drift cancels.
 
     python benchmarks/paired.py --model 7b --workdir DIR [--dtypes int4 int8-dynamic] [--blocks 10] [--tokens 8]
-                                [--compile off|on|auto]
+                                [--compile off|on|auto] [--prompts 16 64 256]
 
 bench.py runs each engine in its own process, minutes apart, and on a shared machine the memory bandwidth moves
 by a factor of two over minutes (docs/performance.md, "At 7B"). Here one process per scheme loads both models,
 ours (the `python -m llama.quantize` copy, made as bench.py makes it) and llama.cpp's GGUF (q4_0 / q8_0 from
 llama.cpp's own quantizer), then decodes `--tokens` tokens with each in turn, `--blocks` times, the order
-alternating. Each block gives one ratio of two rates measured seconds apart. Both sets of weights must fit in
+alternating. Each block gives one ratio of two rates measured seconds apart. With `--prompts`, each block times
+the prefill of a prompt of each length instead (prompt tok/s; llama.cpp evaluates it in batches of 512). Both sets of weights must fit in
 memory together. bf16 runs ours on llama.cpp's own bf16 GGUF file, which this package maps in place: both
 engines read the same pages, so 7B bf16 needs 13.5 GB, not twice that.
 """
@@ -41,12 +42,13 @@ def measure(cfg: dict) -> dict:
     from llama import Llama
     from llama.params import SamplingParams
 
-    n, prompt_len = cfg["tokens"], 16
-    ours = Llama.build(cfg["ours"], None if cfg["dtype"] == "bf16" else cfg["tokenizer"], max_seq_len=prompt_len + n + 8, max_batch_size=1,
+    n, prompt_len, prefill = cfg["tokens"], 16, cfg.get("prompts") or []
+    ctx = max([prompt_len + n, *prefill]) + 8
+    ours = Llama.build(cfg["ours"], None if cfg["dtype"] == "bf16" else cfg["tokenizer"], max_seq_len=ctx, max_batch_size=1,
                        dtype="bfloat16" if cfg["dtype"] == "bf16" else None, compile={"off": False, "on": True, "auto": "auto"}[cfg["compile"]],
                        quantize="int8-dynamic" if cfg["dtype"] == "int8-dynamic" else None)
     ours.tokenizer.stop_tokens = {}  # random weights: every block decodes n tokens
-    peer = llama_cpp.Llama(cfg["gguf"], n_ctx=prompt_len + n + 8, n_batch=32, n_threads=torch.get_num_threads(),
+    peer = llama_cpp.Llama(cfg["gguf"], n_ctx=ctx, n_batch=512, n_threads=torch.get_num_threads(),
                            n_threads_batch=torch.get_num_threads(), verbose=False)
     prompt = prompt_tokens(ours.model.vocab_size, prompt_len)
     params = SamplingParams(temperature=0, max_gen_len=n)
@@ -59,14 +61,34 @@ def measure(cfg: dict) -> dict:
         tokens = peer.generate(prompt, top_k=1, temp=0.0, reset=True)
         return rate(step_times(next(tokens) for _ in range(n)))
 
+    def prefill_ours(length):  # prompt tok/s: the first step's interval is the prefill and one sample
+        times = run_requests(ours, [prompt_tokens(ours.model.vocab_size, length)], SamplingParams(temperature=0, max_gen_len=1))
+        return length / (times[1] - times[0])
+
+    def prefill_peer(length):
+        peer.reset()
+        start = time.perf_counter()
+        peer.eval(prompt_tokens(ours.model.vocab_size, length))
+        return length / (time.perf_counter() - start)
+
     run_ours(), run_peer()  # warm both: first passes, thread pools
     blocks = []
     for b in range(cfg["blocks"]):
-        pair = {}
-        for name, fn in (("ours", run_ours), ("peer", run_peer))[:: 1 if b % 2 == 0 else -1]:
-            pair[name] = fn()
-        blocks.append(pair)
+        engines = (("ours", run_ours, prefill_ours), ("peer", run_peer, prefill_peer))[:: 1 if b % 2 == 0 else -1]
+        if prefill:  # one pair per prompt length
+            blocks.append({length: {name: pre(length) for name, _, pre in engines} for length in prefill})
+        else:
+            blocks.append({name: fn() for name, fn, _ in engines})
     return {"blocks": blocks}
+
+
+def report(label: str, blocks: list, seconds: float) -> None:
+    ratios = [b["ours"] / b["peer"] for b in blocks]
+    print(f"| {label} | {statistics.median(b['ours'] for b in blocks):.2f} | "
+          f"{statistics.median(b['peer'] for b in blocks):.2f} | {statistics.median(ratios):.2f}x | "
+          f"{min(ratios):.2f}–{max(ratios):.2f}x | {len(blocks)} in {seconds:.0f} s |", flush=True)
+    print("  blocks (ours, llama.cpp tok/s): " + ", ".join(f"{b['ours']:.2f}/{b['peer']:.2f}" for b in blocks),
+          flush=True)
 
 
 def main():
@@ -78,6 +100,8 @@ def main():
     p.add_argument("--tokens", type=int, default=8, help="tokens decoded per block and engine")
     p.add_argument("--compile", choices=["off", "on", "auto"], default="off",
                    help="ours eager, compiled (the step is stored on disk once compiled), or the default policy")
+    p.add_argument("--prompts", type=int, nargs="+", metavar="N",
+                   help="time the prefill of prompts of these lengths (prompt tok/s) instead of decoding")
     p.add_argument("--measure", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.measure:
@@ -102,7 +126,8 @@ def main():
         if have is not None and need * memory.MARGIN > have:
             print(f"| {dtype} | not run: both models need {need / 1e9:.1f} GB, {have / 1e9:.1f} GB available |||||")
             continue
-        cfg.update(dtype=dtype, ours=ours, gguf=str(gguf), blocks=a.blocks, tokens=a.tokens, compile=a.compile)
+        cfg.update(dtype=dtype, ours=ours, gguf=str(gguf), blocks=a.blocks, tokens=a.tokens, compile=a.compile,
+                   prompts=a.prompts)
         t = time.perf_counter()
         proc = subprocess.run([sys.executable, __file__, "--workdir", a.workdir, "--measure", json.dumps(cfg)],
                               capture_output=True, text=True)
@@ -111,12 +136,11 @@ def main():
             print(f"| {dtype} | failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]} |||||")
             continue
         blocks = json.loads(line[len("RESULT "):])["blocks"]
-        ratios = [b["ours"] / b["peer"] for b in blocks]
-        print(f"| {dtype} | {statistics.median(b['ours'] for b in blocks):.2f} | "
-              f"{statistics.median(b['peer'] for b in blocks):.2f} | {statistics.median(ratios):.2f}x | "
-              f"{min(ratios):.2f}–{max(ratios):.2f}x | {len(blocks)} in {time.perf_counter() - t:.0f} s |", flush=True)
-        print("  blocks (ours, llama.cpp tok/s): " + ", ".join(f"{b['ours']:.2f}/{b['peer']:.2f}" for b in blocks),
-              flush=True)
+        if a.prompts:
+            for length in a.prompts:
+                report(f"{dtype}, prefill {length}", [b[str(length)] for b in blocks], time.perf_counter() - t)
+        else:
+            report(dtype, blocks, time.perf_counter() - t)
 
 
 if __name__ == "__main__":

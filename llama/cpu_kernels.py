@@ -39,7 +39,8 @@ def enabled() -> bool:
     return os.environ.get("LLAMA_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def _cpu_flags() -> set:
+def cpu_flags() -> set:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             return set(next((line for line in f if line.startswith("flags")), "").split())
@@ -101,7 +102,7 @@ def available() -> bool:
         return False
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False  # other CPUs: PyTorch's kernels, as expected (no note)
-    if not {"avx2", "fma"} <= _cpu_flags():
+    if not {"avx2", "fma"} <= cpu_flags():
         _note("they need AVX2 and FMA, which this CPU lacks")
         return False
     cxx = _compiler()

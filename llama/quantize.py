@@ -76,6 +76,11 @@ ONEDNN_FP32 = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
 # fp32 products of at most this many rows run in our kernel (it reads the weights at the memory's rate); larger ones
 # are compute-bound and oneDNN's GEMM is faster there (docs/performance.md, "Why these defaults").
 FP32_KERNEL_MAX_ROWS = 8
+# The same for bf16 activations and weights, eager, where oneDNN has the CPU's own bf16 dot products (AVX-512 BF16 or
+# AMX): past this many rows (a prompt's prefill) its GEMM is faster than our kernel. Without them it widens to fp32
+# and is slower at every size, so our kernel takes every bf16 product.
+BF16_KERNEL_MAX_ROWS = 16
+ONEDNN_BF16 = torch.backends.mkldnn.is_available() and bool({"avx512_bf16", "amx_bf16"} & cpu_kernels.cpu_flags())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scales=None) -> torch.Tensor:
@@ -92,6 +97,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scales=None) -> torch.Tensor:
             # GEMM eagerly, to Inductor's choice compiled. The same inside torch.compile: a compiled step then
             # calls our kernel on the model's own weights instead of freezing a copy into its graph.
             if weight.dtype == torch.bfloat16 and cpu_kernels.takes_float(weight):
+                if (ONEDNN_BF16 and x.dtype == torch.bfloat16 and x.numel() > BF16_KERNEL_MAX_ROWS * x.shape[-1]
+                        and not torch.compiler.is_compiling()):
+                    return F.linear(x, weight)  # oneDNN's bf16 GEMM
                 return cpu_kernels.float_linear(x, weight)
             if weight.dtype == torch.float32 and x.dtype == torch.float32:
                 if x.numel() <= FP32_KERNEL_MAX_ROWS * x.shape[-1] and cpu_kernels.takes_float(weight):
@@ -112,12 +120,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scales=None) -> torch.Tensor:
 def _has_int8_dot_product() -> bool:
     """Whether this CPU has VNNI (or AMX) int8 dot products. Without them, oneDNN multiplies uint8 by int8 with
     AVX2's vpmaddubsw, which adds pairs of products into saturating int16: full-range codes overflow it."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return any(flag in flags for flag in ("avx512_vnni", "avx_vnni", "amx_int8"))
+    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & cpu_kernels.cpu_flags())
 
 
 # Activation codes are zero_point +- ACT_HALF_RANGE. 7 bits without VNNI (PyTorch's "reduce_range"): then a pair of

@@ -245,9 +245,10 @@ def test_built_once_and_turned_off_by_env(tmp_path):
     assert off.stdout.split()[-2:] == ["False", "None"]
 
 
-def test_eager_products_take_our_kernel_or_fall_back():
-    """quantize.linear sends eager CPU products of contiguous bf16 weights, and fp32 ones up to
-    FP32_KERNEL_MAX_ROWS rows, to float_linear; a strided weight (a row-parallel shard's view) still multiplies."""
+def test_eager_products_take_our_kernel_or_fall_back(monkeypatch):
+    """quantize.linear sends eager CPU products of contiguous fp32 weights up to FP32_KERNEL_MAX_ROWS rows, and of
+    bf16 ones up to BF16_KERNEL_MAX_ROWS (any number without native bf16), to float_linear; a strided weight (a
+    row-parallel shard's view) still multiplies."""
     from llama.quantize import FP32_KERNEL_MAX_ROWS, linear
 
     torch.manual_seed(0)
@@ -258,6 +259,18 @@ def test_eager_products_take_our_kernel_or_fall_back():
         torch.testing.assert_close(linear(x, w).double(), want, rtol=1e-5, atol=1e-4)
         if rows <= FP32_KERNEL_MAX_ROWS:
             assert torch.equal(linear(x, w), torch.ops.llama_cpu.float_linear(x, w))
+    # bf16: our kernel up to BF16_KERNEL_MAX_ROWS rows (a decode step, a short prompt); past that, oneDNN's GEMM
+    # where the CPU has bf16 dot products (quantize.ONEDNN_BF16), our kernel where it has not.
+    from llama import quantize
+
+    float_linear, wb, calls = cpu_kernels.float_linear, w.bfloat16(), []
+    monkeypatch.setattr(cpu_kernels, "float_linear", lambda *a: calls.append(1) or float_linear(*a))
+    for rows in (1, quantize.BF16_KERNEL_MAX_ROWS, quantize.BF16_KERNEL_MAX_ROWS + 1, 64):
+        x = torch.randn(rows, 64).bfloat16()
+        calls.clear()
+        y = linear(x, wb)
+        assert len(calls) == (0 if rows > quantize.BF16_KERNEL_MAX_ROWS and quantize.ONEDNN_BF16 else 1), rows
+        torch.testing.assert_close(y.float(), x.float() @ wb.float().T, rtol=1e-2, atol=2e-2)
     strided = torch.randn(24, 128)[:, ::2]
     x = torch.randn(2, 64)
     torch.testing.assert_close(linear(x, strided).double(), x.double() @ strided.double().T, rtol=1e-5, atol=1e-4)
