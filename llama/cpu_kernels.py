@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from .fetch import cache_dir
 
@@ -141,14 +142,55 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
 
 
+@lru_cache(maxsize=None)
+def onednn_bf16() -> bool:
+    """Whether oneDNN multiplies bf16 with the CPU's own bf16 dot products (AVX-512 BF16; every AMX CPU has it too).
+    Without them it widens to fp32, and our kernels are faster at every size."""
+    return torch.backends.mkldnn.is_available() and "avx512_bf16" in cpu_flags()
+
+
+# Past this many rows (a prompt's prefill), an int4 or int8 product dequantizes its weight to bf16 a slice of
+# SLICE_BYTES at a time and runs oneDNN's bf16 GEMM, where onednn_bf16(): faster than our kernels from about 48 rows,
+# 1.5x at 256 (docs/performance.md, "Prefill"). Ours are compute-bound there; at fewer rows they read the weights at
+# the memory's rate, a quarter or half of the bytes of bf16.
+QUANT_KERNEL_MAX_ROWS = 32
+SLICE_BYTES = 8 << 20
+
+
+def _prefill(x: torch.Tensor) -> bool:
+    """Whether a quantized product of x goes to _dequantized_gemm: more than QUANT_KERNEL_MAX_ROWS rows, eager,
+    where onednn_bf16()."""
+    return x.numel() > QUANT_KERNEL_MAX_ROWS * x.shape[-1] and onednn_bf16() and not torch.compiler.is_compiling()
+
+
+def _dequantized_gemm(x: torch.Tensor, n: int, weight_rows) -> torch.Tensor:
+    """x @ W.T with W (n, K) handed over as bf16 slices, weight_rows(n0, n1), each multiplied by oneDNN; result in
+    x's dtype. The slices stay in cache between their dequantization and their product."""
+    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+    y = torch.empty(rows.shape[0], n, dtype=x.dtype)
+    step = max(16, SLICE_BYTES // (2 * rows.shape[1]))
+    for n0 in range(0, n, step):
+        y[:, n0 : n0 + step] = F.linear(rows, weight_rows(n0, min(n, n0 + step)))
+    return y.view(*x.shape[:-1], n)
+
+
 def int4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
-    """x @ W.T for an int4 weight in storage layout (llama/quant_int4.py); result in x's dtype."""
+    """x @ W.T for an int4 weight in storage layout (llama/quant_int4.py); result in x's dtype. Up to
+    QUANT_KERNEL_MAX_ROWS rows (or without onednn_bf16()) in our kernel, with x quantized to int8 blocks; more rows in
+    oneDNN's bf16 GEMM on the weight dequantized to bf16, with x rounded to bf16."""
+    if _prefill(x):
+        return _dequantized_gemm(x, codes.shape[0], lambda n0, n1: torch.ops.llama_cpu.int4_to_bf16(
+            codes[n0:n1], scales[n0:n1], group_size))
     y = torch.ops.llama_cpu.int4_linear(_rows(x), codes, scales, group_size)
     return y.view(*x.shape[:-1], -1).to(x.dtype)
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x @ W.T for int8 weights with fp32 per-row scales, activations quantized in blocks of 32."""
+    """x @ W.T for int8 weights with fp32 per-row scales, activations quantized in blocks of 32; past
+    QUANT_KERNEL_MAX_ROWS rows, as int4_linear, oneDNN's bf16 GEMM on the weight times its scales rounded to bf16."""
+    if _prefill(x):
+        return _dequantized_gemm(x, weight.shape[0], lambda n0, n1: torch.ops.llama_cpu.int8_to_bf16(
+            weight[n0:n1], scales[n0:n1]))
     y = torch.ops.llama_cpu.int8_linear(_rows(x), weight, scales)
     return y.view(*x.shape[:-1], -1).to(x.dtype)
 

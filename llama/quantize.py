@@ -76,11 +76,10 @@ ONEDNN_FP32 = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
 # fp32 products of at most this many rows run in our kernel (it reads the weights at the memory's rate); larger ones
 # are compute-bound and oneDNN's GEMM is faster there (docs/performance.md, "Why these defaults").
 FP32_KERNEL_MAX_ROWS = 8
-# The same for bf16 activations and weights, eager, where oneDNN has the CPU's own bf16 dot products (AVX-512 BF16 or
-# AMX): past this many rows (a prompt's prefill) its GEMM is faster than our kernel. Without them it widens to fp32
-# and is slower at every size, so our kernel takes every bf16 product.
+# The same for bf16 activations and weights, eager, where oneDNN has the CPU's own bf16 dot products
+# (cpu_kernels.onednn_bf16()): past this many rows (a prompt's prefill) its GEMM is faster than our kernel. Without
+# them it widens to fp32 and is slower at every size, so our kernel takes every bf16 product.
 BF16_KERNEL_MAX_ROWS = 16
-ONEDNN_BF16 = torch.backends.mkldnn.is_available() and bool({"avx512_bf16", "amx_bf16"} & cpu_kernels.cpu_flags())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scales=None) -> torch.Tensor:
@@ -97,7 +96,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scales=None) -> torch.Tensor:
             # GEMM eagerly, to Inductor's choice compiled. The same inside torch.compile: a compiled step then
             # calls our kernel on the model's own weights instead of freezing a copy into its graph.
             if weight.dtype == torch.bfloat16 and cpu_kernels.takes_float(weight):
-                if (ONEDNN_BF16 and x.dtype == torch.bfloat16 and x.numel() > BF16_KERNEL_MAX_ROWS * x.shape[-1]
+                if (cpu_kernels.onednn_bf16() and x.dtype == torch.bfloat16 and x.numel() > BF16_KERNEL_MAX_ROWS * x.shape[-1]
                         and not torch.compiler.is_compiling()):
                     return F.linear(x, weight)  # oneDNN's bf16 GEMM
                 return cpu_kernels.float_linear(x, weight)

@@ -105,6 +105,46 @@ def test_float_weights_are_the_float_product(n, k, x_dtype, w_dtype, float_tile)
         check_rows(lambda v: torch.ops.llama_cpu.float_linear(v, w), x, x.double() @ w.double().T)
 
 
+@pytest.mark.skipif(not BF16_DOT, reason="int4_to_bf16 and int8_to_bf16 need AVX-512 BF16")
+@pytest.mark.parametrize("n, k, g", [(48, 256, 32), (33, 512, 64), (20, 512, 256), (8, 320, 64), (12, 768, 64)])
+def test_to_bf16_is_the_dequantized_weight_rounded(n, k, g):
+    torch.manual_seed(n + k)
+    w = torch.randn(n, k)
+    codes, scales = quantize_codes(w, g)
+    assert torch.equal(torch.ops.llama_cpu.int4_to_bf16(codes, scales, g), dequantize_codes(codes, scales, g).bfloat16())
+    q8, s8 = quantize_weight(w, torch.float32)
+    assert torch.equal(torch.ops.llama_cpu.int8_to_bf16(q8, s8), (q8.float() * s8[:, None]).bfloat16())
+
+
+def test_quantized_prefill_takes_onednn_on_the_dequantized_weight(monkeypatch):
+    """Past QUANT_KERNEL_MAX_ROWS rows, where oneDNN has bf16 dot products, an int4 or int8 product is oneDNN's bf16
+    GEMM on the weight dequantized to bf16, slice by slice (here 16 weight rows a slice, the last partial); up to it,
+    and everywhere without them, our kernel's product."""
+    monkeypatch.setattr(cpu_kernels, "SLICE_BYTES", 2048)
+    torch.manual_seed(0)
+    n, k, g = 40, 256, 32
+    w = torch.randn(n, k)
+    codes, scales = quantize_codes(w, g)
+    q8, s8 = quantize_weight(w, torch.float32)
+    kinds = {"int4": (lambda v: cpu_kernels.int4_linear(v, codes, scales, g),
+                      lambda v: torch.ops.llama_cpu.int4_linear(v, codes, scales, g), dequantize_codes(codes, scales, g)),
+             "int8": (lambda v: cpu_kernels.int8_linear(v, q8, s8),
+                      lambda v: torch.ops.llama_cpu.int8_linear(v, q8, s8), q8.float() * s8[:, None])}
+    for name, (product, kernel, dequantized) in kinds.items():
+        for rows in (1, cpu_kernels.QUANT_KERNEL_MAX_ROWS, cpu_kernels.QUANT_KERNEL_MAX_ROWS + 1, 80):
+            x = torch.randn(2, rows // 2, k) if rows % 2 == 0 else torch.randn(rows, k)  # (B, T, dim) as a prefill's
+            y = product(x)
+            assert y.shape == (*x.shape[:-1], n) and y.dtype == x.dtype
+            flat = x.reshape(-1, k)
+            if rows > cpu_kernels.QUANT_KERNEL_MAX_ROWS and cpu_kernels.onednn_bf16():
+                want = F.linear(flat.bfloat16(), dequantized.bfloat16()).float()
+            else:
+                want = kernel(flat)
+            assert torch.equal(y.reshape(-1, n), want), (name, rows)
+            torch.testing.assert_close(y.reshape(-1, n).double(), flat.double() @ dequantized.double().T, rtol=0,
+                                       atol=0.5)  # outputs ~16; int8 activation blocks err by up to ~0.3
+
+
 def test_many_rows_take_the_weights_in_chunks(tile):
     """Past one tile of rows, weight rows are taken in L2-sized chunks (here 8 rows of 16 KB): same sums, bitwise,
     as each row alone, for every kernel."""
@@ -260,7 +300,7 @@ def test_eager_products_take_our_kernel_or_fall_back(monkeypatch):
         if rows <= FP32_KERNEL_MAX_ROWS:
             assert torch.equal(linear(x, w), torch.ops.llama_cpu.float_linear(x, w))
     # bf16: our kernel up to BF16_KERNEL_MAX_ROWS rows (a decode step, a short prompt); past that, oneDNN's GEMM
-    # where the CPU has bf16 dot products (quantize.ONEDNN_BF16), our kernel where it has not.
+    # where the CPU has bf16 dot products (cpu_kernels.onednn_bf16()), our kernel where it has not.
     from llama import quantize
 
     float_linear, wb, calls = cpu_kernels.float_linear, w.bfloat16(), []
@@ -269,7 +309,7 @@ def test_eager_products_take_our_kernel_or_fall_back(monkeypatch):
         x = torch.randn(rows, 64).bfloat16()
         calls.clear()
         y = linear(x, wb)
-        assert len(calls) == (0 if rows > quantize.BF16_KERNEL_MAX_ROWS and quantize.ONEDNN_BF16 else 1), rows
+        assert len(calls) == (0 if rows > quantize.BF16_KERNEL_MAX_ROWS and cpu_kernels.onednn_bf16() else 1), rows
         torch.testing.assert_close(y.float(), x.float() @ wb.float().T, rtol=1e-2, atol=2e-2)
     strided = torch.randn(24, 128)[:, ::2]
     x = torch.randn(2, 64)

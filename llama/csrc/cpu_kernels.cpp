@@ -448,11 +448,15 @@ LLAMA_AVX512_BF16 void bf16_tile_dot(const uint16_t* x, int64_t m0, int64_t K, i
 }
 
 // Whether bf16_tile_dot may run: the CPU has AVX-512 (F, BW, VL) and BF16, and LLAMA_CPU_AVX512 is not "0".
-bool use_bf16_dot() {
+bool has_bf16_dot() {
   static const bool cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+  return cpu;
+}
+
+bool use_bf16_dot() {
   const char* env = std::getenv("LLAMA_CPU_AVX512");
-  return cpu && !(env && std::strcmp(env, "0") == 0);
+  return has_bf16_dot() && !(env && std::strcmp(env, "0") == 0);
 }
 
 // Splits the output rows over threads, and each thread's rows over tiles of x's rows. With more rows of x than one
@@ -574,16 +578,97 @@ at::Tensor float_linear(const at::Tensor& x_in, const at::Tensor& weight) {
   });
 }
 
+// The bf16 weight an int4 weight stands for, (code - 8) * scale + zero computed in fp32 (quant_int4.dequantize_codes's
+// order of operations) and rounded to nearest even: what a prefill hands to oneDNN's bf16 GEMM, a slice of rows at a
+// time (llama/cpu_kernels.py). Only where the CPU has AVX-512 BF16 (whatever LLAMA_CPU_AVX512 says: it picks our
+// tiles), the only place that GEMM is used for it.
+LLAMA_AVX512_BF16 void int4_rows_to_bf16(const uint8_t* codes, const uint16_t* scales, int64_t K, int64_t groups,
+                                         int64_t group_size, int64_t n0, int64_t n1, uint16_t* out) {
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m512 eight = _mm512_set1_ps(8.f);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* c = codes + n * (K / 2);
+    const uint16_t* sz = scales + n * groups * 2;
+    uint16_t* o = out + n * K;
+    for (int64_t k = 0; k < K; k += 32) {
+      const int64_t g = k / group_size;
+      const __m512 s = _mm512_set1_ps(bf16_to_float(sz[2 * g])), z = _mm512_set1_ps(bf16_to_float(sz[2 * g + 1]));
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + k / 2));
+      const __m128i lo = _mm_and_si128(raw, low4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
+      __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));  // k .. k + 15
+      __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)));  // k + 16 .. k + 31
+      a = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(a, eight), s), z);
+      b = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(b, eight), s), z);
+      _mm512_storeu_si512(o + k, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    }
+  }
+}
+
+at::Tensor int4_to_bf16(const at::Tensor& codes, const at::Tensor& scales, int64_t group_size) {
+  TORCH_CHECK(has_bf16_dot(), "int4_to_bf16: needs a CPU with AVX-512 BF16");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.is_contiguous(),
+              "int4_to_bf16: codes must be contiguous uint8 of shape (N, K / 2)");
+  const int64_t N = codes.size(0), K = codes.size(1) * 2;
+  TORCH_CHECK(K % kBlock == 0 && group_size % kBlock == 0, "int4_to_bf16: K and the group size must be multiples of 32");
+  const int64_t groups = (K + group_size - 1) / group_size;
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() && scales.dim() == 3 &&
+                  scales.size(0) == N && scales.size(1) == groups && scales.size(2) == 2,
+              "int4_to_bf16: scales must be contiguous bf16 of shape (", N, ", ", groups, ", 2)");
+  at::Tensor out = at::empty({N, K}, codes.options().dtype(at::kBFloat16));
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+  uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { int4_rows_to_bf16(c, s, K, groups, group_size, n0, n1, o); });
+  return out;
+}
+
+// The same for an int8 weight with a scale per row (int8-dynamic's): code * scale in fp32
+// (quantize.dequantize_weight's product), rounded to nearest even.
+LLAMA_AVX512_BF16 void int8_rows_to_bf16(const int8_t* weight, const float* scales, int64_t K, int64_t n0, int64_t n1,
+                                         uint16_t* out) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* w = weight + n * K;
+    const __m512 s = _mm512_set1_ps(scales[n]);
+    for (int64_t k = 0; k < K; k += 32) {
+      const __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k)))), s);
+      const __m512 b = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k + 16)))), s);
+      _mm512_storeu_si512(out + n * K + k, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    }
+  }
+}
+
+at::Tensor int8_to_bf16(const at::Tensor& weight, const at::Tensor& scales) {
+  TORCH_CHECK(has_bf16_dot(), "int8_to_bf16: needs a CPU with AVX-512 BF16");
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.is_contiguous() &&
+                  weight.size(1) % kBlock == 0,
+              "int8_to_bf16: weight must be contiguous int8 of shape (N, K), K a multiple of 32");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N,
+              "int8_to_bf16: scales must be ", N, " contiguous float32 values");
+  at::Tensor out = at::empty({N, K}, weight.options().dtype(at::kBFloat16));
+  const int8_t* w = weight.data_ptr<int8_t>();
+  const float* s = scales.data_ptr<float>();
+  uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { int8_rows_to_bf16(w, s, K, n0, n1, o); });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(llama_cpu, m) {
   m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, int group_size) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
   m.def("float_linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("int4_to_bf16(Tensor codes, Tensor scales, int group_size) -> Tensor");
+  m.def("int8_to_bf16(Tensor weight, Tensor scales) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llama_cpu, CPU, m) {
   m.impl("int4_linear", int4_linear);
   m.impl("int8_linear", int8_linear);
   m.impl("float_linear", float_linear);
+  m.impl("int4_to_bf16", int4_to_bf16);
+  m.impl("int8_to_bf16", int8_to_bf16);
 }
