@@ -12,7 +12,8 @@ values actually applied.
 Kernels, measured in benchmarks/quant_kernels.py (docs/performance.md):
 - ours (llama/cpu_kernels.py, x86 with AVX2, input size a multiple of 32): multiplies the storage layout as it is,
   with activations quantized to int8 in blocks of 32 as llama.cpp's q4_0/q4_1 do, so no repacking at load. The
-  layer then holds the storage layout and `int4_group` is its group size.
+  layer then holds the storage layout and `int4_group` is its group size. A prefill of more than 32 rows, where
+  oneDNN has bf16 dot products, dequantizes the weight to bf16 a slice at a time for oneDNN's GEMM instead.
 - otherwise torch.ops.aten._weight_int4pack_mm_for_cpu (PyTorch's CPU int4 GEMM) on weights packed once by
   aten._convert_weight_to_int4pack_for_cpu; bf16 activations. It needs the output size to be a multiple of 16 and
   the group size one of 32, 64, 128, 256 dividing the input size: other layers are padded (zero rows and columns,

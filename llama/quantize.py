@@ -12,7 +12,9 @@ Decoding reads every weight once per token, so halving the bytes (vs bf16) nearl
   quantized in blocks of 32 with one scale each, exactly q8_0's activation scheme, and the weights stay plain int8
   (so a stored "int8" checkpoint loads as int8-dynamic too). Without them the product runs in oneDNN's int8 GEMM
   on prepacked weights with one activation scale per row (7-bit codes without VNNI). Either way a row's result
-  never depends on the other rows of its batch. Accuracy: docs/performance.md.
+  never depends on the other rows of its batch. A prefill of more than 32 rows, where oneDNN has bf16 dot
+  products, multiplies the weight dequantized to bf16 in oneDNN's GEMM instead (cpu_kernels.int8_linear: faster
+  there, and bf16 activations are closer to fp32 than int8 blocks). Accuracy: docs/performance.md.
 
 Both are symmetric, per-output-channel, round-to-nearest: q8_0's scheme with one scale per row instead of per
 32 values. Under model parallel each rank quantizes its own shard: a column-parallel shard holds whole output
