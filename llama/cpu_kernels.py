@@ -151,7 +151,7 @@ def onednn_bf16() -> bool:
 
 # Past this many rows (a prompt's prefill), an int4 or int8 product dequantizes its weight to bf16 a slice of
 # SLICE_BYTES at a time and runs oneDNN's bf16 GEMM, where onednn_bf16(): faster than our kernels from about 48 rows,
-# 1.5x at 256 (docs/performance.md, "Prefill"). Ours are compute-bound there; at fewer rows they read the weights at
+# 1.5x at 256 (docs/performance.md, "Prefill at 7B"). Ours are compute-bound there; at fewer rows they read the weights at
 # the memory's rate, a quarter or half of the bytes of bf16.
 QUANT_KERNEL_MAX_ROWS = 32
 SLICE_BYTES = 8 << 20
