@@ -1,4 +1,5 @@
-"""Batch-1 decode against llama.cpp in one process, in alternating blocks: ratios that the machine's drift cancels.
+"""Batch-1 decode (or prefill) against llama.cpp in one process, in alternating blocks: ratios that the machine's
+drift cancels.
 
     python benchmarks/paired.py --model 7b --workdir DIR [--dtypes int4 int8-dynamic] [--blocks 10] [--tokens 8]
                                 [--compile off|on|auto] [--prompts 16 64 256]
@@ -8,8 +9,8 @@ by a factor of two over minutes (docs/performance.md, "At 7B"). Here one process
 ours (the `python -m llama.quantize` copy, made as bench.py makes it) and llama.cpp's GGUF (q4_0 / q8_0 from
 llama.cpp's own quantizer), then decodes `--tokens` tokens with each in turn, `--blocks` times, the order
 alternating. Each block gives one ratio of two rates measured seconds apart. With `--prompts`, each block times
-the prefill of a prompt of each length instead (prompt tok/s; llama.cpp evaluates it in batches of 512). Both sets of weights must fit in
-memory together. bf16 runs ours on llama.cpp's own bf16 GGUF file, which this package maps in place: both
+the prefill of a prompt of each length instead (prompt tok/s; llama.cpp evaluates it in batches of 512). Both sets
+of weights must fit in memory together. bf16 runs ours on llama.cpp's own bf16 GGUF file, which this package maps in place: both
 engines read the same pages, so 7B bf16 needs 13.5 GB, not twice that.
 """
 
@@ -104,6 +105,8 @@ def main():
                    help="time the prefill of prompts of these lengths (prompt tok/s) instead of decoding")
     p.add_argument("--measure", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.prompts and min(a.prompts) < 2:
+        p.error(f"--prompts: lengths must be at least 2 tokens (BOS and one more), got {min(a.prompts)}")
     if a.measure:
         print("RESULT " + json.dumps(measure(json.loads(a.measure))))
         return
