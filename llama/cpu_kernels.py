@@ -150,17 +150,17 @@ def onednn_bf16() -> bool:
 
 
 # Past this many rows (a prompt's prefill), an int4 or int8 product dequantizes its weight to bf16 a slice of
-# SLICE_BYTES at a time and runs oneDNN's bf16 GEMM, where onednn_bf16(): faster than our kernels from about 48 rows,
-# 1.5x at 256 (docs/performance.md, "Prefill at 7B"). Ours are compute-bound there; at fewer rows they read the weights at
-# the memory's rate, a quarter or half of the bytes of bf16.
+# SLICE_BYTES at a time and runs oneDNN's bf16 GEMM, where onednn_bf16(): faster than our kernels from about 48
+# rows, 1.5x at 256 (docs/performance.md, "Prefill at 7B"). Ours are compute-bound there; at fewer rows they read
+# the weights at the memory's rate, a quarter or half of the bytes of bf16.
 QUANT_KERNEL_MAX_ROWS = 32
 SLICE_BYTES = 8 << 20
 
 
-def _prefill(x: torch.Tensor) -> bool:
-    """Whether a quantized product of x goes to _dequantized_gemm: more than QUANT_KERNEL_MAX_ROWS rows, eager,
-    where onednn_bf16()."""
-    return x.numel() > QUANT_KERNEL_MAX_ROWS * x.shape[-1] and onednn_bf16() and not torch.compiler.is_compiling()
+def onednn_takes(x: torch.Tensor, max_rows: int) -> bool:
+    """Whether a product of x goes to oneDNN's bf16 GEMM instead of our kernel: more than max_rows rows (a prompt's
+    prefill), eager, where onednn_bf16()."""
+    return x.numel() > max_rows * x.shape[-1] and onednn_bf16() and not torch.compiler.is_compiling()
 
 
 def _dequantized_gemm(x: torch.Tensor, n: int, weight_rows) -> torch.Tensor:
@@ -178,7 +178,7 @@ def int4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, grou
     """x @ W.T for an int4 weight in storage layout (llama/quant_int4.py); result in x's dtype. Up to
     QUANT_KERNEL_MAX_ROWS rows (or without onednn_bf16()) in our kernel, with x quantized to int8 blocks; more rows in
     oneDNN's bf16 GEMM on the weight dequantized to bf16, with x rounded to bf16."""
-    if _prefill(x):
+    if onednn_takes(x, QUANT_KERNEL_MAX_ROWS):
         return _dequantized_gemm(x, codes.shape[0], lambda n0, n1: torch.ops.llama_cpu.int4_to_bf16(
             codes[n0:n1], scales[n0:n1], group_size))
     y = torch.ops.llama_cpu.int4_linear(_rows(x), codes, scales, group_size)
@@ -188,7 +188,7 @@ def int4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, grou
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x @ W.T for int8 weights with fp32 per-row scales, activations quantized in blocks of 32; past
     QUANT_KERNEL_MAX_ROWS rows, as int4_linear, oneDNN's bf16 GEMM on the weight times its scales rounded to bf16."""
-    if _prefill(x):
+    if onednn_takes(x, QUANT_KERNEL_MAX_ROWS):
         return _dequantized_gemm(x, weight.shape[0], lambda n0, n1: torch.ops.llama_cpu.int8_to_bf16(
             weight[n0:n1], scales[n0:n1]))
     y = torch.ops.llama_cpu.int8_linear(_rows(x), weight, scales)

@@ -98,8 +98,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scales=None) -> torch.Tensor:
             # GEMM eagerly, to Inductor's choice compiled. The same inside torch.compile: a compiled step then
             # calls our kernel on the model's own weights instead of freezing a copy into its graph.
             if weight.dtype == torch.bfloat16 and cpu_kernels.takes_float(weight):
-                if (cpu_kernels.onednn_bf16() and x.dtype == torch.bfloat16 and x.numel() > BF16_KERNEL_MAX_ROWS * x.shape[-1]
-                        and not torch.compiler.is_compiling()):
+                if x.dtype == torch.bfloat16 and cpu_kernels.onednn_takes(x, BF16_KERNEL_MAX_ROWS):
                     return F.linear(x, weight)  # oneDNN's bf16 GEMM
                 return cpu_kernels.float_linear(x, weight)
             if weight.dtype == torch.float32 and x.dtype == torch.float32:
