@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from .fetch import cache_dir
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "decode_ops.cpp")  # one library; both include csrc/simd.h
+SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "decode_ops.cpp", CSRC / "decode_layers.cpp")  # one library
+HEADERS = (CSRC / "simd.h", CSRC / "ops.h")
 FLAGS = ("-O3", "-std=c++20", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp", "-w")
 BLOCK = 32  # activation block of the quantized kernels: inputs must be a multiple of it
 
@@ -59,7 +60,7 @@ def _compiler() -> Optional[str]:
 
 def library_path(cxx: str) -> Path:
     h = hashlib.sha256()
-    for path in (*SOURCES, CSRC / "simd.h"):
+    for path in (*SOURCES, *HEADERS):
         h.update(path.read_bytes())
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     h.update(f"|{torch.__version__}|{version}|{FLAGS}|{torch._C._GLIBCXX_USE_CXX11_ABI}".encode())

@@ -18,7 +18,7 @@ from fairscale.nn.model_parallel.initialize import get_model_parallel_world_size
 from fairscale.nn.model_parallel.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
 from torch import nn
 
-from . import cpu_kernels
+from . import cpu_kernels, fused_decode
 from .fusion import Fusable
 from .parallel import gather_last_dim, reduce_sum
 from .quantize import product
@@ -447,9 +447,18 @@ class Transformer(nn.Module):
         """
         layer_args = self.layer_inputs(tokens, start_pos, rows, kv_len)
         h = self.tok_embeddings(tokens).to(self.norm.weight.dtype)  # a quantized model's table may be narrower
+        return self.logits(self.run_layers(h, *layer_args), logit_index)
+
+    def run_layers(self, h, cos, sin, start, positions, rows, kv_len, mask) -> torch.Tensor:
+        """Every layer over h (B, T, dim): one token per row on CPU in one call of our kernel where it takes every
+        layer (llama/fused_decode.py; the same result), else layer by layer."""
+        if h.shape[1] == 1:
+            out = fused_decode.run(self.layers, h, cos, sin, positions, rows, kv_len)
+            if out is not None:
+                return out
         for layer in self.layers:
-            h = layer(h, *layer_args)
-        return self.logits(h, logit_index)
+            h = layer(h, cos, sin, start, positions, rows, kv_len, mask)
+        return h
 
     def layer_inputs(self, tokens: torch.Tensor, start_pos: Union[int, torch.Tensor], rows, kv_len):
         """What every layer of a forward pass takes besides h: (cos, sin, start, positions, rows, kv_len, mask)."""
@@ -491,6 +500,5 @@ class Transformer(nn.Module):
         key_pos = torch.arange(self.max_seq_len, device=tokens.device)
         mask = (key_pos[None, :] <= pos[:, None])[:, None, None, :]  # (B, 1, 1, max_seq_len)
         h = self.tok_embeddings(tokens).to(self.norm.weight.dtype)  # a quantized model's table may be narrower
-        for layer in self.layers:
-            h = layer(h, cos, sin, None, positions, rows, self.max_seq_len, mask)
+        h = self.run_layers(h, cos, sin, None, positions, rows, self.max_seq_len, mask)
         return self.output(self.norm(h)).float()

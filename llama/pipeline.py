@@ -208,8 +208,7 @@ class PipelineTransformer(Transformer):
                 h = self._receive((B, b - a, self.params.dim), self.norm.weight.dtype,
                                   self.stage.ranks[self.stage.index - 1])
                 tic = time.perf_counter()
-            for layer in self.layers:
-                h = layer(h, *args)
+            h = self.run_layers(h, *args)
             self.traffic["compute_s"] += time.perf_counter() - tic
             if self.stage.last:
                 outputs.append(h)

@@ -20,6 +20,7 @@
 #include <new>
 #include <vector>
 
+#include "ops.h"
 #include "simd.h"
 
 namespace {
@@ -488,6 +489,10 @@ at::Tensor run_tiles(int64_t M, int64_t N, int64_t row_bytes, const at::Tensor& 
     default: CALL(4); break;    \
   }
 
+}  // namespace
+
+namespace llama_cpu {
+
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t group_size) {
   const int64_t N = codes.size(0), K = codes.size(1) * 2;
   check_rows(x, K, "int4_linear");
@@ -579,6 +584,10 @@ at::Tensor float_linear(const at::Tensor& x_in, const at::Tensor& weight) {
   });
 }
 
+}  // namespace llama_cpu
+
+namespace {
+
 // The bf16 weight an int4 weight stands for, (code - 8) * scale + zero computed in fp32 (quant_int4.dequantize_codes's
 // order of operations) and rounded to nearest even: what a prefill hands to oneDNN's bf16 GEMM, a slice of rows at a
 // time (llama/cpu_kernels.py). Only where the CPU has AVX-512 BF16 (whatever LLAMA_CPU_AVX512 says: it picks our
@@ -667,9 +676,9 @@ TORCH_LIBRARY(llama_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(llama_cpu, CPU, m) {
-  m.impl("int4_linear", int4_linear);
-  m.impl("int8_linear", int8_linear);
-  m.impl("float_linear", float_linear);
+  m.impl("int4_linear", llama_cpu::int4_linear);
+  m.impl("int8_linear", llama_cpu::int8_linear);
+  m.impl("float_linear", llama_cpu::float_linear);
   m.impl("int4_to_bf16", int4_to_bf16);
   m.impl("int8_to_bf16", int8_to_bf16);
 }

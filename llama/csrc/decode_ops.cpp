@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "ops.h"
 #include "simd.h"
 
 namespace {
@@ -40,6 +41,10 @@ void rms_rows(const S* x, const S* w, S* out, int64_t M, int64_t D, double eps) 
   });
 }
 
+}  // namespace
+
+namespace llama_cpu {
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && x.scalar_type() == weight.scalar_type() &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
@@ -55,6 +60,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
              reinterpret_cast<uint16_t*>(out.data_ptr()), M, D, eps);
   return out;
 }
+
+}  // namespace llama_cpu
+
+namespace {
 
 // ------------------------------------------------------------------------------------------ decode attention
 // One new token per row: rotate its query and key, write its key and value into the cache, and attend over the
@@ -125,6 +134,10 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   });
 }
 
+}  // namespace
+
+namespace llama_cpu {
+
 // q (B, H*D), k and v (B, Hkv*D): the new token's projections (any row stride, contiguous within a row).
 // cos/sin (1 or B, D/2) fp32: its rotation. cache_k/cache_v (rows, Hkv, S, D), contiguous, written in place.
 // Row b lives in cache row rows[b] (or row0 + b without rows) at position positions[b] (one position: all rows)
@@ -179,7 +192,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
-}  // namespace
+}  // namespace llama_cpu
 
 TORCH_LIBRARY_FRAGMENT(llama_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) cache_k, "
@@ -188,6 +201,6 @@ TORCH_LIBRARY_FRAGMENT(llama_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(llama_cpu, CPU, m) {
-  m.impl("decode_attention", decode_attention);
-  m.impl("rms_norm", rms_norm);
+  m.impl("decode_attention", llama_cpu::decode_attention);
+  m.impl("rms_norm", llama_cpu::rms_norm);
 }
