@@ -2,7 +2,7 @@
 drift cancels.
 
     python benchmarks/paired.py --model 7b --workdir DIR [--dtypes int4 int8-dynamic] [--blocks 10] [--tokens 8]
-                                [--compile off|on|auto] [--prompts 16 64 256]
+                                [--compile off|on|auto] [--prompts 16 64 256] [--layer-by-layer]
 
 bench.py runs each engine in its own process, minutes apart, and on a shared machine the memory bandwidth moves
 by a factor of two over minutes (docs/performance.md, "At 7B"). Here one process per scheme loads both models,
@@ -11,11 +11,13 @@ llama.cpp's own quantizer), then decodes `--tokens` tokens with each in turn, `-
 alternating. Each block gives one ratio of two rates measured seconds apart. With `--prompts`, each block times
 the prefill of a prompt of each length instead (prompt tok/s; llama.cpp evaluates it in batches of 512). Both sets
 of weights must fit in memory together. bf16 runs ours on llama.cpp's own bf16 GGUF file, which this package maps in place: both
-engines read the same pages, so 7B bf16 needs 13.5 GB, not twice that.
+engines read the same pages, so 7B bf16 needs 13.5 GB, not twice that. `--layer-by-layer` adds ours with the
+one-call decode step turned off (`LLAMA_FUSED_DECODE=0`, llama/fused_decode.py) as a third engine in each block.
 """
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -62,6 +64,13 @@ def measure(cfg: dict) -> dict:
         tokens = peer.generate(prompt, top_k=1, temp=0.0, reset=True)
         return rate(step_times(next(tokens) for _ in range(n)))
 
+    def run_layer_by_layer():
+        os.environ["LLAMA_FUSED_DECODE"] = "0"
+        try:
+            return run_ours()
+        finally:
+            del os.environ["LLAMA_FUSED_DECODE"]
+
     def prefill_ours(length):  # prompt tok/s: the first step's interval is the prefill and one sample
         times = run_requests(ours, [prompt_tokens(ours.model.vocab_size, length)], SamplingParams(temperature=0, max_gen_len=1))
         return length / (times[1] - times[0])
@@ -75,9 +84,12 @@ def measure(cfg: dict) -> dict:
     run_ours(), run_peer()  # warm both: first passes, thread pools
     blocks = []
     for b in range(cfg["blocks"]):
-        engines = (("ours", run_ours, prefill_ours), ("peer", run_peer, prefill_peer))[:: 1 if b % 2 == 0 else -1]
+        engines = (("ours", run_ours, prefill_ours), ("peer", run_peer, prefill_peer))
+        if cfg.get("layer_by_layer"):
+            engines += (("layers", run_layer_by_layer, None),)
+        engines = engines[:: 1 if b % 2 == 0 else -1]
         if prefill:  # one pair per prompt length
-            blocks.append({length: {name: pre(length) for name, _, pre in engines} for length in prefill})
+            blocks.append({length: {name: pre(length) for name, _, pre in engines if pre} for length in prefill})
         else:
             blocks.append({name: fn() for name, fn, _ in engines})
     return {"blocks": blocks}
@@ -90,6 +102,12 @@ def report(label: str, blocks: list, seconds: float) -> None:
           f"{min(ratios):.2f}–{max(ratios):.2f}x | {len(blocks)} in {seconds:.0f} s |", flush=True)
     print("  blocks (ours, llama.cpp tok/s): " + ", ".join(f"{b['ours']:.2f}/{b['peer']:.2f}" for b in blocks),
           flush=True)
+    if "layers" in blocks[0]:
+        steps = [b["ours"] / b["layers"] for b in blocks]
+        print(f"  ours / ours layer by layer (LLAMA_FUSED_DECODE=0): {statistics.median(steps):.3f}x median of blocks, "
+              f"{min(steps):.3f}–{max(steps):.3f}x; layer by layer / llama.cpp "
+              f"{statistics.median(b['layers'] / b['peer'] for b in blocks):.2f}x; layer-by-layer tok/s: "
+              + ", ".join(f"{b['layers']:.2f}" for b in blocks), flush=True)
 
 
 def main():
@@ -103,8 +121,12 @@ def main():
                    help="ours eager, compiled (the step is stored on disk once compiled), or the default policy")
     p.add_argument("--prompts", type=int, nargs="+", metavar="N",
                    help="time the prefill of prompts of these lengths (prompt tok/s) instead of decoding")
+    p.add_argument("--layer-by-layer", action="store_true",
+                   help="also time ours with the one-call decode step off (LLAMA_FUSED_DECODE=0) in every block")
     p.add_argument("--measure", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.prompts and a.layer_by_layer:
+        p.error("--layer-by-layer compares decode steps; prefills (--prompts) run layer by layer either way")
     if a.prompts and min(a.prompts) < 2:
         p.error(f"--prompts: lengths must be at least 2 tokens (BOS and one more), got {min(a.prompts)}")
     if a.measure:
@@ -130,7 +152,7 @@ def main():
             print(f"| {dtype} | not run: both models need {need / 1e9:.1f} GB, {have / 1e9:.1f} GB available |||||")
             continue
         cfg.update(dtype=dtype, ours=ours, gguf=str(gguf), blocks=a.blocks, tokens=a.tokens, compile=a.compile,
-                   prompts=a.prompts)
+                   prompts=a.prompts, layer_by_layer=a.layer_by_layer)
         t = time.perf_counter()
         proc = subprocess.run([sys.executable, __file__, "--workdir", a.workdir, "--measure", json.dumps(cfg)],
                               capture_output=True, text=True)

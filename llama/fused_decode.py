@@ -10,8 +10,11 @@ kernels anyway (route() below mirrors quantize.product), and goes layer by layer
 The op's arguments, gathered from the modules, cost Python time (about 50 us a layer), so they are kept per layer
 stack and batch size, and forgotten whenever any module anywhere gets a parameter, buffer or submodule assigned
 (PyTorch's global registration hooks: loading, quantizing, fusing and allocating a KV cache all do).
+`LLAMA_FUSED_DECODE=0` turns it off (read on every step, so a benchmark can time both in one process:
+`benchmarks/paired.py --layer-by-layer`).
 """
 
+import os
 import weakref
 from typing import List, Optional, Tuple
 
@@ -103,6 +106,8 @@ def run(layers, h: torch.Tensor, cos, sin, positions, rows, kv_len: int) -> Opti
     """Every layer over h (B, 1, dim) in one call, as `for layer in layers: h = layer(h, ...)` computes it; None
     where the op cannot take them (the caller then goes layer by layer)."""
     if h.shape[1] != 1 or h.device.type != "cpu" or torch.compiler.is_compiling() or not cpu_kernels.available():
+        return None
+    if os.environ.get("LLAMA_FUSED_DECODE", "1").strip().lower() in ("0", "false", "no", "off"):
         return None
     kept = _kept.setdefault(layers, {})
     key = (h.shape[0], h.dtype)

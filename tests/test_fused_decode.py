@@ -117,8 +117,14 @@ def test_falls_back_where_the_op_cannot_run(monkeypatch):
     assert fused_decode.run(model.layers, torch.zeros(1, 2, 64), None, None, None, None, 2) is None
     model.layers[1].attention.fuse()  # one layer fused, the others not
     assert fused_decode.layer_inputs(model.layers, x) is None
+    model = model_in("none", False)
+    p = torch.tensor([[0]])
+    assert fused_decode.run(model.layers, x, model.rope_cos[p], model.rope_sin[p], p, None, 1) is not None
+    monkeypatch.setenv("LLAMA_FUSED_DECODE", "0")
+    assert fused_decode.run(model.layers, x, model.rope_cos[p], model.rope_sin[p], p, None, 1) is None
+    monkeypatch.delenv("LLAMA_FUSED_DECODE")
     monkeypatch.setattr(cpu_kernels, "available", lambda: False)  # LLAMA_CPU_KERNELS=0, or no AVX2 or compiler
-    assert fused_decode.run(model_in("none", False).layers, x, None, None, None, None, 1) is None
+    assert fused_decode.run(model.layers, x, model.rope_cos[p], model.rope_sin[p], p, None, 1) is None
 
 
 def test_op_refuses_inconsistent_arguments():
