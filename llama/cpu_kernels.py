@@ -5,7 +5,8 @@ Why: on AVX2 CPUs PyTorch's kernels for the weights decoding reads stream them w
 int4 GEMM, bf16 GEMV and int8 GEMM; docs/performance.md), and batch-1 decode speed is that rate. The kernels
 multiply int8 activation codes by int8 or int4 weight codes as llama.cpp does, and bf16 or fp32 weights in fp32.
 Two more ops do a decode step's attention (rotary embedding, cache write and attention over the cached positions)
-and RMSNorm, each in one call instead of many small ones.
+and RMSNorm, each in one call instead of many small ones, and one runs a decode step's layers whole from all of
+these (llama/fused_decode.py).
 
 The library is compiled with the system's C++ compiler against the installed PyTorch (about 15 s, once) into
 `$LLAMA_CACHE/kernels/<key>/` (default ~/.cache/llama), keyed by the source, PyTorch and the compiler; later

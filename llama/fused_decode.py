@@ -1,14 +1,14 @@
 """A decode step's transformer layers in one call of our CPU kernel (`llama_cpu::decode_layers`), eager.
 
 Why: in an eager step the Python and PyTorch operators between two weight products run with the caches that the
-weights streaming through have just flushed, and cost several times their warm time: at 7B about 26 ms of a 330 ms
-step against about 5 ms when the products are faked (docs/performance.md, "At 7B"). The op runs every layer of the
-step with the same kernels, in the same order and with the same roundings as model.TransformerBlock, so its result
-is the layer-by-layer result bit for bit; the model takes it where every product of every layer would run in our
-kernels anyway (route() below mirrors quantize.product), and goes layer by layer otherwise.
+weights streaming through have just flushed, and cost several times their warm time (docs/performance.md, "One call
+per decode step"). The op runs every layer of the step with the same kernels, in the same order and with the same
+roundings as model.TransformerBlock, so its result is the layer-by-layer result bit for bit; the model takes it
+where every product of every layer would run in our kernels anyway (route() below mirrors quantize.product), and
+goes layer by layer otherwise.
 
-The op's arguments, gathered from the modules, cost Python time (about 50 us a layer), so they are kept per layer
-stack and batch size, and forgotten whenever any module anywhere gets a parameter, buffer or submodule assigned
+Gathering the op's arguments from the modules costs Python time on every layer, so they are kept per layer stack
+and batch size, and forgotten whenever any module anywhere gets a parameter, buffer or submodule assigned
 (PyTorch's global registration hooks: loading, quantizing, fusing and allocating a KV cache all do).
 `LLAMA_FUSED_DECODE=0` turns it off (read on every step, so a benchmark can time both in one process:
 `benchmarks/paired.py --layer-by-layer`).

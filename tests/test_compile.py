@@ -123,10 +123,10 @@ def test_auto_compiles_a_batch_size_once_eager_decoding_has_cost_as_much(stories
     llama = build(stories_dir, compile=False)
     step = llama.runner.compiled = CompiledDecode(llama.model, "default", lazy=True)
     step.eager_up_to = 0  # whatever the size rule says (this model is far below it): the lazy rule decides
-    step.estimate = 0.05  # seconds of eager decoding before compiling
+    step.estimate = 0.01  # seconds of eager decoding before compiling (128 eager steps of this model: ~0.04 s)
     prompts = [g["prompt_tokens"] for g in goldens.values()]
     out, _ = llama.generate(prompts, max_gen_len=128, temperature=0)
-    assert step.eager[(2, False)] >= 0.05 and (2, False) in step.seen
+    assert step.eager[(2, False)] >= 0.01 and (2, False) in step.seen
     assert step.cost() == step.seen[(2, False)]  # later batch sizes wait for the measured compile time
     for got, g in zip(out, goldens.values()):
         assert got == g["generated_tokens"]

@@ -2,7 +2,8 @@
 // after layer, with the library's own ops (ops.h) and PyTorch's SiLU, in the same order and with the same roundings,
 // so the result is the Python path's bit for bit. Why: between two weight products an eager step's Python and
 // PyTorch operators run with the caches that the weights streaming through have just flushed, at several times
-// their warm cost; here the only code between two products is this loop (docs/performance.md, "At 7B").
+// their warm cost; here the only code between two products is this loop (docs/performance.md, "One call per decode
+// step").
 // llama/fused_decode.py decides when it runs and hands it the layers' tensors.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
