@@ -236,14 +236,20 @@ def decode_attention(q, k, v, cos, sin, cache_k, cache_v, rows, positions, kv_le
     """One token per row: rotate q and k (B, heads * head_dim), write k and v into the cache at `positions` (one per
     row, or one for all), attend over positions 0 .. position (at most kv_len) and return (B, heads * head_dim).
     rows: the cache rows (an int64 tensor), a slice of consecutive rows, or None for 0..B-1."""
+    cos, sin, rows, row0, positions = attention_inputs(cos, sin, rows, positions)
+    return torch.ops.llama_cpu.decode_attention(q, k, v, cos, sin, cache_k, cache_v, rows, row0, positions, kv_len)
+
+
+def attention_inputs(cos, sin, rows, positions):
+    """The model's rotary rows, cache rows and positions as the ops take them: (cos, sin, rows, row0, positions),
+    cos/sin (P, head_dim / 2), rows an int64 tensor or None with row0 the first of consecutive rows."""
     half = cos.shape[-1]
     row0 = 0
     if isinstance(rows, slice):
         row0, rows = rows.start or 0, None
     elif rows is not None:
         rows = rows.to(torch.int64).contiguous()
-    return torch.ops.llama_cpu.decode_attention(q, k, v, cos.reshape(-1, half), sin.reshape(-1, half), cache_k,
-                                                cache_v, rows, row0, positions.reshape(-1).to(torch.int64), kv_len)
+    return cos.reshape(-1, half), sin.reshape(-1, half), rows, row0, positions.reshape(-1).to(torch.int64)
 
 
 def takes_float(weight: torch.Tensor) -> bool:

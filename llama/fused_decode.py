@@ -117,14 +117,8 @@ def run(layers, h: torch.Tensor, cos, sin, positions, rows, kv_len: int) -> Opti
     if inputs is None:
         return None
     norms, eps, weights, schemes, groups, qkv_products, ffn_products, caches = inputs
-    half = cos.shape[-1]
-    row0 = 0
-    if isinstance(rows, slice):
-        row0, rows = rows.start or 0, None
-    elif rows is not None:
-        rows = rows.to(torch.int64).contiguous()
+    cos, sin, rows, row0, positions = cpu_kernels.attention_inputs(cos, sin, rows, positions)
     B = h.shape[0]
-    out = torch.ops.llama_cpu.decode_layers(
-        h.reshape(B, -1).contiguous(), norms, eps, weights, schemes, groups, qkv_products, ffn_products,
-        cos.reshape(-1, half), sin.reshape(-1, half), caches, rows, row0, positions.reshape(-1).to(torch.int64), kv_len)
+    out = torch.ops.llama_cpu.decode_layers(h.reshape(B, -1).contiguous(), norms, eps, weights, schemes, groups,
+                                            qkv_products, ffn_products, cos, sin, caches, rows, row0, positions, kv_len)
     return out.view(B, 1, -1)
