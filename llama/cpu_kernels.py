@@ -162,7 +162,12 @@ SLICE_BYTES = 8 << 20
 def onednn_takes(x: torch.Tensor, max_rows: int) -> bool:
     """Whether a product of x goes to oneDNN's bf16 GEMM instead of our kernel: more than max_rows rows (a prompt's
     prefill), eager, where onednn_bf16()."""
-    return x.numel() > max_rows * x.shape[-1] and onednn_bf16() and not torch.compiler.is_compiling()
+    return onednn_rows(x.numel() // x.shape[-1], max_rows) and not torch.compiler.is_compiling()
+
+
+def onednn_rows(rows: int, max_rows: int) -> bool:
+    """onednn_takes for an eager product of `rows` rows."""
+    return rows > max_rows and onednn_bf16()
 
 
 def _dequantized_gemm(x: torch.Tensor, n: int, weight_rows) -> torch.Tensor:

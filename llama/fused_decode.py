@@ -33,17 +33,17 @@ def route(linear, rows: int, dtype: torch.dtype) -> Optional[Tuple[int, int, Tup
         return None
     weight, scales = linear.weight, linear.scales
     if scales is not None and scales.dim() == 3:  # group-wise int4 (llama/quant_int4.py)
-        if not linear.int4_group or rows > cpu_kernels.QUANT_KERNEL_MAX_ROWS and cpu_kernels.onednn_bf16():
+        if not linear.int4_group or cpu_kernels.onednn_rows(rows, cpu_kernels.QUANT_KERNEL_MAX_ROWS):
             return None
         return INT4, linear.int4_group, (weight, scales)
     if getattr(linear, "int8_dynamic", False):
-        if rows > cpu_kernels.QUANT_KERNEL_MAX_ROWS and cpu_kernels.onednn_bf16():
+        if cpu_kernels.onednn_rows(rows, cpu_kernels.QUANT_KERNEL_MAX_ROWS):
             return None
         return INT8, 0, (weight, scales)
     if scales is not None or not cpu_kernels.takes_float(weight):
         return None
     if weight.dtype == torch.bfloat16:
-        if dtype == torch.bfloat16 and rows > quantize.BF16_KERNEL_MAX_ROWS and cpu_kernels.onednn_bf16():
+        if dtype == torch.bfloat16 and cpu_kernels.onednn_rows(rows, quantize.BF16_KERNEL_MAX_ROWS):
             return None
         return FLOAT, 0, (weight,)
     if dtype == torch.float32 and rows <= quantize.FP32_KERNEL_MAX_ROWS:  # an fp32 weight
