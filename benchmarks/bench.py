@@ -4,13 +4,14 @@
         --compare hf llamacpp
     python benchmarks/bench.py --model ../shared/models/stories260K --accuracy   # int8 vs fp32 agreement
     python benchmarks/bench.py --model 7b --workdir /big/disk/bench7b --dtypes bf16 int8 int4 --prequantized \
-        --compile off --batch 1 8 --compare llamacpp     # Llama 2 7B shape; weights written once, reused
+        --from-gguf --compile off --batch 1 8 --compare llamacpp   # Llama 2 7B shape; weights written once, reused
 
 --model is a Meta-layout checkpoint directory or a shape name (tiny, 110m, 1b, 7b), for which random weights are
 written to --workdir (reused by later runs that name the same directory) or a temporary directory (never into
 the repository). --prequantized also writes int8/int4 checkpoints there once (`python -m llama.quantize`;
 int8-dynamic loads the int8 one) and loads those, as a user who quantized once would; without it, int8/int4
-quantize at load. Each configuration runs in a fresh process, so peak RSS and compile state are its own. Per
+quantize at load. --from-gguf runs our fp32/bf16 on llama.cpp's GGUF file, so both engines read the same file.
+Each configuration runs in a fresh process, so peak RSS and compile state are its own. Per
 configuration: load time, peak RSS at the end of loading and over the whole run (also against the size of the
 checkpoint files loaded, where they load as they are), prefill tok/s for a P-token prompt, time to first token,
 decode tok/s at each batch size (greedy, EOS disabled so every run decodes N tokens), and at batch 1 the weight
@@ -44,9 +45,14 @@ def run_llama(cfg: dict) -> dict:
     from llama.params import SamplingParams
 
     P, N, batches, repeat = cfg["prompt"], cfg["gen"], cfg["batch"], cfg["repeat"]
-    start = time.perf_counter()
     pre = cfg.get("prequantized")  # a checkpoint written by `python -m llama.quantize`: loads as its scheme
-    llm = Llama.build(pre or cfg["ckpt"], cfg["tokenizer"], max_seq_len=P + N, max_batch_size=max(batches),
+    if cfg.get("from_gguf"):  # llama.cpp's own GGUF file of this precision (written here if missing), mapped in place
+        import peers
+
+        pre = str(peers.gguf_file(cfg, GGUF_TYPE[cfg["dtype"]]))
+    start = time.perf_counter()
+    llm = Llama.build(pre or cfg["ckpt"], None if cfg.get("from_gguf") else cfg["tokenizer"], max_seq_len=P + N,
+                      max_batch_size=max(batches),
                       dtype=DTYPES.get(cfg["dtype"]), quantize=cfg["quantize"] if cfg["quantize"] == "int8-dynamic"
                       or not pre else None, group_size=None if pre else cfg.get("group_size"),
                       compile=cfg["compile"])
@@ -84,7 +90,8 @@ def run_llama(cfg: dict) -> dict:
         out["decode_tps"][b] = r["decode_tps"]
     out["weight_bytes"] = weight_bytes(llm.model)
     out["rss"] = peak_rss()
-    files = sum(f.stat().st_size for f in Path(pre or cfg["ckpt"]).iterdir() if f.is_file())
+    src = Path(pre or cfg["ckpt"])
+    files = src.stat().st_size if src.is_file() else sum(f.stat().st_size for f in src.iterdir() if f.is_file())
     if (pre or not cfg["quantize"]) and out["weight_bytes"] <= files:  # loaded as stored: not widened, not quantized
         out["checkpoint_bytes"] = files
     return out
@@ -141,10 +148,15 @@ def label(cfg: dict) -> str:
         prec = cfg["quantize"] or cfg["dtype"]
         prec += f"-g{cfg['group_size']}" if cfg.get("group_size") else ""
         state = {False: "eager", "auto": "compile=auto"}.get(cfg["compile"], "compiled")
-        return f"llama {prec}{' (pre-quantized)' if cfg.get('prequantized') else ''} {state}"
+        source = (" (pre-quantized)" if cfg.get("prequantized")
+                  else " (llama.cpp's GGUF)" if cfg.get("from_gguf") else "")
+        return f"llama {prec}{source} {state}"
     if cfg["engine"] == "llamacpp":
         return f"llama.cpp {cfg['gguf_type']}"
     return f"transformers {cfg['dtype']}"
+
+
+GGUF_TYPE = {"fp32": "f32", "bf16": "bf16", "int8": "q8_0", "int8-dynamic": "q8_0", "int4": "q4_0"}
 
 
 def precision(cfg: dict) -> str:
@@ -263,11 +275,12 @@ def configs(args, ckpt: str, tokenizer: str):
             if args.prequantized and quantized:  # int8-dynamic: the int8 codes
                 cfg["prequantized"] = prequantize(ckpt, args.workdir, "int8" if prec == "int8-dynamic" else scheme,
                                                   cfg["group_size"])
+            elif args.from_gguf and not quantized:
+                cfg.update(from_gguf=True, workdir=args.workdir)
             out.append(cfg)
         if "hf" in args.compare and not prec.startswith("int"):
             out.append(dict(base, engine="hf", dtype=prec))
-        gguf_type = {"fp32": "f32", "bf16": "bf16", "int8": "q8_0", "int8-dynamic": "q8_0", "int4": "q4_0"}[
-            prec.partition("-g")[0]]
+        gguf_type = GGUF_TYPE[prec.partition("-g")[0]]
         if "llamacpp" in args.compare and not any(c.get("gguf_type") == gguf_type for c in out):
             out.append(dict(base, engine="llamacpp", gguf_type=gguf_type, batch=[1], workdir=args.workdir))
     return out
@@ -283,6 +296,10 @@ def main(argv=None) -> int:
                          "groups of 64, q4_0's size)")
     ap.add_argument("--prequantized", action="store_true",
                     help="int8/int4: load checkpoints written once into --workdir by python -m llama.quantize")
+    ap.add_argument("--from-gguf", action="store_true",
+                    help="fp32/bf16: load ours from llama.cpp's GGUF file of that precision (written into --workdir "
+                         "once), so both engines read one file: at 7B two 13.5 GB bf16 files do not fit in the page "
+                         "cache together")
     ap.add_argument("--compile", nargs="+", default=["off", "on"], choices=["off", "on", "auto"],
                     help="off: eager; on: compile each batch size up front; auto: Llama.build's default rule")
     ap.add_argument("--compile-mode", default="dtype", choices=["dtype", "max-autotune", "default"],
