@@ -34,8 +34,9 @@ from pathlib import Path
 
 import torch
 
-from common import (DTYPES, LLAMA2_TOKENIZER, SHAPES, SHARED, best_time, machine, peak_rss, prompt_tokens,
-                    read_bandwidth, run_requests, shape_checkpoint, summarize, weight_bytes)
+from common import (DTYPES, LLAMA2_TOKENIZER, SHAPES, SHARED, best_time, drop_from_page_cache, machine, peak_rss,
+                    prompt_tokens, read_bandwidth, run_requests, shape_checkpoint, summarize, weight_bytes,
+                    weight_files)
 
 
 # --------------------------------------------------------------------------------------------- one configuration
@@ -300,6 +301,9 @@ def main(argv=None) -> int:
                     help="fp32/bf16: load ours from llama.cpp's GGUF file of that precision (written into --workdir "
                          "once), so both engines read one file: at 7B two 13.5 GB bf16 files do not fit in the page "
                          "cache together")
+    ap.add_argument("--cold", action="store_true",
+                    help="evict the weights (--workdir's files, --model's, the int4/int8 pack caches) from the page "
+                         "cache before each configuration, so every load reads its files from the disk")
     ap.add_argument("--compile", nargs="+", default=["off", "on"], choices=["off", "on", "auto"],
                     help="off: eager; on: compile each batch size up front; auto: Llama.build's default rule")
     ap.add_argument("--compile-mode", default="dtype", choices=["dtype", "max-autotune", "default"],
@@ -353,6 +357,8 @@ def main(argv=None) -> int:
         rounds = [[] for _ in cfgs]
         for i in range(args.rounds):  # configurations in turn, so the machine's drift reaches each alike
             for cfg, runs in zip(cfgs, rounds):
+                if args.cold:
+                    drop_from_page_cache(weight_files(args.workdir, *([] if args.model in SHAPES else [ckpt])))
                 runs.append(spawn(cfg, args.timeout))
                 print(f"{label(cfg)}{f' (round {i + 1})' if args.rounds > 1 else ''}: {json.dumps(runs[-1])}",
                       flush=True)

@@ -98,6 +98,27 @@ def summarize(runs, batch: int) -> dict:
     return {"ttft_ms": ttft * 1e3, "decode_tps": batch / step}
 
 
+def drop_from_page_cache(paths) -> None:
+    """Evict files from the page cache (posix_fadvise DONTNEED; no root needed), so the next read meets the disk."""
+    for p in paths:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def weight_files(*dirs) -> List[Path]:
+    """Every file under these directories and the pack caches of quantized checkpoints (llama/pack_cache.py)."""
+    from llama.fetch import cache_dir
+
+    files = [f for d in dirs for f in Path(d).rglob("*") if f.is_file()]
+    return files + sorted((cache_dir() / "int4pack").glob("*.pt"))
+
+
 def peak_rss() -> int:
     """This process's peak resident set (VmHWM), bytes."""
     with open("/proc/self/status") as f:

@@ -21,21 +21,9 @@ from pathlib import Path
 
 import torch
 
-from common import LLAMA2_TOKENIZER, peak_rss
+from common import LLAMA2_TOKENIZER, drop_from_page_cache, peak_rss
 
 MODES = {"preload": None, "lazy": False}
-
-
-def drop_from_page_cache(paths) -> None:
-    for p in paths:
-        try:
-            fd = os.open(p, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def read_twice(path: str) -> None:
