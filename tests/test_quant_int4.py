@@ -195,6 +195,15 @@ def test_cli_refusals(small_ckpt, tmp_path, capsys):
     assert "already quantized" in capsys.readouterr().err
 
 
+def test_the_cli_runs_as_a_module_without_warnings():
+    """`python -m llama.quantize` runs a module the package has already imported; runpy's warning about that is not
+    the user's concern."""
+    proc = subprocess.run([sys.executable, "-m", "llama.quantize", "--help"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "usage: python -m llama.quantize" in proc.stdout
+    assert proc.stderr == ""
+
+
 STREAM = textwrap.dedent("""
     import sys
     from llama.quantize_cli import quantize_checkpoint
