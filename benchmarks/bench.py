@@ -355,8 +355,10 @@ def main(argv=None) -> int:
         print(f"machine: {machine()}\nread bandwidth: {bw[0]:.1f} GB/s", flush=True)
         cfgs = configs(args, str(ckpt), tok)
         rounds = [[] for _ in cfgs]
-        for i in range(args.rounds):  # configurations in turn, so the machine's drift reaches each alike
-            for cfg, runs in zip(cfgs, rounds):
+        for i in range(args.rounds):  # configurations in turn, so the machine's drift reaches each alike; the
+            # order reversed every other round, so neither engine always reads a file the other has just read
+            # (this virtual machine's host caches the disk: a second cold read of a file comes sooner)
+            for cfg, runs in list(zip(cfgs, rounds))[:: 1 if i % 2 == 0 else -1]:
                 if args.cold:
                     drop_from_page_cache(weight_files(args.workdir, *([] if args.model in SHAPES else [ckpt])))
                 runs.append(spawn(cfg, args.timeout))
