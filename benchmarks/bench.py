@@ -356,8 +356,7 @@ def main(argv=None) -> int:
         cfgs = configs(args, str(ckpt), tok)
         rounds = [[] for _ in cfgs]
         for i in range(args.rounds):  # configurations in turn, so the machine's drift reaches each alike; the
-            # order reversed every other round, so neither engine always reads a file the other has just read
-            # (this virtual machine's host caches the disk: a second cold read of a file comes sooner)
+            # order reversed every other round, so that no configuration always runs right after the same other one
             for cfg, runs in list(zip(cfgs, rounds))[:: 1 if i % 2 == 0 else -1]:
                 if args.cold:
                     drop_from_page_cache(weight_files(args.workdir, *([] if args.model in SHAPES else [ckpt])))
