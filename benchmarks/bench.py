@@ -171,12 +171,13 @@ def fmt(v, spec=".1f"):
     return "—" if v is None else format(v, spec)
 
 
-def report(results, batches, bandwidth: float) -> str:
+def report(results, batches, bandwidth: float, rounds: int = 1) -> str:
     """A markdown table: one row per configuration, ratios against peers of the same precision."""
     head = ["configuration", "load s", "load peak RSS GB", "run peak RSS GB", "run peak / checkpoint",
             "prefill tok/s", "TTFT ms"]
+    vs_cpp_head = "vs llama.cpp (b=1)" + (": median of the rounds' ratios (each round)" if rounds > 1 else "")
     head += [f"decode b={b} tok/s" for b in batches] + ["GB/s (b=1)", "% of bandwidth", "vs transformers (b=1/8)",
-                                                        "vs llama.cpp (b=1)"]
+                                                        vs_cpp_head]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     peers = {}
     for cfg, r in results:
@@ -204,8 +205,10 @@ def report(results, batches, bandwidth: float) -> str:
         if cfg["engine"] == "llama" and cpp and 1 in dec:
             vs_cpp = fmt(dec[1] / {int(k): v for k, v in cpp["decode_tps"].items()}[1], ".2f") + "x"
             per_round = round_ratios(r, cpp)
-            if len(per_round) > 1:  # the ratio of the medians, then the range of the rounds' own ratios
-                vs_cpp += f" ({min(per_round):.2f}–{max(per_round):.2f}x)"
+            if len(per_round) > 1:  # each round's two runs were minutes apart: the median of the rounds' own
+                # ratios cancels the drift between rounds, which the ratio of the two medians does not
+                vs_cpp = (f"{statistics.median(per_round):.2f}x ({', '.join(f'{x:.2f}' for x in per_round)}); "
+                          f"medians {vs_cpp}")
         row.append(vs_cpp)
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
@@ -370,7 +373,7 @@ def main(argv=None) -> int:
         print(f"command: python benchmarks/bench.py {' '.join(argv if argv is not None else sys.argv[1:])}")
         print(f"model {args.model}, prompt {args.prompt} tokens, {args.gen} generated, {args.repeat} runs each"
               + (f", medians over {args.rounds} rounds" if args.rounds > 1 else "") + "\n")
-        print(report(results, args.batch, limit))
+        print(report(results, args.batch, limit, args.rounds))
         if args.json:
             Path(args.json).write_text(json.dumps({"bandwidth": bw, "results": results}, indent=1))
     finally:
