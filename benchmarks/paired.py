@@ -30,7 +30,8 @@ from bench import prequantize
 from common import LLAMA2_TOKENIZER, machine, prompt_tokens, read_bandwidth, run_requests, shape_checkpoint, step_times
 from peers import gguf_file
 
-GGUF_TYPE = {"bf16": "bf16", "int8-dynamic": "q8_0", "int4": "q4_0"}
+# int4-g64: our int4 with groups of 64, q4_0's 4.5 bits per weight (group 32 is q4_1's size)
+GGUF_TYPE = {"bf16": "bf16", "int8-dynamic": "q8_0", "int4": "q4_0", "int4-g64": "q4_0"}
 
 
 def rate(times) -> float:
@@ -145,7 +146,8 @@ def main():
     for dtype in a.dtypes:
         cfg = {"ckpt": str(ckpt), "tokenizer": str(LLAMA2_TOKENIZER), "workdir": a.workdir}
         gguf = gguf_file(cfg, GGUF_TYPE[dtype])
-        ours = str(gguf) if dtype == "bf16" else prequantize(str(ckpt), a.workdir, dtype.replace("-dynamic", ""))
+        scheme, _, group = dtype.replace("-dynamic", "").partition("-g")
+        ours = str(gguf) if dtype == "bf16" else prequantize(str(ckpt), a.workdir, scheme, int(group) if group else None)
         need = gguf.stat().st_size + sum(f.stat().st_size for f in Path(ours).glob("*.pth"))  # bf16: one file
         have = memory.available_bytes()
         if have is not None and need * memory.MARGIN > have:
