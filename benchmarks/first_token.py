@@ -12,7 +12,6 @@ so that the load competes with pages in use. Rounds alternate the two modes so t
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
