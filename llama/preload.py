@@ -3,9 +3,11 @@
 Checkpoints load memory-mapped (torch.load(mmap=True), the pack caches), so build() returns in a fraction of a
 second and the pages come in by page faults during the first forward passes instead: the disk lands in the first
 token's latency, and in any step timed while pages are still coming in. When the mapped weights fit in available
-memory, load() reads them here instead, by reading one byte of every page in file order (the faults read ahead
-in large requests). A read, not madvise(MADV_POPULATE_READ): in a virtual machine, memory the host has just filled
-from the disk faults again on the guest's first access, so only a read leaves the first step nothing to wait for.
+memory, load() reads them here instead: the files behind them first, with several reads in flight (a disk
+serves those faster than one stream of page faults), then one byte of every page in order, which puts each page in
+this process's page tables. Reads, not madvise(MADV_POPULATE_READ): in a virtual machine, memory the host has just
+filled from the disk faults again on the guest's first access, so only a read leaves the first step nothing to
+wait for.
 Pages read once are the first that reclaim takes when the page cache is full of files in use (another model's),
 so the pages mincore then reports missing are read again, which marks them in use. Weights that do not fit stay
 mapped lazily: reading them all at load would only evict what the first step needs. Linux only (the mappings come
@@ -14,7 +16,10 @@ from /proc/self/maps); elsewhere weights stay lazy.
 
 import ctypes
 import mmap
+import os
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, List, Optional, Tuple
 
 import torch
@@ -22,7 +27,11 @@ from tqdm import tqdm
 
 from . import memory
 
-_CHUNK = 256 << 20  # bytes read per call: a progress bar that moves
+_CHUNK = 256 << 20  # bytes touched per call
+# The files are read first, _READERS requests of _PIECE bytes in flight: a virtual disk serves several at once
+# faster than the one stream of page faults (7B bf16 from a cold page cache: docs/performance.md, "At 7B").
+_READERS = 4
+_PIECE = 16 << 20
 _PAGE = mmap.PAGESIZE
 _PASSES = 4  # reads of the pages still missing after the first
 try:
@@ -33,21 +42,27 @@ except (OSError, AttributeError):
     _mincore = None
 
 
-def file_mappings() -> List[Tuple[int, int]]:
-    """(start, end) of this process's mappings of files, from /proc/self/maps, adjacent ones joined (a mapping
-    the kernel split still holds one storage); [] where there is none."""
-    spans = []
+def mapped_files() -> List[Tuple[int, int, str, int]]:
+    """(start, end, path, offset in the file) of each of this process's mappings of files, from /proc/self/maps,
+    in address order; [] where there is none."""
+    out = []
     try:
         with open("/proc/self/maps") as f:
             for line in f:
                 fields = line.split(maxsplit=5)
                 if len(fields) == 6 and fields[4] != "0" and fields[5].startswith("/"):
                     lo, hi = fields[0].split("-")
-                    spans.append((int(lo, 16), int(hi, 16)))
+                    out.append((int(lo, 16), int(hi, 16), fields[5].rstrip("\n"), int(fields[2], 16)))
     except OSError:
         return []
+    return sorted(out)
+
+
+def file_mappings() -> List[Tuple[int, int]]:
+    """(start, end) of this process's mappings of files, adjacent ones joined (a mapping the kernel split still
+    holds one storage); [] where there is none."""
     joined: List[Tuple[int, int]] = []
-    for lo, hi in sorted(spans):
+    for lo, hi, _, _ in mapped_files():
         if joined and lo == joined[-1][1]:
             joined[-1] = (joined[-1][0], hi)
         else:
@@ -81,6 +96,54 @@ def mapped_storages(tensors: Iterable[torch.Tensor],
     return sorted(out, key=lambda s: s.data_ptr())
 
 
+def file_pieces(storages: List[torch.UntypedStorage],
+                maps: List[Tuple[int, int, str, int]]) -> List[Tuple[str, int, int]]:
+    """(path, offset, length) of the file bytes behind each storage, in the storages' order, _PIECE bytes at most
+    each."""
+    pieces = []
+    for storage in storages:
+        ptr, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+        for lo, hi, path, offset in maps:
+            a, b = max(lo, ptr), min(hi, end)
+            pieces += [(path, offset + start - lo, min(_PIECE, b - start)) for start in range(a, b, _PIECE)]
+    return pieces
+
+
+def read_files(pieces: List[Tuple[str, int, int]], bar=None) -> int:
+    """Read these pieces of files into the page cache, _READERS at a time; returns the bytes read. A file that
+    cannot be opened or read is skipped (the pages then come in when they are touched)."""
+    fds = {}
+    for path in dict.fromkeys(path for path, _, _ in pieces):
+        try:
+            fds[path] = os.open(path, os.O_RDONLY)
+        except OSError:
+            pass
+    local = threading.local()
+
+    def read(piece) -> int:
+        path, offset, length = piece
+        if path not in fds:
+            return 0
+        if not hasattr(local, "buffer"):
+            local.buffer = bytearray(_PIECE)  # one per reader, reused: the data is wanted in the page cache only
+        try:
+            return os.preadv(fds[path], [memoryview(local.buffer)[:length]], offset)
+        except OSError:
+            return 0
+
+    done = 0
+    try:
+        with ThreadPoolExecutor(_READERS) as pool:  # os.preadv releases the GIL
+            for n in pool.map(read, pieces):
+                done += n
+                if bar is not None:
+                    bar.update(n)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return done
+
+
 def missing_pages(storage: torch.UntypedStorage) -> Optional[torch.Tensor]:
     """Byte offsets into storage, one in each of its pages the page cache lacks (mincore); None if unknown."""
     if _mincore is None:
@@ -111,11 +174,12 @@ def read_weights(model: torch.nn.Module, mode: Optional[bool] = None, progress: 
             return 0
     with torch.inference_mode(), tqdm(total=total, desc="reading weights", unit="B", unit_scale=True,
                                       disable=not progress or total < 1 << 30) as bar:
-        for storage in storages:
+        read = read_files(file_pieces(storages, mapped_files()), bar)  # the disk, several requests in flight
+        for storage in storages:  # then the pages into this process's page tables, and anything not read above
             data = _bytes(storage)
             for start in range(0, len(data), _CHUNK):
                 data[start:start + _CHUNK:_PAGE].sum()  # one byte per page: each page faulted in, in order
-                bar.update(min(_CHUNK, len(data) - start))
+        bar.update(max(0, total - read))
         for _ in range(_PASSES):  # reclaim may have taken pages just read (the module's docstring): read those again
             again = 0
             for storage in storages:

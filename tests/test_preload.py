@@ -96,6 +96,43 @@ def test_missing_pages_lists_what_the_page_cache_lacks_until_the_weights_are_rea
     assert sum(len(preload.missing_pages(s)) for s in storages) == 0
 
 
+@pytest.mark.skipif(preload._mincore is None or not hasattr(os, "posix_fadvise"), reason="needs mincore (Linux)")
+def test_read_files_puts_the_bytes_behind_the_weights_in_the_page_cache(ckpt, tmp_path, monkeypatch):
+    """The first phase of read_weights: the file pieces behind every storage, found from /proc/self/maps, read
+    with several requests in flight, into the page cache only (this process's page tables are left as they were)."""
+    if filesystem(tmp_path) in ("tmpfs", "ramfs"):
+        pytest.skip(f"{tmp_path} is in memory: its pages cannot be dropped from the page cache")
+    write_random_checkpoint(tmp_path, PARAMS, tokenizer_path=ckpt / "tokenizer.model", dtype=torch.bfloat16)
+    llm = build(tmp_path, monkeypatch, preload=False)
+    path = tmp_path / "consolidated.00.pth"
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    storages = preload.mapped_storages([*llm.model.parameters()], preload.file_mappings())
+    monkeypatch.setattr(preload, "_PIECE", 64 << 10)  # several pieces per storage, reads at uneven offsets
+    pieces = preload.file_pieces(storages, preload.mapped_files())
+    assert {p for p, _, _ in pieces} == {str(path.resolve())}
+    assert sum(n for _, _, n in pieces) == sum(s.nbytes() for s in storages)
+    assert len(pieces) > len(storages)
+    assert sum(len(preload.missing_pages(s)) for s in storages) > 0
+    mapped = mapped_rss(path)
+    assert preload.read_files(pieces) == sum(s.nbytes() for s in storages)
+    assert sum(len(preload.missing_pages(s)) for s in storages) == 0
+    assert mapped_rss(path) <= mapped + (1 << 20)
+    with open(path, "rb") as f:  # each piece holds the bytes of the storage it was found for, in order
+        at = 0
+        for storage in storages:
+            data = bytes(preload._bytes(storage).numpy())
+            for _, offset, n in pieces[at:]:
+                f.seek(offset)
+                assert f.read(n) == data[:n]
+                at, data = at + 1, data[n:]
+                if not data:
+                    break
+    assert preload.read_files([(str(tmp_path / "gone.pth"), 0, 4096)]) == 0  # a file that cannot be opened: skipped
+
+
 def test_weights_that_would_not_fit_stay_lazy(ckpt, monkeypatch):
     llm = build(ckpt, monkeypatch, preload=False)
     monkeypatch.setenv("LLAMA_MEMORY_LIMIT", "1M")  # far under the weights
