@@ -49,9 +49,24 @@ def find_gguf(path) -> Optional[Path]:
     return None
 
 
+class _Reader(gguf.GGUFReader):
+    """gguf's reader over a plain ndarray view of its memory map. Its parser slices the map once per value (a few
+    per vocabulary string: several hundred thousand for a Llama 3 file), and every slice of an `np.memmap` runs
+    the subclass's `__array_finalize__`; over a plain view the same parse takes about a third of the time.
+    Tensors still map the file's bytes; `memmap` keeps the map itself (`release` advises the kernel on it)."""
+
+    @property
+    def data(self):
+        return self._plain
+
+    @data.setter
+    def data(self, value):
+        self.memmap, self._plain = value, value.view(np.ndarray)
+
+
 def open_reader(path: Path):
     try:
-        return gguf.GGUFReader(str(path))
+        return _Reader(str(path))
     except (ValueError, OSError, IndexError, KeyError) as e:  # the reader's errors for truncated/corrupt files
         raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {e}") from None
 
@@ -149,7 +164,7 @@ def release(reader, tensors, dtype: Optional[torch.dtype] = None) -> None:
     """Drop these tensors' file pages from this process's resident set once they are read (they stay in the page
     cache and fault back in if touched): loading layer by layer then never holds the whole file too. Tensors
     read in place as dtype keep theirs: they are the weights."""
-    mm = getattr(reader.data, "_mmap", None)  # numpy.memmap's mmap object
+    mm = getattr(getattr(reader, "memmap", reader.data), "_mmap", None)  # numpy.memmap's mmap object
     if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
         return
     for t in tensors:

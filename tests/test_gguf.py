@@ -3,6 +3,8 @@ template) reproduces the independent fp32 goldens token for token, alone, batche
 embedded tokenizer and chat template give the golden ids; and bad files fail with errors naming the file."""
 
 import json
+import mmap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -113,6 +115,30 @@ def test_bad_gguf_files_name_the_file_and_the_reason(tmp_path):
     cut.write_bytes(GGUF.read_bytes()[: 3 << 20])
     with pytest.raises(ValueError, match=r"cut\.gguf"):
         Llama.build(str(cut), None, max_seq_len=16, max_batch_size=1)
+
+
+def test_the_reader_parses_as_gguf_s_own_and_its_tensors_map_the_file():
+    gguf = pytest.importorskip("gguf", reason="the gguf package reads GGUF files")
+    from llama import gguf_checkpoint
+
+    ours, theirs = gguf_checkpoint.open_reader(need(GGUF)), gguf.GGUFReader(str(GGUF))
+    assert list(ours.fields) == list(theirs.fields) and ours.data_offset == theirs.data_offset
+    for name, f in theirs.fields.items():
+        g = ours.fields[name]
+        assert (g.offset, g.types, g.data) == (f.offset, f.types, f.data), name
+        assert all(np.array_equal(a, b) for a, b in zip(g.parts, f.parts)), name
+    assert ours.fields["tokenizer.ggml.merges"].contents() == theirs.fields["tokenizer.ggml.merges"].contents()
+    assert [(t.name, t.tensor_type, t.data_offset) for t in ours.tensors] == \
+        [(t.name, t.tensor_type, t.data_offset) for t in theirs.tensors]
+    first = ours.tensors[0].data
+    assert np.array_equal(first, theirs.tensors[0].data) and not first.flags.owndata and not first.flags.writeable
+    statm = Path("/proc/self/statm")
+    if statm.exists():  # release() still drops the pages it read from this process's resident set
+        resident = lambda: int(statm.read_text().split()[1]) * mmap.PAGESIZE  # noqa: E731
+        touched = sum(int(t.data.reshape(-1).view(np.uint8)[::4096].sum()) for t in ours.tensors)
+        before = resident()
+        gguf_checkpoint.release(ours, ours.tensors)
+        assert touched >= 0 and before - resident() > 0.8 * sum(int(t.n_bytes) for t in ours.tensors)
 
 
 # ------------------------------------------------------------------------------------------------- conversion, parallel
