@@ -2,7 +2,9 @@
 
 import mmap
 import os
+import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -149,3 +151,100 @@ def test_weights_not_in_a_file_are_not_counted(ckpt, monkeypatch):
 def test_a_bad_preload_value_is_refused_before_loading(ckpt, bad):
     with pytest.raises(ValueError, match="preload must be True, False or None"):
         Llama.build(str(ckpt / "missing"), None, 64, 1, preload=bad)
+
+
+def test_reader_runs_cut_the_pieces_in_order_into_shares_of_about_equal_bytes():
+    pieces = [("a", o, n) for o, n in zip(range(0, 100, 10), [10] * 9 + [3])] + [("b", 0, 50), ("b", 50, 7)]
+    runs = preload.reader_runs(pieces, 4)
+    assert [p for run in runs for p in run] == pieces  # every piece once, in order
+    assert len(runs) == 4
+    total, biggest = sum(n for _, _, n in pieces), max(n for _, _, n in pieces)
+    assert all(abs(sum(n for _, _, n in run) - total / 4) <= biggest for run in runs)
+    assert preload.reader_runs(pieces[:2], 4) == [[pieces[0]], [pieces[1]]]  # fewer pieces than readers
+    assert preload.reader_runs([], 4) == []
+
+
+def pmd_mapped(path) -> int:
+    """Bytes of this process's mappings of path that its page tables map with 2 MB entries (smaps FilePmdMapped)."""
+    want, total, inside = str(path.resolve()), 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=5)
+            if "-" in head[0] and len(head) >= 5:
+                inside = len(head) == 6 and head[5].rstrip("\n") == want
+            elif inside and head[0] == "FilePmdMapped:":
+                total += int(head[1]) * 1024
+    return total
+
+
+def evict(path):
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())  # pages still to be written back cannot be dropped
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def huge_mapped_after_touch(path) -> int:
+    """FilePmdMapped bytes of a fresh mapping of path once every page of it is in this process's page tables."""
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    try:
+        pages = np.frombuffer(m, dtype=np.uint8)[::mmap.PAGESIZE]
+        pages.sum()
+        del pages  # the map cannot close while an array holds it
+        return pmd_mapped(path)
+    finally:
+        m.close()
+
+
+def test_each_reader_streams_its_own_share_in_order_through_its_own_descriptor(tmp_path, monkeypatch):
+    """What lets the kernel's readahead see sequential streams: each reader opens its own descriptor and reads
+    its share through it with offsets that only go forward, with no gap; every piece is read exactly once."""
+    files = [tmp_path / "a.bin", tmp_path / "b.bin"]
+    for f in files:
+        f.write_bytes(os.urandom(3 << 20))
+    monkeypatch.setattr(preload, "_READERS", 4)
+    pieces = [(str(f), o, 256 << 10) for f in files for o in range(0, 3 << 20, 256 << 10)]
+    streams, current, real_open, real_preadv = [], {}, os.open, os.preadv
+
+    def opened(path, *args, **kwargs):  # a new stream of reads for this thread on this descriptor
+        fd = real_open(path, *args, **kwargs)
+        current[threading.get_ident(), fd] = []
+        streams.append((str(path), current[threading.get_ident(), fd]))
+        return fd
+
+    def preadv(fd, buffers, offset):
+        current[threading.get_ident(), fd].append(offset)  # KeyError: a descriptor this thread did not open
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "open", opened)
+    monkeypatch.setattr(os, "preadv", preadv)
+    assert preload.read_files(pieces) == 6 << 20
+    assert len(streams) == 4  # one per reader: each share of 6 pieces lies in one file
+    assert sorted((path, o) for path, offsets in streams for o in offsets) == sorted((p, o) for p, o, _ in pieces)
+    for _, offsets in streams:
+        assert len(offsets) == 6 and offsets == list(range(offsets[0], offsets[0] + (6 << 18), 256 << 10))
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise") or not os.path.exists("/proc/self/smaps"), reason="Linux only")
+def test_the_file_read_by_read_files_maps_with_2mb_entries_as_after_one_sequential_read(tmp_path, monkeypatch):
+    """Pieces read in turn from one descriptor look random to the kernel, which then fills the page cache with
+    small folios; each reader streaming its own share lets it keep large ones, as one sequential read does."""
+    if filesystem(tmp_path) in ("tmpfs", "ramfs"):
+        pytest.skip(f"{tmp_path} is in memory: its pages cannot be dropped from the page cache")
+    size, path = 512 << 20, tmp_path / "weights.bin"
+    with open(path, "wb") as f:
+        block = os.urandom(1 << 20)
+        for _ in range(size >> 20):
+            f.write(block)
+    evict(path)
+    with open(path, "rb") as f:  # one reader in order: what this kernel and filesystem do with a sequential read
+        while f.read(1 << 20):
+            pass
+    want = huge_mapped_after_touch(path)
+    if want == 0:
+        pytest.skip(f"this kernel keeps no large folios for sequential reads on {filesystem(tmp_path)}")
+    evict(path)
+    monkeypatch.setattr(preload, "_READERS", 4)  # 128 MB each: the kernel takes a few dozen MB to reach 2 MB folios
+    pieces = [(str(path), offset, preload._PIECE) for offset in range(0, size, preload._PIECE)]
+    assert preload.read_files(pieces) == size
+    assert huge_mapped_after_touch(path) >= want / 2
