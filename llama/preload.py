@@ -32,6 +32,7 @@ _CHUNK = 256 << 20  # bytes touched per call
 # once faster than the one stream of page faults (7B bf16 from a cold page cache: docs/performance.md, "At 7B").
 _READERS = 8
 _PIECE = 16 << 20
+_BUFFER = 4 << 20  # each reader's scratch buffer: the readers' buffers add to the load's peak RSS
 _PAGE = mmap.PAGESIZE
 _PASSES = 4  # reads of the pages still missing after the first
 try:
@@ -132,7 +133,7 @@ def read_files(pieces: List[Tuple[str, int, int]], bar=None) -> int:
     lock = threading.Lock()
 
     def read(run) -> int:
-        fds, buffer, done = {}, bytearray(max(n for _, _, n in run)), 0  # the data is wanted in the page cache only
+        fds, buffer, done = {}, memoryview(bytearray(_BUFFER)), 0  # the data is wanted in the page cache only
         try:
             for path, offset, length in run:
                 if path not in fds:
@@ -142,10 +143,15 @@ def read_files(pieces: List[Tuple[str, int, int]], bar=None) -> int:
                         fds[path] = None
                 if fds[path] is None:
                     continue
+                n = 0
                 try:
-                    n = os.preadv(fds[path], [memoryview(buffer)[:length]], offset)
+                    while n < length:
+                        got = os.preadv(fds[path], [buffer[:min(_BUFFER, length - n)]], offset + n)
+                        if got == 0:
+                            break
+                        n += got
                 except OSError:
-                    continue
+                    pass
                 done += n
                 if bar is not None:
                     with lock:
