@@ -23,18 +23,26 @@ def ckpt(tmp_path_factory):
     return d
 
 
-def mapped_rss(path) -> int:
-    """Bytes of this process's mappings of this file that are in its page tables (smaps Rss). Other tests' models
-    in the same process map files of the same name: only this path counts."""
+def smaps_bytes(path, field: str = "Rss") -> int:
+    """Bytes of this process's mappings of this file by an smaps field: Rss (in its page tables), FilePmdMapped
+    (mapped with 2 MB entries). Other tests' models in the same process map files of the same name: only this
+    path counts."""
     want, total, inside = str(path.resolve()), 0, False
     with open("/proc/self/smaps") as f:
         for line in f:
             head = line.split(maxsplit=5)
             if "-" in head[0] and len(head) >= 5:  # a mapping's first line
                 inside = len(head) == 6 and head[5].rstrip("\n") == want
-            elif inside and head[0] == "Rss:":
+            elif inside and head[0] == field + ":":
                 total += int(head[1]) * 1024
     return total
+
+
+def evict(path):
+    """Drop path's pages from the page cache (those no process maps)."""
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())  # pages still to be written back cannot be dropped
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def build(ckpt, monkeypatch, **kw):
@@ -52,10 +60,10 @@ def test_lazy_load_leaves_pages_out_and_read_weights_brings_every_one_in(ckpt, m
     llm = build(ckpt, monkeypatch, preload=False)
     weights = weight_bytes(llm.model)
     assert weights > 4 << 20
-    before = mapped_rss(ckpt / "consolidated.00.pth")
+    before = smaps_bytes(ckpt / "consolidated.00.pth")
     assert before < weights / 2  # mapped, not read: build() touched no weight
     assert preload.read_weights(llm.model) == weights  # every parameter lies in the mapping, each counted once
-    assert mapped_rss(ckpt / "consolidated.00.pth") >= weights
+    assert smaps_bytes(ckpt / "consolidated.00.pth") >= weights
 
 
 @pytest.mark.skipif(not preload.file_mappings(), reason="needs /proc/self/maps (Linux)")
@@ -64,7 +72,7 @@ def test_build_reads_the_weights_by_default_and_generates_the_same(ckpt, monkeyp
     want = lazy.text_completion(["Once upon"], max_gen_len=8, temperature=0)
     del lazy
     llm = build(ckpt, monkeypatch)
-    assert mapped_rss(ckpt / "consolidated.00.pth") >= weight_bytes(llm.model)
+    assert smaps_bytes(ckpt / "consolidated.00.pth") >= weight_bytes(llm.model)
     assert llm.text_completion(["Once upon"], max_gen_len=8, temperature=0) == want
 
 
@@ -85,10 +93,7 @@ def test_missing_pages_lists_what_the_page_cache_lacks_until_the_weights_are_rea
         pytest.skip(f"{tmp_path} is in memory: its pages cannot be dropped from the page cache")
     write_random_checkpoint(tmp_path, PARAMS, tokenizer_path=ckpt / "tokenizer.model", dtype=torch.bfloat16)
     llm = build(tmp_path, monkeypatch, preload=False)  # its own file: no other test's model maps its pages
-    fd = os.open(tmp_path / "consolidated.00.pth", os.O_RDONLY)
-    os.fsync(fd)  # pages still to be written back cannot be dropped
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # drops the pages no process maps: the weights, unread
-    os.close(fd)
+    evict(tmp_path / "consolidated.00.pth")  # the weights, mapped but unread
     storages = preload.mapped_storages([*llm.model.parameters()], preload.file_mappings())
     pages = sum(-(-s.nbytes() // mmap.PAGESIZE) for s in storages)
     missing = [preload.missing_pages(s) for s in storages]
@@ -107,10 +112,7 @@ def test_read_files_puts_the_bytes_behind_the_weights_in_the_page_cache(ckpt, tm
     write_random_checkpoint(tmp_path, PARAMS, tokenizer_path=ckpt / "tokenizer.model", dtype=torch.bfloat16)
     llm = build(tmp_path, monkeypatch, preload=False)
     path = tmp_path / "consolidated.00.pth"
-    fd = os.open(path, os.O_RDONLY)
-    os.fsync(fd)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    os.close(fd)
+    evict(path)
     storages = preload.mapped_storages([*llm.model.parameters()], preload.file_mappings())
     monkeypatch.setattr(preload, "_PIECE", 64 << 10)  # several pieces per storage, reads at uneven offsets
     pieces = preload.file_pieces(storages, preload.mapped_files())
@@ -118,10 +120,10 @@ def test_read_files_puts_the_bytes_behind_the_weights_in_the_page_cache(ckpt, tm
     assert sum(n for _, _, n in pieces) == sum(s.nbytes() for s in storages)
     assert len(pieces) > len(storages)
     assert sum(len(preload.missing_pages(s)) for s in storages) > 0
-    mapped = mapped_rss(path)
+    mapped = smaps_bytes(path)
     assert preload.read_files(pieces) == sum(s.nbytes() for s in storages)
     assert sum(len(preload.missing_pages(s)) for s in storages) == 0
-    assert mapped_rss(path) <= mapped + (1 << 20)
+    assert smaps_bytes(path) <= mapped + (1 << 20)
     with open(path, "rb") as f:  # each piece holds the bytes of the storage it was found for, in order
         at = 0
         for storage in storages:
@@ -164,25 +166,6 @@ def test_reader_runs_cut_the_pieces_in_order_into_shares_of_about_equal_bytes():
     assert preload.reader_runs([], 4) == []
 
 
-def pmd_mapped(path) -> int:
-    """Bytes of this process's mappings of path that its page tables map with 2 MB entries (smaps FilePmdMapped)."""
-    want, total, inside = str(path.resolve()), 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split(maxsplit=5)
-            if "-" in head[0] and len(head) >= 5:
-                inside = len(head) == 6 and head[5].rstrip("\n") == want
-            elif inside and head[0] == "FilePmdMapped:":
-                total += int(head[1]) * 1024
-    return total
-
-
-def evict(path):
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())  # pages still to be written back cannot be dropped
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-
-
 def huge_mapped_after_touch(path) -> int:
     """FilePmdMapped bytes of a fresh mapping of path once every page of it is in this process's page tables."""
     with open(path, "rb") as f:
@@ -191,7 +174,7 @@ def huge_mapped_after_touch(path) -> int:
         pages = np.frombuffer(m, dtype=np.uint8)[::mmap.PAGESIZE]
         pages.sum()
         del pages  # the map cannot close while an array holds it
-        return pmd_mapped(path)
+        return smaps_bytes(path, "FilePmdMapped")
     finally:
         m.close()
 
