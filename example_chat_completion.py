@@ -9,8 +9,8 @@ from typing import List, Optional, Union
 import fire
 
 from llama import Dialog
-from llama.chat import Llama3ChatFormat
-from llama.launch import build_for_example, misfits
+from llama.cli.launch import build_for_example, misfits
+from llama.tokenizers.chat_format import Llama3ChatFormat
 
 
 def main(

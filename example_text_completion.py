@@ -8,7 +8,7 @@ from typing import Optional, Union
 
 import fire
 
-from llama.launch import build_for_example, misfits
+from llama.cli.launch import build_for_example, misfits
 
 
 def main(

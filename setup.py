@@ -8,7 +8,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["llama", "llama.*"]),
-    package_data={"llama": ["data/*.txt", "serve/static/*", "csrc/*.cpp", "csrc/*.h"]},
+    package_data={"llama": ["data/*.txt", "serve/static/*", "kernels/csrc/*.cpp", "kernels/csrc/*.h"]},
     python_requires=">=3.9",
     install_requires=["torch>=2.5", "fairscale", "sentencepiece", "tiktoken", "tokenizers", "gguf", "safetensors",
                       "jinja2", "fire", "tqdm"],

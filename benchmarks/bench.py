@@ -33,17 +33,30 @@ import time
 from pathlib import Path
 
 import torch
-
-from common import (DTYPES, LLAMA2_TOKENIZER, SHAPES, SHARED, best_time, drop_from_page_cache, machine, peak_rss,
-                    prompt_tokens, read_bandwidth, run_requests, shape_checkpoint, summarize, weight_bytes,
-                    weight_files)
+from common import (
+    DTYPES,
+    LLAMA2_TOKENIZER,
+    SHAPES,
+    SHARED,
+    best_time,
+    drop_from_page_cache,
+    machine,
+    peak_rss,
+    prompt_tokens,
+    read_bandwidth,
+    run_requests,
+    shape_checkpoint,
+    summarize,
+    weight_bytes,
+    weight_files,
+)
 
 
 # --------------------------------------------------------------------------------------------- one configuration
 def run_llama(cfg: dict) -> dict:
     """Measure this package on one (dtype, quantize, compile) configuration."""
     from llama import Llama
-    from llama.params import SamplingParams
+    from llama.core.params import SamplingParams
 
     P, N, batches, repeat = cfg["prompt"], cfg["gen"], cfg["batch"], cfg["repeat"]
     pre = cfg.get("prequantized")  # a checkpoint written by `python -m llama.quantize`: loads as its scheme
@@ -61,7 +74,7 @@ def run_llama(cfg: dict) -> dict:
     llm.tokenizer.stop_tokens = {}  # random weights: never stop early, every run decodes N tokens
     prompt = prompt_tokens(llm.model.vocab_size, P)
     x = torch.tensor([prompt])
-    # Llama.build reads memory-mapped weights into memory when they fit (llama/preload.py), as llama.cpp reads its
+    # Llama.build reads memory-mapped weights into memory when they fit (llama/formats/preload.py), as llama.cpp reads its
     # file at load. Where they do not, the first passes read what the page cache lacks by page faults: pass again
     # until a pass is no faster than the one before, so the figures below are the model's, not the disk's;
     # first_pass_s keeps the cost.
@@ -296,7 +309,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokenizer", help="tokenizer.model (default: the checkpoint's, else the Llama 2 tokenizer)")
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16", "int8", "int8-dynamic"],
                     choices=["fp32", "bf16", "int8", "int8-dynamic", "int4", "int4-g64", "int4-g128"],
-                    help="int8 schemes: see llama/quantize.py; int4: llama/quant_int4.py (group 32; -g64: "
+                    help="int8 schemes: see llama/quantization/cli.py; int4: llama/quantization/int4.py (group 32; -g64: "
                          "groups of 64, q4_0's size)")
     ap.add_argument("--prequantized", action="store_true",
                     help="int8/int4: load checkpoints written once into --workdir by python -m llama.quantize")

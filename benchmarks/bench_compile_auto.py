@@ -6,7 +6,7 @@
 "auto" decodes eagerly until that has cost the expected compile time, then compiles: short generations should
 cost what eager costs, long ones approach compiled speed, and no case more than about twice the better of the
 two. Each (compile, length) runs in a fresh process, in the order False, True, "auto": compiled steps are kept on
-disk (llama/compile_cache.py, in $LLAMA_CACHE as for a user), so "auto" finds the step True compiled and loads it
+disk (llama/compilation/step_store.py, in $LLAMA_CACHE as for a user), so "auto" finds the step True compiled and loads it
 at once, and True itself loads a step an earlier run of this benchmark stored (the table says which). Seconds
 are from the request to its last token (prefill, decoding and any compile or load of the step); model loading is
 reported apart. --compare llamacpp adds llama.cpp on the same weights (GGUF f32/bf16), also a fresh process.
@@ -23,13 +23,12 @@ import time
 from pathlib import Path
 
 import torch
-
 from common import LLAMA2_TOKENIZER, SHAPES, prompt_tokens, run_requests, shape_checkpoint, step_times
 
 
 def worker(cfg: dict) -> dict:
     from llama import Llama
-    from llama.params import SamplingParams
+    from llama.core.params import SamplingParams
 
     if cfg["compile"] == "llamacpp":
         return llamacpp_worker(cfg)
@@ -49,7 +48,6 @@ def worker(cfg: dict) -> dict:
 
 def llamacpp_worker(cfg: dict) -> dict:
     import llama_cpp
-
     from peers import gguf_file
 
     path = gguf_file(dict(cfg, workdir=str(Path(cfg["ckpt"]).parent)), {"fp32": "f32", "bf16": "bf16"}[cfg["dtype"]])

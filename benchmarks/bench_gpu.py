@@ -128,11 +128,11 @@ def weight_gb(model) -> float:
 # --------------------------------------------------------------------------------------------- engines
 def run_llama(cfg: dict) -> dict:
     from llama import Llama
-    from llama import parallel
-    from llama.compile import compile_decode
+    from llama.compilation.compiled_decode import compile_decode
+    from llama.distributed import parallel
     from llama.model import Transformer
-    from llama.quantize import cast_floating, quantize
-    from llama.tokenizer import load_tokenizer
+    from llama.quantization.schemes import cast_floating, quantize
+    from llama.tokenizers.sentencepiece import load_tokenizer
 
     P, N, B = cfg["prompt"], cfg["gen"], max(cfg["batch"])
     device = torch.device(cfg["device"])

@@ -1,4 +1,4 @@
-"""Grammar libraries side by side: llguidance (what llama/grammar.py uses), xgrammar and outlines-core, on the
+"""Grammar libraries side by side: llguidance (what llama/sample/grammar.py uses), xgrammar and outlines-core, on the
 same JSON schema, over each vocabulary, every library's vocabulary built from OUR tokenizer objects (no network,
 no Hugging Face hub).
 
@@ -22,7 +22,7 @@ For each library and vocabulary it measures
 - per token: computing the next-token mask into a 32-bit bitmask (the library call alone), and that plus applying
   it to a float32 logits row (xgrammar: its own CPU kernel; llguidance and outlines-core: the same eager torch
   bit-unpack + masked_fill, since their shipped torch kernels are torch.compile'd). A last row per vocabulary,
-  "llguidance via llama.grammar", is the path the engine ships (Matcher.mask: a byte per token, then torch).
+  "llguidance via llama.sample.grammar", is the path the engine ships (Matcher.mask: a byte per token, then torch).
 
 Random logits (the same seed for every library) drive the walk, `--walks` times per library, until the grammar is
 complete (or 3000 tokens); a walk counts as complete JSON when its decoded text parses. JSON is compact (no
@@ -40,8 +40,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from llama.grammar import Grammar, token_bytes, vocabulary  # noqa: E402
-from llama.tokenizer import load_tokenizer  # noqa: E402
+from llama.sample.grammar import Grammar, token_bytes, vocabulary  # noqa: E402
+from llama.tokenizers.sentencepiece import load_tokenizer  # noqa: E402
 
 SHARED = Path(os.environ.get("LLAMA_SHARED") or Path(__file__).resolve().parents[2] / "shared")
 DEFAULT = [SHARED / "models/stories260K/tokenizer.model", SHARED / "tokenizers/llama2/tokenizer.model",
@@ -57,7 +57,8 @@ BITS = torch.arange(32, dtype=torch.int32)
 
 def load(path: Path):
     if path.suffix == ".gguf":
-        from llama import gguf_checkpoint, tokenizer_hf
+        from llama.formats import gguf_file as gguf_checkpoint
+        from llama.tokenizers import huggingface as tokenizer_hf
 
         return tokenizer_hf.from_gguf(gguf_checkpoint.open_reader(path), path)
     return load_tokenizer(str(path))
@@ -92,7 +93,7 @@ class LLGuidance:
             eos_token_id, bos_token_id = tok.eos_id, tok.bos_id
             special_token_ids = sorted(special)
 
-            def __call__(self, s):  # as llama/grammar.py: no sentencepiece dummy-prefix space mid-text
+            def __call__(self, s):  # as llama/sample/grammar.py: no sentencepiece dummy-prefix space mid-text
                 if isinstance(s, bytes):
                     s = s.decode("utf-8", errors="replace")
                 ids = tok.encode("\n" + s, bos=False, eos=False)
@@ -220,7 +221,7 @@ def walk(tok, stops, make, walks: int, fill_apply=True):
                 w.fill(bitmask)
                 t1 = time.perf_counter()
                 w.apply(row, bitmask)
-            else:  # the shipped llama.grammar.Matcher: one call
+            else:  # the shipped llama.sample.grammar.Matcher: one call
                 w.mask(row)
                 t1 = time.perf_counter()
             t2 = time.perf_counter()
@@ -290,9 +291,9 @@ def main() -> None:
             t2 = time.perf_counter()
             fills, totals, parsed = walk(tok, stops, lambda: g.matcher(tok, tok.stop_tokens), args.walks,
                                          fill_apply=False)
-            rows.append((label, "llguidance via llama.grammar", t1 - t0, t2 - t1, float("nan"), float("nan"),
+            rows.append((label, "llguidance via llama.sample.grammar", t1 - t0, t2 - t1, float("nan"), float("nan"),
                          pct(totals, .5), pct(totals, .9), len(totals), parsed))
-            print(f"  llguidance via llama.grammar: {rows[-1][2:]}", flush=True)
+            print(f"  llguidance via llama.sample.grammar: {rows[-1][2:]}", flush=True)
 
     print(f"\ntorch threads {torch.get_num_threads()}; token bytes from our tokenizers timed separately above\n")
     print("| vocabulary | library | tokenizer info | compile | mask computed, median / p90 | "

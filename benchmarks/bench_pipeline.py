@@ -46,9 +46,9 @@ COUNTS = {"tp_bytes": 0, "tp_calls": 0}
 
 
 def count_collectives(T: int) -> None:
-    """Wrap the model's tensor-parallel collectives (llama.model and llama.parallel) with byte counters."""
+    """Wrap the model's tensor-parallel collectives (llama.model and llama.distributed.parallel) with byte counters."""
+    import llama.distributed.parallel as parallel_mod
     import llama.model as model_mod
-    import llama.parallel as parallel_mod
 
     def wrap(fn, factor):
         def counted(x):
@@ -68,8 +68,8 @@ def worker(a) -> None:
     import torch.distributed as dist
 
     from llama import Llama
-    from llama.params import SamplingParams
-    from llama.pipeline import PipelineTransformer, weight_bytes
+    from llama.core.params import SamplingParams
+    from llama.distributed.pipeline import PipelineTransformer, weight_bytes
 
     torch.set_num_threads(1)
     count_collectives(a.tp)
@@ -114,7 +114,7 @@ def worker(a) -> None:
     _, eN, engine_tokens = run(a.new + 1, leader=True)
     steps = [t1 - t0 for t0, t1 in zip(stampsN[1:], stampsN[2:])]
     # Prefill of one long prompt, cut into sequence chunks that the stages work on at once, and in one piece.
-    import llama.pipeline as pipeline_mod
+    import llama.distributed.pipeline as pipeline_mod
 
     long_prompt = [1] + torch.randint(3, llm.model.vocab_size, (max(a.prefill_tokens, 2) - 1,), generator=g).tolist()
     prefill = {}

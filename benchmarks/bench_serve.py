@@ -13,7 +13,7 @@ tokens per second (over the whole wall time, the drain included).
 
 Our server's replies are checked afterwards against `Llama.text_completion` offline for the same prompt, seed and
 parameters (so nothing was lost, duplicated or mixed up between streams). Seeded draws are batch-independent
-(llama/sampling.py), but the logits are not bit-identical across batch compositions: a matmul over a different
+(llama/sample/sampling.py), but the logits are not bit-identical across batch compositions: a matmul over a different
 number of rows, a prompt prefilled in two chunks or together with other prompts, rounds differently in the last
 bits of float32 (about 1e-6 in log-probability here). Where a seeded draw falls within that rounding of the
 boundary between two tokens, the server and the offline batch can pick different tokens, and the texts diverge
@@ -22,7 +22,7 @@ clients ask for the sampled tokens' log-probabilities, `logprobs: 0`; with `--no
 - every token before the first differing one is the same, and its log-probability agrees with the offline one to
   within --lp-tol (1e-4 by default; rounding is about 1e-6, while a real error, such as a wrong cache row or
   position, is orders of magnitude larger);
-- at the first differing token, drawing the request's seeded number again with llama.sampling.sample from the
+- at the first differing token, drawing the request's seeded number again with llama.sample.sampling.sample from the
   offline logits perturbed by at most --lp-tol (256 random perturbations) gives the server's token at least once.
 Anything else (an error, a missing [DONE], a text that differs without such a near-tie) fails the run.
 `--dump PATH` writes every differing reply, with its parameters and this analysis, as JSON.
@@ -204,8 +204,8 @@ def near_tie(gen, r, offline_tokens, offline_lps, args) -> dict:
     """Where and why a streamed reply left its offline result: see the module docstring."""
     import torch
 
-    from llama.inputs import expand_params
-    from llama.sampling import sample, seeded_uniform
+    from llama.core.inputs import expand_params
+    from llama.sample.sampling import sample, seeded_uniform
 
     server_tokens, server_lps = r["logprobs"]["tokens"], r["logprobs"]["token_logprobs"]
     t = next((i for i, (a, b) in enumerate(zip(server_tokens, offline_tokens)) if a != b),
@@ -227,7 +227,7 @@ def near_tie(gen, r, offline_tokens, offline_lps, args) -> dict:
         logits = gen.runner.logits([prompt + req.generated[:t]])[0, -1].float()
     offline_id = req.generated[t]
     server_ids = [i for i in range(len(logits)) if gen.tokenizer.decode([i]) == server_tokens[t]]
-    # Could rounding explain it? Draw again, with llama.sampling.sample and the request's seeded number, from the
+    # Could rounding explain it? Draw again, with llama.sample.sampling.sample and the request's seeded number, from the
     # logits perturbed by at most --lp-tol each (K random perturbations): does the server's token come out?
     k = 256
     g = torch.Generator().manual_seed(0)

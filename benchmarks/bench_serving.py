@@ -21,7 +21,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-
 from common import STORIES, best, random_checkpoint, timed
 
 from llama import Llama
@@ -33,7 +32,7 @@ WORDS = ("the cat dog girl boy park ball tree sun happy little big red blue went
 
 def make_model(dirpath: Path, tokenizer: Path, dim: int, n_layers: int, n_heads: int) -> None:
     """A Meta-layout checkpoint with random weights (scaled so activations stay sane)."""
-    from llama.tokenizer import Tokenizer
+    from llama.tokenizers.sentencepiece import Tokenizer
 
     params = {"dim": dim, "n_layers": n_layers, "n_heads": n_heads, "multiple_of": 256,
               "vocab_size": Tokenizer(str(tokenizer)).n_words}

@@ -1,4 +1,4 @@
-"""What the benchmarks share: paths, model shapes, random checkpoints (through llama.demo), timing, memory and a
+"""What the benchmarks share: paths, model shapes, random checkpoints (through llama.formats.demo), timing, memory and a
 description of the machine. Every script here imports this module; none imports another script."""
 
 import os
@@ -13,7 +13,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from llama.demo import write_random_checkpoint  # noqa: E402
+from llama.formats.demo import write_random_checkpoint  # noqa: E402
 
 SHARED = REPO.parent / "shared"
 STORIES = SHARED / "models" / "stories260K"
@@ -34,7 +34,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # --------------------------------------------------------------------------------------------- weights
 def random_checkpoint(out_dir: Path, params: Dict, tokenizer: Optional[Path] = None, seed: int = 0,
                       dtype: torch.dtype = torch.float32, std: Optional[float] = None, shards: int = 1) -> Path:
-    """Random Meta-layout weights of any shape (llama.demo's writer), norm_eps defaulted; never in the repository."""
+    """Random Meta-layout weights of any shape (llama.formats.demo's writer), norm_eps defaulted; never in the repository."""
     return write_random_checkpoint(out_dir, {"norm_eps": 1e-5, **params}, tokenizer_path=tokenizer, seed=seed,
                                    dtype=dtype, std=std, shards=shards)
 
@@ -112,8 +112,8 @@ def drop_from_page_cache(paths) -> None:
 
 
 def weight_files(*dirs) -> List[Path]:
-    """Every file under these directories and the pack caches of quantized checkpoints (llama/pack_cache.py)."""
-    from llama.fetch import cache_dir
+    """Every file under these directories and the pack caches of quantized checkpoints (llama/kernels/int4_pack_store.py)."""
+    from llama.formats.fetch import cache_dir
 
     files = [f for d in dirs for f in Path(d).rglob("*") if f.is_file()]
     return files + sorted((cache_dir() / "int4pack").glob("*.pt"))
@@ -150,8 +150,8 @@ def machine() -> str:
 
 
 def our_kernels() -> str:
-    """Which of our CPU kernels run here: the results depend on it (llama/cpu_kernels.py)."""
-    from llama import cpu_kernels
+    """Which of our CPU kernels run here: the results depend on it (llama/kernels/cpu.py)."""
+    from llama.kernels import cpu as cpu_kernels
 
     if not cpu_kernels.available():
         return "our CPU kernels off (PyTorch's kernels)"

@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from common import LLAMA2_TOKENIZER, drop_from_page_cache, peak_rss
 
 MODES = {"preload": None, "lazy": False}
@@ -40,7 +39,7 @@ def rss() -> int:
 def measure(ckpt: str, tokenizer: str, dtype: str, mode: str, cold: bool, fill: str) -> dict:
     """In a child process: build, first prefill, then decode steps."""
     from llama import Llama
-    from llama.fetch import cache_dir
+    from llama.formats.fetch import cache_dir
 
     if fill:
         read_twice(fill)

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from helpers import write_meta_gguf  # noqa: E402
 
-from llama.demo import random_state_dict  # noqa: E402
+from llama.formats.demo import random_state_dict  # noqa: E402
 from llama.model import ModelArgs  # noqa: E402
 
 MIB = 2**20
@@ -30,7 +30,7 @@ SHARED = Path(__file__).resolve().parents[2] / "shared"
 PROBE = """
 import json, sys, torch
 from llama import Llama
-from llama.quantize import linear_layers
+from llama.quantization.schemes import linear_layers
 def hwm():
     return int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1]) * 1024
 base = hwm()

@@ -19,10 +19,9 @@ import tempfile
 from pathlib import Path
 
 import torch
-
 from common import peak_rss, random_checkpoint
 
-from llama.checkpoint import expected_shapes, load_state_dict, read_params, shard_paths
+from llama.formats.meta_checkpoint import expected_shapes, load_state_dict, read_params, shard_paths
 from llama.model import ModelArgs
 
 MIB = 2**20

@@ -12,7 +12,7 @@ alternating. Each block gives one ratio of two rates measured seconds apart. Wit
 the prefill of a prompt of each length instead (prompt tok/s; llama.cpp evaluates it in batches of 512). Both sets
 of weights must fit in memory together. bf16 runs ours on llama.cpp's own bf16 GGUF file, which this package maps in place: both
 engines read the same pages, so 7B bf16 needs 13.5 GB, not twice that. `--layer-by-layer` adds ours with the
-one-call decode step turned off (`LLAMA_FUSED_DECODE=0`, llama/fused_decode.py) as a third engine in each block.
+one-call decode step turned off (`LLAMA_FUSED_DECODE=0`, llama/kernels/fused_decode.py) as a third engine in each block.
 """
 
 import argparse
@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from bench import prequantize
 from common import LLAMA2_TOKENIZER, machine, prompt_tokens, read_bandwidth, run_requests, shape_checkpoint, step_times
 from peers import gguf_file
@@ -44,7 +43,7 @@ def measure(cfg: dict) -> dict:
     import llama_cpp
 
     from llama import Llama
-    from llama.params import SamplingParams
+    from llama.core.params import SamplingParams
 
     n, prompt_len, prefill = cfg["tokens"], 16, cfg.get("prompts") or []
     ctx = max([prompt_len + n, *prefill]) + 8
@@ -133,7 +132,7 @@ def main():
     if a.measure:
         print("RESULT " + json.dumps(measure(json.loads(a.measure))))
         return
-    from llama import memory
+    from llama.formats import memory
 
     ckpt = Path(a.workdir) / f"random-{a.model}"
     if not (ckpt / "params.json").exists():

@@ -12,12 +12,11 @@ import time
 from pathlib import Path
 
 import torch
-
 from common import DTYPES, best_time, peak_rss, prompt_tokens, step_times, summarize
 
 
 def meta_state(ckpt: str):
-    from llama.checkpoint import load_state_dict, read_params
+    from llama.formats.meta_checkpoint import load_state_dict, read_params
     from llama.model import ModelArgs
 
     params = read_params(ckpt)

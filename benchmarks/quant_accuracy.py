@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llama import Llama  # noqa: E402
-from llama.perplexity import perplexity  # noqa: E402
+from llama.cli.perplexity import perplexity  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 CORPUS = Path(__file__).resolve().parents[1] / "llama" / "data" / "demo_corpus.txt"
@@ -50,7 +50,7 @@ def simulate_q4_0(model) -> None:
     weight error of llama.cpp q4_0, with fp32 activations (llama.cpp also rounds activations to q8_0)."""
     import gguf
 
-    from llama.quantize import linear_layers
+    from llama.quantization.schemes import linear_layers
 
     qt = gguf.GGMLQuantizationType.Q4_0
     with torch.no_grad():

@@ -6,7 +6,7 @@
 bf16 activations. Each kernel multiplies by `--copies` distinct matrices in turn (together larger than the
 last-level cache, so the weights stream from memory, as in decoding) and reports the best of `--repeat` rounds:
 ms per matrix and GB/s of the weight bytes it reads. Kernels: bf16 F.linear (oneDNN), PyTorch's ("int8":
-aten._weight_int8pack_mm; "int4": aten._weight_int4pack_mm_for_cpu), ours (llama/cpu_kernels.py: int4 and
+aten._weight_int8pack_mm; "int4": aten._weight_int4pack_mm_for_cpu), ours (llama/kernels/cpu.py: int4 and
 int8-dynamic with int8 activation blocks, bf16 in fp32), and torchao's weight-only configs where this torchao
 version runs them on CPU (a kernel that fails is reported, not fatal).
 """
@@ -23,9 +23,10 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from llama import cpu_kernels  # noqa: E402
-from llama.quant_int4 import int4_linear, quantize_codes, quantize_int4_weight  # noqa: E402
-from llama.quantize import linear as int8_linear, quantize_weight  # noqa: E402
+from llama.kernels import cpu as cpu_kernels  # noqa: E402
+from llama.quantization.int4 import int4_linear, quantize_codes, quantize_int4_weight  # noqa: E402
+from llama.quantization.schemes import linear as int8_linear  # noqa: E402
+from llama.quantization.schemes import quantize_weight
 
 
 def timed(fn, xs, repeat: int) -> float:

@@ -16,10 +16,9 @@ import tempfile
 from pathlib import Path
 
 import torch
-
 from common import LLAMA3_TOKENIZER, peak_rss, random_checkpoint
 
-from llama.checkpoint import load_shard, save_checkpoint
+from llama.formats.meta_checkpoint import load_shard, save_checkpoint
 
 
 def child(ckpt: str) -> dict:

@@ -1,25 +1,25 @@
 """Llama: Meta's reference API (build, generate, text_completion, chat_completion) as a thin facade.
 
-Every method builds Requests (llama/inputs.py) and runs them through the one decode core (llama/core.py) while
-holding the KV cache (llama/cache.py); the return shapes are the reference's.
+Every method builds Requests (llama/core/inputs.py) and runs them through the one decode core (llama/core/decode_core.py) while
+holding the KV cache (llama/core/kv_cache.py); the return shapes are the reference's.
 """
 
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypedDict, Union
 
 import torch
 
-from . import loader
-from .cache import KVCache
-from .chat import Dialog, Message, chat_format_for
-from .core import DecodeCore
-from .engine import Engine
-from .inputs import RequestBuilder, count, expand_params, refusal_prediction, string_list
-from .params import SamplingParams
-from .prefix import Prefix
-from .request import BatchError, Request
-from .runner import Runner
-from .sampling import token_logprobs
-from .session import ChatSession
+from llama.core.decode_core import DecodeCore
+from llama.core.engine import Engine
+from llama.core.inputs import RequestBuilder, count, expand_params, refusal_prediction, string_list
+from llama.core.kv_cache import KVCache
+from llama.core.params import SamplingParams
+from llama.core.prefix import Prefix
+from llama.core.request import BatchError, Request
+from llama.core.runner import Runner
+from llama.core.session import ChatSession
+from llama.formats import loader
+from llama.sample.sampling import token_logprobs
+from llama.tokenizers.chat_format import Dialog, Message, chat_format_for
 
 
 class CompletionPrediction(TypedDict, total=False):
@@ -59,22 +59,22 @@ class Llama:
 
         quantize="int8": int8 weight-only linear layers (activations bf16 unless dtype says otherwise);
         "int8-dynamic" (CPU): int8 weights times int8 activations quantized on the fly, as llama.cpp's q8_0
-        (llama/quantize.py); "int4" (CPU): group-wise 4-bit weights, group_size inputs per scale (default 32;
-        llama/quant_int4.py), activations fp32 unless dtype says otherwise. On x86 CPUs with AVX2 both run in
-        our own kernels (llama/cpu_kernels.py, compiled once on first use), as do bf16 weights.
+        (llama/quantization/cli.py); "int4" (CPU): group-wise 4-bit weights, group_size inputs per scale (default 32;
+        llama/quantization/int4.py), activations fp32 unless dtype says otherwise. On x86 CPUs with AVX2 both run in
+        our own kernels (llama/kernels/cpu.py, compiled once on first use), as do bf16 weights.
         A checkpoint written by `python -m llama.quantize` loads as the scheme it records, without requantizing.
         A configuration whose weights and KV cache would not fit in available memory (or LLAMA_MEMORY_LIMIT
-        bytes) is refused before loading, naming what would fit (llama/memory.py).
+        bytes) is refused before loading, naming what would fit (llama/formats/memory.py).
         compile="auto" (default): on CPU, models of 50M+ parameters compile their one-token decode step once eager
         decoding has cost what compiling would, so short runs never wait and long ones end up compiled; True
-        compiles on first use; "max-autotune"/"default" pick Inductor's mode; False never compiles (llama/compile.py).
+        compiles on first use; "max-autotune"/"default" pick Inductor's mode; False never compiles (llama/compilation/compiled_decode.py).
         rope_scaling_factor: Llama 3.1 rotary scaling with this factor (32 for Llama 3.2 1B/3B, whose params.json
         cannot say so).
         pipeline_parallel_size: P > 1 splits the layers into P stages under torchrun, each tensor-parallel over
         model_parallel_size ranks (world size = T x P; docs/pipeline.md); stages decode eagerly.
         preload: memory-mapped weights are read into memory before build returns, so the first token does not
         wait for the disk: None (default) when they fit in available memory, True always, False never
-        (llama/preload.py).
+        (llama/formats/preload.py).
         """
         model, tokenizer, compiled = loader.load(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size,
                                                  model_parallel_size, seed, device, dtype, verify, compile, quantize,

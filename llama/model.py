@@ -18,10 +18,11 @@ from fairscale.nn.model_parallel.initialize import get_model_parallel_world_size
 from fairscale.nn.model_parallel.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
 from torch import nn
 
-from . import cpu_kernels, fused_decode
-from .fusion import Fusable
-from .parallel import gather_last_dim, reduce_sum
-from .quantize import product
+from llama.distributed.parallel import gather_last_dim, reduce_sum
+from llama.kernels import cpu as cpu_kernels
+from llama.kernels import fused_decode
+from llama.layers import Fusable
+from llama.quantization.schemes import product
 
 
 @dataclass
@@ -202,7 +203,7 @@ class ColumnLinear(ColumnParallelLinear):
         self.in_features, self.out_features, self.gather_output = in_features, out_features, gather_output
         self.output_size_per_partition = out_features // self.mp
         self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, in_features))
-        self.register_parameter("scales", None)  # set by llama/quantize.py, as are:
+        self.register_parameter("scales", None)  # set by llama/quantization/cli.py, as are:
         self.register_buffer("packed", None, persistent=False)  # int8-dynamic's prepacked weight
         self.register_buffer("zero_points", None, persistent=False)
         self.bias = self.master_weight = None
@@ -280,7 +281,7 @@ class Attention(Fusable):
         self.wqkv: Optional[ColumnLinear] = None
         self.local_sizes = {"wq": self.n_local_heads * hd, "wk": self.n_local_kv_heads * hd,
                             "wv": self.n_local_kv_heads * hd}
-        # (max_batch, kv_heads, max_seq, head_dim), allocated by llama.cache.KVCache. Buffers, so torch.compile sees
+        # (max_batch, kv_heads, max_seq, head_dim), allocated by llama.core.kv_cache.KVCache. Buffers, so torch.compile sees
         # them as the model's mutable state, but not persistent: they are never part of a checkpoint.
         self.register_buffer("cache_k", None, persistent=False)
         self.register_buffer("cache_v", None, persistent=False)
@@ -298,7 +299,7 @@ class Attention(Fusable):
         return qk[:, :, :nq], qk[:, :, nq:], qkv[..., (nq + nkv) * hd :].view(B, T, nkv, hd)
 
     def decode(self, x, cos, sin, positions, rows, kv_len):
-        """One token per row in one call of our CPU kernel (llama/cpu_kernels.py): rotation, cache write and
+        """One token per row in one call of our CPU kernel (llama/kernels/cpu.py): rotation, cache write and
         attention, as qkv(), store() and the attention below compute them. Returns (B, heads * head_dim)."""
         B = x.shape[0]
         nq, nkv, hd = self.n_local_heads * self.head_dim, self.n_local_kv_heads * self.head_dim, self.head_dim
@@ -412,7 +413,7 @@ class Transformer(nn.Module):
     def setup_rope(self, max_seq_len: int, device=None) -> None:
         """Rotary tables for positions up to twice max_seq_len, like the reference (positions past it stay defined).
 
-        The KV cache itself belongs to llama.cache.KVCache, which calls this when it allocates.
+        The KV cache itself belongs to llama.core.kv_cache.KVCache, which calls this when it allocates.
         """
         a = self.params
         scaling = None
@@ -451,7 +452,7 @@ class Transformer(nn.Module):
 
     def run_layers(self, h, cos, sin, start, positions, rows, kv_len, mask) -> torch.Tensor:
         """Every layer over h (B, T, dim): one token per row on CPU in one call of our kernel where it takes every
-        layer (llama/fused_decode.py; the same result), else layer by layer."""
+        layer (llama/kernels/fused_decode.py; the same result), else layer by layer."""
         if h.shape[1] == 1:
             out = fused_decode.run(self.layers, h, cos, sin, positions, rows, kv_len)
             if out is not None:
@@ -463,7 +464,7 @@ class Transformer(nn.Module):
     def layer_inputs(self, tokens: torch.Tensor, start_pos: Union[int, torch.Tensor], rows, kv_len):
         """What every layer of a forward pass takes besides h: (cos, sin, start, positions, rows, kv_len, mask)."""
         if self.rope_cos is None or self.layers[0].attention.cache_k is None:
-            raise RuntimeError("allocate a KV cache (llama.cache.KVCache) before calling the model")
+            raise RuntimeError("allocate a KV cache (llama.core.kv_cache.KVCache) before calling the model")
         T = tokens.shape[1]
         device = tokens.device
         steps = torch.arange(T, device=device)

@@ -95,7 +95,7 @@ def stories(stories_dir):
 def rand_gen(tmp_path_factory):
     """A random-weight model with the real 32000-piece Llama 2 tokenizer (byte fallback, multi-byte UTF-8)."""
     from llama import Llama
-    from llama.demo import write_random_checkpoint
+    from llama.formats.demo import write_random_checkpoint
 
     tokenizer = need(LLAMA2_TOKENIZER)
     d = tmp_path_factory.mktemp("rand_llama2")
@@ -116,7 +116,7 @@ def two_ranks(stories_dir, tmp_path):
     import subprocess
     import sys
 
-    from llama.reshard import reshard
+    from llama.formats.reshard import reshard
 
     def run(script: str, *extra: str, timeout: float = 600) -> list:
         reshard(stories_dir, tmp_path / "two", 2)

@@ -31,6 +31,7 @@ def check_stream(deltas, final):
 def build_stories(max_batch_size=4, max_seq_len=256):
     """A fresh stories260K generator (for tests that need other cache sizes than conftest's `stories`)."""
     from conftest import STORIES, need
+
     from llama import Llama
 
     need(STORIES / "consolidated.00.pth")

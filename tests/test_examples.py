@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO, rank_env
 
 
@@ -73,7 +72,8 @@ def test_chat_example_on_a_llama3_checkpoint(tmp_path):
     """The same script with a Llama 3 checkpoint: the tokenizer file picks the header format, and a tool turn is
     added to the dialogs; streamed replies equal the batch's (seeded)."""
     from conftest import SHARED, need
-    from llama.demo import write_random_checkpoint
+
+    from llama.formats.demo import write_random_checkpoint
 
     tokenizer = need(SHARED / "tokenizers" / "llama3" / "tokenizer.model")
     params = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 32, "norm_eps": 1e-5,

@@ -8,16 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, SHARED, need, rank_env
 from helpers import meta_to_hf
+
 from llama import Llama
-from llama.chat import Llama3ChatFormat, chat_format_for
-from llama.demo import random_state_dict
-from llama.checkpoint import save_checkpoint
+from llama.formats.demo import random_state_dict
+from llama.formats.meta_checkpoint import save_checkpoint
 from llama.model import ModelArgs
-from llama.tokenizer import load_tokenizer
-from llama.tokenizer_llama3 import MAX_RUN, Llama3Tokenizer, split_runs
+from llama.tokenizers.chat_format import Llama3ChatFormat, chat_format_for
+from llama.tokenizers.llama3 import MAX_RUN, Llama3Tokenizer, split_runs
+from llama.tokenizers.sentencepiece import load_tokenizer
 
 LLAMA3_TOKENIZER = SHARED / "tokenizers" / "llama3" / "tokenizer.model"
 PARAMS = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 32, "ffn_dim_multiplier": 1.3,
@@ -121,7 +121,7 @@ def test_long_runs_are_split_as_meta_does(tok):
 def test_streamed_text_never_splits_a_character(tok):
     """Byte-level BPE spreads one emoji over several tokens (🦙: 3, none a character by itself): streamed deltas
     hold only whole characters and add up to the text, stop strings included."""
-    from llama.textstream import TextStream
+    from llama.core.textstream import TextStream
 
     text = " Llamas 🦙 say 你好, 👍🏽 and stop here 🇫🇷 unseen"
     ids = tok.encode(text, bos=False, eos=False)
@@ -440,7 +440,7 @@ def test_generation_stops_at_eot_and_eom(llama3):
 def test_hf_llama3_checkpoint_converts(llama3, tmp_path, tied, capsys):
     """A Llama 3.x Hugging Face directory (llama3 rope scaling, tied lm_head, tokenizer.json only) converts to
     Meta's layout and gives transformers' logits."""
-    from llama.convert import main
+    from llama.cli.convert import main
 
     d, args, state, gen = llama3
     ref = hf_model(state, args, tied=tied)
@@ -537,7 +537,7 @@ def test_one_and_two_shards_at_world_size_2(llama3, tmp_path):
 
 
 def test_reshard_a_vocabulary_split_checkpoint(llama3, tmp_path):
-    from llama.reshard import reshard
+    from llama.formats.reshard import reshard
 
     d, args, state, gen = llama3
     (tmp_path / "two").mkdir()

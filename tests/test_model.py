@@ -4,10 +4,10 @@ the int8 fallback, on random tiny models and on stories260K's goldens. All eager
 import pytest
 import torch
 
-from llama.cache import KVCache
+from llama.core.kv_cache import KVCache
+from llama.distributed.parallel import init_distributed
 from llama.model import ModelArgs, Transformer
-from llama.quantize import linear
-from llama.parallel import init_distributed
+from llama.quantization.schemes import linear
 
 ARGS = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, multiple_of=16)
 

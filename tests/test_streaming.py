@@ -4,9 +4,9 @@ goldens, on stories260K and on a random model with the Llama 2 tokenizer (byte f
 
 import pytest
 import torch
+from helpers import LILY, ONCE, REPLACEMENT, check_stream, continuation, forcing
 
-from llama.chat import UNSAFE_ERROR
-from helpers import ONCE, LILY, REPLACEMENT, forcing, continuation, check_stream
+from llama.tokenizers.chat_format import UNSAFE_ERROR
 
 
 # --------------------------------------------------------------------------------------------- streaming

@@ -52,8 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from ..launch import resolve_checkpoint
-    from ..generation import Llama
+    from llama.cli.launch import resolve_checkpoint
+    from llama.generation import Llama
 
     ckpt_dir, tokenizer_path, _ = resolve_checkpoint(args.ckpt_dir, args.tokenizer_path)
 
@@ -70,7 +70,7 @@ def main(argv=None) -> None:
     try:
         import uvicorn
 
-        from .app import create_app
+        from llama.serve.app import create_app
     except ImportError as e:
         sys.exit(f"llama.serve needs the serve extra ({e.name} is missing): pip install -e '.[serve]'")
     name = args.model_name or Path(ckpt_dir.rstrip("/")).name

@@ -1,4 +1,4 @@
-"""The ASGI app: OpenAI-compatible endpoints over one Engine (llama/engine.py).
+"""The ASGI app: OpenAI-compatible endpoints over one Engine (llama/core/engine.py).
 
 Each accepted HTTP request becomes `len(prompts) * n` engine requests. A thread per engine request turns its
 blocking delta iterator into events on the event loop; the response (whole or server-sent events) is produced
@@ -20,10 +20,10 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from ..engine import EngineStopped
-from . import protocol
-from .metrics import CONTENT_TYPE, Metrics
-from .protocol import APIError
+from llama.core.engine import EngineStopped
+from llama.serve import protocol
+from llama.serve.metrics import CONTENT_TYPE, Metrics
+from llama.serve.protocol import APIError
 
 STATIC = Path(__file__).parent / "static"
 _END = object()
@@ -272,7 +272,7 @@ def create_app(load: Callable, model_name: str, api_keys: Sequence[str] = (), ma
         spec = protocol.parse(body, chat, state.model_name, gen.max_seq_len, gen.model.vocab_size)
         if spec.response_format is not None:
             try:
-                from ..grammar import Grammar
+                from llama.sample.grammar import Grammar
 
                 spec.params["grammar"] = Grammar.from_response_format(spec.response_format)
             except ImportError as e:

@@ -244,7 +244,7 @@ def _logit_bias(bias, vocab_size: int):
 
 
 def _response_format(rf) -> Optional[Dict]:
-    """None for plain text, else the structured-output spec for llama.grammar."""
+    """None for plain text, else the structured-output spec for llama.sample.grammar."""
     if rf is None:
         return None
     if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):

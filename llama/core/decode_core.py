@@ -1,0 +1,85 @@
+"""The decode core: one step = the scheduler's plan, the runner's forward passes and samples, then retiring what
+finished. Static batches, streams, chat sessions and the engine all run through `DecodeCore.step`; a static
+batch is a scheduler with every request queued at once.
+"""
+
+from concurrent.futures import CancelledError
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+
+from llama.core.request import Request
+from llama.core.runner import Plan, Runner
+from llama.core.scheduler import Scheduler
+
+
+class DecodeCore:
+    def __init__(self, runner: Runner, settle: Callable[[Request], None], max_batch_size: int, max_seq_len: int):
+        self.runner, self.settle = runner, settle
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+
+    def scheduler(self, prefill_chunk: Optional[int] = None, slots: Optional[range] = None) -> Scheduler:
+        """Fresh slot state; without a chunk limit every prompt is prefilled in the step that admits it. slots: the
+        cache rows it owns (default all of them; the pipelined engine gives each of its groups a range)."""
+        slots = range(self.max_batch_size) if slots is None else slots
+        chunk = prefill_chunk or len(slots) * self.max_seq_len
+        return Scheduler(len(slots), self.max_seq_len, chunk, base=slots.start)
+
+    def step(self, sched: Scheduler, broadcast: Optional[Callable] = None,
+             publish: bool = False) -> List[Tuple[Request, str]]:
+        """One step; returns the text deltas it produced. broadcast(ops) reaches model-parallel followers first;
+        publish puts deltas on the requests' own streams (for callers iterating a request)."""
+        return self.finish(sched, *self.launch(sched, broadcast), publish=publish)
+
+    def launch(self, sched: Scheduler, broadcast: Optional[Callable] = None) -> Tuple[Plan, Optional[list]]:
+        """The first half of a step: plan it and start its forward passes; (plan, their outputs, or None if they
+        failed). The pipelined engine launches another group's step before finishing this one."""
+        for r in sched.drop_cancelled():
+            r.fail(CancelledError(f"request {r.id} was cancelled"), "cancelled")
+            self.settle(r)
+        plan = sched.plan()
+        outs: Optional[list] = []
+        if plan.ops:
+            if broadcast is not None:
+                broadcast(plan.ops)
+            try:
+                outs = self.runner.execute(plan.ops)
+            except Exception as e:  # the cache state is unknown: fail the running requests, keep serving
+                self._fail(sched, e)
+                outs = None
+        return plan, outs
+
+    def finish(self, sched: Scheduler, plan: Plan, outs: Optional[list],
+               publish: bool = False) -> List[Tuple[Request, str]]:
+        """The second half: sample from the launched passes' logits, advance the requests, retire what finished."""
+        deltas = []
+        if plan.ops:
+            if outs is not None:
+                try:
+                    deltas = self.runner.complete(plan, outs)
+                except Exception as e:
+                    self._fail(sched, e)
+            sched.stats["steps"] += 1
+            sched.stats["forwards"] += sum(op["kind"] in ("prefill", "decode") for op in plan.ops)
+        if publish:
+            for r, text in deltas:
+                r.put(text)
+        for r in sched.running():
+            if r.finished:
+                sched.retire(r)
+                self.settle(r)
+        return deltas
+
+    @staticmethod
+    def _fail(sched: Scheduler, e: Exception) -> None:
+        for r in sched.running():
+            r.fail(RuntimeError(f"request {r.id} failed: {e!r}"))
+
+    def run(self, requests: Sequence[Request]) -> Iterator[List[Tuple[Request, str]]]:
+        """Run requests to completion in this thread (the caller holds the cache): per step, the text deltas.
+
+        When they fit the cache they are all admitted at once; otherwise a slot goes to the next request as soon
+        as one frees up, longest first.
+        """
+        sched = self.scheduler()
+        sched.add(requests, longest_first=len(requests) > self.max_batch_size)
+        while sched.has_work():
+            yield self.step(sched)

@@ -1,0 +1,234 @@
+"""GGUF files (llama.cpp's format: weights, hyperparameters, tokenizer and chat template in one file), read with
+the `gguf` package and turned into this package's parameters, Meta-named weights and tokenizer.
+
+Only the `llama` architecture is accepted. Quantized tensors (Q8_0, Q4_0, Q4_1) are dequantized at load, tensor
+by tensor, to the requested dtype; F32/F16/BF16 are cast, or, already in the requested dtype, used in place: the
+tensor maps the file's bytes (read-only, as Meta checkpoints are memory-mapped), so a bf16 file loads without a
+copy. llama.cpp's converter stores q/k rows in Meta's interleaved rotary order already (it undoes Hugging Face's
+permutation), so they are used as they are.
+"""
+
+import json
+import math
+import mmap
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import gguf
+import numpy as np
+import torch
+from gguf.quants import dequantize
+from tqdm import tqdm
+
+from llama.formats.meta_checkpoint import save_checkpoint
+from llama.model import derive_ffn
+from llama.tokenizers import huggingface as tokenizer_hf
+
+SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+_GLOBAL = {"token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight",
+           "output.weight": "output.weight"}
+_LAYER = {"attn_q.weight": "attention.wq.weight", "attn_k.weight": "attention.wk.weight",
+          "attn_v.weight": "attention.wv.weight", "attn_output.weight": "attention.wo.weight",
+          "ffn_gate.weight": "feed_forward.w1.weight", "ffn_down.weight": "feed_forward.w2.weight",
+          "ffn_up.weight": "feed_forward.w3.weight", "attn_norm.weight": "attention_norm.weight",
+          "ffn_norm.weight": "ffn_norm.weight"}
+
+
+def find_gguf(path) -> Optional[Path]:
+    """The GGUF file `path` names: the file itself, or the one .gguf inside a directory without params.json."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and not (path / "params.json").exists():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) > 1:
+            raise ValueError(f"{path} holds {len(found)} .gguf files: pass the one to load")
+        return found[0] if found else None
+    return None
+
+
+class _Reader(gguf.GGUFReader):
+    """gguf's reader over a plain ndarray view of its memory map. Its parser slices the map once per value (a few
+    per vocabulary string: several hundred thousand for a Llama 3 file), and every slice of an `np.memmap` runs
+    the subclass's `__array_finalize__`; over a plain view the same parse takes about a third of the time.
+    Tensors still map the file's bytes; `memmap` keeps the map itself (`release` advises the kernel on it)."""
+
+    @property
+    def data(self):
+        return self._plain
+
+    @data.setter
+    def data(self, value):
+        self.memmap, self._plain = value, value.view(np.ndarray)
+
+
+def open_reader(path: Path):
+    try:
+        return _Reader(str(path))
+    except (ValueError, OSError, IndexError, KeyError) as e:  # the reader's errors for truncated/corrupt files
+        raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {e}") from None
+
+
+def field(reader, key: str, default=None, path=None):
+    f = reader.fields.get(key)
+    if f is None:
+        if default is not None:
+            return default
+        raise ValueError(f"{path}: GGUF metadata lacks {key!r}")
+    return f.contents()
+
+
+def read_params(reader, path: Path) -> dict:
+    """params.json-style hyperparameters from the metadata; refuses architectures and rotary schemes it cannot run."""
+    arch = field(reader, "general.architecture", path=path)
+    if arch != "llama":
+        raise ValueError(f"{path}: architecture {arch!r} is not supported (only 'llama')")
+    g = lambda key, default=None: field(reader, f"llama.{key}", default, path)  # noqa: E731
+    dim, n_heads = int(g("embedding_length")), int(g("attention.head_count"))
+    rot = int(g("rope.dimension_count", dim // n_heads))
+    if rot != dim // n_heads:
+        raise ValueError(f"{path}: llama.rope.dimension_count {rot} differs from the head dimension {dim // n_heads}")
+    scaling = reader.fields.get("llama.rope.scaling.type")
+    if scaling is not None and scaling.contents() not in ("none", ""):
+        raise ValueError(f"{path}: llama.rope.scaling.type {scaling.contents()!r} is not supported")
+    multiple_of, mult = derive_ffn(dim, int(g("feed_forward_length")))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = int(g("vocab_size", len(tokens.data) if tokens is not None else 0))
+    params = {"dim": dim, "n_layers": int(g("block_count")), "n_heads": n_heads,
+              "n_kv_heads": int(g("attention.head_count_kv", n_heads)), "vocab_size": vocab,
+              "multiple_of": multiple_of, "norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+              "rope_theta": float(g("rope.freq_base", 10000.0))}
+    if mult is not None:
+        params["ffn_dim_multiplier"] = mult
+    return params
+
+
+def meta_name(name: str, path: Path) -> str:
+    if name in _GLOBAL:
+        return _GLOBAL[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER:
+        return f"layers.{parts[1]}.{_LAYER[parts[2]]}"
+    raise ValueError(f"{path}: tensor {name!r} is not a parameter of the Llama architecture")
+
+
+def read_state_dict(reader, path: Path, dtype: torch.dtype = torch.float32) -> Dict[str, torch.Tensor]:
+    """Every tensor, Meta-named, dequantized or cast to dtype (a missing output.weight means tied embeddings)."""
+    big = sum(int(t.n_bytes) for t in reader.tensors) > 1 << 30
+    return read_tensors(tqdm(reader.tensors, desc=f"reading {path.name}", unit="tensor", disable=not big), path, dtype)
+
+
+_FLOAT = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def in_place(t, dtype: torch.dtype) -> bool:
+    """Whether reader tensor t is used as the file holds it (its type is dtype): no copy, and its pages kept."""
+    return _FLOAT.get(t.tensor_type.name) == dtype and t.data.flags.c_contiguous
+
+
+def mapped_tensor(data: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """The file's bytes of one tensor as a flat torch tensor of dtype, without a copy. The memory map is
+    read-only; the model never writes its weights (casting, fusing and quantizing make new tensors)."""
+    with warnings.catch_warnings():  # torch warns that the array is not writable: it is the mapped file
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(data.reshape(-1).view(np.uint8)).view(dtype)
+
+
+def read_tensors(tensors, path: Path, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
+    """These reader tensors, Meta-named, dequantized or cast to dtype (in place where they are dtype already)."""
+    state = {}
+    for t in tensors:
+        kind = t.tensor_type.name
+        if kind not in SUPPORTED:
+            raise ValueError(f"{path}: tensor {t.name} has type {kind}, which is not supported "
+                             f"(supported: {', '.join(SUPPORTED)})")
+        shape = tensor_shape(t)
+        try:
+            values = mapped_tensor(t.data, dtype) if in_place(t, dtype) else dequantize_tensor(t.data, kind, dtype)
+        except (ValueError, IndexError, RuntimeError) as e:
+            raise ValueError(f"{path}: tensor {t.name} ({kind}) cannot be read (truncated or corrupt?): {e}") from None
+        if values.numel() != math.prod(shape):
+            raise ValueError(f"{path}: tensor {t.name} ({kind}) holds {values.numel()} values, not {shape}: "
+                             "the file is truncated or corrupt")
+        state[meta_name(t.name, path)] = values.reshape(shape)
+    return state
+
+
+def tensor_shape(t) -> Tuple[int, ...]:
+    return tuple(int(n) for n in reversed(t.shape))  # GGUF lists the fastest dimension first
+
+
+def release(reader, tensors, dtype: Optional[torch.dtype] = None) -> None:
+    """Drop these tensors' file pages from this process's resident set once they are read (they stay in the page
+    cache and fault back in if touched): loading layer by layer then never holds the whole file too. Tensors
+    read in place as dtype keep theirs: they are the weights."""
+    mm = getattr(getattr(reader, "memmap", reader.data), "_mmap", None)  # numpy.memmap's mmap object
+    if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    for t in tensors:
+        if dtype is not None and in_place(t, dtype):
+            continue
+        start = int(t.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
+        end = min(int(t.data_offset) + int(t.n_bytes), len(mm))
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+        except (OSError, ValueError):
+            return
+
+
+def layer_groups(reader, path: Path) -> Tuple[list, Dict[int, list], Dict[str, Tuple[int, ...]]]:
+    """(global tensors, {layer: its tensors}, every Meta name -> shape): what a layer-by-layer load reads, and the
+    shapes to check before reading anything."""
+    globals_, layers, shapes = [], {}, {}
+    for t in reader.tensors:
+        name = meta_name(t.name, path)
+        shapes[name] = tensor_shape(t)
+        if name.startswith("layers."):
+            layers.setdefault(int(name.split(".")[1]), []).append(t)
+        else:
+            globals_.append(t)
+    return globals_, layers, shapes
+
+
+def dequantize_tensor(data: np.ndarray, kind: str, dtype: torch.dtype, chunk: int = 1 << 20) -> torch.Tensor:
+    """A GGUF tensor's values as a flat torch tensor of dtype, decoded by the gguf package a few rows at a time,
+    so the float32 it decodes to never exists for a whole large matrix at once."""
+    qtype = gguf.GGMLQuantizationType[kind]
+    rows = data.reshape(-1, data.shape[-1]) if data.ndim > 1 else data.reshape(1, -1)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    per_row = rows.shape[1] * rows.itemsize // type_size * block_size
+    step = max(1, chunk // max(per_row, 1))
+    out = torch.empty(rows.shape[0] * per_row, dtype=dtype)
+    for start in range(0, rows.shape[0], step):
+        values = np.ascontiguousarray(dequantize(rows[start : start + step], qtype))
+        if not values.flags.writeable:  # F32 data is a read-only view of the memory-mapped file
+            values = values.copy()
+        out[start * per_row : start * per_row + values.size] = torch.from_numpy(values).reshape(-1)
+    return out
+
+
+def load(path, dtype: torch.dtype = torch.float32) -> Tuple[dict, Dict[str, torch.Tensor], object]:
+    """(params, full state dict, reader) of a GGUF file."""
+    path = Path(path)
+    reader = open_reader(path)
+    params = read_params(reader, path)
+    return params, read_state_dict(reader, path, dtype), reader
+
+
+def convert(path, out_dir, shards: int = 1, dtype: torch.dtype = torch.float32) -> list:
+    """A Meta-layout copy of a GGUF file (`python -m llama.convert gguf`): dequantized weights, params.json, and the
+    tokenizer as tokenizer.json + tokenizer_config.json (with the chat template), which load back as tokenizer_path."""
+    path = Path(path)
+    reader = open_reader(path)
+    params = read_params(reader, path)
+    tok = tokenizer_hf.from_gguf(reader, path)
+    state = read_state_dict(reader, path, dtype)
+    with tempfile.TemporaryDirectory() as tmp:
+        tok.tok.save(str(Path(tmp) / "tokenizer.json"))
+        config = {"bos_token": tok.piece(tok.bos_id), "eos_token": tok.piece(tok.eos_id), "add_bos_token": tok.add_bos,
+                  "chat_template": tok.chat_template}
+        (Path(tmp) / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=1))
+        extra = {name: Path(tmp) / name for name in ("tokenizer.json", "tokenizer_config.json")}
+        return save_checkpoint(state, params, out_dir, shards, extra_files=extra)

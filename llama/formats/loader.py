@@ -1,0 +1,262 @@
+"""Loading a generator's parts: checkpoint -> model (cast, fused, quantized, compiled policy) and tokenizer.
+
+Works in plain python and under torchrun, on CPU or CUDA: the device and the process group's backend are picked
+at run time (llama/distributed/parallel.py).
+"""
+
+import time
+from typing import Optional, Tuple, Union
+
+import torch
+from tqdm import tqdm
+
+from llama.compilation import compiled_decode as compilation
+from llama.core.params import positive_int
+from llama.distributed import parallel, pipeline
+from llama.formats import gguf_file as gguf_checkpoint
+from llama.formats import memory
+from llama.formats import meta_checkpoint as checkpoint
+from llama.formats import preload as residency
+from llama.formats import quantized_checkpoint as quant_checkpoint
+from llama.kernels import cpu as cpu_kernels
+from llama.layers import Fusable
+from llama.model import ModelArgs, Transformer, check_model_parallel
+from llama.quantization import schemes as quantization
+from llama.tokenizers import huggingface as tokenizer_hf
+from llama.tokenizers.sentencepiece import load_tokenizer
+
+
+def check_options(max_seq_len, max_batch_size, seed, compile, quantize, preload=None) -> None:
+    residency.check(preload)
+    positive_int("max_seq_len", max_seq_len)
+    positive_int("max_batch_size", max_batch_size)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    if quantize is not None and quantize not in quantization.SCHEMES:
+        raise ValueError(f"quantize must be one of {quantization.SCHEMES} or None, got {quantize!r}")
+    if not any(compile is v for v in (False, None, True)) and compile not in compilation.MODES:
+        raise ValueError(f"compile must be a bool, None or one of {compilation.MODES}, got {compile!r}")
+
+
+def fuses(args: ModelArgs, dtype, device, quantize: Optional[str], compile, ranks: int = 1) -> bool:
+    """Whether loading fuses q/k/v and gate/up into one product each. Fusing concatenates their weights (a copy)
+    for fewer, larger products: on small models that is worth ~8 % eager and ~28 % compiled (134M bf16). Unquantized
+    on a CPU where our kernels run (llama/kernels/cpu.py), the copy sits in memory beside the checkpoint's mapped
+    pages (a 7B bf16 model peaked at 22.1 GB fused, 13.8 GB not, and loaded in 8.3 s instead of 0.2), so there it
+    fuses only when the copy is under a quarter of the available memory, compiled or not (a compiled step calls our
+    kernels on the model's weights, fused or not), or a compiled step is asked for under model parallel (its graph
+    freezes a copy anyway). Quantized weights are always fused before quantizing (the pack cache keeps them)."""
+    if quantize is not None or torch.device(device).type != "cpu" or not cpu_kernels.available():
+        return True
+    if compile is not None and compile is not False and compile != "auto" and ranks > 1:
+        return True
+    fused = args.dim * (args.n_heads + 2 * args.n_kv_heads) * args.head_dim + 2 * args.dim * args.hidden_dim
+    copy = args.n_layers * fused * dtype.itemsize / ranks
+    have = memory.available_bytes()
+    return have is None or copy <= have / 4
+
+
+def prepare(module: torch.nn.Module, device, dtype, quantize: Optional[str],
+            group_size: Optional[int] = None, fuse: bool = True) -> None:
+    """Move, fuse (see fuses()), quantize and cast a module in place: the whole model, or one layer as soon as it
+    is loaded."""
+    module.to(device=device)
+    if fuse:
+        for m in module.modules():
+            if isinstance(m, Fusable):
+                m.fuse()
+    if quantize is not None:  # from the checkpoint's dtype: no full-size fp32 copy on the way
+        quantization.quantize(module, quantize, group_size)
+    quantization.cast_floating(module, dtype)
+
+
+def gguf_model(reader, path, args: ModelArgs, rank: int, world_size: int, device, dtype,
+               quantize: Optional[str], group_size: Optional[int] = None, fuse: bool = True) -> Transformer:
+    """This rank's model from a GGUF file, layer by layer: each layer is dequantized to dtype, sliced, moved,
+    fused and quantized, and its file pages released, before the next is read, so a quantized load never holds
+    the whole model in full precision, nor the file beside the model. A missing output.weight is the embedding: shared at world size 1, cut along the vocabulary above."""
+    check_model_parallel(args, world_size)
+    globals_, layers, shapes = gguf_checkpoint.layer_groups(reader, path)
+    checkpoint.check_shapes(shapes, args, str(path))  # before any weight is dequantized
+    with torch.device("meta"):
+        model = Transformer(args)
+    # whole tensors already in dtype stay mapped on CPU, their pages kept (gguf_checkpoint.in_place); slices,
+    # quantized layers and layers moved to a GPU are copies, after which the pages they came from are released
+    keep = dtype if quantize is None and world_size == 1 and torch.device(device).type == "cpu" else None
+    full = gguf_checkpoint.read_tensors(globals_, path, dtype)
+    state = {name: checkpoint.split_tensor(name, t, rank, world_size) for name, t in full.items()}
+    if "output.weight" not in state:
+        state["output.weight"] = (state["tok_embeddings.weight"] if world_size == 1 else
+                                  checkpoint.split_tensor("output.weight", full["tok_embeddings.weight"], rank,
+                                                          world_size))
+    del full
+    gguf_checkpoint.release(reader, globals_, keep)
+    model.load_state_dict(state, strict=False, assign=True)
+    if "output.weight" not in shapes and world_size == 1:  # one Parameter, so .to() keeps one copy
+        model.output.weight = model.tok_embeddings.weight
+    prepare(model.output, device, dtype, quantize, group_size, fuse)  # quantized now, not held in full precision meanwhile
+    big = sum(int(t.n_bytes) for t in reader.tensors) > 1 << 30
+    for i in tqdm(range(args.n_layers), desc=f"loading {path.name}", unit="layer", disable=not big):
+        prefix = f"layers.{i}."
+        layer = {name[len(prefix):]: checkpoint.split_tensor(name, t, rank, world_size)
+                 for name, t in gguf_checkpoint.read_tensors(layers[i], path, dtype).items()}
+        try:
+            model.layers[i].load_state_dict(layer, strict=True, assign=True)
+        except RuntimeError as e:
+            raise ValueError(f"{path}: layer {i} does not match the metadata: {e}") from None
+        prepare(model.layers[i], device, dtype, quantize, group_size, fuse)
+        gguf_checkpoint.release(reader, layers[i], keep)
+    return model
+
+
+def gguf_stage(reader, path, args: ModelArgs, stage, rank: int, world_size: int,
+               dtype) -> pipeline.PipelineTransformer:
+    """This rank's pipeline stage from a GGUF file: only the stage's tensors are dequantized (its layers, plus the
+    embedding on the first stage and the output on the last: the embedding table when the file ties them), each
+    cut to tensor-parallel slice `rank` of `world_size`, layer by layer, their file pages released once read."""
+    pipeline.check_layout(args, world_size, stage.count)
+    globals_, layers, shapes = gguf_checkpoint.layer_groups(reader, path)
+    checkpoint.check_shapes(shapes, args, str(path))  # before any weight is dequantized
+    tied = "output.weight" not in shapes
+    keep = dtype if world_size == 1 else None  # tensor-parallel slices are copies: release what they came from
+    state = {}
+    for t in globals_:
+        name = gguf_checkpoint.meta_name(t.name, path)
+        names = [n for n in ([name, "output.weight"] if tied and name == "tok_embeddings.weight" else [name])
+                 if pipeline.local_name(n, stage) is not None]
+        if names:
+            full = gguf_checkpoint.read_tensors([t], path, dtype)[name]
+            state.update({n: checkpoint.split_tensor(n, full, rank, world_size) for n in names})
+            gguf_checkpoint.release(reader, [t], keep)
+    for i in stage.layers:
+        for name, t in gguf_checkpoint.read_tensors(layers[i], path, dtype).items():
+            state[pipeline.local_name(name, stage)] = checkpoint.split_tensor(name, t, rank, world_size)
+        gguf_checkpoint.release(reader, layers[i], keep)
+    with torch.device("meta"):
+        model = pipeline.PipelineTransformer(args, stage)
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as e:
+        raise ValueError(f"{path}: stage {stage.index} does not match the metadata: {e}") from None
+    return model
+
+
+def load(
+    ckpt_dir: str,
+    tokenizer_path: Optional[str],
+    max_seq_len: int,
+    max_batch_size: int,
+    model_parallel_size: Optional[int] = None,
+    seed: int = 1,
+    device: Optional[Union[str, torch.device]] = None,
+    dtype: Optional[Union[str, torch.dtype]] = None,
+    verify: bool = False,
+    compile: Union[bool, str, None] = "auto",
+    quantize: Optional[str] = None,
+    rope_scaling_factor: Optional[float] = None,
+    pipeline_parallel_size: int = 1,
+    group_size: Optional[int] = None,
+    preload: Optional[bool] = None,
+) -> Tuple[Transformer, object, Optional[compilation.CompiledDecode]]:
+    """(model, tokenizer, compiled decode policy or None) for Llama.build; see its docstring for the options.
+
+    The KV cache is not allocated here: the generator that owns it does (llama/core/kv_cache.py).
+    """
+    check_options(max_seq_len, max_batch_size, seed, compile, quantize, preload)
+    staged = pipeline_parallel_size != 1
+    if staged and not any(compile is v for v in (False, None)) and compile != "auto":
+        raise ValueError(f"compile={compile!r} is not available with pipeline_parallel_size="
+                         f"{pipeline_parallel_size}: pipeline stages decode eagerly (pass compile=False or 'auto')")
+    gguf_path = gguf_checkpoint.find_gguf(ckpt_dir)
+    stored = None if gguf_path is not None else quant_checkpoint.stored_scheme(ckpt_dir)
+    if stored is not None:  # written by `python -m llama.quantize`: load as it is
+        if staged:
+            raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size} loads unquantized Meta-layout "
+                             f"checkpoints only, not the quantized checkpoint in {ckpt_dir}")
+        quantize, group_size = quant_checkpoint.check_request(ckpt_dir, stored, quantize, group_size)
+    if group_size is not None and quantize != "int4":
+        raise ValueError(f"group_size applies to quantize='int4' only, got group_size={group_size!r} with "
+                         f"quantize={quantize!r}")
+    device = torch.device(device) if device is not None else parallel.default_device()
+    dtype = parallel.resolve_dtype(quantization.activation_dtype(quantize) if dtype is None else dtype, device)
+    start = time.time()
+    mp_size = parallel.init_distributed(model_parallel_size, device, pipeline_parallel_size)
+    torch.manual_seed(seed)  # every rank seeds alike, so unseeded sampling agrees across ranks
+
+    if gguf_path is not None:  # one file: hyperparameters, weights and (unless one is given) the tokenizer
+        reader = gguf_checkpoint.open_reader(gguf_path)
+        params = gguf_checkpoint.read_params(reader, gguf_path)
+        tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else tokenizer_hf.from_gguf(reader, gguf_path)
+    else:
+        if tokenizer_path is None:
+            raise ValueError(f"tokenizer_path is needed for {ckpt_dir} (only a GGUF file carries its tokenizer)")
+        tokenizer = load_tokenizer(tokenizer_path)
+        params = checkpoint.read_params(ckpt_dir)
+        params.pop(quant_checkpoint.PARAMS_KEY, None)
+    overrides = {}
+    if rope_scaling_factor is not None:
+        if isinstance(rope_scaling_factor, bool) or not isinstance(rope_scaling_factor, (int, float)) \
+                or not 1 <= rope_scaling_factor < float("inf"):
+            raise ValueError(f"rope_scaling_factor must be a finite number >= 1, got {rope_scaling_factor!r}")
+        overrides = {"rope_scaling_factor": float(rope_scaling_factor), "use_scaled_rope": True}
+    try:
+        args = ModelArgs.from_params(params, max_seq_len=max_seq_len, max_batch_size=max_batch_size, **overrides)
+    except TypeError as e:
+        raise ValueError(f"{ckpt_dir}/params.json has invalid values: {e}") from None
+    if args.vocab_size == -1:
+        args.vocab_size = tokenizer.n_words
+    if args.vocab_size != tokenizer.n_words:
+        raise ValueError(
+            f"{'params.json' if gguf_path is None else gguf_path} vocab_size is {args.vocab_size} but the tokenizer "
+            f"{tokenizer_path or gguf_path} has "
+            f"{tokenizer.n_words} tokens: they do not belong together"
+        )
+    # each rank holds about 1/(T x P) of the weights
+    memory.check_fits(args, dtype, quantize, group_size, compile, mp_size * pipeline_parallel_size, device)
+    fuse = fuses(args, dtype, device, quantize, compile, mp_size * pipeline_parallel_size)
+    if verify and gguf_path is None:
+        checkpoint.verify_checklist(ckpt_dir)
+    if stored is not None:
+        model = quant_checkpoint.load_model(ckpt_dir, args, parallel.model_parallel_rank(), mp_size, stored)
+        model.to(device=device).eval()
+        if quantize != stored["scheme"]:  # int8 codes multiplied with int8 activations
+            quantization.quantize(model, quantize)
+        quantization.cast_floating(model, dtype)
+        residency.read_weights(model, preload, progress=parallel.is_main_process())
+        compiled = compilation.compile_decode(model, compile)
+        if parallel.is_main_process():
+            print(f"Loaded in {time.time() - start:.2f} seconds")
+        return model, tokenizer, compiled
+    if staged:  # this rank's stage only: its layers and its tensor-parallel slice of them (llama/distributed/pipeline.py)
+        stage = pipeline.current_stage(args.n_layers)
+        if gguf_path is not None:
+            with memory.freed_memory_returned():
+                model = gguf_stage(reader, gguf_path, args, stage, parallel.model_parallel_rank(), mp_size, dtype)
+        else:
+            model = pipeline.load_stage(ckpt_dir, args, stage, parallel.model_parallel_rank(), mp_size)
+    elif gguf_path is not None:
+        with memory.freed_memory_returned():
+            model = gguf_model(reader, gguf_path, args, parallel.model_parallel_rank(), mp_size, device, dtype,
+                               quantize, group_size, fuse)
+    else:
+        state = checkpoint.load_state_dict(ckpt_dir, args, parallel.model_parallel_rank(), mp_size)
+        with torch.device("meta"):
+            model = Transformer(args)
+        try:
+            model.load_state_dict(state, strict=True, assign=True)
+        except RuntimeError as e:
+            raise ValueError(f"checkpoint in {ckpt_dir} does not match its params.json: {e}") from None
+        del state  # the model owns the tensors now: lets casting and fusing free the originals
+    # No output.weight in the files: one table serves both (never on pipeline stages: they sit on different stages)
+    tied = not staged and model.output.weight.data_ptr() == model.tok_embeddings.weight.data_ptr()
+    if tied:  # one Parameter for both, so moving to the device makes one copy, not two
+        model.output.weight = model.tok_embeddings.weight
+    model.eval()
+    prepare(model, device, dtype, quantize, group_size, fuse)  # what layer-by-layer loading has not done yet
+    if tied and model.output.scales is None:  # casting copied each: share the embedding again
+        model.output.weight = model.tok_embeddings.weight
+    residency.read_weights(model, preload, progress=parallel.is_main_process())
+    compiled = None if staged else compilation.compile_decode(model, compile)
+    if parallel.is_main_process():
+        print(f"Loaded in {time.time() - start:.2f} seconds")
+    return model, tokenizer, compiled

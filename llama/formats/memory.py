@@ -1,0 +1,150 @@
+"""Refusing, before loading, a configuration whose memory would not fit: a clear error instead of an OOM kill.
+
+estimate() counts what a rank holds once loaded: the linear layers' weights in the target dtype or quantization
+scheme, the embedding and norms in the target dtype, the KV cache (max_batch_size x max_seq_len, both K and V, in
+the activation dtype), and, for compile=True/"max-autotune"/"default" with float weights on CPU, one frozen copy
+of the weights inside the compiled graph, except in a single process where our CPU kernels run (the compiled step
+calls them on the model's own weights; llama/compilation/compiled_decode.py). compile="auto" checks memory itself before compiling
+and stays eager when a copy would not fit. Available memory is MemAvailable from /proc/meminfo, or the bytes in
+$LLAMA_MEMORY_LIMIT (a number, optionally with a K/M/G/T suffix: for tests and for sharing a machine); on other
+systems without the variable nothing is refused. The load itself streams (memory-mapped shards), so the estimate
+is of the resident model, with a 10% margin for allocator slack and transient copies.
+"""
+
+import ctypes
+import os
+from contextlib import contextmanager
+from typing import Dict, Optional
+
+import torch
+
+from llama.kernels import cpu as cpu_kernels
+from llama.model import ModelArgs
+from llama.quantization.schemes import activation_dtype
+
+MARGIN = 1.10
+ENV = "LLAMA_MEMORY_LIMIT"
+_SUFFIX = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+class NotEnoughMemory(MemoryError, ValueError):
+    """A configuration refused before loading (a MemoryError, and a ValueError about the arguments)."""
+
+
+def parse_bytes(text: str) -> int:
+    """'12G', '512M', '1000000' -> bytes; ValueError naming the variable otherwise."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = t[-1:] if t[-1:] in _SUFFIX and t[-1:] else ""
+    try:
+        value = float(t[: len(t) - len(unit)]) * _SUFFIX[unit]
+    except ValueError:
+        raise ValueError(f"{ENV} must be a byte count such as 8G, 512M or 1000000, got {text!r}") from None
+    if not value > 0:
+        raise ValueError(f"{ENV} must be positive, got {text!r}")
+    return int(value)
+
+
+def available_bytes() -> Optional[int]:
+    """$LLAMA_MEMORY_LIMIT if set, else MemAvailable, else None (cannot tell)."""
+    if os.environ.get(ENV, "").strip():
+        return parse_bytes(os.environ[ENV])
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def linear_bytes(n: int, k: int, scheme: Optional[str], dtype: torch.dtype, group_size: Optional[int]) -> int:
+    if scheme in ("int8", "int8-dynamic"):
+        return n * k + 4 * n
+    if scheme == "int4":
+        g = group_size or 32
+        return n * k // 2 + 4 * n * -(-k // g)
+    return n * k * torch.empty((), dtype=dtype).element_size()
+
+
+def estimate(args: ModelArgs, dtype: torch.dtype, scheme: Optional[str] = None, group_size: Optional[int] = None,
+             compile=None, world_size: int = 1, kernels: bool = False) -> Dict[str, int]:
+    """Bytes one rank needs, by part: weights, embeddings, kv_cache, compile_copy, total. kernels: our CPU kernels
+    run here (no compiled copy of float weights in a single process)."""
+    d, hd, hidden = args.dim, args.head_dim, args.hidden_dim
+    size = torch.empty((), dtype=dtype).element_size()
+    shapes = [(args.n_heads * hd + 2 * args.n_kv_heads * hd, d), (d, args.n_heads * hd), (2 * hidden, d),
+              (d, hidden)]
+    vocab = max(args.vocab_size, 1)
+    weights = args.n_layers * sum(linear_bytes(n, k, scheme, dtype, group_size) for n, k in shapes)
+    weights += linear_bytes(vocab, d, scheme, dtype, group_size)
+    weights //= world_size
+    embeddings = (vocab * d) // world_size * size + (2 * args.n_layers + 1) * d * size
+    kv = 2 * args.n_layers * args.max_batch_size * args.max_seq_len * (args.n_kv_heads // world_size) * hd * size
+    eager_compile = compile is True or compile in ("max-autotune", "default")
+    copy = weights if eager_compile and scheme is None and not (kernels and world_size == 1) else 0
+    parts = {"weights": weights, "embeddings": embeddings, "kv_cache": kv, "compile_copy": copy}
+    parts["total"] = int(sum(parts.values()) * MARGIN)
+    return parts
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def check_fits(args: ModelArgs, dtype: torch.dtype, scheme: Optional[str], group_size: Optional[int], compile,
+               world_size: int = 1, device=None) -> None:
+    """NotEnoughMemory, before any weight is read, when this configuration needs more than is available, naming
+    what would fit (another dtype, a quantization, a shorter cache, no compile). CPU only: a CUDA device's
+    memory is the device's own."""
+    if device is not None and torch.device(device).type != "cpu":
+        return
+    have = available_bytes()
+    if have is None:
+        return
+    kernels = cpu_kernels.available()
+    need = estimate(args, dtype, scheme, group_size, compile, world_size, kernels)
+    # ranks on this host (torchrun) draw on the same memory: each checks that all of them fit
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    have //= local
+    if need["total"] <= have:
+        return
+    options = []
+    for label, dt, sc in (("dtype=bfloat16", torch.bfloat16, None), ('quantize="int8"', torch.bfloat16, "int8"),
+                          ('quantize="int4"', activation_dtype("int4") or torch.float32, "int4"),
+                          ('quantize="int4", dtype=bfloat16', torch.bfloat16, "int4")):
+        if options and sc == "int4" and dt == torch.bfloat16 and options[-1].startswith('quantize="int4"'):
+            continue  # int4 already fits as it loads by default
+        if (dt, sc) == (dtype, scheme):
+            continue
+        if estimate(args, dt, sc, 32 if sc == "int4" else None, compile, world_size, kernels)["total"] <= have:
+            options.append(label)
+    if need["compile_copy"] and need["total"] - int(need["compile_copy"] * MARGIN) <= have:
+        options.append('compile="auto" or False (no frozen copy of the weights)')
+    if need["kv_cache"] > need["total"] / 4:
+        options.append("a smaller max_batch_size * max_seq_len (the KV cache is "
+                       f"{_gb(need['kv_cache'])})")
+    hint = ("; would fit: " + ", ".join(options)) if options else "; nothing smaller this package offers would fit"
+    source = f"${ENV}" if os.environ.get(ENV, "").strip() else "MemAvailable"
+    raise NotEnoughMemory(
+        f"not loading: this configuration needs about {_gb(need['total'])} (weights {_gb(need['weights'])}, "
+        f"embeddings and norms {_gb(need['embeddings'])}, KV cache {_gb(need['kv_cache'])}, compiled copy "
+        f"{_gb(need['compile_copy'])}, +{int((MARGIN - 1) * 100)}%) but {_gb(have)} is available ({source})"
+        f"{' for each of ' + str(local) + ' ranks on this host' if local > 1 else ''}{hint}")
+
+
+@contextmanager
+def freed_memory_returned():
+    """glibc keeps freed blocks under its adaptive mmap threshold (which grows to 32 MB) in the heap, where
+    tensors allocated later pin them: a layer-by-layer load would keep every layer's temporaries resident. While
+    loading, blocks of 1 MB and up get their own mappings, returned to the OS when freed; afterwards the thresholds
+    glibc would have grown to are set (32 MB, trim at 64 MB). Elsewhere than glibc, nothing changes."""
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        yield
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    mallopt(m_mmap_threshold, 1 << 20)
+    try:
+        yield
+    finally:
+        mallopt(m_mmap_threshold, 32 << 20)
+        mallopt(m_trim_threshold, 64 << 20)

@@ -1,0 +1,2 @@
+"""Quantization schemes for the model's linear layers (int8 weight-only, int8-dynamic, group-wise int4) and the
+`python -m llama.quantize` command that writes quantized checkpoints."""

@@ -1,0 +1,212 @@
+"""Compiled decode steps kept on disk (AOTInductor packages): a new process loads the step an earlier one compiled
+and gives the same greedy ids; compile="auto" takes a stored step at once; an unreadable package is rebuilt; the
+key tells weights, batch sizes, rows and settings apart.
+
+Most tests here turn our CPU kernels off, so that the step freezes the weights into its package (as on CPUs
+without them); the last ones keep them on: the step calls them on the model's own weights, bound at load.
+
+Each test that compiles pays one AOTInductor compile of stories260K's step (tens of seconds), so they share one
+cache directory and one compile.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import GOLDENS, ON_CUDA, REPO, error_lines
+
+from llama import Llama
+from llama.compilation import step_store as compile_cache
+from llama.compilation.compiled_decode import CompiledDecode
+from llama.kernels import cpu as cpu_kernels
+
+pytestmark = [
+    pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
+                       reason="AOTInductor's CPU backend needs a C++ compiler (g++/clang++) on PATH"),
+    pytest.mark.skipif(ON_CUDA, reason="compiled steps are kept on disk on the CPU only"),
+]
+
+LOAD = r'''
+import json, sys, torch
+torch.set_num_threads(1)
+from llama import Llama
+d, goldens = sys.argv[1], json.load(open(sys.argv[2]))
+llama = Llama.build(d, d + "/tokenizer.model", max_seq_len=160, max_batch_size=2, compile=True)
+out, _ = llama.generate([g["prompt_tokens"] for g in goldens.values()], max_gen_len=128, temperature=0)
+assert out == [g["generated_tokens"] for g in goldens.values()], out
+print("packages", sorted(llama.runner.compiled.packages), "loaded", sorted(llama.runner.compiled.loaded))
+'''
+
+
+def kernels_off(mp) -> None:
+    """As on a machine without our CPU kernels: eager and compiled products in PyTorch's kernels."""
+    mp.setattr(cpu_kernels, "available", lambda: False)
+    mp.setattr(cpu_kernels, "_loaded", False)
+
+
+@pytest.fixture(autouse=True)
+def no_kernels(monkeypatch):
+    kernels_off(monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory, stories_dir, goldens):
+    """A cache directory holding stories260K's batch-2 step, compiled here (the greedy ids checked on the way)."""
+    path = tmp_path_factory.mktemp("llama-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        kernels_off(mp)
+        mp.setenv("LLAMA_CACHE", str(path))
+        llama = build(stories_dir, compile=True)
+        out, _ = llama.generate([g["prompt_tokens"] for g in goldens.values()], max_gen_len=128, temperature=0)
+    step = llama.runner.compiled
+    assert step.packages.keys() == {(2, False)} and not step.loaded  # compiled here, into a package
+    assert out == [g["generated_tokens"] for g in goldens.values()]
+    assert len(list((path / "aoti").glob("*/step.so"))) == 1
+    return path
+
+
+def build(stories_dir, **kw):
+    return Llama.build(str(stories_dir), str(stories_dir / "tokenizer.model"), max_seq_len=160, max_batch_size=2,
+                       **kw)
+
+
+def run_load(cache, stories_dir, tmp_path, kernels=False):
+    """LOAD in a new process (a library this process has loaded would be reused by the dynamic loader)."""
+    script = tmp_path / "load.py"
+    script.write_text(LOAD)
+    env = {**os.environ, "LLAMA_CACHE": str(cache), "PYTHONPATH": str(REPO), "LLAMA_CPU_KERNELS": "1" if kernels else "0"}
+    proc = subprocess.run([sys.executable, str(script), str(stories_dir), str(GOLDENS)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, error_lines(proc.stderr)
+    return proc
+
+
+def test_a_new_process_loads_the_stored_step_and_gives_the_goldens(cache, stories_dir, tmp_path):
+    proc = run_load(cache, stories_dir, tmp_path)
+    assert "Loading the compiled decode step for batch size 2" in proc.stdout
+    assert "Compiling" not in proc.stdout
+    assert "packages [(2, False)] loaded [(2, False)]" in proc.stdout
+
+
+def test_auto_takes_a_stored_step_at_once(cache, stories_dir, monkeypatch):
+    """compile="auto"'s lazy rule waits for eager decoding to cost a compile, unless the step is on disk."""
+    monkeypatch.setenv("LLAMA_CACHE", str(cache))
+    llama = build(stories_dir, compile=False)
+    lazy = CompiledDecode(llama.model, lazy=True)
+    lazy.eager_up_to = 0  # whatever the size rule says (this model is far below it): the lazy rule decides
+    assert lazy.ready((2, False))  # stored: no eager time spent, yet ready
+    assert not lazy.ready((1, False))  # not stored: waits
+    assert lazy.cost() == lazy.estimate
+    big = CompiledDecode(llama.model, lazy=True)
+    big.eager_up_to = 4  # as for a model of 1 GB+ in our kernels: batch sizes up to 4 stay eager...
+    assert big.ready((2, False))  # ...unless their step is stored
+    assert not big.ready((1, False)) and not big.ready((4, False))
+
+
+def test_an_unreadable_package_is_compiled_again(cache, stories_dir, tmp_path):
+    [package] = (cache / "aoti").glob("*/step.so")
+    head = package.read_bytes()[:1000]
+    package.unlink()  # a new file: this process still maps the old one (truncating it in place would crash it)
+    package.write_bytes(head)
+    proc = run_load(cache, stories_dir, tmp_path)  # the goldens again, from a step compiled anew
+    assert "ignoring the unreadable compiled step" in proc.stderr and "compiling again" in proc.stderr
+    assert "packages [(2, False)] loaded []" in proc.stdout
+    assert package.stat().st_size > 1000
+
+
+def test_the_key_tells_weights_batch_sizes_rows_and_settings_apart(stories_dir):
+    model = build(stories_dir, compile=False).model
+    weights = compile_cache.fingerprint(model)
+    assert compile_cache.fingerprint(model) == weights
+    cfg = {"freezing": True, "max_autotune": True}
+    paths = {compile_cache.package_path(weights, 2, False, cfg), compile_cache.package_path(weights, 4, False, cfg),
+             compile_cache.package_path(weights, 2, True, cfg),
+             compile_cache.package_path(weights, 2, False, {**cfg, "max_autotune": False})}
+    assert len(paths) == 4
+    with torch.no_grad():
+        model.layers[3].feed_forward.w2.weight[0, 0] += 1.0  # the strided sample starts at element 0
+    assert compile_cache.fingerprint(model) != weights
+
+
+def test_turned_off_by_the_environment(stories_dir, monkeypatch):
+    model = build(stories_dir, compile=False).model
+    assert compile_cache.enabled(model)
+    monkeypatch.setenv("LLAMA_COMPILE_CACHE", "0")
+    assert not compile_cache.enabled(model)
+    assert CompiledDecode(model).package_path((2, False)) is None
+
+
+@pytest.fixture(scope="module")
+def kernel_cache(tmp_path_factory, stories_dir, goldens):
+    """A cache directory holding stories260K's batch-2 step compiled with our CPU kernels on: the step calls them
+    on the model's weights, so the package holds none."""
+    if not cpu_kernels.available():
+        pytest.skip("llama's CPU kernels are not available here")
+    path = tmp_path_factory.mktemp("llama-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LLAMA_CACHE", str(path))
+        llama = build(stories_dir, compile=True)
+        out, _ = llama.generate([g["prompt_tokens"] for g in goldens.values()], max_gen_len=128, temperature=0)
+    step = llama.runner.compiled
+    assert step.config["freezing"] is False and step.packages.keys() == {(2, False)} and not step.loaded
+    assert out == [g["generated_tokens"] for g in goldens.values()]
+    [stored] = (path / "aoti").glob("*/step.so")
+    assert (stored.parent / compile_cache.CALLS).is_file()  # the calls of our ops, beside the library
+    return path
+
+
+def test_a_step_calling_our_kernels_is_stored_without_the_weights(kernel_cache, stories_dir, tmp_path,
+                                                                  monkeypatch):
+    """A new process loads it and gives the goldens; loaded here, it reads the model's own weights: a weight changed
+    in place after loading shows in its logits (a package holding a copy would not see it)."""
+    monkeypatch.undo()  # the kernels as this machine has them
+    proc = run_load(kernel_cache, stories_dir, tmp_path, kernels=True)
+    assert "packages [(2, False)] loaded [(2, False)]" in proc.stdout and "Compiling" not in proc.stdout
+    monkeypatch.setenv("LLAMA_CACHE", str(kernel_cache))
+    model = build(stories_dir, compile=False).model
+    step = CompiledDecode(model)
+    tokens, pos = torch.tensor([[5], [7]]), torch.tensor([0, 0])
+    with torch.inference_mode():
+        before = step(tokens, pos)
+        assert step.loaded == {(2, False)}
+        model.output.weight.mul_(2)
+        after = step(tokens, pos)
+    torch.testing.assert_close(after, 2 * before)
+
+
+def test_a_stored_int4_step_gives_what_torch_compile_gives(tmp_path, monkeypatch):
+    """An int4 model whose layers all run in our int4 kernel: its step takes the model's codes (freezing off, so
+    neither graph nor package holds a copy), and the stored step's logits are torch.compile's."""
+    from test_model import random_model
+
+    from llama.core.kv_cache import KVCache
+    from llama.quantization.int4 import quantize_int4
+    from llama.quantization.schemes import kernel_model
+
+    monkeypatch.undo()
+    if not cpu_kernels.available():
+        pytest.skip("llama's CPU kernels are not available here")
+    monkeypatch.setenv("LLAMA_CACHE", str(tmp_path))
+    model = quantize_int4(random_model(multiple_of=32).fuse(), 32)
+    assert kernel_model(model)
+    KVCache(model, 2, 32)
+    tokens, pos = torch.tensor([[3], [5]]), torch.tensor([0, 0])
+    outs = {}
+    for keep in ("0", "1"):
+        monkeypatch.setenv("LLAMA_COMPILE_CACHE", keep)
+        step = CompiledDecode(model)
+        assert step.config["freezing"] is False
+        with torch.inference_mode():
+            outs[keep] = step(tokens, pos)
+        assert bool(step.packages) == (keep == "1")
+    torch.testing.assert_close(outs["1"], outs["0"], rtol=1e-5, atol=1e-5)
+
+
+def test_int8_dynamic_compiles_in_every_process(stories_dir):
+    """Its oneDNN-packed weights are opaque tensors that torch.export cannot trace: torch.compile, not a package."""
+    model = build(stories_dir, compile=False, quantize="int8-dynamic").model
+    assert not compile_cache.enabled(model)
+    assert compile_cache.enabled(build(stories_dir, compile=False, quantize="int8").model)
