@@ -3,7 +3,7 @@
 from llama.core.engine import Engine, EngineStopped
 from llama.core.params import SamplingParams
 from llama.core.prefix import Prefix
-from llama.core.request import BatchError, Handle, Request
+from llama.core.request import BatchError, Request
 from llama.core.session import ChatSession
 from llama.generation import ChatPrediction, CompletionPrediction, Llama
 from llama.model import ModelArgs, Transformer
@@ -12,5 +12,14 @@ from llama.tokenizers.chat_format import ChatFormat, Dialog, Message
 from llama.tokenizers.sentencepiece import Tokenizer
 
 __all__ = ["Llama", "ModelArgs", "Transformer", "Tokenizer", "ChatFormat", "Dialog", "Message", "SamplingParams",
-           "Prefix", "ChatSession", "Engine", "EngineStopped", "Request", "Handle", "BatchError", "CompletionPrediction",
+           "Prefix", "ChatSession", "Engine", "EngineStopped", "Request", "BatchError", "CompletionPrediction",
            "ChatPrediction", "Grammar"]
+
+
+def __getattr__(name: str):
+    if name == "Handle":  # Engine.submit's result before requests became one object: kept for code that names it
+        import warnings
+
+        warnings.warn("llama.Handle is deprecated: use llama.Request", DeprecationWarning, stacklevel=2)
+        return Request
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -194,4 +194,14 @@ class BatchError(ValueError):
         super().__init__("; ".join(f"result {i}: {e}" for i, e in errors.items()))
 
 
-Handle = Request  # the name Engine.submit's result had before requests became one object
+
+
+def __getattr__(name: str):
+    """`Handle`, the name Engine.submit's result had before requests became one object: still there, with a
+    DeprecationWarning, so code written for it keeps running."""
+    if name == "Handle":
+        import warnings
+
+        warnings.warn("llama.Handle is deprecated: use llama.Request", DeprecationWarning, stacklevel=2)
+        return Request
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

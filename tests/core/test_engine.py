@@ -410,3 +410,15 @@ def test_model_parallel_rank0_schedules_and_ranks_follow(gen, tmp_path):
     assert r1["alone"] == r0["alone"] and r1["offline"] == r0["offline"]
     assert r1["unseeded"] == r0["unseeded"]
     assert "only model-parallel rank 0 accepts requests" in r1["submit_error"]
+
+
+def test_handle_is_a_deprecated_alias_of_request():
+    """Code written for the engine's old `Handle` still runs, and is told the new name."""
+    import llama
+    from llama.core import request
+
+    for module in (llama, request):
+        with pytest.warns(DeprecationWarning, match="llama.Request"):
+            assert module.Handle is llama.Request
+    with pytest.raises(AttributeError, match="Handel"):
+        llama.Handel
