@@ -4,6 +4,7 @@ signature, computes what Meta's computes. Compared with llama-models (Meta's ref
 where it has the function, else with Meta's Llama 2 constants and template rule."""
 
 import ast
+import copy
 import importlib
 import importlib.util
 from pathlib import Path
@@ -197,7 +198,7 @@ def test_llama3_chat_format_is_metas(llama3):
               {"role": "assistant", "content": "Hello! How can I help?"}, {"role": "user", "content": "A joke."}]
     expected = theirs.encode_dialog_prompt([RawMessage(role=m["role"], content=m["content"]) for m in dialog]).tokens
     assert ours.encode_dialog_prompt(dialog) == expected
-    assert ours.encode_header({"role": "user", "content": ""}) == theirs._encode_header("user")  # llama3's takes a message
+    assert ours.encode_header({"role": "user", "content": ""}) == theirs._encode_header("user")  # llama3's form
     assert ours.encode_header("user") == theirs._encode_header("user")
     assert ours.encode_message(dialog[1]) == theirs.encode_message(RawMessage(**dialog[1]), None)[0]
     import llama
@@ -225,6 +226,7 @@ def test_llama2_tokenizer_and_template_are_metas():
                     for p, a in zip(folded[::2], folded[1::2])], [])
     expected += tok.encode(f"{B_INST} {folded[-1]['content'].strip()} {E_INST}", bos=True, eos=False)
     assert ChatFormat(tok).encode_dialog_prompt(dialog) == expected
+    assert copy.copy(ChatFormat(tok)).encode_dialog_prompt(dialog) == expected  # __new__ still lets copy make one
 
 
 def test_meta_llama_constructor_sizes_the_cache_from_params(stories_dir):

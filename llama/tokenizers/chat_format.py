@@ -73,7 +73,7 @@ class ChatFormat:
     strip_reply_space = True  # the reply follows "[/INST]" and starts with the template's separator space
     stop_tokens: Dict[int, str] = {}
 
-    def __new__(cls, tokenizer):
+    def __new__(cls, tokenizer=None):  # None: copy and pickle make the object without arguments
         if cls is ChatFormat and "<|start_header_id|>" in getattr(tokenizer, "special_tokens", {}):
             return Llama3ChatFormat(tokenizer)
         return super().__new__(cls)
