@@ -18,8 +18,14 @@ from llama.core.request import BatchError, Request
 from llama.core.runner import Runner
 from llama.core.session import ChatSession
 from llama.formats import loader
-from llama.sample.sampling import token_logprobs
-from llama.tokenizers.chat_format import Dialog, Message, chat_format_for
+from llama.sample.sampling import sample_top_p, token_logprobs
+from llama.tokenizer import Tokenizer
+from llama.tokenizers.chat_format import (B_INST, B_SYS, E_INST, E_SYS, SPECIAL_TAGS, UNSAFE_ERROR, ChatFormat, Dialog,
+                                          Message, Role, chat_format_for)
+
+# Meta's names in its llama.generation (Llama 2's and Llama 3's repositories), for code written against them.
+__all__ = ["Llama", "CompletionPrediction", "ChatPrediction", "sample_top_p", "Role", "Message", "Dialog", "B_INST",
+           "E_INST", "B_SYS", "E_SYS", "SPECIAL_TAGS", "UNSAFE_ERROR", "Tokenizer", "ChatFormat"]
 
 
 class CompletionPrediction(TypedDict, total=False):
@@ -82,7 +88,11 @@ class Llama:
                                                  group_size=group_size, preload=preload)
         return Llama(model, tokenizer, max_batch_size, max_seq_len, compiled)
 
-    def __init__(self, model, tokenizer, max_batch_size: int, max_seq_len: int, compiled=None):
+    def __init__(self, model, tokenizer, max_batch_size: Optional[int] = None, max_seq_len: Optional[int] = None,
+                 compiled=None):
+        """Meta's Llama(model, tokenizer) sizes the KV cache from model.params, as here when the sizes are None."""
+        max_batch_size = model.params.max_batch_size if max_batch_size is None else max_batch_size
+        max_seq_len = model.params.max_seq_len if max_seq_len is None else max_seq_len
         self.model = model
         self.tokenizer = tokenizer
         self.formatter = chat_format_for(tokenizer)

@@ -113,9 +113,10 @@ def check_model_parallel(args: ModelArgs, mp: int) -> None:
             raise ValueError(f"model parallel size {mp} does not divide {name} ({value}): use a size that does")
 
 
-def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[float] = None) -> int:
-    """The reference's SwiGLU sizing rule: 2/3 of 4*dim, scaled, rounded up to multiple_of."""
-    hidden = int(2 * (4 * dim) / 3)
+def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[float] = None,
+                   hidden_dim: Optional[int] = None) -> int:
+    """The reference's SwiGLU sizing rule: 2/3 of hidden_dim (4*dim), scaled, rounded up to multiple_of."""
+    hidden = int(2 * (4 * dim if hidden_dim is None else hidden_dim) / 3)
     if ffn_dim_multiplier is not None:
         hidden = int(ffn_dim_multiplier * hidden)
     return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
@@ -187,6 +188,36 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
     return torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).flatten(-2).type_as(x)
+
+
+# Meta's rotary functions (llama, llama3, llama-models), for code written against them; the model uses the above.
+def precompute_freqs_cis(dim: int, end: int, theta: float = 10000.0, use_scaled: bool = False) -> torch.Tensor:
+    """Meta's complex64 table (end, dim // 2); use_scaled: llama-models' Llama 3.1 scaling (factor 8, 8192)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: (dim // 2)].float() / dim))
+    if use_scaled:
+        freqs = scale_rope_frequencies(freqs, 8.0, 1.0, 4.0, 8192)
+    angles = torch.outer(torch.arange(end, device=freqs.device, dtype=torch.float32), freqs)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def reshape_for_broadcast(freqs_cis: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    if x.ndim < 2 or tuple(freqs_cis.shape) != (x.shape[1], x.shape[-1]):
+        raise ValueError(f"freqs_cis of shape {tuple(freqs_cis.shape)} must be (x.shape[1], x.shape[-1]) for x of "
+                         f"shape {tuple(x.shape)}")
+    return freqs_cis.view(*[d if i in (1, x.ndim - 1) else 1 for i, d in enumerate(x.shape)])
+
+
+def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Meta's rotation of (B, T, heads, head_dim) queries and keys by a complex multiply."""
+    def rotate(x):
+        xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(xc * reshape_for_broadcast(freqs_cis, xc)).flatten(3).type_as(x)
+    return rotate(xq), rotate(xk)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """torch.repeat_interleave(x, dim=2, repeats=n_rep) for x (B, T, kv_heads, head_dim), as Meta's."""
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=2)
 
 
 class ColumnLinear(ColumnParallelLinear):
@@ -353,12 +384,17 @@ class Attention(Fusable):
 class FeedForward(Fusable):
     FUSED = {"w13": ("w1", "w3")}
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, dim: Union[ModelArgs, int], hidden_dim: Optional[int] = None, multiple_of: int = 256,
+                 ffn_dim_multiplier: Optional[float] = None):
+        """FeedForward(args), or Meta's FeedForward(dim, hidden_dim, multiple_of, ffn_dim_multiplier)."""
         super().__init__()
-        hidden = args.hidden_dim
-        self.w1 = ColumnLinear(args.dim, hidden)
-        self.w2 = RowLinear(hidden, args.dim)
-        self.w3 = ColumnLinear(args.dim, hidden)
+        if isinstance(dim, ModelArgs):
+            dim, hidden = dim.dim, dim.hidden_dim
+        else:
+            hidden = ffn_hidden_dim(dim, multiple_of, ffn_dim_multiplier, hidden_dim)
+        self.w1 = ColumnLinear(dim, hidden)
+        self.w2 = RowLinear(hidden, dim)
+        self.w3 = ColumnLinear(dim, hidden)
         self.w13: Optional[ColumnLinear] = None
         local = hidden // get_model_parallel_world_size()
         self.local_sizes = {"w1": local, "w3": local}

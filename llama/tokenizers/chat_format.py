@@ -8,7 +8,7 @@ first space, which the template puts after its last tag) and stop_tokens ({id: f
 tokenizer's for chat replies). `chat_format_for(tokenizer)` picks the format that belongs to a tokenizer.
 """
 
-from typing import Dict, List, Literal, Optional, Sequence, TypedDict
+from typing import Dict, List, Literal, Optional, Sequence, TypedDict, Union
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -67,10 +67,16 @@ def has_special_tags(dialog: Dialog) -> bool:
 
 
 class ChatFormat:
-    """The Llama 2 chat template, token for token as Meta's reference builds it."""
+    """The Llama 2 chat template, token for token as Meta's reference builds it. Meta's `ChatFormat(tokenizer)`
+    is Llama 3's (llama3's llama/tokenizer.py), so given a Llama 3 tokenizer it returns a Llama3ChatFormat."""
 
     strip_reply_space = True  # the reply follows "[/INST]" and starts with the template's separator space
     stop_tokens: Dict[int, str] = {}
+
+    def __new__(cls, tokenizer=None):  # None: copy and pickle make the object without arguments
+        if cls is ChatFormat and "<|start_header_id|>" in getattr(tokenizer, "special_tokens", {}):
+            return Llama3ChatFormat(tokenizer)
+        return super().__new__(cls)
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -135,7 +141,9 @@ class Llama3ChatFormat:
     def refusal(self, dialog: Dialog) -> Optional[str]:
         return None  # special-token text in content is encoded as plain text, so nothing needs refusing
 
-    def encode_header(self, role: str) -> List[int]:
+    def encode_header(self, role: Union[str, Message]) -> List[int]:
+        """The header of a role, or of a message (Meta llama3's encode_header(message))."""
+        role = role["role"] if isinstance(role, dict) else role
         role = "ipython" if role == "tool" else role
         return ([self.special["<|start_header_id|>"]] + self.tokenizer.encode(role, bos=False, eos=False)
                 + [self.special["<|end_header_id|>"]] + self.tokenizer.encode("\n\n", bos=False, eos=False))

@@ -9,7 +9,7 @@ special tokens, by id.
 
 import base64
 from pathlib import Path
-from typing import Dict, Iterator, List
+from typing import AbstractSet, Collection, Dict, Iterator, List, Literal, Union
 
 import tiktoken
 
@@ -67,7 +67,11 @@ def split_runs(text: str, limit: int = MAX_RUN) -> Iterator[str]:
 
 
 class Llama3Tokenizer:
-    """The Llama 3.x tokenizer, with the interface of llama.tokenizers.sentencepiece.Tokenizer."""
+    """The Llama 3.x tokenizer, with the interface of llama.tokenizers.sentencepiece.Tokenizer and Meta llama3's."""
+
+    num_reserved_special_tokens = NUM_SPECIAL
+    pat_str = PATTERN
+    _split_whitespaces_or_nonwhitespaces = staticmethod(split_runs)  # Meta's name, for code that calls it
 
     def __init__(self, model_path):
         ranks = read_ranks(model_path)
@@ -85,14 +89,17 @@ class Llama3Tokenizer:
         self.python_tag_id: int = self.special_tokens["<|python_tag|>"]
         self.stop_tokens: Dict[int, str] = {self.special_tokens[t]: reason for t, reason in STOP_REASONS.items()}
 
-    def encode(self, s: str, bos: bool, eos: bool) -> List[int]:
-        """Ids of s; special-token text in s is encoded as plain text, never as the special id."""
+    def encode(self, s: str, bos: bool, eos: bool,
+               allowed_special: Union[Literal["all"], AbstractSet[str]] = frozenset(),
+               disallowed_special: Union[Literal["all"], Collection[str]] = ()) -> List[int]:
+        """Ids of s. By default special-token text in s is encoded as plain text, never as the special id;
+        allowed_special/disallowed_special are tiktoken's (Meta llama3's encode): "all" or a set of names."""
         if not isinstance(s, str):
             raise TypeError(f"encode expects a str, got {type(s).__name__}")
         ids: List[int] = [self.bos_id] if bos else []
         for i in range(0, len(s), MAX_CHARS):
             for piece in split_runs(s[i : i + MAX_CHARS]):
-                ids += self.model.encode(piece, allowed_special=set(), disallowed_special=())
+                ids += self.model.encode(piece, allowed_special=allowed_special, disallowed_special=disallowed_special)
         return ids + [self.eos_id] if eos else ids
 
     def decode(self, t: List[int]) -> str:

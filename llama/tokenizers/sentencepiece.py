@@ -7,7 +7,7 @@ text). The decode core only uses this interface.
 """
 
 import os
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from sentencepiece import SentencePieceProcessor
 
@@ -24,7 +24,13 @@ def _check_path(model_path) -> str:
 
 
 class Tokenizer:
-    """Meta's SentencePiece tokenizer (Llama 2)."""
+    """Meta's SentencePiece tokenizer (Llama 2). Meta's `llama.tokenizer.Tokenizer(path)` also names Llama 3's
+    tokenizer, so given a Llama 3 tiktoken file it returns a Llama3Tokenizer (Meta llama3's interface)."""
+
+    def __new__(cls, model_path: Optional[str] = None):  # None: copy and pickle make the object without arguments
+        if cls is Tokenizer and model_path is not None and is_rank_file(_check_path(model_path)):
+            return Llama3Tokenizer(model_path)
+        return super().__new__(cls)
 
     def __init__(self, model_path: str):
         model_path = _check_path(model_path)
