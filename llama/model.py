@@ -15,14 +15,11 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 from fairscale.nn.model_parallel.initialize import get_model_parallel_world_size
-from fairscale.nn.model_parallel.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
 from torch import nn
 
-from llama.distributed.parallel import gather_last_dim, reduce_sum
 from llama.kernels import cpu as cpu_kernels
 from llama.kernels import fused_decode
-from llama.layers import Fusable
-from llama.quantization.schemes import product
+from llama.layers import ColumnLinear, Embedding, Fusable, RowLinear  # noqa: F401 (Meta's path for the layers)
 
 
 @dataclass
@@ -220,67 +217,6 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=2)
 
 
-class ColumnLinear(ColumnParallelLinear):
-    """fairscale's column-parallel linear (output features split across ranks), without bias.
-
-    Skips fairscale's master-weight initialisation: weights come from the checkpoint, so the layer can be built on
-    the meta device and loaded with no second copy. The local product is quantize.product, so int8 weights work at any
-    model-parallel size; with one rank there is no communication at all.
-    """
-
-    def __init__(self, in_features: int, out_features: int, gather_output: bool = False):
-        nn.Module.__init__(self)
-        self.mp = get_model_parallel_world_size()
-        self.in_features, self.out_features, self.gather_output = in_features, out_features, gather_output
-        self.output_size_per_partition = out_features // self.mp
-        self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, in_features))
-        self.register_parameter("scales", None)  # set by llama/quantization/cli.py, as are:
-        self.register_buffer("packed", None, persistent=False)  # int8-dynamic's prepacked weight
-        self.register_buffer("zero_points", None, persistent=False)
-        self.bias = self.master_weight = None
-
-    def forward(self, x):
-        if self.mp == 1:
-            return product(self, x)
-        y = product(self, x)  # fairscale's copy_to_model_parallel_region is the identity going forward
-        return gather_last_dim(y) if self.gather_output else y
-
-
-class RowLinear(RowParallelLinear):
-    """fairscale's row-parallel linear (input features split, outputs all-reduced), without bias."""
-
-    def __init__(self, in_features: int, out_features: int):
-        nn.Module.__init__(self)
-        self.mp = get_model_parallel_world_size()
-        self.in_features, self.out_features, self.input_is_parallel = in_features, out_features, True
-        self.input_size_per_partition = in_features // self.mp
-        self.weight = nn.Parameter(torch.empty(out_features, self.input_size_per_partition))
-        self.register_parameter("scales", None)
-        self.register_buffer("packed", None, persistent=False)
-        self.register_buffer("zero_points", None, persistent=False)
-        self.bias = self.master_weight = None
-
-    def forward(self, x):
-        y = product(self, x)
-        return y if self.mp == 1 else reduce_sum(y)
-
-
-class Embedding(ParallelEmbedding):
-    """fairscale's embedding split along the embedding dimension."""
-
-    def __init__(self, num_embeddings: int, embedding_dim: int):
-        nn.Module.__init__(self)
-        self.mp = get_model_parallel_world_size()
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.padding_idx = self.max_norm = self._weight = None
-        self.norm_type, self.scale_grad_by_freq, self.sparse = 2.0, False, False
-        self.embedding_dim_per_partition = embedding_dim // self.mp
-        self.weight = nn.Parameter(torch.empty(num_embeddings, self.embedding_dim_per_partition))
-
-    def forward(self, tokens):
-        y = F.embedding(tokens, self.weight)
-        return y if self.mp == 1 else gather_last_dim(y)
-
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Attention of one query per row, written out so Inductor fuses it (SDPA is an opaque ~50 us call per layer).
@@ -459,6 +395,7 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(a.head_dim, max_seq_len * 2, a.rope_theta, scaling)
         device = device or self.norm.weight.device
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+        fused_decode.forget()  # a new KV cache: the one-call step's kept arguments name the old one
 
     @property
     def max_seq_len(self) -> int:

@@ -32,7 +32,9 @@ import torch._inductor.config as inductor_config
 from llama.compilation import step_store as compile_cache
 from llama.distributed import parallel
 from llama.kernels import cpu as cpu_kernels
-from llama.quantization.schemes import FP32_KERNEL_MAX_ROWS, float_kernel_model, kernel_model, linear_layers
+from llama.kernels import fused_decode
+from llama.kernels.dense import FP32_KERNEL_MAX_ROWS
+from llama.layers import float_kernel_model, kernel_model, linear_layers, quantized
 
 MODES = ("auto", "max-autotune", "default")
 
@@ -234,6 +236,7 @@ def own_storage(model) -> None:
             if p.storage_offset() != 0 or p.untyped_storage().nbytes() != p.numel() * p.element_size():
                 setattr(module, name, torch.nn.Parameter(p.clone(memory_format=torch.contiguous_format),
                                                          requires_grad=p.requires_grad))
+    fused_decode.forget()  # the one-call eager step's kept arguments name the views
 
 
 def auto_mode(model) -> str:
@@ -243,8 +246,7 @@ def auto_mode(model) -> str:
     if model.norm.weight.device.type != "cpu" or float_kernel_model(model):
         return "default"  # the fp32 GEMV template measured best is Inductor's CPU one
     fp32 = model.norm.weight.dtype == torch.float32
-    quantized = any(getattr(m, "scales", None) is not None for m in model.modules())
-    return "max-autotune" if fp32 and not quantized else "default"
+    return "max-autotune" if fp32 and not quantized(model) else "default"
 
 
 def eager_batches(model) -> int:
@@ -256,16 +258,15 @@ def eager_batches(model) -> int:
         return 0
     if not kernel_model(model):
         return 0  # a layer in PyTorch's kernels (oneDNN's int8, aten's int4 layout, int8 weight-only, a strided view)
-    quantized = any(m.scales is not None for m in linear_layers(model))
     if weight_bytes(model) < EAGER_KERNEL_MIN_BYTES:
         return 0
-    fp32 = not quantized and model.norm.weight.dtype == torch.float32
+    fp32 = not quantized(model) and model.norm.weight.dtype == torch.float32
     return FP32_KERNEL_MAX_ROWS if fp32 else EAGER_KERNEL_MAX_BATCH
 
 
 def linear_weights(model) -> list:
     """Every linear layer's weight tensor: the float or int8 weight, or int8-dynamic's prepacked copy."""
-    return [m.weight if m.packed is None else m.packed for m in linear_layers(model)]
+    return [m.method.weight_tensor(m) for m in linear_layers(model)]
 
 
 def weight_bytes(model) -> int:

@@ -167,32 +167,72 @@ def load(
     if staged and not any(compile is v for v in (False, None)) and compile != "auto":
         raise ValueError(f"compile={compile!r} is not available with pipeline_parallel_size="
                          f"{pipeline_parallel_size}: pipeline stages decode eagerly (pass compile=False or 'auto')")
-    gguf_path = gguf_checkpoint.find_gguf(ckpt_dir)
-    stored = None if gguf_path is not None else quant_checkpoint.stored_scheme(ckpt_dir)
-    if stored is not None:  # written by `python -m llama.quantize`: load as it is
-        if staged:
-            raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size} loads unquantized Meta-layout "
-                             f"checkpoints only, not the quantized checkpoint in {ckpt_dir}")
-        quantize, group_size = quant_checkpoint.check_request(ckpt_dir, stored, quantize, group_size)
-    if group_size is not None and quantize != "int4":
-        raise ValueError(f"group_size applies to quantize='int4' only, got group_size={group_size!r} with "
-                         f"quantize={quantize!r}")
     device = torch.device(device) if device is not None else parallel.default_device()
+    gguf_path = gguf_checkpoint.find_gguf(ckpt_dir)
+    stored, quantize, group_size = resolve_scheme(ckpt_dir, gguf_path, pipeline_parallel_size, quantize,
+                                                  group_size, device)
     dtype = parallel.resolve_dtype(quantization.activation_dtype(quantize) if dtype is None else dtype, device)
     start = time.time()
     mp_size = parallel.init_distributed(model_parallel_size, device, pipeline_parallel_size)
     torch.manual_seed(seed)  # every rank seeds alike, so unseeded sampling agrees across ranks
+    reader, params, tokenizer = read_parts(ckpt_dir, tokenizer_path, gguf_path)
+    args = model_args(params, tokenizer, max_seq_len, max_batch_size, rope_scaling_factor,
+                      f"{ckpt_dir}/params.json" if gguf_path is None else str(gguf_path), tokenizer_path or gguf_path)
+    # each rank holds about 1/(T x P) of the weights
+    memory.check_fits(args, dtype, quantize, group_size, compile, mp_size * pipeline_parallel_size, device)
+    fuse = fuses(args, dtype, device, quantize, compile, mp_size * pipeline_parallel_size)
+    if verify and gguf_path is None:
+        checkpoint.verify_checklist(ckpt_dir)
+    rank = parallel.model_parallel_rank()
+    if stored is not None:
+        model = stored_model(ckpt_dir, args, rank, mp_size, stored, quantize, device, dtype)
+    else:
+        model = float_model(ckpt_dir, args, rank, mp_size, reader, gguf_path, staged, device, dtype, quantize,
+                            group_size, fuse)
+    residency.read_weights(model, preload, progress=parallel.is_main_process())
+    compiled = None if staged else compilation.compile_decode(model, compile)
+    if parallel.is_main_process():
+        print(f"Loaded in {time.time() - start:.2f} seconds")
+    return model, tokenizer, compiled
 
-    if gguf_path is not None:  # one file: hyperparameters, weights and (unless one is given) the tokenizer
+
+def resolve_scheme(ckpt_dir, gguf_path, pipeline_parallel_size: int, quantize: Optional[str],
+                   group_size: Optional[int], device) -> Tuple[Optional[dict], Optional[str], Optional[int]]:
+    """(the quantization a checkpoint written by `python -m llama.quantize` records or None, the scheme to load
+    with, its group size): a stored checkpoint loads as it is, its int8 weights by default in the fastest int8
+    scheme of the device (quantized_checkpoint.check_request)."""
+    stored = None if gguf_path is not None else quant_checkpoint.stored_scheme(ckpt_dir)
+    if stored is not None:
+        if pipeline_parallel_size != 1:
+            raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size} loads unquantized Meta-layout "
+                             f"checkpoints only, not the quantized checkpoint in {ckpt_dir}")
+        quantize, group_size = quant_checkpoint.check_request(ckpt_dir, stored, quantize, group_size, device)
+    if group_size is not None and quantize != "int4":
+        raise ValueError(f"group_size applies to quantize='int4' only, got group_size={group_size!r} with "
+                         f"quantize={quantize!r}")
+    return stored, quantize, group_size
+
+
+def read_parts(ckpt_dir, tokenizer_path: Optional[str], gguf_path):
+    """(GGUF reader or None, params dict, tokenizer): a GGUF file carries its hyperparameters and (unless one is
+    given) its tokenizer; a Meta-layout directory has params.json and needs tokenizer_path."""
+    if gguf_path is not None:
         reader = gguf_checkpoint.open_reader(gguf_path)
         params = gguf_checkpoint.read_params(reader, gguf_path)
         tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else tokenizer_hf.from_gguf(reader, gguf_path)
-    else:
-        if tokenizer_path is None:
-            raise ValueError(f"tokenizer_path is needed for {ckpt_dir} (only a GGUF file carries its tokenizer)")
-        tokenizer = load_tokenizer(tokenizer_path)
-        params = checkpoint.read_params(ckpt_dir)
-        params.pop(quant_checkpoint.PARAMS_KEY, None)
+        return reader, params, tokenizer
+    if tokenizer_path is None:
+        raise ValueError(f"tokenizer_path is needed for {ckpt_dir} (only a GGUF file carries its tokenizer)")
+    tokenizer = load_tokenizer(tokenizer_path)
+    params = checkpoint.read_params(ckpt_dir)
+    params.pop(quant_checkpoint.PARAMS_KEY, None)
+    return None, params, tokenizer
+
+
+def model_args(params: dict, tokenizer, max_seq_len: int, max_batch_size: int,
+               rope_scaling_factor: Optional[float], params_source: str, tokenizer_source) -> ModelArgs:
+    """ModelArgs from the checkpoint's params, the caller's sizes and rope override, checked against the
+    tokenizer's vocabulary."""
     overrides = {}
     if rope_scaling_factor is not None:
         if isinstance(rope_scaling_factor, bool) or not isinstance(rope_scaling_factor, (int, float)) \
@@ -202,44 +242,45 @@ def load(
     try:
         args = ModelArgs.from_params(params, max_seq_len=max_seq_len, max_batch_size=max_batch_size, **overrides)
     except TypeError as e:
-        raise ValueError(f"{ckpt_dir}/params.json has invalid values: {e}") from None
+        raise ValueError(f"{params_source} has invalid values: {e}") from None
     if args.vocab_size == -1:
         args.vocab_size = tokenizer.n_words
     if args.vocab_size != tokenizer.n_words:
         raise ValueError(
-            f"{'params.json' if gguf_path is None else gguf_path} vocab_size is {args.vocab_size} but the tokenizer "
-            f"{tokenizer_path or gguf_path} has "
+            f"{params_source} vocab_size is {args.vocab_size} but the tokenizer {tokenizer_source} has "
             f"{tokenizer.n_words} tokens: they do not belong together"
         )
-    # each rank holds about 1/(T x P) of the weights
-    memory.check_fits(args, dtype, quantize, group_size, compile, mp_size * pipeline_parallel_size, device)
-    fuse = fuses(args, dtype, device, quantize, compile, mp_size * pipeline_parallel_size)
-    if verify and gguf_path is None:
-        checkpoint.verify_checklist(ckpt_dir)
-    if stored is not None:
-        model = quant_checkpoint.load_model(ckpt_dir, args, parallel.model_parallel_rank(), mp_size, stored)
-        model.to(device=device).eval()
-        if quantize != stored["scheme"]:  # int8 codes multiplied with int8 activations
-            quantization.quantize(model, quantize)
-        quantization.cast_floating(model, dtype)
-        residency.read_weights(model, preload, progress=parallel.is_main_process())
-        compiled = compilation.compile_decode(model, compile)
-        if parallel.is_main_process():
-            print(f"Loaded in {time.time() - start:.2f} seconds")
-        return model, tokenizer, compiled
+    return args
+
+
+def stored_model(ckpt_dir, args: ModelArgs, rank: int, mp_size: int, stored: dict, quantize: str, device,
+                 dtype) -> Transformer:
+    """This rank's model from a checkpoint written by `python -m llama.quantize`, nothing requantized: int8 codes
+    that load as int8-dynamic keep their codes and multiply int8 activations."""
+    model = quant_checkpoint.load_model(ckpt_dir, args, rank, mp_size, stored)
+    model.to(device=device).eval()
+    if quantize != stored["scheme"]:
+        quantization.quantize(model, quantize)
+    quantization.cast_floating(model, dtype)
+    return model
+
+
+def float_model(ckpt_dir, args: ModelArgs, rank: int, mp_size: int, reader, gguf_path, staged: bool, device,
+                dtype, quantize: Optional[str], group_size: Optional[int], fuse: bool):
+    """This rank's model (or pipeline stage) from a Meta-layout or GGUF checkpoint, moved, fused, quantized and
+    cast (prepare)."""
     if staged:  # this rank's stage only: its layers and its tensor-parallel slice of them (llama/distributed/pipeline.py)
         stage = pipeline.current_stage(args.n_layers)
         if gguf_path is not None:
             with memory.freed_memory_returned():
-                model = gguf_stage(reader, gguf_path, args, stage, parallel.model_parallel_rank(), mp_size, dtype)
+                model = gguf_stage(reader, gguf_path, args, stage, rank, mp_size, dtype)
         else:
-            model = pipeline.load_stage(ckpt_dir, args, stage, parallel.model_parallel_rank(), mp_size)
+            model = pipeline.load_stage(ckpt_dir, args, stage, rank, mp_size)
     elif gguf_path is not None:
         with memory.freed_memory_returned():
-            model = gguf_model(reader, gguf_path, args, parallel.model_parallel_rank(), mp_size, device, dtype,
-                               quantize, group_size, fuse)
+            model = gguf_model(reader, gguf_path, args, rank, mp_size, device, dtype, quantize, group_size, fuse)
     else:
-        state = checkpoint.load_state_dict(ckpt_dir, args, parallel.model_parallel_rank(), mp_size)
+        state = checkpoint.load_state_dict(ckpt_dir, args, rank, mp_size)
         with torch.device("meta"):
             model = Transformer(args)
         try:
@@ -253,10 +294,6 @@ def load(
         model.output.weight = model.tok_embeddings.weight
     model.eval()
     prepare(model, device, dtype, quantize, group_size, fuse)  # what layer-by-layer loading has not done yet
-    if tied and model.output.scales is None:  # casting copied each: share the embedding again
+    if tied and not model.output.method.quantized:  # casting copied each: share the embedding again
         model.output.weight = model.tok_embeddings.weight
-    residency.read_weights(model, preload, progress=parallel.is_main_process())
-    compiled = None if staged else compilation.compile_decode(model, compile)
-    if parallel.is_main_process():
-        print(f"Loaded in {time.time() - start:.2f} seconds")
-    return model, tokenizer, compiled
+    return model

@@ -23,14 +23,15 @@ from llama.kernels import int4_pack_store as pack_cache
 from llama.model import ModelArgs, Transformer, check_model_parallel
 from llama.quantization.int4 import (
     DEFAULT_GROUP_SIZE,
+    Int4,
     check_group_size,
     kernel_shapes,
     own_kernel,
     quantize_codes,
     set_int4,
-    set_packed,
 )
-from llama.quantization.schemes import quantize_weight
+from llama.quantization.int8 import Int8WeightOnly, quantize_weight
+from llama.quantization.schemes import fastest_int8
 
 PARAMS_KEY = "quantization"
 STORED_SCHEMES = ("int8", "int4")
@@ -72,10 +73,15 @@ def stored_scheme(ckpt_dir) -> Optional[dict]:
     return info
 
 
-def check_request(ckpt_dir, stored: dict, quantize, group_size) -> Tuple[str, Optional[int]]:
-    """(scheme, group size) to load a quantized checkpoint with; ValueError if the caller asked for another.
+def check_request(ckpt_dir, stored: dict, quantize, group_size, device=None) -> Tuple[str, Optional[int]]:
+    """(scheme, group size) to load a quantized checkpoint with on `device`; ValueError if the caller asked for
+    another.
 
-    int8 weights also load as "int8-dynamic": both schemes quantize weights alike (llama/quantization/cli.py)."""
+    int8 weights also load as "int8-dynamic": both schemes quantize weights alike (llama/quantization/int8.py).
+    Asked for nothing, they load as the fastest int8 scheme the device runs (schemes.fastest_int8: int8-dynamic
+    on a CPU with our kernels); quantize="int8" keeps them weight-only."""
+    if stored["scheme"] == "int8" and quantize is None and device is not None:
+        quantize = fastest_int8(device)
     if stored["scheme"] == "int8" and quantize == "int8-dynamic":
         return quantize, None
     if quantize is not None and quantize != stored["scheme"]:
@@ -214,16 +220,13 @@ def _assign(layer, key: str, names, state, scheme: str, group_size: int, packs: 
         shapes = kernel_shapes(rows, inputs, group_size) if scheme == "int4" else ((rows, inputs), (rows,))
         hit = packs.take(key, shapes)
         if hit is not None:
-            if scheme == "int8":
-                layer.weight, layer.scales = (nn.Parameter(t, requires_grad=False) for t in hit)
-            else:
-                set_packed(layer, *hit, rows, group_size if own else None)
+            method = Int8WeightOnly() if scheme == "int8" else Int4(group_size, rows, own)
+            method.hold(layer, *hit)
             return
     weight = weights[0] if len(names) == 1 else torch.cat(weights)
     scale = scales[0] if len(names) == 1 else torch.cat(scales)
     if scheme == "int8":
-        layer.weight = nn.Parameter(weight, requires_grad=False)
-        layer.scales = nn.Parameter(scale, requires_grad=False)
+        Int8WeightOnly().hold(layer, weight, scale)
     else:
         set_int4(layer, weight, scale, group_size)
     if cached:

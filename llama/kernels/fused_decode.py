@@ -4,12 +4,13 @@ Why: in an eager step the Python and PyTorch operators between two weight produc
 weights streaming through have just flushed, and cost several times their warm time (docs/performance.md, "One call
 per decode step"). The op runs every layer of the step with the same kernels, in the same order and with the same
 roundings as model.TransformerBlock, so its result is the layer-by-layer result bit for bit; the model takes it
-where every product of every layer would run in our kernels anyway (route() below mirrors quantize.product), and
-goes layer by layer otherwise.
+where every product of every layer would run in our kernels anyway (each layer's method says so: route() below
+asks the rule its product follows, llama/layers.py), and goes layer by layer otherwise.
 
 Gathering the op's arguments from the modules costs Python time on every layer, so they are kept per layer stack
-and batch size, and forgotten whenever any module anywhere gets a parameter, buffer or submodule assigned
-(PyTorch's global registration hooks: loading, quantizing, fusing and allocating a KV cache all do).
+and batch size, and forgotten by forget(), which whatever replaces the layers' tensors calls: a linear layer taking
+new tensors or a method (quantizing, loading), fusing, casting and allocating a KV cache (Transformer.setup_rope).
+Code that assigns a layer's tensors by hand after a step must call it too.
 `LLAMA_FUSED_DECODE=0` turns it off (read on every step, so a benchmark can time both in one process:
 `benchmarks/paired.py --layer-by-layer`).
 """
@@ -19,37 +20,18 @@ import weakref
 from typing import List, Optional, Tuple
 
 import torch
-from torch.nn.modules import module as nn_module
 
 from llama.kernels import cpu as cpu_kernels
-from llama.quantization import schemes as quantize
 
 FLOAT, INT4, INT8 = 0, 1, 2  # the op's schemes: a bf16 or fp32 weight, group-wise int4, int8 with per-row scales
 
 
 def route(linear, rows: int, dtype: torch.dtype) -> Optional[Tuple[int, int, Tuple[torch.Tensor, ...]]]:
-    """(scheme, group size, tensors) when quantize.product(linear, x) of `rows` rows of `dtype` runs in our CPU
-    kernel, else None. Must agree with quantize.product's routing: tests/kernels/test_fused_decode.py compares the two."""
-    if linear.mp != 1 or linear.packed is not None:
+    """(scheme, group size, tensors) when linear's product of `rows` rows of `dtype` runs in our CPU kernel, else
+    None: its method's answer (llama/layers.py LinearMethod.route, the rule its apply() follows)."""
+    if linear.mp != 1:
         return None
-    weight, scales = linear.weight, linear.scales
-    if scales is not None and scales.dim() == 3:  # group-wise int4 (llama/quantization/int4.py)
-        if not linear.int4_group or cpu_kernels.onednn_rows(rows, cpu_kernels.QUANT_KERNEL_MAX_ROWS):
-            return None
-        return INT4, linear.int4_group, (weight, scales)
-    if getattr(linear, "int8_dynamic", False):
-        if cpu_kernels.onednn_rows(rows, cpu_kernels.QUANT_KERNEL_MAX_ROWS):
-            return None
-        return INT8, 0, (weight, scales)
-    if scales is not None or not cpu_kernels.takes_float(weight):
-        return None
-    if weight.dtype == torch.bfloat16:
-        if dtype == torch.bfloat16 and cpu_kernels.onednn_rows(rows, quantize.BF16_KERNEL_MAX_ROWS):
-            return None
-        return FLOAT, 0, (weight,)
-    if dtype == torch.float32 and rows <= quantize.FP32_KERNEL_MAX_ROWS:  # an fp32 weight
-        return FLOAT, 0, (weight,)
-    return None
+    return linear.method.route(linear, rows, dtype)
 
 
 def layer_inputs(layers, x: torch.Tensor):
@@ -92,15 +74,10 @@ def layer_inputs(layers, x: torch.Tensor):
 _kept: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # layers -> {(rows, dtype): layer_inputs()}
 
 
-def _forget(*_) -> None:
+def forget() -> None:
+    """Drop every kept argument list: called whenever a layer's tensors, method or KV cache change."""
     if _kept:
         _kept.clear()
-
-
-for _register in (nn_module.register_module_parameter_registration_hook,
-                  nn_module.register_module_buffer_registration_hook,
-                  nn_module.register_module_module_registration_hook):
-    _register(_forget)
 
 
 def run(layers, h: torch.Tensor, cos, sin, positions, rows, kv_len: int) -> Optional[torch.Tensor]:

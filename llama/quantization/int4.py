@@ -12,19 +12,20 @@ values actually applied.
 Kernels, measured in benchmarks/quant_kernels.py (docs/performance.md):
 - ours (llama/kernels/cpu.py, x86 with AVX2, input size a multiple of 32): multiplies the storage layout as it is,
   with activations quantized to int8 in blocks of 32 as llama.cpp's q4_0/q4_1 do, so no repacking at load. The
-  layer then holds the storage layout and `int4_group` is its group size. A prefill of more than 32 rows, where
-  oneDNN has bf16 dot products, dequantizes the weight to bf16 a slice at a time for oneDNN's GEMM instead.
+  layer then holds the storage layout, its method Int4(group_size, out_features, ours=True). A prefill of more
+  than 32 rows, where oneDNN has bf16 dot products, dequantizes the weight to bf16 a slice at a time for oneDNN's
+  GEMM instead.
 - otherwise torch.ops.aten._weight_int4pack_mm_for_cpu (PyTorch's CPU int4 GEMM) on weights packed once by
   aten._convert_weight_to_int4pack_for_cpu; bf16 activations. It needs the output size to be a multiple of 16 and
   the group size one of 32, 64, 128, 256 dividing the input size: other layers are padded (zero rows and columns,
-  whose products are dropped). `int4_group` is then None.
+  whose products are dropped). The layer's method is then Int4(group_size, out_features, ours=False).
 
 Two layouts:
 - storage (checkpoints, llama/formats/quantized_checkpoint.py, and our kernel): codes (N, K/2) uint8, two per byte (even k in
   the low nibble), and scales (N, ceil(K/G), 2) as (scale, zero) pairs. Rows and whole groups slice like the float
   weight, so a checkpoint shards along the same dimensions as Meta's.
 - aten's (in the model): weight = packed (N', K'/2) uint8 in the kernel's own interleaved order (not sliceable),
-  scales = (K'/G, N', 2), N' and K' the padded sizes; the layer's out size is kept in `int4_out`.
+  scales = (K'/G, N', 2), N' and K' the padded sizes; the layer's out size is kept in its method.
 """
 
 import math
@@ -32,10 +33,11 @@ from typing import Tuple
 
 import torch
 import torch.nn.functional as F
-from fairscale.nn.model_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from torch import nn
 
 from llama.kernels import cpu as cpu_kernels
+from llama.kernels import fused_decode
+from llama.layers import LinearMethod, linear_layers
 
 GROUP_SIZES = (32, 64, 128, 256)  # what the CPU kernel takes
 DEFAULT_GROUP_SIZE = 32  # q4_0/q4_1's block size
@@ -201,33 +203,48 @@ def quantize_int4_weight(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_S
     return to_kernel(codes, scales, group_size)
 
 
-def int4_layer_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """x @ W.T for an int4 Column/RowLinear, in whichever kernel its layout is for."""
-    if layer.int4_group:
-        return cpu_kernels.int4_linear(x, layer.weight, layer.scales, layer.int4_group)
-    return int4_linear(x, layer.weight, layer.scales, layer.int4_out)
+class Int4(LinearMethod):
+    """Group-wise int4 with `group_size` inputs per (scale, zero) pair and `out_features` local output rows: in our
+    kernel on the storage layout (ours), or in aten's on its own padded layout."""
+
+    quantized = True
+    scheme = "int4"
+    concatenates = False  # fuse before quantizing: aten's layout cannot be concatenated
+    splits_state = False  # nor cut into rows: state_dict() keeps a fused int4 layer fused
+
+    def __init__(self, group_size: int, out_features: int, ours: bool):
+        self.group_size, self.out_features, self.ours = group_size, out_features, ours
+
+    def hold(self, layer, weight: torch.Tensor, scales: torch.Tensor) -> None:
+        layer.take(self, weight, scales)
+
+    def apply(self, layer, x):
+        if self.ours:
+            return cpu_kernels.int4_linear(x, layer.weight, layer.scales, self.group_size)
+        return int4_linear(x, layer.weight, layer.scales, self.out_features)
+
+    def route(self, layer, rows, dtype):
+        if not self.ours or cpu_kernels.onednn_rows(rows, cpu_kernels.QUANT_KERNEL_MAX_ROWS):
+            return None
+        return fused_decode.INT4, self.group_size, (layer.weight, layer.scales)
+
+    def in_our_kernels(self, layer):
+        return self.ours and layer.weight.device.type == "cpu"
+
+    def __repr__(self) -> str:
+        return f"Int4(group_size={self.group_size}, out_features={self.out_features}, ours={self.ours})"
 
 
 def is_int4(layer: nn.Module) -> bool:
-    return getattr(layer, "scales", None) is not None and layer.scales.dim() == 3
+    return isinstance(getattr(layer, "method", None), Int4)
 
 
 def set_int4(layer: nn.Module, codes: torch.Tensor, scales: torch.Tensor, group_size: int) -> None:
     """Make a Column/RowLinear an int4 layer from storage-layout codes and scales."""
     if own_kernel(codes.shape[1] * 2):
-        set_packed(layer, codes.contiguous(), scales.contiguous(), codes.shape[0], group_size)
+        Int4(group_size, codes.shape[0], True).hold(layer, codes.contiguous(), scales.contiguous())
     else:
-        set_packed(layer, *to_kernel(codes, scales, group_size), codes.shape[0])
-
-
-def set_packed(layer: nn.Module, packed: torch.Tensor, scales: torch.Tensor, out_features: int,
-               group_size: int = None) -> None:
-    """Make a Column/RowLinear an int4 layer from its model layout: the storage layout for our kernel (with its
-    group_size), or aten's (to_kernel's result, group_size None)."""
-    layer.weight = nn.Parameter(packed, requires_grad=False)
-    layer.scales = nn.Parameter(scales, requires_grad=False)
-    layer.int4_out = out_features
-    layer.int4_group = group_size
+        Int4(group_size, codes.shape[0], False).hold(layer, *to_kernel(codes, scales, group_size))
 
 
 @torch.no_grad()
@@ -244,8 +261,8 @@ def quantize_int4(model: nn.Module, group_size: int = DEFAULT_GROUP_SIZE) -> nn.
     if device.type != "cpu":
         raise ValueError(f"quantize='int4' runs on CPU only (its kernels are CPU kernels); the model is on "
                          f"{device}: use quantize='int8' there")
-    for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.scales is None:
+    for module in linear_layers(model):
+        if not module.method.quantized:
             codes, scales = quantize_codes(module.weight, group_size)
             set_int4(module, codes, scales, group_size)
     return model

@@ -18,7 +18,7 @@ from conftest import REPO
 from llama.kernels import cpu as cpu_kernels
 from llama.model import apply_rotary, rope_tables
 from llama.quantization.int4 import dequantize_codes, quantize_codes
-from llama.quantization.schemes import quantize_weight
+from llama.quantization.int8 import quantize_weight
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
                                 reason="llama's CPU kernels need x86-64 with AVX2/FMA and a C++ compiler")
@@ -267,7 +267,7 @@ def test_built_once_and_turned_off_by_env(tmp_path):
     code = ("import torch; from llama.kernels import cpu as cpu_kernels; from llama.quantization.int4 import quantize_int4;"
             "from test_model import random_model;"
             "m = quantize_int4(random_model().fuse(), 32); m(torch.randint(0, 96, (1, 4)), 0);"
-            "print(cpu_kernels.available(), m.output.int4_group)")
+            "print(cpu_kernels.available(), m.output.method.ours and m.output.method.group_size or None)")
     env = {**os.environ, "LLAMA_CACHE": str(tmp_path), "PYTHONPATH": str(REPO / "tests")}
 
     def run(**extra):
@@ -287,10 +287,10 @@ def test_built_once_and_turned_off_by_env(tmp_path):
 
 
 def test_eager_products_take_our_kernel_or_fall_back(monkeypatch):
-    """quantize.linear sends eager CPU products of contiguous fp32 weights up to FP32_KERNEL_MAX_ROWS rows, and of
+    """dense.linear sends eager CPU products of contiguous fp32 weights up to FP32_KERNEL_MAX_ROWS rows, and of
     bf16 ones up to BF16_KERNEL_MAX_ROWS (any number without native bf16), to float_linear; a strided weight (a
     row-parallel shard's view) still multiplies."""
-    from llama.quantization.schemes import FP32_KERNEL_MAX_ROWS, linear
+    from llama.kernels.dense import BF16_KERNEL_MAX_ROWS, FP32_KERNEL_MAX_ROWS, linear
 
     torch.manual_seed(0)
     w = torch.randn(24, 64)
@@ -302,15 +302,13 @@ def test_eager_products_take_our_kernel_or_fall_back(monkeypatch):
             assert torch.equal(linear(x, w), torch.ops.llama_cpu.float_linear(x, w))
     # bf16: our kernel up to BF16_KERNEL_MAX_ROWS rows (a decode step, a short prompt); past that, oneDNN's GEMM
     # where the CPU has bf16 dot products (cpu_kernels.onednn_bf16()), our kernel where it has not.
-    from llama.quantization import schemes as quantize
-
     float_linear, wb, calls = cpu_kernels.float_linear, w.bfloat16(), []
     monkeypatch.setattr(cpu_kernels, "float_linear", lambda *a: calls.append(1) or float_linear(*a))
-    for rows in (1, quantize.BF16_KERNEL_MAX_ROWS, quantize.BF16_KERNEL_MAX_ROWS + 1, 64):
+    for rows in (1, BF16_KERNEL_MAX_ROWS, BF16_KERNEL_MAX_ROWS + 1, 64):
         x = torch.randn(rows, 64).bfloat16()
         calls.clear()
         y = linear(x, wb)
-        assert len(calls) == (0 if rows > quantize.BF16_KERNEL_MAX_ROWS and cpu_kernels.onednn_bf16() else 1), rows
+        assert len(calls) == (0 if rows > BF16_KERNEL_MAX_ROWS and cpu_kernels.onednn_bf16() else 1), rows
         torch.testing.assert_close(y.float(), x.float() @ wb.float().T, rtol=1e-2, atol=2e-2)
     strided = torch.randn(24, 128)[:, ::2]
     x = torch.randn(2, 64)

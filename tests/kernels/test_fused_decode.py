@@ -6,8 +6,8 @@ import torch
 from test_model import random_model
 
 from llama.kernels import cpu as cpu_kernels
-from llama.kernels import fused_decode
-from llama.quantization import schemes as quantize
+from llama.kernels import dense, fused_decode
+from llama.layers import linear_layers
 from llama.quantization.int4 import quantize_int4
 from llama.quantization.schemes import quantize_int8, quantize_int8_dynamic
 
@@ -87,23 +87,23 @@ def test_batch_rows_equal_solo_steps():
 
 
 def test_routes_follow_the_products(monkeypatch):
-    """route() says 'our kernel' exactly where quantize.product calls it: a product that goes elsewhere (oneDNN past
+    """route() says 'our kernel' exactly where the layer's product calls it: a product that goes elsewhere (oneDNN past
     the row limits, PyTorch's int8 kernel, fp32 past a few rows) keeps the layer-by-layer step."""
     calls = []
     for name in ("float_linear", "int4_linear", "int8_linear"):
         real = getattr(torch.ops.llama_cpu, name)
         monkeypatch.setattr(torch.ops.llama_cpu, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a),
                             raising=False)
-    cases = [("none", torch.float32, 1), ("none", torch.float32, quantize.FP32_KERNEL_MAX_ROWS + 1),
-             ("none", torch.bfloat16, 1), ("none", torch.bfloat16, quantize.BF16_KERNEL_MAX_ROWS + 1),
+    cases = [("none", torch.float32, 1), ("none", torch.float32, dense.FP32_KERNEL_MAX_ROWS + 1),
+             ("none", torch.bfloat16, 1), ("none", torch.bfloat16, dense.BF16_KERNEL_MAX_ROWS + 1),
              ("int4", torch.float32, 2), ("int4", torch.float32, cpu_kernels.QUANT_KERNEL_MAX_ROWS + 1),
              ("int8-dynamic", torch.float32, cpu_kernels.QUANT_KERNEL_MAX_ROWS + 1), ("int8", torch.bfloat16, 1)]
     for scheme, dtype, rows in cases:
         model = model_in(scheme, False, dtype)
-        for linear in quantize.linear_layers(model.layers):
+        for linear in linear_layers(model.layers):
             x = torch.randn(rows, 1, linear.in_features).to(dtype)
             calls.clear()
-            quantize.product(linear, x)
+            linear(x)
             ours = bool(calls)
             assert (fused_decode.route(linear, rows, dtype) is not None) == ours, (scheme, dtype, rows)
 
@@ -167,3 +167,13 @@ def test_kept_arguments_follow_changes_to_the_model(monkeypatch):
         with monkeypatch.context() as patch:
             patch.setattr(fused_decode, "run", lambda *a, **k: None)
             assert torch.equal(got, step(want_model)), i
+
+
+def test_importing_the_package_installs_no_global_hooks():
+    """The kept arguments are forgotten explicitly (fused_decode.forget), not by process-wide module hooks."""
+    import llama  # noqa: F401
+    from torch.nn.modules import module as nn_module
+
+    for name in ("_global_parameter_registration_hooks", "_global_buffer_registration_hooks",
+                 "_global_module_registration_hooks"):
+        assert not getattr(nn_module, name), name

@@ -21,6 +21,7 @@ from llama.model import ColumnLinear, ModelArgs, RowLinear
 from llama.quantization.cli import main as quantize_main
 from llama.quantization.cli import quantize_checkpoint
 from llama.quantization.int4 import (
+    Int4,
     dequantize_codes,
     importance,
     int4_linear,
@@ -115,7 +116,8 @@ def test_every_linear_layer_is_int4_and_rows_are_independent():
     quantize_int4(model, 32)
     linears = [m for m in model.modules() if isinstance(m, (ColumnLinear, RowLinear))]
     assert len(linears) == 2 * 4 + 1
-    assert all(m.weight.dtype == torch.uint8 and m.scales.dim() == 3 for m in linears)
+    assert all(isinstance(m.method, Int4) and m.weight.dtype == torch.uint8 and m.scales.dim() == 3
+               for m in linears)
     got = model(tokens, 0)
     assert (got - ref).abs().mean() < 0.5 * ref.abs().mean()  # 4 bits on a random, chaotic model: 0.32 measured
     for i in range(3):
@@ -185,12 +187,16 @@ def test_cli_checkpoint_loads_to_the_same_logits_as_quantizing_at_load(small_ckp
     verify_checklist(out)
     state = torch.load(out / "consolidated.00.pth", weights_only=True, mmap=True)
     assert state["layers.0.attention.wq.weight"].dtype == (torch.uint8 if scheme == "int4" else torch.int8)
-    assert torch.equal(_logits(out), _logits(small_ckpt, scheme))
+    assert torch.equal(_logits(out, scheme), _logits(small_ckpt, scheme))
     with pytest.raises(ValueError, match="cannot be applied"):
         _logits(out, "int8" if scheme == "int4" else "int4")
     if scheme == "int8":  # the stored codes, multiplied with int8 activations: close to weight-only, not equal
-        weight_only, dynamic = _logits(out).float(), _logits(out, "int8-dynamic").float()
+        weight_only, dynamic = _logits(out, "int8").float(), _logits(out, "int8-dynamic").float()
         assert 0 < (dynamic - weight_only).norm() / weight_only.norm() < 0.03
+        # asked for nothing: the fastest int8 kernel here (int8-dynamic where our kernels run, else weight-only)
+        assert torch.equal(_logits(out).float(), dynamic if cpu_kernels.available() else weight_only)
+    else:
+        assert torch.equal(_logits(out), _logits(small_ckpt, scheme))
 
 
 def test_cli_refusals(small_ckpt, tmp_path, capsys):

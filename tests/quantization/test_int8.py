@@ -12,16 +12,18 @@ from test_model import random_model
 from llama import Llama
 from llama.kernels import cpu as cpu_kernels
 from llama.model import ColumnLinear, RowLinear
-from llama.quantization.schemes import (
+from llama.quantization.int8 import (
     ACT_HALF_RANGE,
     ACT_ZERO_POINT,
+    Int8Dynamic,
+    Int8DynamicOneDNN,
+    Int8WeightOnly,
     dequantize_weight,
     dynamic_int8_linear,
-    quantize_int8,
-    quantize_int8_dynamic,
     quantize_rows,
     quantize_weight,
 )
+from llama.quantization.schemes import quantize_int8, quantize_int8_dynamic
 
 
 def test_quantize_weight_error_is_half_a_step():
@@ -42,7 +44,8 @@ def test_every_linear_layer_is_quantized_and_logits_stay_close():
     quantize_int8(model)
     linears = [m for m in model.modules() if isinstance(m, (ColumnLinear, RowLinear))]
     assert len(linears) == 2 * 4 + 1  # per layer wqkv, wo, w13, w2; plus the output
-    assert all(m.weight.dtype == torch.int8 and m.scales.dtype == torch.bfloat16 for m in linears)
+    assert all(isinstance(m.method, Int8WeightOnly) and m.weight.dtype == torch.int8
+               and m.scales.dtype == torch.bfloat16 for m in linears)
     assert model.tok_embeddings.weight.dtype == torch.bfloat16
     got = model(tokens, 0)
     assert (got - ref).abs().mean() < 0.08 * ref.abs().mean()  # a random, chaotic model: 0.034 measured
@@ -139,12 +142,12 @@ def test_int8_dynamic_replaces_every_weight():
     linears = [m for m in model.modules() if isinstance(m, (ColumnLinear, RowLinear))]
     assert len(linears) == 2 * 4 + 1
     for m in linears:  # our kernel's plain int8 codes where the input size allows, else oneDNN's packed copy
-        if getattr(m, "int8_dynamic", False):
+        if isinstance(m.method, Int8Dynamic):
             assert m.weight.dtype == torch.int8 and m.packed is None and m.weight.shape[1] % 32 == 0
         else:
-            assert m.weight is None and m.packed is not None
+            assert isinstance(m.method, Int8DynamicOneDNN) and m.weight is None and m.packed is not None
         assert m.scales.dtype == torch.float32
-    assert any(getattr(m, "int8_dynamic", False) for m in linears) == cpu_kernels.available()
+    assert any(isinstance(m.method, Int8Dynamic) for m in linears) == cpu_kernels.available()
     got = model(tokens, 0)
     assert (got - ref).abs().mean() < 0.08 * ref.abs().mean()
     quantize_int8_dynamic(model)  # a second call leaves the layers alone
@@ -178,3 +181,99 @@ def test_build_int8_dynamic_follows_fp32_and_batch_equals_solo(stories_dir, gold
     for got, g in zip(out, goldens.values()):
         assert got[:12] == g["generated_tokens"][:12]
     assert [llama.generate([p], max_gen_len=128, temperature=0)[0][0] for p in prompts] == out
+
+
+# ------------------------------------------------------------------------------------------- stored checkpoints
+STORED = textwrap.dedent("""
+    import sys
+    import torch
+    from llama import Llama
+
+    ckpt, tok, quantize, out = sys.argv[1:]
+    llama = Llama.build(ckpt, tok, 32, 2, quantize=None if quantize == "none" else quantize, compile=False)
+    tokens = torch.randint(3, 512, (2, 9), generator=torch.Generator().manual_seed(0))
+    torch.save({"method": type(llama.model.layers[0].attention.wqkv.method).__name__,
+                "output": type(llama.model.output.method).__name__, "logits": llama.model(tokens, 0)}, out)
+""")
+
+
+@pytest.fixture(scope="module")
+def stored_int8(tmp_path_factory):
+    """A random checkpoint (dims multiples of 32) written by `python -m llama.quantize --scheme int8`."""
+    from conftest import STORIES, need
+
+    from llama.formats.demo import write_random_checkpoint
+    from llama.quantization.cli import quantize_checkpoint
+
+    d = tmp_path_factory.mktemp("stored")
+    params = {"dim": 128, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 64, "vocab_size": 512}
+    src = write_random_checkpoint(d / "float", params, seed=3, std=0.05)
+    quantize_checkpoint(src, d / "int8", "int8", progress=False)
+    return d / "int8", str(need(STORIES / "tokenizer.model"))
+
+
+def _stored(tmp_path, ckpt, tok, quantize, **env):
+    """(wqkv's method name, output's method name, logits) of a build in a fresh process (the kernels' switch is
+    read once per process)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO, error_lines
+
+    script, out = tmp_path / "stored.py", tmp_path / f"{quantize}.pt"
+    script.write_text(STORED)
+    proc = subprocess.run([sys.executable, str(script), str(ckpt), tok, quantize, str(out)], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get(
+                              "PYTHONPATH")])), **env}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, error_lines(proc.stderr)
+    got = torch.load(out)
+    return got["method"], got["output"], got["logits"]
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="llama's CPU kernels are not available here")
+def test_a_stored_int8_checkpoint_loads_as_int8_dynamic_by_default(stored_int8):
+    """With no quantize=, stored int8 weights run the fastest int8 kernel (our int8-dynamic one), bitwise an
+    explicit quantize="int8-dynamic" build; quantize="int8" still means weight-only."""
+    from llama.quantization.int8 import Int8Dynamic
+
+    ckpt, tok = stored_int8
+    tokens = torch.randint(3, 512, (2, 9), generator=torch.Generator().manual_seed(0))
+    plain = Llama.build(str(ckpt), tok, 32, 2, compile=False).model
+    assert all(isinstance(m.method, Int8Dynamic) for m in plain.modules() if isinstance(m, (ColumnLinear, RowLinear)))
+    assert plain.norm.weight.dtype == torch.float32  # int8-dynamic's activations, not weight-only's bf16
+    explicit = Llama.build(str(ckpt), tok, 32, 2, quantize="int8-dynamic", compile=False).model
+    assert torch.equal(plain(tokens, 0), explicit(tokens, 0))
+    weight_only = Llama.build(str(ckpt), tok, 32, 2, quantize="int8", compile=False).model
+    assert isinstance(weight_only.output.method, Int8WeightOnly) and weight_only.norm.weight.dtype == torch.bfloat16
+
+
+def test_a_stored_int8_checkpoint_stays_weight_only_without_our_kernels(stored_int8, tmp_path):
+    """LLAMA_CPU_KERNELS=0 (as on a CPU without AVX2): weight-only int8, as before, whether asked for or not."""
+    ckpt, tok = stored_int8
+    plain = _stored(tmp_path, ckpt, tok, "none", LLAMA_CPU_KERNELS="0")
+    assert plain[:2] == ("Int8WeightOnly", "Int8WeightOnly")
+    explicit = _stored(tmp_path, ckpt, tok, "int8", LLAMA_CPU_KERNELS="0")
+    assert explicit[:2] == plain[:2] and torch.equal(explicit[2], plain[2])
+
+
+def test_linear_layers_hold_their_method_and_the_model_imports_no_quantization():
+    """A layer's scheme is the method it holds (set by quantization, never inferred from tensor shapes), and
+    llama/model.py and llama/layers.py know nothing of the quantization package."""
+    import ast
+    from pathlib import Path
+
+    import llama.layers
+    import llama.model
+    from llama.layers import Unquantized
+
+    for module in (llama.model, llama.layers):
+        tree = ast.parse(Path(module.__file__).read_text())
+        imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        assert not [m for m in imported if m.startswith("llama.quantization")], module.__name__
+    model = random_model().fuse()
+    linears = [m for m in model.modules() if isinstance(m, (ColumnLinear, RowLinear))]
+    assert all(isinstance(m.method, Unquantized) for m in linears)
+    quantize_int8(model)
+    assert all(isinstance(m.method, Int8WeightOnly) for m in linears)
