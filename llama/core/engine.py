@@ -50,7 +50,7 @@ class Engine:
         self._released = threading.Event()  # set once close() is done; ends serve_forever on rank 0
         self._role, self._group, self._src = "single", None, 0
         execution = self.core.runner.execution
-        if execution.lockstep is not None:  # pipeline stages: every rank of the job, led by rank 0
+        if execution.lockstep is not None:  # tensor parallel: its group; pipeline stages: every rank, led by 0
             self._group, self._src = execution.lockstep
             self._role = "leader" if dist.get_rank() == self._src else "follower"
         self._pipe = None  # the groups whose steps overlap (rank 0 of a pipeline job)

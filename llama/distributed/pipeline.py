@@ -201,6 +201,8 @@ class PipelineTransformer(Transformer):
         """Transformer.forward, plus where the logits go (logits_to: "all", "last" or "first", see the module
         docstring) and deferred (the pipelined engine: sampling logits come back as a Pending, sends go to the
         outbox)."""
+        if logits_to not in ("all", "last", "first"):
+            raise ValueError(f"logits_to must be 'all', 'last' or 'first', got {logits_to!r}")
         B, T = tokens.shape
         cos, sin, start, positions, rows, kv_len, mask = self.layer_inputs(tokens, start_pos, rows, kv_len)
         pending, outputs = [], []
