@@ -15,8 +15,9 @@ from llama.core.kv_cache import KVCache
 from llama.core.params import SamplingParams
 from llama.core.prefix import Prefix
 from llama.core.request import BatchError, Request
-from llama.core.runner import Runner
+from llama.core.runner import Execution, Runner
 from llama.core.session import ChatSession
+from llama.distributed import parallel, pipeline
 from llama.formats import loader
 from llama.sample.sampling import sample_top_p, token_logprobs
 from llama.tokenizer import Tokenizer
@@ -38,6 +39,14 @@ class ChatPrediction(TypedDict, total=False):
     generation: Message
     tokens: List[str]  # not required
     logprobs: List[float]  # not required
+
+
+def execution_for(model) -> Execution:
+    """How the runner's passes run across ranks: a pipeline stage's own strategy, else one stage whose engine
+    replays its steps on the tensor-parallel ranks (if any)."""
+    if isinstance(model, pipeline.PipelineTransformer):
+        return pipeline.PipelineExecution(model)
+    return Execution(lockstep=parallel.lockstep_group())
 
 
 class Llama:
@@ -99,7 +108,7 @@ class Llama:
         ref = model.norm.weight
         self.cache = KVCache(model, max_batch_size, max_seq_len, dtype=ref.dtype, device=ref.device)
         self.device = self.cache.device
-        self.runner = Runner(model, self.cache, compiled)
+        self.runner = Runner(model, self.cache, compiled, execution_for(model))
         self.inputs = RequestBuilder(tokenizer, self.formatter, max_seq_len, model.vocab_size)
         self.core = DecodeCore(self.runner, self.inputs.settle, max_batch_size, max_seq_len)
 

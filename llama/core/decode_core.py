@@ -7,7 +7,8 @@ from concurrent.futures import CancelledError
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 from llama.core.request import Request
-from llama.core.runner import Plan, Runner
+from llama.core.plan import FORWARD, Plan
+from llama.core.runner import Runner
 from llama.core.scheduler import Scheduler
 
 
@@ -58,7 +59,7 @@ class DecodeCore:
                 except Exception as e:
                     self._fail(sched, e)
             sched.stats["steps"] += 1
-            sched.stats["forwards"] += sum(op["kind"] in ("prefill", "decode") for op in plan.ops)
+            sched.stats["forwards"] += sum(isinstance(op, FORWARD) for op in plan.ops)
         if publish:
             for r, text in deltas:
                 r.put(text)

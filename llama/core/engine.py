@@ -7,13 +7,13 @@ overwrite the slots of running requests.
 
 Model parallel (world size > 1): rank 0 of each model-parallel group owns the queue, plans every step and
 broadcasts the step's ops; the other ranks call `serve_forever()`, which replays them until rank 0 calls
-`close()`. With pipeline stages (llama/distributed/pipeline.py) global rank 0 leads every rank of the job, and the last
-stage's logits reach it through the pipeline's forward pass. Sampling and text happen on rank 0 only; its RNG
-state is broadcast on close so later calls agree across ranks.
+`close()`. With pipeline stages global rank 0 leads every rank of the job, and the last stage's logits reach it
+through the pipeline's forward pass. Sampling and text happen on rank 0 only; its RNG state is broadcast on close
+so later calls agree across ranks. Which ranks replay the steps is the runner's Execution (llama/core/runner.py).
 
 Overlap (pipeline stages, on by default): the slots are split into one group per stage, whose steps are in flight
-at once so the stages work on different groups at the same time (llama/distributed/pipeline_engine.py). Only rank 0 decides:
-its first message moves the other ranks onto that protocol.
+at once so the stages work on different groups at the same time (the pipeline's Execution.overlap). Only rank 0
+decides: its first message moves the other ranks onto that protocol.
 """
 
 import threading
@@ -24,8 +24,6 @@ import torch
 import torch.distributed as dist
 
 from llama.core.request import Request
-from llama.distributed import parallel
-from llama.distributed.pipeline_engine import Pipelined, follow
 
 
 class EngineStopped(RuntimeError):
@@ -51,14 +49,13 @@ class Engine:
         self.error: Optional[BaseException] = None  # what stopped the engine's thread, if something did
         self._released = threading.Event()  # set once close() is done; ends serve_forever on rank 0
         self._role, self._group, self._src = "single", None, 0
-        lockstep = parallel.lockstep_group()  # pipeline stages: every rank of the job, led by rank 0
-        if lockstep is not None:
-            self._group, self._src = lockstep
+        execution = self.core.runner.execution
+        if execution.lockstep is not None:  # tensor parallel: its group; pipeline stages: every rank, led by 0
+            self._group, self._src = execution.lockstep
             self._role = "leader" if dist.get_rank() == self._src else "follower"
-        stages = parallel.pipeline_parallel_size()
         self._pipe = None  # the groups whose steps overlap (rank 0 of a pipeline job)
-        if self._role == "leader" and stages > 1 and overlap is not False:
-            self._pipe = Pipelined(self.core, prefill_chunk, stages)
+        if self._role == "leader" and overlap is not False:
+            self._pipe = execution.overlap(self.core, prefill_chunk)
         self.groups = self._pipe.groups if self._pipe else [self.core.scheduler(prefill_chunk)]
         self.scheduler = self.groups[0]
         if self._role == "leader":  # its idle heartbeats keep the other ranks' broadcast from timing out
@@ -154,7 +151,7 @@ class Engine:
             msg = self._broadcast(None)
             if "pipelined" in msg:  # rank 0 overlaps steps: follow its point-to-point messages until it stops
                 with self.llama.cache.lock:
-                    msg = {"stop": follow(self.core.runner, msg["pipelined"])}
+                    msg = {"stop": self.core.runner.execution.follow(self.core.runner, msg["pipelined"])}
             if "stop" in msg:
                 torch.set_rng_state(msg["stop"]["cpu"])
                 if "cuda" in msg["stop"] and torch.cuda.is_available():

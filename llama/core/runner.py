@@ -1,35 +1,62 @@
 """The runner: turns a step's plan into forward passes and cache copies, then samples and advances every request
 that got logits. It holds the only calls of the model's forward pass that decode, and the compile policy: a
 one-token step runs through the compiled decode graph when it is ready (llama/compilation/compiled_decode.py), else eagerly.
+
+How the passes run across ranks is the Execution it is built with: the default is one stage (a single process,
+or tensor-parallel ranks that all get the logits and sample alike). Pipeline stages bring their own (built by the
+facade), so the core never imports them.
 """
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from llama.compilation.compiled_decode import CompiledDecode, bucket
 from llama.core.kv_cache import KVCache
+from llama.core.plan import CopyRows, Decode, LoadPrefix, Op, Plan, Prefill
 from llama.core.request import Request
-from llama.distributed.pipeline import Pending
 from llama.sample.sampling import RowSampler, prompt_top_entries, token_logprobs
 
 
-@dataclass
-class Plan:
-    """One step: `ops` in order (what model-parallel followers replay), and which requests they serve."""
+class Execution:
+    """One stage: every forward pass returns its logits on this rank, and this rank samples them itself.
 
-    ops: List[Dict] = field(default_factory=list)
-    prefill: List[Tuple[Request, int, int]] = field(default_factory=list)  # (request, start, length), in op order
-    twins: List[Tuple[Request, Request]] = field(default_factory=list)  # (request, the source it copies)
-    decoding: List[Request] = field(default_factory=list)
+    The methods are what another layout (pipeline stages) changes: where a pass's logits go, how the sampled
+    tokens reach every rank, and, for the engine, which ranks replay its steps and whether steps overlap.
+    lockstep: (process group, source rank) over which the engine's leader broadcasts each step's ops to the
+    ranks that replay them (tensor parallel), or None when this process runs alone.
+    """
 
+    def __init__(self, lockstep: Optional[Tuple[object, int]] = None):
+        self.lockstep = lockstep
 
-def resolve(outs: List) -> List:
-    """Ops' outputs with every deferred one (a pipeline stage's Pending logits) waited for, in order."""
-    return [o.result() if isinstance(o, Pending) else o for o in outs]
+    def route(self, sampling: bool) -> Dict[str, object]:
+        """Extra keyword arguments of a forward pass: sampling passes' logits are read only by sampling."""
+        return {}
+
+    def share(self, draw: Callable[[], tuple]) -> tuple:
+        """draw() (tokens, log-probabilities, alternatives, failures): here, this rank draws its own."""
+        return draw()
+
+    def resolve(self, outs: List) -> List:
+        """Ops' outputs, with any that are still on their way waited for, in order."""
+        return outs
+
+    @contextmanager
+    def leader_samples(self, deferred: bool = False) -> Iterator[None]:
+        """While the engine serves, its leader samples every request (deferred: it launches a step's passes
+        before an earlier step's logits are back)."""
+        yield
+
+    def overlap(self, core, prefill_chunk: int):
+        """The engine leader's overlapping groups of slots, or None: one step at a time."""
+        return None
+
+    def follow(self, runner: "Runner", depth: int) -> dict:
+        """A follower's side of overlap(): replay the leader's steps until it stops; its stop message."""
+        raise RuntimeError("this layout has no overlapping engine steps to follow")
 
 
 def _name(proc) -> str:
@@ -37,67 +64,52 @@ def _name(proc) -> str:
 
 
 class Runner:
-    def __init__(self, model, cache: KVCache, compiled: Optional[CompiledDecode] = None):
+    def __init__(self, model, cache: KVCache, compiled: Optional[CompiledDecode] = None,
+                 execution: Optional[Execution] = None):
         self.model, self.cache, self.compiled = model, cache, compiled
+        self.execution = Execution() if execution is None else execution
         self.device = cache.device
         self._sampler: Optional[Tuple[List[Request], RowSampler]] = None
-        # Pipeline stages (llama/distributed/pipeline.py): the last stage samples and shares the tokens, except under the
-        # engine, whose rank 0 samples (leader_samples).
-        self.staged = self.share_samples = callable(getattr(model, "share_samples", None))
+        self._ops = {LoadPrefix: self._load, CopyRows: self._copy, Prefill: self._prefill, Decode: self._decode}
 
-    @contextmanager
     def leader_samples(self, deferred: bool = False):
-        """While the engine serves: its leader samples every request, so the last pipeline stage sends the logits to
-        the first stage, where the leader is. deferred (the pipelined engine): the first stage's sampling passes
-        return a Pending that complete() waits on, so a step's passes can be launched before the last one's
-        logits are back."""
-        shared, self.share_samples = self.share_samples, False
-        if self.staged:
-            self.model.deferred = deferred
-        try:
-            yield
-        finally:
-            self.share_samples = shared
-            if self.staged:
-                self.model.deferred = False
+        """While the engine serves: its leader samples every request (see Execution.leader_samples)."""
+        return self.execution.leader_samples(deferred)
 
     def _sampling_pass(self, *args, **kwargs) -> torch.Tensor:
-        """A forward pass whose logits only sampling reads: on pipeline stages they stay on the last stage (shared
-        samples) or go to the first (the engine's leader samples)."""
-        if not self.staged:
-            return self.model(*args, **kwargs)
-        self.model.logits_to = "last" if self.share_samples else "first"
-        try:
-            return self.model(*args, **kwargs)
-        finally:
-            self.model.logits_to = "all"
+        """A forward pass whose logits only sampling reads (on pipeline stages they need not reach every rank)."""
+        return self.model(*args, **kwargs, **self.execution.route(sampling=True))
+
+    def _full_pass(self, *args, **kwargs) -> torch.Tensor:
+        """A forward pass whose logits every rank reads."""
+        return self.model(*args, **kwargs, **self.execution.route(sampling=False))
 
     # ------------------------------------------------------------------------------------------ forward passes
     @torch.inference_mode()  # also what lets Inductor freeze the weights into the compiled graph
-    def execute(self, ops: List[Dict]) -> List[Optional[torch.Tensor]]:
+    def execute(self, ops: List[Op]) -> List[Optional[torch.Tensor]]:
         return [self._op(op) for op in ops]
 
-    def _op(self, op: Dict) -> Optional[torch.Tensor]:
-        kind = op["kind"]
-        if kind == "copy":
-            self.cache.copy_rows(op["src"], op["dst"], op["length"])
-        elif kind == "load":
-            self.cache.load(self.cache.prefix(op["prefix"]).kv, op["slot"], op["length"])
-        elif kind == "prefill":
-            dev = self.device
-            start = op["start"] if isinstance(op["start"], int) else torch.tensor(op["start"], device=dev)
-            slots = None if op["slots"] == list(range(len(op["slots"]))) else torch.tensor(op["slots"], device=dev)
-            last = None if op["last"] is None else torch.tensor(op["last"], device=dev)
-            forward = self.model if last is None else self._sampling_pass
-            return forward(torch.tensor(op["tokens"], device=dev), start, rows=slots, logit_index=last,
-                           kv_len=op["kv_len"])
-        elif kind == "decode":
-            return self._decode(op["tokens"], op["pos"], op["slots"], op.get("base", 0))
-        else:
-            raise ValueError(f"unknown op {kind!r}")
-        return None
+    def _op(self, op: Op) -> Optional[torch.Tensor]:
+        run = self._ops.get(type(op))
+        if run is None:
+            raise TypeError(f"unknown op {op!r}: expected one of {', '.join(c.__name__ for c in self._ops)}")
+        return run(op)
 
-    def _decode(self, tokens: List[int], pos: List[int], active: List[int], base: int = 0) -> torch.Tensor:
+    def _copy(self, op: CopyRows) -> None:
+        self.cache.copy_rows(op.src, op.dst, op.length)
+
+    def _load(self, op: LoadPrefix) -> None:
+        self.cache.load(self.cache.prefix(op.prefix).kv, op.row, op.length)
+
+    def _prefill(self, op: Prefill) -> torch.Tensor:
+        dev = self.device
+        start = op.start if isinstance(op.start, int) else torch.tensor(op.start, device=dev)
+        rows = None if op.rows == list(range(len(op.rows))) else torch.tensor(op.rows, device=dev)
+        last = None if op.last is None else torch.tensor(op.last, device=dev)
+        forward = self._full_pass if last is None else self._sampling_pass
+        return forward(torch.tensor(op.tokens, device=dev), start, rows=rows, logit_index=last, kv_len=op.kv_len)
+
+    def _decode(self, op: Decode) -> torch.Tensor:
         """Logits (rows, V) of one token per slot, rows indexed by slot (slot s in cache row base + s).
 
         Eager, the step spans slots 0..highest active. Compiled on CPU too, rounded up to its graph's batch size (a
@@ -108,7 +120,8 @@ class Runner:
         eager step's time counts toward compiling the graph of its size.
         """
         dev, c = self.device, self.compiled
-        width = max(active) + 1
+        tokens, pos, base = op.tokens, op.pos, op.base
+        width = max(op.active) + 1
         size = len(tokens)  # the graph's batch: slots 0..size-1
         if not getattr(c, "cuda", False):
             size = min(bucket(width, self.model.max_batch_size), size)
@@ -128,7 +141,7 @@ class Runner:
         """Every position's logits (B, T, V) of token lists placed in slots 0..B-1 from position 0 (scoring and
         prefixes; right-padded, so only each list's own positions mean anything)."""
         width = max(map(len, batch))
-        return self.model(torch.tensor([s + [0] * (width - len(s)) for s in batch], device=self.device), 0)
+        return self._full_pass(torch.tensor([s + [0] * (width - len(s)) for s in batch], device=self.device), 0)
 
     # ------------------------------------------------------------------------------------------ one step
     def run(self, plan: Plan) -> List[Tuple[Request, str]]:
@@ -139,15 +152,15 @@ class Runner:
     def complete(self, plan: Plan, outs: List) -> List[Tuple[Request, str]]:
         """The second half of run(): wait for deferred logits (in op order, as the pipeline's other first-stage
         ranks do), then sample and advance."""
-        outs = resolve(outs)
+        outs = self.execution.resolve(outs)
         ready: List[Tuple[Request, torch.Tensor]] = []
         jobs = iter(plan.prefill)
         for op, out in zip(plan.ops, outs):
-            if op["kind"] != "prefill":
+            if not isinstance(op, Prefill):
                 continue
-            for i in range(len(op["slots"])):
+            for i in range(len(op.rows)):
                 r, s, c = next(jobs)
-                if op["last"] is None:  # every position's logits: some request echoes its prompt's scores
+                if op.last is None:  # every position's logits: some request echoes its prompt's scores
                     if r.params.scores_prompt:
                         end = min(s + c + 1, len(r.prompt))
                         r.prompt_logprobs = r.prompt_logprobs + token_logprobs(out[i, :c], r.prompt[s:end])
@@ -172,13 +185,10 @@ class Runner:
 
     def sample(self, ready: List[Tuple[Request, torch.Tensor]]) -> List[Tuple[Request, str]]:
         reqs = [r for r, _ in ready]
-        if self.share_samples:  # drawn on the last pipeline stage, the same tokens and failures on every rank
-            tokens, lps, tops, failed = self.model.share_samples(lambda: self._draw(ready))
-            for b, message in failed.items():
-                if reqs[b].error is None:
-                    reqs[b].fail(ValueError(message))
-        else:
-            tokens, lps, tops, failed = self._draw(ready)
+        tokens, lps, tops, failed = self.execution.share(lambda: self._draw(ready))
+        for b, message in failed.items():  # drawn on another rank (a pipeline's last stage): fail them here too
+            if reqs[b].error is None:
+                reqs[b].fail(ValueError(message))
         deltas = []
         for b, r in enumerate(reqs):
             if b not in failed:

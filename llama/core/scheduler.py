@@ -4,12 +4,12 @@ A step admits waiting requests into free cache slots, loads their prefix's cache
 lower free slots when no one waits (so the decode pass reads slots 0..B-1 in place), hands out at most
 `prefill_chunk` prompt tokens (oldest requests first, so one long prompt does not stall everyone else), copies a
 finished prompt's cache to its twins (the n samples of one prompt are prefilled once), and decodes one token for
-every request that has one to feed. It computes nothing itself: the plan's ops are plain lists and numbers, so
-model-parallel rank 0 can broadcast them to the other ranks.
+every request that has one to feed. It computes nothing itself: the plan's ops (llama/core/plan.py) are plain
+data, so model-parallel rank 0 can send them to the other ranks.
 
 A scheduler may own a range of the cache's slots that starts past 0 (`base`): the pipelined engine runs one
-scheduler per group of slots (llama/distributed/pipeline_engine.py). Requests keep slot numbers local to their scheduler; the
-ops name the cache's rows.
+scheduler per group of slots. Requests keep slot numbers local to their scheduler; the ops name the cache's
+rows.
 """
 
 import itertools
@@ -17,7 +17,7 @@ from collections import deque
 from typing import Iterable, List, Optional
 
 from llama.core.request import Request
-from llama.core.runner import Plan
+from llama.core.plan import CopyRows, Decode, LoadPrefix, Plan, Prefill
 
 
 class Scheduler:
@@ -93,7 +93,7 @@ class Scheduler:
         if r.prefix is not None:  # the prompt continues a Llama.prefill() prefix: load its positions
             n = r.prefix.reusable(r.prompt)
             if n:
-                plan.ops.append({"kind": "load", "prefix": r.prefix.id, "slot": self.base + s, "length": n})
+                plan.ops.append(LoadPrefix(prefix=r.prefix.id, row=self.base + s, length=n))
                 if r.params.scores_prompt:
                     r.prompt_logprobs = r.prefix.prompt_logprobs(r.prompt, n)
             r.prefilled = r.reused = n
@@ -130,7 +130,7 @@ class Scheduler:
             length = max(length, r.next_pos if r.feed is not None else r.prefilled)
         if src and length:
             self.stats["moves"] += len(src)
-            plan.ops.append({"kind": "copy", "src": self._rows(src), "dst": self._rows(dst), "length": length})
+            plan.ops.append(CopyRows(src=self._rows(src), dst=self._rows(dst), length=length))
 
     def _plan_prefill(self, plan: Plan) -> None:
         """Prompt chunks for this step, oldest requests first, prefill_chunk tokens in all; twins whose source has
@@ -158,11 +158,10 @@ class Scheduler:
                 budget -= c
         plan.ops += self._prefill_ops(plan.prefill)
         for r, src in twins:
-            plan.ops.append({"kind": "copy", "src": self._rows([src.slot]), "dst": self._rows([r.slot]),
-                             "length": len(r.prompt)})
+            plan.ops.append(CopyRows(src=self._rows([src.slot]), dst=self._rows([r.slot]), length=len(r.prompt)))
         plan.twins = twins
 
-    def _prefill_ops(self, jobs: List) -> List[dict]:
+    def _prefill_ops(self, jobs: List) -> List[Prefill]:
         """Padded (rows, width) forward passes; a group's padding never reaches past max_seq_len."""
         groups: List[List] = []
         for job in jobs:
@@ -176,18 +175,17 @@ class Scheduler:
             width = max(c for _, _, c in g)
             starts = [s for _, s, _ in g]
             full = any(r.params.scores_prompt for r, _, _ in g)
-            ops.append({
-                "kind": "prefill",
-                "tokens": [r.prompt[s : s + c] + [0] * (width - c) for r, s, c in g],
-                "start": starts[0] if len(set(starts)) == 1 else starts,
-                "slots": self._rows([r.slot for r, _, _ in g]),
-                "last": None if full else [c - 1 for _, _, c in g],
-                "kv_len": max(starts) + width,
-            })
+            ops.append(Prefill(
+                tokens=[r.prompt[s : s + c] + [0] * (width - c) for r, s, c in g],
+                start=starts[0] if len(set(starts)) == 1 else starts,
+                rows=self._rows([r.slot for r, _, _ in g]),
+                last=None if full else [c - 1 for _, _, c in g],
+                kv_len=max(starts) + width,
+            ))
             self.stats["prefill_tokens"] += sum(c for _, _, c in g)
         return ops
 
-    def _decode_op(self) -> dict:
+    def _decode_op(self) -> Decode:
         """One token for every decoding slot. The runner decodes over slots 0..B-1 in place, so slots in that range
         that are not decoding get a dummy token at a position no one has filled yet (their next prefill position,
         or 0 for a free slot), which is always rewritten before it is read."""
@@ -200,10 +198,7 @@ class Scheduler:
                 active.append(s)
             else:
                 pos[s] = r.prefilled
-        op = {"kind": "decode", "tokens": tokens, "pos": pos, "slots": active}
-        if self.base:  # (ops of a scheduler that starts at row 0 look as they always have)
-            op["base"] = self.base
-        return op
+        return Decode(tokens=tokens, pos=pos, active=active, base=self.base)
 
     def _rows(self, slots: List[int]) -> List[int]:
         """Cache rows of local slot numbers."""

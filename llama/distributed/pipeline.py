@@ -8,11 +8,12 @@ a cache for the layers the model has).
 
 One forward pass (the decode core's, unchanged): every rank of the job runs the same op with the same arguments.
 Stage s receives the hidden states from stage s-1 (point-to-point), runs its layers, sends them to stage s+1;
-the last stage computes the logits. Where they go next (`logits_to`):
+the last stage computes the logits. Where they go next (`logits_to`, an argument of each pass that the runner's
+PipelineExecution picks):
 
 - "last" (the decode core's sampling passes in calls on Llama, which every rank runs): they stay on the last
   stage, which samples and broadcasts only the tokens (with their log-probabilities, failures and, when unseeded
-  sampling drew from it, its RNG state) over its pipeline group (`share_samples`, called by the runner). Every
+  sampling drew from it, its RNG state) over its pipeline group (`share_samples`, through the execution). Every
   rank advances its requests with the same tokens, so the schedulers stay in lockstep, as under tensor parallel.
 - "first" (the engine's sampling passes: its rank 0, on stage 0, samples every request): the last stage sends the
   logits to the first stage only; the stages in between return a placeholder (their engine ranks discard it).
@@ -25,8 +26,12 @@ with T.
 
 Long prefill passes are cut into sequence chunks (micro_batches) sent with isend, so stage s works on chunk j+1
 while stage s+1 works on chunk j. Decode steps overlap through the engine (llama/distributed/pipeline_engine.py): with
-`deferred` set, the first stage's sampling passes return a Pending instead of waiting for the logits, and sends
+`deferred` passes, the first stage's sampling passes return a Pending instead of waiting for the logits, and sends
 are kept in an Outbox instead of being waited for, so the first stage can run another group's step meanwhile.
+
+The decode core knows none of this: the facade builds its Runner with a PipelineExecution, the strategy that picks
+each pass's logits_to and deferred, shares the samples, waits for Pending logits and gives the engine its
+overlapping groups.
 
 Why not torch.distributed.pipelining: it schedules training micro-batches through a stage's forward (and
 backward) with its own shape inference, and owns the loop that drives them. Inference here needs a persistent
@@ -37,15 +42,18 @@ sends inside the model's forward give exactly that, with shapes every rank alrea
 
 import pickle
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from fairscale.nn.model_parallel import initialize as fs_init
 from torch import nn
 
+from llama.core.runner import Execution
 from llama.distributed import parallel
+from llama.distributed.pipeline_engine import Pipelined, follow
 from llama.formats import meta_checkpoint as checkpoint
 from llama.model import ColumnLinear, Embedding, ModelArgs, RMSNorm, Transformer, TransformerBlock, check_model_parallel
 
@@ -184,13 +192,17 @@ class PipelineTransformer(Transformer):
         # versus waiting for another stage. Read by benchmarks/bench_pipeline.py. Host-side clocks: on CUDA they
         # time kernel launches, not kernels, unless CUDA_LAUNCH_BLOCKING=1.
         self.traffic: Dict[str, float] = {"sent_bytes": 0, "messages": 0, "compute_s": 0.0, "wait_s": 0.0}
-        self.logits_to = "all"  # or "last" or "first": see the module docstring (the runner switches it)
-        self.deferred = False  # the pipelined engine: sampling logits come back as a Pending, sends go to the outbox
-        self.outbox = Outbox()
+        self.outbox = Outbox()  # sends of deferred passes, until their engine step is known to be done
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos=0, rows: Optional[torch.Tensor] = None,
-                logit_index: Optional[torch.Tensor] = None, kv_len: Optional[int] = None) -> torch.Tensor:
+                logit_index: Optional[torch.Tensor] = None, kv_len: Optional[int] = None, logits_to: str = "all",
+                deferred: bool = False) -> torch.Tensor:
+        """Transformer.forward, plus where the logits go (logits_to: "all", "last" or "first", see the module
+        docstring) and deferred (the pipelined engine: sampling logits come back as a Pending, sends go to the
+        outbox)."""
+        if logits_to not in ("all", "last", "first"):
+            raise ValueError(f"logits_to must be 'all', 'last' or 'first', got {logits_to!r}")
         B, T = tokens.shape
         cos, sin, start, positions, rows, kv_len, mask = self.layer_inputs(tokens, start_pos, rows, kv_len)
         pending, outputs = [], []
@@ -216,7 +228,7 @@ class PipelineTransformer(Transformer):
                 pending.append(self._send(h, self.stage.ranks[self.stage.index + 1]))
         tic = time.perf_counter()
         for work, part in pending:  # (the sent tensor is kept alive until its send completes)
-            if self.deferred:
+            if deferred:
                 self.outbox.keep(work, part)
             else:
                 work.wait()
@@ -228,12 +240,12 @@ class PipelineTransformer(Transformer):
             self.traffic["compute_s"] += time.perf_counter() - tic
         shape = (B, 1 if logit_index is not None else T, self.vocab_size)
         placeholder = torch.zeros((), device=tokens.device).expand(shape)  # what ranks that do not sample get
-        if self.logits_to == "last":  # the last stage samples and shares the tokens
+        if logits_to == "last":  # the last stage samples and shares the tokens
             return logits if self.stage.last else placeholder
-        if self.logits_to == "first":  # the engine: only its leader, on stage 0, samples
+        if logits_to == "first":  # the engine: only its leader, on stage 0, samples
             if not (self.stage.first or self.stage.last):
                 return placeholder
-            return self._logits_to_first(logits, shape)
+            return self._logits_to_first(logits, shape, deferred)
         return self._share_logits(logits, shape, tokens.device)
 
     def decode_step(self, tokens, pos, rows=None):
@@ -265,19 +277,19 @@ class PipelineTransformer(Transformer):
         self.traffic["wait_s"] += time.perf_counter() - tic
         return h
 
-    def _logits_to_first(self, logits: Optional[torch.Tensor], shape) -> torch.Tensor:
+    def _logits_to_first(self, logits: Optional[torch.Tensor], shape, deferred: bool) -> torch.Tensor:
         """The last stage's logits on the first stage only: each last-stage rank sends its vocabulary slice to its
         first-stage peer, which all-gathers them inside its node."""
         if self.stage.last:
             tic = time.perf_counter()
             work, part = self._send(logits, self.stage.ranks[0])
-            if self.deferred:
+            if deferred:
                 self.outbox.keep(work, part)
             else:
                 work.wait()
             self.traffic["wait_s"] += time.perf_counter() - tic
             return logits
-        if not self.deferred:
+        if not deferred:
             return self._receive(shape, torch.float32, self.stage.ranks[-1])
         part = torch.empty(*shape[:-1], shape[-1] // self.tp, dtype=torch.float32, device=self.norm.weight.device)
         work = dist.irecv(part, self.stage.ranks[-1])
@@ -334,6 +346,46 @@ class PipelineTransformer(Transformer):
         elif rng is not None:
             _set_rng_state(device, rng)
         return result
+
+
+def resolve(outs: List) -> List:
+    """Ops' outputs with every deferred one (Pending logits) waited for, in order."""
+    return [o.result() if isinstance(o, Pending) else o for o in outs]
+
+
+class PipelineExecution(Execution):
+    """How the runner's passes run on pipeline stages. Calls on Llama (every rank runs them): the last stage samples
+    and shares the tokens. Under the engine (leader_samples), its rank 0 on the first stage samples: sampling
+    passes send their logits there, deferred while steps overlap."""
+
+    def __init__(self, model: PipelineTransformer):
+        super().__init__(lockstep=(None, 0))  # the engine: every rank of the job, led by global rank 0
+        self.model, self.stage, self.outbox = model, model.stage, model.outbox
+        self.leader, self.deferred = False, False
+
+    def route(self, sampling: bool) -> Dict[str, object]:
+        logits_to = ("first" if self.leader else "last") if sampling else "all"
+        return {"logits_to": logits_to, "deferred": self.deferred}
+
+    def share(self, draw: Callable[[], tuple]) -> tuple:
+        return draw() if self.leader else self.model.share_samples(draw)
+
+    def resolve(self, outs: List) -> List:
+        return resolve(outs)
+
+    @contextmanager
+    def leader_samples(self, deferred: bool = False) -> Iterator[None]:
+        saved, self.leader, self.deferred = (self.leader, self.deferred), True, deferred
+        try:
+            yield
+        finally:
+            self.leader, self.deferred = saved
+
+    def overlap(self, core, prefill_chunk: int) -> Optional[Pipelined]:
+        return Pipelined(core, prefill_chunk, self.stage.count, self.outbox) if self.stage.count > 1 else None
+
+    def follow(self, runner, depth: int) -> dict:
+        return follow(runner, self, depth)
 
 
 def _rng_state(device) -> torch.Tensor:

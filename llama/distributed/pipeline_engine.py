@@ -24,7 +24,6 @@ from typing import Deque, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from llama.core.runner import resolve
 from llama.distributed import parallel
 
 OPS_TAG = 7  # step messages: their own tag, so they never match a stage's hidden states or logits
@@ -63,10 +62,10 @@ class Link:
 class Pipelined:
     """Rank 0's side: the groups, and their steps in flight (launched in turn, finished oldest first)."""
 
-    def __init__(self, core, prefill_chunk: int, stages: int):
+    def __init__(self, core, prefill_chunk: int, stages: int, outbox):
         self.core = core
         self.groups = [core.scheduler(prefill_chunk, r) for r in slot_groups(core.max_batch_size, stages)]
-        self.outbox = core.runner.model.outbox
+        self.outbox = outbox  # the stage model's sends (pipeline.Outbox)
         self.link = Link(core.runner.device, self.outbox)
         self.inflight: Deque[Tuple[object, object, Optional[list], int]] = deque()
         self.ticket = 0
@@ -141,15 +140,15 @@ class Pipelined:
         self.outbox.settle()
 
 
-def follow(runner, depth: int) -> dict:
+def follow(runner, execution, depth: int) -> dict:
     """The other ranks' side, until rank 0 stops: run each launched step's ops in order (on the first stage, keep
     their Pending logits until the step's finish message, then wait for them as rank 0 does). Returns the stop
-    message's RNG states."""
-    outbox = runner.model.outbox
+    message's RNG states. execution: the runner's PipelineExecution."""
+    outbox = execution.outbox
     link = Link(runner.device, outbox)
-    first = runner.model.stage.first
+    first = execution.stage.first
     pending: Dict[int, list] = {}
-    with runner.leader_samples(deferred=True):
+    with execution.leader_samples(deferred=True):
         while True:
             msg = link.receive()
             if "launch" in msg:
@@ -159,7 +158,7 @@ def follow(runner, depth: int) -> dict:
                 if first:
                     pending[t] = outs
             elif "finish" in msg:
-                resolve(pending.pop(msg["finish"]))
+                execution.resolve(pending.pop(msg["finish"]))
             elif "stop" in msg:
                 outbox.settle()
                 return msg["stop"]

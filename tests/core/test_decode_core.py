@@ -10,6 +10,7 @@ import torch
 from conftest import REPO, STORIES
 
 from llama import BatchError
+from llama.core.plan import Prefill
 
 PROMPTS = ["Once upon a time", "Lily and Ben went to the park", "The little dog"]
 DIALOG = [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Tell me about a cat"}]
@@ -35,8 +36,8 @@ def prompt_tokens_computed(stories, monkeypatch):
 
     def spy(ops):
         for op in ops:
-            if op["kind"] == "prefill":
-                counted.append(sum(last + 1 for last in op["last"]))
+            if isinstance(op, Prefill):
+                counted.append(sum(last + 1 for last in op.last))
         return execute(ops)
 
     monkeypatch.setattr(stories.runner, "execute", spy)

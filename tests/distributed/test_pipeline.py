@@ -421,3 +421,32 @@ def test_bad_layouts_raise_clear_errors(checkpoints):
         Llama.build(str(STORIES), tok, max_seq_len=32, max_batch_size=1, pipeline_parallel_size=0)
     with pytest.raises(ValueError, match=r"compile=True is not available with pipeline_parallel_size=2"):
         Llama.build(str(STORIES), tok, max_seq_len=32, max_batch_size=1, pipeline_parallel_size=2, compile=True)
+
+
+def test_pipeline_execution_routes_logits_by_who_samples():
+    """Calls on Llama: sampling passes keep their logits on the last stage, which shares the samples; under the
+    engine (leader_samples) they go to rank 0 on the first stage, which samples alone, deferred while steps overlap.
+    Passes whose logits everyone reads always broadcast them. The core's default runs one stage."""
+    from types import SimpleNamespace
+
+    from llama.core.runner import Execution
+    from llama.distributed.pipeline import Outbox, Pending, PipelineExecution, Stage
+
+    shared = []
+    model = SimpleNamespace(stage=Stage(0, 2, range(0, 1), (0, 1)), outbox=Outbox(),
+                            share_samples=lambda draw: shared.append(draw()) or ("shared",))
+    ex = PipelineExecution(model)
+    assert ex.lockstep == (None, 0) and ex.outbox is model.outbox
+    assert ex.route(sampling=True) == {"logits_to": "last", "deferred": False}
+    assert ex.route(sampling=False) == {"logits_to": "all", "deferred": False}
+    assert ex.share(lambda: ("drawn",)) == ("shared",) and shared == [("drawn",)]
+    with ex.leader_samples(deferred=True):
+        assert ex.route(sampling=True) == {"logits_to": "first", "deferred": True}
+        assert ex.route(sampling=False) == {"logits_to": "all", "deferred": True}
+        assert ex.share(lambda: ("drawn",)) == ("drawn",) and len(shared) == 1
+    assert ex.route(sampling=True) == {"logits_to": "last", "deferred": False}
+    assert ex.resolve([Pending(lambda: 3), None, 4]) == [3, None, 4]
+
+    local = Execution()
+    assert local.route(sampling=True) == {} and local.share(lambda: ("drawn",)) == ("drawn",)
+    assert local.lockstep is None and local.overlap(None, 8) is None

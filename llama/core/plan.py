@@ -1,0 +1,77 @@
+"""A step's plan: the typed ops the scheduler emits and the runner executes, in order.
+
+Ops are plain, small data (lists of ints, no tensors, no requests): model-parallel rank 0 broadcasts a step's ops
+with torch.distributed.broadcast_object_list, and the pipelined engine pickles them to every other rank, which
+replay them on their own runner. Cache rows are named as rows of the KVCache (a scheduler's base already added).
+
+Copies move whole sequences (the first `length` positions of src rows into dst rows) rather than naming the
+cache's memory, so a paged KV cache can turn a compaction move or a twin's copy (CopyRows) and a prefix load
+(LoadPrefix) into block-table edits (shared blocks, copy on write) without changing the scheduler.
+"""
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple, Union
+
+from llama.core.request import Request
+
+Positions = Union[int, List[int]]
+
+
+@dataclass(frozen=True)
+class LoadPrefix:
+    """Copy the first `length` positions of a Llama.prefill() prefix (by its id) into cache row `row`."""
+
+    prefix: int
+    row: int
+    length: int
+
+
+@dataclass(frozen=True)
+class CopyRows:
+    """Copy the first `length` positions of each cache row src[i] into row dst[i]: compaction moves a request to a
+    lower row, a twin gets its source's prompt."""
+
+    src: List[int]
+    dst: List[int]
+    length: int
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """One padded forward pass over prompt chunks: tokens[i] (right-padded to one width) at positions from start
+    (one for all rows, or one per row) into cache rows[i]. last: the index of each row's last real token, whose
+    logits alone come back; None when some request needs every position's logits (it echoes prompt scores).
+    kv_len: the cache positions the pass attends over."""
+
+    tokens: List[List[int]]
+    start: Positions
+    rows: List[int]
+    last: Optional[List[int]]
+    kv_len: int
+
+
+@dataclass(frozen=True)
+class Decode:
+    """One token for each slot 0..len(tokens)-1 of a scheduler whose slot 0 is cache row `base`: tokens[s] at
+    position pos[s]. `active` lists the slots whose logits are sampled; the others (dummy tokens at positions no
+    one has filled yet) are there so the pass reads slots 0..B-1 in place."""
+
+    tokens: List[int]
+    pos: List[int]
+    active: List[int]
+    base: int = 0
+
+
+Op = Union[LoadPrefix, CopyRows, Prefill, Decode]
+FORWARD = (Prefill, Decode)  # the ops that run the model
+
+
+@dataclass
+class Plan:
+    """One step: `ops` in order (what model-parallel followers replay), and which requests they serve (on the
+    planning rank only: requests never travel)."""
+
+    ops: List[Op] = field(default_factory=list)
+    prefill: List[Tuple[Request, int, int]] = field(default_factory=list)  # (request, start, length), in op order
+    twins: List[Tuple[Request, Request]] = field(default_factory=list)  # (request, the source it copies)
+    decoding: List[Request] = field(default_factory=list)  # requests that get a token from the Decode op
