@@ -283,6 +283,18 @@ def configs(args, ckpt: str, tokenizer: str):
     return out
 
 
+def run_rounds(args, cfgs: list, ckpt: Path) -> list:
+    """Every configuration in a fresh process, --rounds times, in alternating order (the machine's drift reaches
+    each alike, and none always runs right after the same other one); (cfg, medians over the rounds) each."""
+    rounds = [[] for _ in cfgs]
+    for i, (cfg, runs) in alternating(list(zip(cfgs, rounds)), args.rounds):
+        if args.cold:
+            drop_from_page_cache(weight_files(args.workdir, *([] if args.model in SHAPES else [ckpt])))
+        runs.append(spawn(cfg, args.timeout))
+        print(f"{label(cfg)}{f' (round {i + 1})' if args.rounds > 1 else ''}: {json.dumps(runs[-1])}", flush=True)
+    return [(cfg, merge_rounds(runs)) for cfg, runs in zip(cfgs, rounds)]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="110m", help="checkpoint directory or shape: " + ", ".join(SHAPES))
@@ -349,17 +361,7 @@ def main(argv=None) -> int:
                                  else str(LLAMA2_TOKENIZER))
         bw = [read_bandwidth()]
         print(f"machine: {machine()}\nread bandwidth: {bw[0]:.1f} GB/s", flush=True)
-        cfgs = configs(args, str(ckpt), tok)
-        rounds = [[] for _ in cfgs]
-        # configurations in turn, so the machine's drift reaches each alike; the order reversed every other round,
-        # so that no configuration always runs right after the same other one
-        for i, (cfg, runs) in alternating(list(zip(cfgs, rounds)), args.rounds):
-                if args.cold:
-                    drop_from_page_cache(weight_files(args.workdir, *([] if args.model in SHAPES else [ckpt])))
-                runs.append(spawn(cfg, args.timeout))
-                print(f"{label(cfg)}{f' (round {i + 1})' if args.rounds > 1 else ''}: {json.dumps(runs[-1])}",
-                      flush=True)
-        results = [(cfg, merge_rounds(runs)) for cfg, runs in zip(cfgs, rounds)]
+        results = run_rounds(args, configs(args, str(ckpt), tok), ckpt)
         bw.append(read_bandwidth())
         limit = max(bw)
         print(f"\nread bandwidth before/after: {bw[0]:.1f} / {bw[1]:.1f} GB/s; the limit below is {limit:.1f} GB/s")
