@@ -33,17 +33,20 @@ import time
 from pathlib import Path
 
 import torch
-from common import (
+from harness import (
     DTYPES,
     LLAMA2_TOKENIZER,
     SHAPES,
     SHARED,
+    alternating,
     best_time,
     drop_from_page_cache,
     machine,
+    merge_rounds,
     peak_rss,
     prompt_tokens,
     read_bandwidth,
+    round_ratios,
     run_requests,
     shape_checkpoint,
     summarize,
@@ -131,29 +134,6 @@ def spawn(cfg: dict, timeout: float) -> dict:
             return json.loads(line[len("RESULT "):])
     tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
     return {"error": f"exit {proc.returncode}: {tail}"}
-
-
-# --------------------------------------------------------------------------------------------- rounds
-def merge_rounds(rounds: list) -> dict:
-    """One configuration's results over --rounds: the median of every figure, and each round's batch-1 decode
-    rate kept (`b1_rounds`) so ratios can be taken round by round."""
-    ok = [r for r in rounds if "error" not in r]
-    if not ok:
-        return rounds[0]
-    out = dict(ok[0])
-    for key, value in ok[0].items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[key] = statistics.median(r[key] for r in ok if r.get(key) is not None)
-        elif isinstance(value, dict):
-            out[key] = {k: statistics.median(r[key][k] for r in ok if k in r.get(key, {})) for k in value}
-    # None for a failed round, so that round_ratios pairs the same rounds of two configurations
-    out["b1_rounds"] = [None if "error" in r else r["decode_tps"].get("1") for r in rounds]
-    return out
-
-
-def round_ratios(ours: dict, peer: dict) -> list:
-    """Batch-1 decode ratios of two configurations, round by round (each pair ran minutes apart at most)."""
-    return [a / b for a, b in zip(ours.get("b1_rounds", []), peer.get("b1_rounds", [])) if a and b]
 
 
 # --------------------------------------------------------------------------------------------- report
@@ -303,6 +283,18 @@ def configs(args, ckpt: str, tokenizer: str):
     return out
 
 
+def run_rounds(args, cfgs: list, ckpt: Path) -> list:
+    """Every configuration in a fresh process, --rounds times, in alternating order (the machine's drift reaches
+    each alike, and none always runs right after the same other one); (cfg, medians over the rounds) each."""
+    rounds = [[] for _ in cfgs]
+    for i, (cfg, runs) in alternating(list(zip(cfgs, rounds)), args.rounds):
+        if args.cold:
+            drop_from_page_cache(weight_files(args.workdir, *([] if args.model in SHAPES else [ckpt])))
+        runs.append(spawn(cfg, args.timeout))
+        print(f"{label(cfg)}{f' (round {i + 1})' if args.rounds > 1 else ''}: {json.dumps(runs[-1])}", flush=True)
+    return [(cfg, merge_rounds(runs)) for cfg, runs in zip(cfgs, rounds)]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="110m", help="checkpoint directory or shape: " + ", ".join(SHAPES))
@@ -369,21 +361,11 @@ def main(argv=None) -> int:
                                  else str(LLAMA2_TOKENIZER))
         bw = [read_bandwidth()]
         print(f"machine: {machine()}\nread bandwidth: {bw[0]:.1f} GB/s", flush=True)
-        cfgs = configs(args, str(ckpt), tok)
-        rounds = [[] for _ in cfgs]
-        for i in range(args.rounds):  # configurations in turn, so the machine's drift reaches each alike; the
-            # order reversed every other round, so that no configuration always runs right after the same other one
-            for cfg, runs in list(zip(cfgs, rounds))[:: 1 if i % 2 == 0 else -1]:
-                if args.cold:
-                    drop_from_page_cache(weight_files(args.workdir, *([] if args.model in SHAPES else [ckpt])))
-                runs.append(spawn(cfg, args.timeout))
-                print(f"{label(cfg)}{f' (round {i + 1})' if args.rounds > 1 else ''}: {json.dumps(runs[-1])}",
-                      flush=True)
-        results = [(cfg, merge_rounds(runs)) for cfg, runs in zip(cfgs, rounds)]
+        results = run_rounds(args, configs(args, str(ckpt), tok), ckpt)
         bw.append(read_bandwidth())
         limit = max(bw)
         print(f"\nread bandwidth before/after: {bw[0]:.1f} / {bw[1]:.1f} GB/s; the limit below is {limit:.1f} GB/s")
-        print(f"command: python benchmarks/bench.py {' '.join(argv if argv is not None else sys.argv[1:])}")
+        print(f"command: python -m benchmarks decode-prefill {' '.join(argv if argv is not None else sys.argv[1:])}")
         print(f"model {args.model}, prompt {args.prompt} tokens, {args.gen} generated, {args.repeat} runs each"
               + (f", medians over {args.rounds} rounds" if args.rounds > 1 else "") + "\n")
         print(report(results, args.batch, limit, args.rounds))

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import STORIES, random_checkpoint
+from harness import STORIES, random_checkpoint
 
 from llama import Llama
 

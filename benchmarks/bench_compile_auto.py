@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import LLAMA2_TOKENIZER, SHAPES, prompt_tokens, run_requests, shape_checkpoint, step_times
+from harness import LLAMA2_TOKENIZER, SHAPES, prompt_tokens, run_requests, shape_checkpoint, step_times
 
 
 def worker(cfg: dict) -> dict:

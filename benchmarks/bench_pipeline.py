@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import LLAMA2_TOKENIZER, REPO, machine, random_checkpoint, step_times
+from harness import LLAMA2_TOKENIZER, REPO, machine, random_checkpoint, step_times
 
 COUNTS = {"tp_bytes": 0, "tp_calls": 0}
 

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from common import STORIES, best, random_checkpoint, timed
+from harness import STORIES, best, random_checkpoint, timed
 
 from llama import Llama
 

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import LLAMA2_TOKENIZER, drop_from_page_cache, peak_rss
+from harness import LLAMA2_TOKENIZER, drop_from_page_cache, peak_rss
 
 MODES = {"preload": None, "lazy": False}
 

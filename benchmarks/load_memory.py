@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from common import peak_rss, random_checkpoint
+from harness import peak_rss, print_results, random_checkpoint
 
 from llama.formats.meta_checkpoint import expected_shapes, load_state_dict, read_params, shard_paths
 from llama.model import ModelArgs
@@ -54,6 +54,7 @@ def main():
     p.add_argument("--dim", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--json", help="also write the results here")
     p.add_argument("--measure", nargs=3, help=argparse.SUPPRESS)
     p.add_argument("--naive", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -69,14 +70,16 @@ def main():
         shapes = expected_shapes(ModelArgs.from_params(params)).values()
         total = sum(math.prod(s) for s in shapes) * dtype.itemsize
         print(f"checkpoint: {params}, {a.dtype}, {total / MIB:.0f} MiB of weights")
-        print(f"{'case':34} {'rank':>4} {'slice MiB':>10} {'peak RSS growth MiB':>20}")
+        rows = []
         cases = [("2 shards at W=1 (merge)", "s2", 1, False), ("2 shards at W=2 (own shard, mmap)", "s2", 2, False),
                  ("1 shard at W=2 (split)", "s1", 2, False), ("1 shard at W=1", "s1", 1, False),
                  ("2 shards at W=2, naive torch.load", "s2", 2, True)]
         for name, d, world, naive in cases:
             for rank in range(world if not naive else 1):
                 r = child(str(Path(tmp) / d), rank, world, naive)
-                print(f"{name:34} {rank:>4} {r['slice'] / MIB:>10.0f} {r['peak_growth'] / MIB:>20.0f}")
+                rows.append({"case": name, "rank": rank, "slice MiB": round(r["slice"] / MIB),
+                             "peak RSS growth MiB": round(r["peak_growth"] / MIB)})
+    print_results("load-memory", rows, a.json)
 
 
 if __name__ == "__main__":

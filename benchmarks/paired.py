@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 from bench import prequantize
-from common import LLAMA2_TOKENIZER, machine, prompt_tokens, read_bandwidth, run_requests, shape_checkpoint, step_times
+from harness import LLAMA2_TOKENIZER, machine, prompt_tokens, read_bandwidth, run_requests, shape_checkpoint, step_times
 from peers import gguf_file
 
 # int4-g64: our int4 with groups of 64, q4_0's 4.5 bits per weight (group 32 is q4_1's size)
@@ -112,7 +112,7 @@ def report(label: str, blocks: list, seconds: float) -> None:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="7b", help="a shape of benchmarks/common.py, written once into --workdir")
+    p.add_argument("--model", default="7b", help="a shape of benchmarks/harness.py, written once into --workdir")
     p.add_argument("--workdir", required=True)
     p.add_argument("--dtypes", nargs="+", default=["int4", "int8-dynamic"], choices=list(GGUF_TYPE))
     p.add_argument("--blocks", type=int, default=10)

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import DTYPES, best_time, peak_rss, prompt_tokens, step_times, summarize
+from harness import DTYPES, best_time, peak_rss, prompt_tokens, step_times, summarize
 
 
 def meta_state(ckpt: str):

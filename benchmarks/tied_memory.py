@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from common import LLAMA3_TOKENIZER, peak_rss, random_checkpoint
+from harness import LLAMA3_TOKENIZER, peak_rss, print_results, random_checkpoint
 
 from llama.formats.meta_checkpoint import load_shard, save_checkpoint
 
@@ -36,7 +36,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dim", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--child")
+    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         print(json.dumps(child(a.child)))
@@ -49,12 +50,14 @@ def main() -> None:
         del state["output.weight"]
         save_checkpoint(state, params, Path(tmp) / "tied")
         del state
+        rows = []
         for name in ("untied", "tied"):
             out = subprocess.run([sys.executable, __file__, "--child", str(Path(tmp) / name)], capture_output=True,
                                  text=True, check=True)
             r = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"{name:7} peak RSS growth {r['growth'] / 2**20:7.0f} MiB  (embedding table "
-                  f"{r['table'] / 2**20:.0f} MiB, output shares it: {r['shared']})")
+            rows.append({"checkpoint": name, "peak RSS growth MiB": round(r["growth"] / 2**20),
+                         "embedding table MiB": round(r["table"] / 2**20), "output shares it": r["shared"]})
+    print_results("tied-memory", rows, a.json)
 
 
 if __name__ == "__main__":

@@ -118,3 +118,79 @@ def write_meta_gguf(path, state, params, sp_model_path, quant=None, vocab_only=F
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+class Gate:
+    """A logits processor that holds generation once a sequence has `after` tokens, until open(): a test sees a
+    request mid-generation however fast the machine is, instead of racing it."""
+
+    def __init__(self, after: int = 1, timeout: float = 120.0):
+        import threading
+
+        self.after, self.timeout = after, timeout
+        self.reached, self.opened = threading.Event(), threading.Event()
+
+    def __call__(self, ids, logits):
+        if len(ids) >= self.after and not self.opened.is_set():
+            self.reached.set()
+            if not self.opened.wait(self.timeout):
+                raise TimeoutError(f"the test did not open the gate within {self.timeout} s")
+        return logits
+
+    def open(self) -> None:
+        self.opened.set()
+
+
+class GatedServer:
+    """The server's app (create_app) over a Llama in this process, served by uvicorn in a thread, with `gate`
+    added to every request's logits processors; `requests` are the engine requests it submitted."""
+
+    def __init__(self, gen, gate: Gate, model_name: str = "stories", api_keys=()):
+        import threading
+        import time
+        import urllib.request
+
+        import uvicorn
+        from serve_util import free_port
+
+        from llama.serve.app import create_app
+
+        self.gate, self.requests = gate, []
+        make_engine = gen.engine
+
+        def engine(**kw):
+            e = make_engine(**kw)
+            submit = e.submit_samples
+
+            def submit_samples(prompt, n, **params):
+                params["logits_processors"] = (*params.get("logits_processors", ()), gate)
+                reqs = submit(prompt, n, **params)
+                self.requests.extend(reqs)
+                return reqs
+
+            e.submit_samples = submit_samples
+            return e
+
+        gen.engine = engine
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        app = create_app(lambda: gen, model_name, list(api_keys))
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError("the in-process server did not become healthy in time")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.gate.open()  # a held engine thread would keep the shutdown waiting
+        self.server.should_exit = True
+        self.thread.join(30)

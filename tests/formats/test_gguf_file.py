@@ -291,7 +291,9 @@ def test_a_bf16_gguf_loads_in_place_to_the_logits_of_the_same_weights_from_meta(
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quantized_load_streams_layer_by_layer_to_the_same_weights_as_quantizing_after(smol, golden, scheme):
     """quantize= quantizes each layer as it is read: the weights equal quantizing the model after a full load (in
-    the activation dtype the scheme loads with), and greedy decoding stays on the fp32 golden for most tokens."""
+    the activation dtype the scheme loads with), so greedy decoding equals quantizing after, token for token; against
+    the fp32 golden, int8's teacher-forced argmaxes agree at 63 of 64 positions (the other is an exact tie of two
+    bf16 logits, 17.5 and 17.5), int4's at 48 or more (55 measured)."""
     import torch
 
     from llama.quantization import schemes as quantization
@@ -306,12 +308,15 @@ def test_quantized_load_streams_layer_by_layer_to_the_same_weights_as_quantizing
         assert p.dtype == theirs[name].dtype and torch.equal(p, theirs[name]), name
     g = golden["prompts"]["Once upon a time"]
     if scheme == "int8":
+        # Greedy text is no fp32 check: one decode step at index 4 is a near tie that decoding one token at a time
+        # breaks the other way from the teacher-forced pass (1315 for the golden's 23324), after which the other 15 tokens are the golden's again.
         ids = q.generate([g["prompt_tokens"]], max_gen_len=16, temperature=0)[0][0]
-        assert sum(a == b for a, b in zip(ids, g["generated_tokens"])) >= 8, ids
-    else:  # 4 bits diverge from fp32's greedy text within a few tokens: teacher-forced argmax instead (0.86 measured)
-        seq, n = g["prompt_tokens"] + g["generated_tokens"], len(g["generated_tokens"])
-        logits = q.model(torch.tensor([seq]), 0)[0, -n - 1 : -1]
-        assert (logits.argmax(-1) == torch.tensor(g["generated_tokens"])).float().mean() >= 0.75
+        assert ids == ref.generate([g["prompt_tokens"]], max_gen_len=16, temperature=0)[0][0]
+    seq, n = g["prompt_tokens"] + g["generated_tokens"], len(g["generated_tokens"])
+    logits = q.model(torch.tensor([seq]), 0)[0, -n - 1 : -1]
+    agree = (logits.argmax(-1) == torch.tensor(g["generated_tokens"])).sum().item()
+    # (4 bits diverge from fp32's greedy text within a few tokens, so int4 is checked teacher-forced only)
+    assert agree >= {"int8": n - 1, "int4": 48}[scheme], f"{agree} of {n}"
 
 
 PEAK_PROBE = """

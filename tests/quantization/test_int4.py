@@ -271,7 +271,10 @@ TWO = textwrap.dedent("""
 @pytest.mark.parametrize("scheme, shards", [("int4", 1), ("int8", 2)])
 def test_quantized_checkpoint_loads_at_world_size_two(small_ckpt, tmp_path, scheme, shards):
     """Both ranks of a torchrun pair load their slices of a quantized checkpoint (1 shard: cut at load; 2: one
-    each) and compute the logits of world size 1 on the same checkpoint (up to the all-reduce's summation order)."""
+    each) and compute the logits of world size 1 on the same checkpoint up to the all-reduce's summation order:
+    each rank's partial sum is rounded to the activation dtype before they are added, so the logits may differ by
+    a few ulps of the largest logit. Measured: 3.6 fp32 ulps (int4), 1.0 bf16 ulp (int8, where the last rounding
+    dominates); bound: 8 fp32 ulps, 2 bf16 ulps."""
     out = tmp_path / "q"
     quantize_checkpoint(small_ckpt, out, scheme, shards=shards, progress=False)
     tok = _tok(small_ckpt)
@@ -284,7 +287,11 @@ def test_quantized_checkpoint_loads_at_world_size_two(small_ckpt, tmp_path, sche
     assert torch.equal(ranks[0], ranks[1])
     single = Llama.build(str(out), tok, 32, 2, compile=False)
     want = single.model(torch.randint(3, 512, (2, 9), generator=torch.Generator().manual_seed(0)), 0)
-    torch.testing.assert_close(ranks[0], want, rtol=0.05, atol=0.05 * want.abs().max().item())
+    act = activation_dtype(scheme) or torch.float32
+    ulps = {torch.float32: 8, torch.bfloat16: 2}[act]
+    bound = ulps * torch.finfo(act).eps * want.abs().max().item()
+    worst = (ranks[0] - want).abs().max().item()
+    assert worst <= bound, f"world size 2 differs by {worst:.3g}, more than {ulps} {act} ulps ({bound:.3g})"
 
 
 # ------------------------------------------------------------------------------------------------- memory

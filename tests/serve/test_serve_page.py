@@ -13,14 +13,17 @@ pytest.importorskip("starlette", reason="the server needs the serve extra: pip i
 sync_api = pytest.importorskip("playwright.sync_api", reason="the page test needs playwright: pip install playwright")
 httpx = pytest.importorskip("httpx")
 
-from serve_util import Server  # noqa: E402
+from helpers import Gate, GatedServer, build_stories  # noqa: E402
 
 CHROMIUM = os.environ.get("LLAMA_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server(need(STORIES), "--max_seq_len", "1024", "--max_batch_size", "2", "--api-key", "page-key")
+    """The server in this process, every answer held after 16 tokens until the test opens the gate: the stop
+    button is pressed mid-answer however fast the machine is."""
+    need(STORIES)
+    s = GatedServer(build_stories(max_batch_size=2, max_seq_len=1024), Gate(after=16), api_keys=["page-key"])
     yield s
     s.close()
 
@@ -57,6 +60,8 @@ def test_chat_page_streams_stops_and_keeps_conversations(server, page, tmp_path)
     page.dispatch_event("#apikey", "change")
     page.fill("#max_tokens", "900")
     page.dispatch_event("#max_tokens", "change")
+    page.fill("#temperature", "0")  # greedy: this answer runs to its 900 tokens (no early end of story)
+    page.dispatch_event("#temperature", "change")
     page.fill("#system", "You tell long stories.")
     page.click("#new")
     page.fill("#input", "Tell me a long story about a dragon")
@@ -64,22 +69,24 @@ def test_chat_page_streams_stops_and_keeps_conversations(server, page, tmp_path)
     page.click("#send")
     page.wait_for_function("() => { const m = document.querySelectorAll('.msg.assistant');"
                            " return m.length && m[m.length - 1].textContent.length > 20; }", timeout=30000)
-    # stop at once: the tiny model's answer lasts a fraction of a second, and a screenshot taken first (100 ms
-    # or more) once let it end between the check and the click
     first = page.inner_text(".msg.assistant")
-    assert page.is_enabled("#stop"), "the answer ended before the stop button could be tested"
+    assert server.gate.reached.wait(30) and page.is_enabled("#stop")  # held mid-answer by the gate
     page.click("#stop", timeout=5000)
     shot = os.environ.get("LLAMA_SCREENSHOT") or str(tmp_path / "chat_page_mid_answer.png")
     page.screenshot(path=shot)  # the partial answer, stopped
     print(f"screenshot: {shot}")
     page.wait_for_function("() => document.getElementById('status').textContent === 'stopped'", timeout=10000)
     assert page.is_enabled("#send") and not page.is_enabled("#stop")
-    time.sleep(0.3)
-    assert len(page.inner_text(".msg.assistant")) >= len(first)  # the partial answer stays
-    deadline = time.time() + 5
-    while aborted(server) < before + 1:  # the server cancelled the request
+    deadline = time.time() + 30
+    while not server.requests[-1].cancelled:  # the page's abort reached the server while generation was held
+        assert time.time() < deadline, "stopping the answer did not cancel its request"
+        time.sleep(0.05)
+    server.gate.open()
+    while aborted(server) < before + 1:  # the server ended it as aborted
         assert time.time() < deadline
         time.sleep(0.05)
+    assert len(page.inner_text(".msg.assistant")) >= len(first)  # the partial answer stays
+    assert server.requests[-1].tokens_generated < 900
 
     # a second turn in the same conversation, run to its end
     page.fill("#max_tokens", "20")

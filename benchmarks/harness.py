@@ -1,6 +1,8 @@
-"""What the benchmarks share: paths, model shapes, random checkpoints (through llama.formats.demo), timing, memory and a
-description of the machine. Every script here imports this module; none imports another script."""
+"""What the benchmarks share: paths, model shapes, weights prepared in a --workdir (random checkpoints through
+llama.formats.demo), timing, alternating rounds, memory, a description of the machine, and the results table
+(markdown and JSON). Every measurement module imports this one; `python -m benchmarks` runs them by name."""
 
+import json
 import os
 import statistics
 import sys
@@ -168,3 +170,72 @@ def run_requests(llm, prompts: List[List[int]], params) -> List[float]:
     reqs = llm.inputs.requests(prompts, [params] * len(prompts))
     with llm.cache.hold():
         return step_times(llm.core.run(reqs))
+
+
+# --------------------------------------------------------------------------------------------- workdir and rounds
+def workdir(path: Optional[str], tmp: str) -> Path:
+    """--workdir (made if missing; weights written there are reused by later runs naming it) or `tmp`."""
+    d = Path(path) if path else Path(tmp)
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def shape_or_dir(model: str, work: Path, seed: int = 0) -> Path:
+    """A checkpoint directory as given, or a shape of SHAPES written once into `work`."""
+    if model in SHAPES:
+        return shape_checkpoint(model, work / model, seed)
+    return Path(model)
+
+
+def alternating(cases: List, rounds: int) -> Iterable:
+    """(round, case) in the order ABC, CBA, ABC, ...: every case meets early and late parts of a drifting machine
+    alike, so ratios between cases taken round by round cancel the drift."""
+    for r in range(rounds):
+        for case in (cases if r % 2 == 0 else cases[::-1]):
+            yield r, case
+
+
+def merge_rounds(rounds: list) -> dict:
+    """One configuration's results over --rounds: the median of every figure, and each round's batch-1 decode
+    rate kept (`b1_rounds`) so ratios can be taken round by round."""
+    ok = [r for r in rounds if "error" not in r]
+    if not ok:
+        return rounds[0]
+    out = dict(ok[0])
+    for key, value in ok[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = statistics.median(r[key] for r in ok if r.get(key) is not None)
+        elif isinstance(value, dict):
+            out[key] = {k: statistics.median(r[key][k] for r in ok if k in r.get(key, {})) for k in value}
+    # None for a failed round, so that round_ratios pairs the same rounds of two configurations
+    out["b1_rounds"] = [None if "error" in r else r["decode_tps"].get("1") for r in rounds]
+    return out
+
+
+def round_ratios(ours: dict, peer: dict) -> list:
+    """Batch-1 decode ratios of two configurations, round by round (each pair ran minutes apart at most)."""
+    return [a / b for a, b in zip(ours.get("b1_rounds", []), peer.get("b1_rounds", [])) if a and b]
+
+
+
+# --------------------------------------------------------------------------------------------- results
+def markdown_table(rows: List[Dict]) -> str:
+    """Rows of one measurement as a markdown table, columns in the order the first row names them."""
+    if not rows:
+        return "(no results)"
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    cell = lambda v: f"{v:.3g}" if isinstance(v, float) else ("" if v is None else str(v))  # noqa: E731
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(cell(r.get(c)) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def print_results(name: str, rows: List[Dict], json_path: Optional[str] = None) -> None:
+    """The results table in markdown, then the same rows as one JSON line (with the machine), also written to
+    json_path when given: what docs/performance.md quotes."""
+    print(markdown_table(rows))
+    record = {"benchmark": name, "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "rows": rows}
+    print("JSON " + json.dumps(record))
+    if json_path:
+        Path(json_path).write_text(json.dumps(record, indent=1))

@@ -1,0 +1,75 @@
+"""python -m benchmarks MEASUREMENT [its arguments]: one entry point for every measurement in docs/performance.md.
+
+Each measurement is a module of this directory with its own arguments (`python -m benchmarks NAME --help`); what
+they share (paths, shapes, --workdir weights, peers, alternating rounds, the results table) is harness.py.
+Measurements spawn fresh worker processes of their own module, so each figure comes from a clean process.
+"""
+
+import argparse
+import importlib
+import inspect
+import sys
+from pathlib import Path
+
+# name -> (module, what it measures). Names say what is measured; docs/performance.md quotes these commands.
+MEASUREMENTS = {
+    "decode-prefill": ("bench", "prefill and decode tokens/s by model, dtype/scheme, compile and batch, beside "
+                                "transformers and llama.cpp on the same weights (--compare hf llamacpp)"),
+    "int8-agreement": ("bench", "int8 and int8-dynamic against fp32 on the stories260K goldens (decode-prefill "
+                                "--accuracy)"),
+    "paired-llamacpp": ("paired", "batch-1 decode or prefill against llama.cpp in one process, alternating blocks: "
+                                  "ratios the machine's drift cancels"),
+    "first-token": ("first_token", "time to the first token from a fresh process, weights preloaded or mapped"),
+    "compile-auto": ("bench_compile_auto", "total time of a generation, compile included, for compile=False, "
+                                           "True and \"auto\""),
+    "serve-load": ("bench_serve", "the HTTP server under N concurrent streaming clients (TTFT p50/p99, tokens/s), "
+                                  "optionally beside llama-cpp-python's server"),
+    "cache-reuse": ("bench_serving", "what reusing a KV cache saves: n samples of one prompt, a shared prefix, a "
+                                     "chat session"),
+    "batching": ("bench_batching", "continuous batching (the engine) against static batching"),
+    "parallel-layouts": ("bench_pipeline", "tensor parallel against tensor x pipeline parallel: step time, bytes "
+                                           "between ranks"),
+    "gpu": ("bench_gpu", "decode and prefill on a CUDA GPU beside transformers and gpt-fast, and its bandwidth"),
+    "grammar-libraries": ("bench_grammar", "structured-output mask cost: llguidance, xgrammar and outlines-core"),
+    "quant-accuracy": ("quant_accuracy", "accuracy of each quantization scheme against fp32 on the shared models"),
+    "quant-kernels": ("quant_kernels", "weight-only quantized GEMV/GEMM kernels side by side on 7B-shaped layers"),
+    "load-memory": ("load_memory", "peak RSS of one rank loading a checkpoint, sharded and not"),
+    "gguf-load-memory": ("gguf_load_memory", "peak RSS of loading a Q8_0 GGUF to bf16 and to int8"),
+    "tied-memory": ("tied_memory", "peak RSS with tied against untied embeddings (Llama 3.2's vocabulary)"),
+}
+PROG = "python -m benchmarks"
+
+
+def parser() -> argparse.ArgumentParser:
+    width = max(map(len, MEASUREMENTS))
+    listing = "\n".join(f"  {name:{width}}  {what}" for name, (_, what) in MEASUREMENTS.items())
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=f"measurements:\n{listing}\n\n`{PROG} NAME --help` gives one's arguments.")
+    p.add_argument("measurement", choices=list(MEASUREMENTS), metavar="MEASUREMENT", help="one of those below")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the measurement's own arguments")
+    return p
+
+
+def run(name: str, argv: list) -> int:
+    """Import the measurement's module (as its script would run: this directory first on sys.path) and call its
+    main with argv, through sys.argv for the modules whose main() reads it."""
+    module, _ = MEASUREMENTS[name]
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    if name == "int8-agreement":
+        argv = ["--accuracy", *argv]
+    main = importlib.import_module(module).main
+    sys.argv = [f"{PROG} {name}", *argv]
+    result = main(argv) if inspect.signature(main).parameters else main()
+    return result or 0
+
+
+def main(argv=None) -> int:
+    a = parser().parse_args(argv)
+    return run(a.measurement, a.args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
