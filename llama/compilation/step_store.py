@@ -156,6 +156,13 @@ def build(model, path: Path, inputs: tuple, config: Dict) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def bound_tensors(model) -> Dict[str, torch.Tensor]:
+    """Every name of each of the model's tensors, aliases included: a tied model's output.weight is its embedding's
+    Parameter, which named_parameters() lists once (under tok_embeddings), yet the step may name it output.weight."""
+    return {**dict(model.named_parameters(remove_duplicate=False)),
+            **dict(model.named_buffers(remove_duplicate=False))}
+
+
 class Loaded:
     """A stored step, loaded: callable like decode_step (tokens, pos, rows or None), reading and writing the
     model's current KV cache tensors."""
@@ -168,7 +175,7 @@ class Loaded:
             raise ValueError("the stored step calls llama's CPU kernels, which are not available")
         self.runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path / SO), 1)
         if external(config):  # the model's own tensors, by name: nothing copied
-            named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+            named = bound_tensors(model)
             fqns = self.runner.get_constant_names_to_original_fqns()
             missing = [fqn for fqn in fqns.values() if fqn.removeprefix("model.") not in named]
             if missing:
