@@ -28,8 +28,9 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from llama.distributed import parallel
-from llama.formats.fetch import cache_dir
+from llama import settings
 from llama.kernels import cpu as cpu_kernels
+from llama.settings import cache_dir
 
 FORMAT = 3  # bump when what a stored step holds or how it is called changes
 SAMPLE = 4096  # elements of each tensor that go into the fingerprint
@@ -41,7 +42,7 @@ SIZE = "step.size"  # the library's size in bytes
 def enabled(model) -> bool:
     """Whether this model's compiled steps are kept on disk: CPU, one process, not turned off, and no oneDNN-packed
     weights (int8-dynamic's opaque tensors off x86, which torch.export cannot trace)."""
-    if os.environ.get("LLAMA_COMPILE_CACHE", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not settings.get().compile_cache:
         return False
     return model.norm.weight.device.type == "cpu" and parallel.model_parallel_size() == 1 \
         and parallel.pipeline_parallel_size() == 1 and not any(b.is_mkldnn for b in model.buffers())

@@ -14,13 +14,13 @@ and batch size, and forgotten whenever any module anywhere gets a parameter, buf
 `benchmarks/paired.py --layer-by-layer`).
 """
 
-import os
 import weakref
 from typing import List, Optional, Tuple
 
 import torch
 from torch.nn.modules import module as nn_module
 
+from llama import settings
 from llama.kernels import cpu as cpu_kernels
 from llama.quantization import schemes as quantize
 
@@ -108,7 +108,7 @@ def run(layers, h: torch.Tensor, cos, sin, positions, rows, kv_len: int) -> Opti
     where the op cannot take them (the caller then goes layer by layer)."""
     if h.shape[1] != 1 or h.device.type != "cpu" or torch.compiler.is_compiling() or not cpu_kernels.available():
         return None
-    if os.environ.get("LLAMA_FUSED_DECODE", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not settings.get().fused_decode:
         return None
     kept = _kept.setdefault(layers, {})
     key = (h.shape[0], h.dtype)
