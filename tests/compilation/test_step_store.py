@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import GOLDENS, ON_CUDA, REPO, SHARED, error_lines
 
-from llama import Llama
+from llama import Llama, settings
 from llama.compilation import step_store as compile_cache
 from llama.compilation.compiled_decode import CompiledDecode
 from llama.kernels import cpu as cpu_kernels
@@ -242,6 +242,9 @@ print("out", out, "packages", sorted(g.runner.compiled.packages), "loaded", sort
 def run_twice(script: str, args, tmp_path) -> list:
     """script in two new processes on one fresh cache directory (our kernels on): their stdouts."""
     (tmp_path / "script.py").write_text(script)
+    (tmp_path / "cache").mkdir()
+    if (settings.cache_dir() / "kernels").is_dir():  # this process's kernels, not compiled again
+        (tmp_path / "cache" / "kernels").symlink_to(settings.cache_dir() / "kernels")
     env = {**os.environ, "LLAMA_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
     outs = []
     for i in range(2):
