@@ -92,3 +92,28 @@ def test_no_other_module_reads_a_llama_variable():
     readers = [str(p.relative_to(REPO)) for p in sorted((REPO / "llama").rglob("*.py"))
                if p.name != "settings.py" and pattern.search(p.read_text())]
     assert readers == []
+
+
+def test_each_reader_takes_its_setting(clean, tmp_path):
+    """The modules that used to read os.environ read these settings."""
+    from llama.compilation import step_store
+    from llama.distributed import parallel
+    from llama.formats import demo, fetch, memory
+    from llama.kernels import cpu as cpu_kernels
+    from llama.kernels import int4_pack_store
+    from llama.serve.__main__ import parse_args
+
+    for name, value in (("LLAMA_CACHE", str(tmp_path)), ("LLAMA_DEVICE", "meta"), ("LLAMA_DTYPE", "bf16"),
+                        ("LLAMA_MEMORY_LIMIT", "1G"), ("LLAMA_API_KEY", "sekrit"), ("LLAMA_CPU_KERNELS", "0"),
+                        ("LLAMA_INT4_CACHE", "no")):
+        clean.setenv(name, value)
+    assert parallel.default_device() == torch.device("meta")
+    assert parallel.resolve_dtype(None, torch.device("cpu")) == torch.bfloat16
+    assert memory.available_bytes() == 2**30
+    assert parse_args(["--ckpt_dir", "x"]).api_keys == ["sekrit"]
+    assert not cpu_kernels.enabled() and not int4_pack_store.enabled()
+    assert fetch.model_path().parent.parent == tmp_path and demo.demo_dir() == tmp_path / "demo"
+    assert step_store.package_path("w", 1, False, {}).parent == tmp_path / "aoti"
+    clean.setenv("LLAMA_DEVICE", "gpu")
+    with pytest.raises(ValueError, match="LLAMA_DEVICE must name a device"):
+        parallel.default_device()
