@@ -39,7 +39,7 @@ def rss() -> int:
 def measure(ckpt: str, tokenizer: str, dtype: str, mode: str, cold: bool, fill: str) -> dict:
     """In a child process: build, first prefill, then decode steps."""
     from llama import Llama
-    from llama.formats.fetch import cache_dir
+    from llama.settings import cache_dir
 
     if fill:
         read_twice(fill)

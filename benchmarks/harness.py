@@ -115,7 +115,7 @@ def drop_from_page_cache(paths) -> None:
 
 def weight_files(*dirs) -> List[Path]:
     """Every file under these directories and the pack caches of quantized checkpoints (llama/kernels/int4_pack_store.py)."""
-    from llama.formats.fetch import cache_dir
+    from llama.settings import cache_dir
 
     files = [f for d in dirs for f in Path(d).rglob("*") if f.is_file()]
     return files + sorted((cache_dir() / "int4pack").glob("*.pt"))

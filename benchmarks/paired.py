@@ -29,6 +29,8 @@ from bench import prequantize
 from harness import LLAMA2_TOKENIZER, machine, prompt_tokens, read_bandwidth, run_requests, shape_checkpoint, step_times
 from peers import gguf_file
 
+from llama import settings
+
 # int4-g64: our int4 with groups of 64, q4_0's 4.5 bits per weight (group 32 is q4_1's size)
 GGUF_TYPE = {"bf16": "bf16", "int8-dynamic": "q8_0", "int4": "q4_0", "int4-g64": "q4_0"}
 
@@ -66,10 +68,12 @@ def measure(cfg: dict) -> dict:
 
     def run_layer_by_layer():
         os.environ["LLAMA_FUSED_DECODE"] = "0"
+        settings.reload()  # read once per process otherwise
         try:
             return run_ours()
         finally:
             del os.environ["LLAMA_FUSED_DECODE"]
+            settings.reload()
 
     def prefill_ours(length):  # prompt tok/s: the first step's interval is the prefill and one sample
         times = run_requests(ours, [prompt_tokens(ours.model.vocab_size, length)], SamplingParams(temperature=0, max_gen_len=1))

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from llama import settings
+
 # The test models are tiny: one thread is as fast, and never oversubscribes a shared 2-core machine.
 torch.set_num_threads(1)
 
@@ -29,6 +31,21 @@ os.environ["LLAMA_DEVICE"] = DEVICE
 if DEVICE.startswith("cuda"):
     os.environ.setdefault("LLAMA_DTYPE", "float32")
 ON_CUDA = DEVICE.startswith("cuda")
+
+
+def _settings_follow(change):
+    """llama.settings reads the environment once per process: a test that changes it (monkeypatch.setenv or
+    delenv, and undo) makes the next settings.get() read it again."""
+    def changed(self, *args, **kwargs):
+        try:
+            return change(self, *args, **kwargs)
+        finally:
+            settings.reset()
+    return changed
+
+
+for _change in ("setenv", "delenv", "undo"):
+    setattr(pytest.MonkeyPatch, _change, _settings_follow(getattr(pytest.MonkeyPatch, _change)))
 
 
 CPU_ONLY = pytest.mark.skipif(ON_CUDA, reason="int8-dynamic runs on the CPU only (oneDNN); CUDA uses int8")

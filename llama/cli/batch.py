@@ -99,7 +99,7 @@ def request_of(rec: Dict, defaults: Dict, base_seed: int) -> Tuple[object, Dict]
     return prompt, params
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m llama.batch", description=__doc__.split("\n")[0])
     ap.add_argument("--ckpt_dir", required=True)
     ap.add_argument("--tokenizer_path", required=True)
@@ -117,6 +117,68 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="pipeline stages under torchrun (world size = stages x tensor-parallel ranks)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--no_progress", action="store_true", help="no progress bar")
+    return ap
+
+
+class Results:
+    """The output file and the progress bar: each row written and flushed as it finishes, errors counted and
+    reported on stderr."""
+
+    def __init__(self, out, bar, input_path: str):
+        self.out, self.bar, self.input = out, bar, input_path
+        self.skipped = self.errors = self.new_tokens = 0
+        self.start = time.time()
+
+    def write(self, rec: Dict) -> None:
+        self.out.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        self.out.flush()
+        self.bar.update(1)
+
+    def error(self, rid, n: int, err) -> None:
+        self.bar.write(f"{self.input}:{n}: {err}" if rid is None else f"{self.input}:{n}: id {rid!r}: {err}",
+                       file=sys.stderr)
+        self.errors += 1
+        self.write({"id": rid, "line": n, "error": str(err)})
+
+    def finished(self, rid, n: int, h) -> None:
+        self.new_tokens += h.tokens_generated
+        self.write({"id": rid, "line": n, **h.result(), "finish_reason": h.finish_reason,
+                    "num_tokens": h.tokens_generated})
+        self.bar.set_postfix_str(f"{self.new_tokens / max(time.time() - self.start, 1e-9):.1f} tok/s", refresh=False)
+
+
+def submit_rows(engine, raw_lines, args, results: Results, finished: "queue.Queue") -> int:
+    """Submit every line not already in the output (the unreadable and refused ones are written as errors);
+    each handle puts (id, line, handle) on `finished` when done. Returns how many were submitted."""
+    done_ids, done_lines = read_done(args.output)
+    defaults = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                "max_gen_len": args.max_gen_len}
+    seen: Set = set()
+    pending = 0
+    for n, raw in raw_lines:
+        rec, err = parse_line(raw, n, seen)
+        if err is not None:
+            if n in done_lines:
+                results.skipped += 1
+            else:
+                results.error(None, n, err)
+            continue
+        if _key(rec["id"]) in done_ids:
+            results.skipped += 1
+            continue
+        try:
+            prompt, params = request_of(rec, defaults, args.seed)
+            handle = engine.submit(prompt, **params)
+        except ValueError as e:
+            results.error(rec["id"], n, e)
+            continue
+        pending += 1
+        handle.add_done_callback(lambda h, rid=rec["id"], n=n: finished.put((rid, n, h)))
+    return pending
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
 
     import torch
@@ -138,62 +200,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     with open(args.input, encoding="utf-8") as f:
         raw_lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
-    done_ids, done_lines = read_done(args.output)
-    defaults = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-                "max_gen_len": args.max_gen_len}
     finished: "queue.Queue" = queue.Queue()
-    seen: Set = set()
     bar = tqdm(total=len(raw_lines), unit="req", disable=args.no_progress, dynamic_ncols=True)
-    skipped = pending = new_tokens = errors = 0
-    start = time.time()
-
     with open(args.output, "a", encoding="utf-8") as out, generator.engine(prefill_chunk=args.prefill_chunk) as engine:
-
-        def write(rec: Dict) -> None:
-            out.write(json.dumps(rec, ensure_ascii=False) + "\n")
-            out.flush()
-            bar.update(1)
-
-        for n, raw in raw_lines:
-            rec, err = parse_line(raw, n, seen)
-            if err is not None:
-                if n in done_lines:
-                    skipped += 1
-                    continue
-                tqdm.write(f"{args.input}:{n}: {err}", file=sys.stderr)
-                errors += 1
-                write({"id": None, "line": n, "error": err})
-                continue
-            if _key(rec["id"]) in done_ids:
-                skipped += 1
-                continue
-            try:
-                prompt, params = request_of(rec, defaults, args.seed)
-                handle = engine.submit(prompt, **params)
-            except ValueError as e:
-                tqdm.write(f"{args.input}:{n}: id {rec['id']!r}: {e}", file=sys.stderr)
-                errors += 1
-                write({"id": rec["id"], "line": n, "error": str(e)})
-                continue
-            pending += 1
-            handle.add_done_callback(lambda h, rid=rec["id"], n=n: finished.put((rid, n, h)))
-        bar.update(skipped)
-
-        while pending:
+        results = Results(out, bar, args.input)
+        pending = submit_rows(engine, raw_lines, args, results, finished)
+        bar.update(results.skipped)
+        for _ in range(pending):
             rid, n, h = finished.get()
-            pending -= 1
-            error = h.exception()
-            if error is not None:
-                errors += 1
-                tqdm.write(f"{args.input}:{n}: id {rid!r}: {error}", file=sys.stderr)
-                write({"id": rid, "line": n, "error": str(error)})
-                continue
-            pred = h.result()
-            new_tokens += h.tokens_generated
-            write({"id": rid, "line": n, **pred, "finish_reason": h.finish_reason, "num_tokens": h.tokens_generated})
-            bar.set_postfix_str(f"{new_tokens / max(time.time() - start, 1e-9):.1f} tok/s", refresh=False)
+            if h.exception() is not None:
+                results.error(rid, n, h.exception())
+            else:
+                results.finished(rid, n, h)
     bar.close()
-    print(f"{len(raw_lines) - skipped} new result rows ({errors} errors, {skipped} already done), "
-          f"{new_tokens} tokens in {time.time() - start:.1f} s -> {args.output}", file=sys.stderr)
+    print(f"{len(raw_lines) - results.skipped} new result rows ({results.errors} errors, {results.skipped} already "
+          f"done), {results.new_tokens} tokens in {time.time() - results.start:.1f} s -> {args.output}",
+          file=sys.stderr)
     return 0
-

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
+from llama import settings
 from llama.formats import fetch
 from llama.formats.demo import DEMO_NOTE, ensure_demo_checkpoint
 from llama.formats.gguf_file import find_gguf
@@ -20,7 +21,7 @@ def say(text: str) -> None:
 def default_checkpoint() -> Tuple[str, Optional[str], bool]:
     """(ckpt_dir, tokenizer_path, real): the default model, fetched once; the demo when it cannot be fetched or
     LLAMA_OFFLINE=1."""
-    if os.environ.get("LLAMA_OFFLINE", "") not in ("", "0"):
+    if settings.get().offline:
         say(f"LLAMA_OFFLINE is set: not fetching {fetch.NAME}. {DEMO_NOTE}")
     else:
         try:

@@ -28,8 +28,9 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from llama.distributed import parallel
-from llama.formats.fetch import cache_dir
+from llama import settings
 from llama.kernels import cpu as cpu_kernels
+from llama.settings import cache_dir
 
 FORMAT = 3  # bump when what a stored step holds or how it is called changes
 SAMPLE = 4096  # elements of each tensor that go into the fingerprint
@@ -41,7 +42,7 @@ SIZE = "step.size"  # the library's size in bytes
 def enabled(model) -> bool:
     """Whether this model's compiled steps are kept on disk: CPU, one process, not turned off, and no oneDNN-packed
     weights (int8-dynamic's opaque tensors off x86, which torch.export cannot trace)."""
-    if os.environ.get("LLAMA_COMPILE_CACHE", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not settings.get().compile_cache:
         return False
     return model.norm.weight.device.type == "cpu" and parallel.model_parallel_size() == 1 \
         and parallel.pipeline_parallel_size() == 1 and not any(b.is_mkldnn for b in model.buffers())
@@ -156,6 +157,13 @@ def build(model, path: Path, inputs: tuple, config: Dict) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def bound_tensors(model) -> Dict[str, torch.Tensor]:
+    """Every name of each of the model's tensors, aliases included: a tied model's output.weight is its embedding's
+    Parameter, which named_parameters() lists once (under tok_embeddings), yet the step may name it output.weight."""
+    return {**dict(model.named_parameters(remove_duplicate=False)),
+            **dict(model.named_buffers(remove_duplicate=False))}
+
+
 class Loaded:
     """A stored step, loaded: callable like decode_step (tokens, pos, rows or None), reading and writing the
     model's current KV cache tensors."""
@@ -168,7 +176,7 @@ class Loaded:
             raise ValueError("the stored step calls llama's CPU kernels, which are not available")
         self.runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path / SO), 1)
         if external(config):  # the model's own tensors, by name: nothing copied
-            named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+            named = bound_tensors(model)
             fqns = self.runner.get_constant_names_to_original_fqns()
             missing = [fqn for fqn in fqns.values() if fqn.removeprefix("model.") not in named]
             if missing:

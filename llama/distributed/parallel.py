@@ -15,6 +15,8 @@ import torch.distributed._functional_collectives as funcol
 from fairscale.nn.model_parallel import initialize as fs_init
 from fairscale.nn.model_parallel.mappings import gather_from_model_parallel_region, reduce_from_model_parallel_region
 
+from llama import settings
+
 
 def default_device() -> torch.device:
     """$LLAMA_DEVICE when set (cpu, cuda, cuda:N), else cuda:LOCAL_RANK when CUDA is available, else cpu.
@@ -22,16 +24,12 @@ def default_device() -> torch.device:
     The variable lets a GPU machine run on its CPU (or a test suite pick its device) without changing code.
     """
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    wanted = os.environ.get("LLAMA_DEVICE", "").strip()
-    if wanted:
-        try:
-            device = torch.device(wanted)
-        except RuntimeError:
-            raise ValueError(f"LLAMA_DEVICE must name a device such as cpu, cuda or cuda:1, got {wanted!r}") from None
+    device = settings.get().device
+    if device is not None:
         if device.type != "cuda":
             return device
         if not torch.cuda.is_available():
-            raise ValueError(f"LLAMA_DEVICE={wanted} but this PyTorch sees no CUDA device")
+            raise ValueError(f"LLAMA_DEVICE={device} but this PyTorch sees no CUDA device")
         if device.index is not None:
             return device
     elif not torch.cuda.is_available():
@@ -44,16 +42,13 @@ def default_device() -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+_DTYPES = settings.DTYPES
 
 
 def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     """bf16 on CUDA when supported (else fp16), fp32 on CPU, unless dtype (or else $LLAMA_DTYPE) says otherwise."""
-    if dtype is None and os.environ.get("LLAMA_DTYPE", "").strip():
-        dtype = os.environ["LLAMA_DTYPE"].strip()
-        if dtype not in _DTYPES:
-            raise ValueError(f"LLAMA_DTYPE must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if dtype is None:
+        dtype = settings.get().dtype
     if dtype is None:
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16

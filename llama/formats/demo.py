@@ -13,6 +13,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from llama import settings
 from llama.formats.meta_checkpoint import expected_shapes, save_checkpoint
 from llama.model import ModelArgs
 
@@ -68,7 +69,7 @@ def train_demo_tokenizer(path, vocab_size: int = DEMO_PARAMS["vocab_size"]) -> P
 
 
 def demo_dir() -> Path:
-    return Path(os.environ.get("LLAMA_CACHE", Path.home() / ".cache" / "llama")) / "demo"
+    return settings.cache_dir() / "demo"
 
 
 def ensure_demo_checkpoint(target: Optional[Path] = None) -> Tuple[str, str]:

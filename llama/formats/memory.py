@@ -18,36 +18,24 @@ from typing import Dict, Optional
 
 import torch
 
+from llama import settings
 from llama.kernels import cpu as cpu_kernels
 from llama.model import ModelArgs
 from llama.quantization.schemes import activation_dtype
+from llama.settings import parse_bytes  # noqa: F401  (re-exported: it was defined here)
 
 MARGIN = 1.10
 ENV = "LLAMA_MEMORY_LIMIT"
-_SUFFIX = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 class NotEnoughMemory(MemoryError, ValueError):
     """A configuration refused before loading (a MemoryError, and a ValueError about the arguments)."""
 
 
-def parse_bytes(text: str) -> int:
-    """'12G', '512M', '1000000' -> bytes; ValueError naming the variable otherwise."""
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = t[-1:] if t[-1:] in _SUFFIX and t[-1:] else ""
-    try:
-        value = float(t[: len(t) - len(unit)]) * _SUFFIX[unit]
-    except ValueError:
-        raise ValueError(f"{ENV} must be a byte count such as 8G, 512M or 1000000, got {text!r}") from None
-    if not value > 0:
-        raise ValueError(f"{ENV} must be positive, got {text!r}")
-    return int(value)
-
-
 def available_bytes() -> Optional[int]:
     """$LLAMA_MEMORY_LIMIT if set, else MemAvailable, else None (cannot tell)."""
-    if os.environ.get(ENV, "").strip():
-        return parse_bytes(os.environ[ENV])
+    if settings.get().memory_limit is not None:
+        return settings.get().memory_limit
     try:
         with open("/proc/meminfo") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
@@ -122,7 +110,7 @@ def check_fits(args: ModelArgs, dtype: torch.dtype, scheme: Optional[str], group
         options.append("a smaller max_batch_size * max_seq_len (the KV cache is "
                        f"{_gb(need['kv_cache'])})")
     hint = ("; would fit: " + ", ".join(options)) if options else "; nothing smaller this package offers would fit"
-    source = f"${ENV}" if os.environ.get(ENV, "").strip() else "MemAvailable"
+    source = f"${ENV}" if settings.get().memory_limit is not None else "MemAvailable"
     raise NotEnoughMemory(
         f"not loading: this configuration needs about {_gb(need['total'])} (weights {_gb(need['weights'])}, "
         f"embeddings and norms {_gb(need['embeddings'])}, KV cache {_gb(need['kv_cache'])}, compiled copy "

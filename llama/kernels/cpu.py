@@ -29,7 +29,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from llama.formats.fetch import cache_dir
+from llama import settings
+from llama.settings import cache_dir
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "decode_ops.cpp", CSRC / "decode_layers.cpp")  # one library
@@ -39,7 +40,7 @@ BLOCK = 32  # activation block of the quantized kernels: inputs must be a multip
 
 
 def enabled() -> bool:
-    return os.environ.get("LLAMA_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+    return settings.get().cpu_kernels
 
 
 def cpu_flags() -> set:

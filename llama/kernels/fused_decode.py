@@ -15,12 +15,12 @@ Code that assigns a layer's tensors by hand after a step must call it too.
 `benchmarks/paired.py --layer-by-layer`).
 """
 
-import os
 import weakref
 from typing import List, Optional, Tuple
 
 import torch
 
+from llama import settings
 from llama.kernels import cpu as cpu_kernels
 
 FLOAT, INT4, INT8 = 0, 1, 2  # the op's schemes: a bf16 or fp32 weight, group-wise int4, int8 with per-row scales
@@ -85,7 +85,7 @@ def run(layers, h: torch.Tensor, cos, sin, positions, rows, kv_len: int) -> Opti
     where the op cannot take them (the caller then goes layer by layer)."""
     if h.shape[1] != 1 or h.device.type != "cpu" or torch.compiler.is_compiling() or not cpu_kernels.available():
         return None
-    if os.environ.get("LLAMA_FUSED_DECODE", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not settings.get().fused_decode:
         return None
     kept = _kept.setdefault(layers, {})
     key = (h.shape[0], h.dtype)

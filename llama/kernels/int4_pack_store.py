@@ -22,15 +22,16 @@ from typing import Dict, Optional
 
 import torch
 
+from llama import settings
 from llama.formats import meta_checkpoint as checkpoint
-from llama.formats.fetch import cache_dir
 from llama.kernels import cpu as cpu_kernels
+from llama.settings import cache_dir
 
 FORMAT = 3  # bump when what is stored changes
 
 
 def enabled() -> bool:
-    return os.environ.get("LLAMA_INT4_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
+    return settings.get().int4_cache
 
 
 def cache_path(ckpt_dir, rank: int, world_size: int, group_size: int) -> Optional[Path]:

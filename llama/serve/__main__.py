@@ -44,7 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.max_queue < 0:
         p.error("--max-queue must be >= 0")
     args.compile = {"true": True, "false": False}.get(str(args.compile).lower(), args.compile)
-    env_key = os.environ.get("LLAMA_API_KEY")
+    from llama import settings
+
+    env_key = settings.get().api_key
     if env_key:
         args.api_keys.append(env_key)
     return args

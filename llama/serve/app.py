@@ -245,11 +245,63 @@ def engine_error(err: BaseException) -> APIError:
     return APIError(500, f"generation failed: {err}", kind="server_error", code="engine_error")
 
 
-def create_app(load: Callable, model_name: str, api_keys: Sequence[str] = (), max_queue: int = 256,
-               prefill_chunk: int = 128) -> Starlette:
-    """load() builds the Llama (called once, in a background thread at startup; /health answers 503 until then)."""
-    state = State(load, model_name, api_keys, max_queue, prefill_chunk)
+def with_grammar(spec) -> None:
+    """spec's response_format as a grammar among its sampling params; a 400 naming response_format if it cannot
+    be one."""
+    try:
+        from llama.sample.grammar import Grammar
 
+        spec.params["grammar"] = Grammar.from_response_format(spec.response_format)
+    except ImportError as e:
+        raise protocol.bad("response_format", f"structured outputs need llguidance ({e}): "
+                                              "pip install -e '.[serve]'") from None
+    except ValueError as e:
+        raise protocol.bad("response_format", str(e)) from None
+
+
+async def submit(state: State, engine, spec) -> List:
+    """spec's requests, submitted off the event loop (a grammar's first use builds its vocabulary, up to seconds);
+    on failure those submitted are cancelled and the admission count of the rest released."""
+    reqs: List = []
+
+    def submit_all():
+        for p in spec.prompts:
+            reqs.extend(engine.submit_samples(p, spec.n, **spec.params))
+
+    try:
+        await asyncio.to_thread(submit_all)
+    except BaseException:
+        for r in reqs:
+            r.cancel()
+        state.release(len(spec.prompts) * spec.n - len(reqs))
+        raise
+    return reqs
+
+
+async def generate(state: State, request: HTTPRequest, chat: bool):
+    """/v1/completions and /v1/chat/completions: parse, admit, submit, then stream or answer whole."""
+    state.authorize(request)
+    engine = state.ready()
+    try:
+        body = await request.json()
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    gen = state.generator
+    spec = protocol.parse(body, chat, state.model_name, gen.max_seq_len, gen.model.vocab_size)
+    if spec.response_format is not None:
+        with_grammar(spec)
+    state.admit(len(spec.prompts) * spec.n)
+    reqs = await submit(state, engine, spec)
+    failed = next((r.error for r in reqs if r.done() and r.error is not None), None)
+    job = Job(state, spec, reqs, asyncio.get_running_loop())  # its threads release the admission count
+    if failed is not None:
+        job.cancel()
+        raise engine_error(failed)
+    state.metrics.requests.labels(request.url.path, "200").inc()
+    return Watched(job.stream if spec.stream else job.whole, job.cancel)
+
+
+def routes(state: State) -> List[Route]:
     def guarded(handler):
         async def endpoint(request: HTTPRequest):
             try:
@@ -261,52 +313,11 @@ def create_app(load: Callable, model_name: str, api_keys: Sequence[str] = (), ma
 
         return endpoint
 
-    async def generate(request: HTTPRequest, chat: bool):
-        state.authorize(request)
-        engine = state.ready()
-        try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
-        gen = state.generator
-        spec = protocol.parse(body, chat, state.model_name, gen.max_seq_len, gen.model.vocab_size)
-        if spec.response_format is not None:
-            try:
-                from llama.sample.grammar import Grammar
-
-                spec.params["grammar"] = Grammar.from_response_format(spec.response_format)
-            except ImportError as e:
-                raise protocol.bad("response_format", f"structured outputs need llguidance ({e}): "
-                                                      "pip install -e '.[serve]'") from None
-            except ValueError as e:
-                raise protocol.bad("response_format", str(e)) from None
-        state.admit(len(spec.prompts) * spec.n)
-        reqs: List = []
-
-        def submit():  # off the event loop: a grammar's first use builds its vocabulary (up to seconds)
-            for p in spec.prompts:
-                reqs.extend(engine.submit_samples(p, spec.n, **spec.params))
-
-        try:
-            await asyncio.to_thread(submit)
-        except BaseException:
-            for r in reqs:
-                r.cancel()
-            state.release(len(spec.prompts) * spec.n - len(reqs))
-            raise
-        failed = next((r.error for r in reqs if r.done() and r.error is not None), None)
-        job = Job(state, spec, reqs, asyncio.get_running_loop())  # its threads release the admission count
-        if failed is not None:
-            job.cancel()
-            raise engine_error(failed)
-        state.metrics.requests.labels(request.url.path, "200").inc()
-        return Watched(job.stream if spec.stream else job.whole, job.cancel)
-
     async def completions(request):
-        return await generate(request, chat=False)
+        return await generate(state, request, chat=False)
 
     async def chat_completions(request):
-        return await generate(request, chat=True)
+        return await generate(state, request, chat=True)
 
     async def models(request):
         state.authorize(request)
@@ -331,17 +342,7 @@ def create_app(load: Callable, model_name: str, api_keys: Sequence[str] = (), ma
     async def page_config(request):
         return JSONResponse({"model": state.model_name, "api_key_required": bool(state.api_keys)})
 
-    async def not_found(request, exc):
-        return error_response(APIError(404, f"no route {request.method} {request.url.path}", code="not_found"))
-
-    async def method_not_allowed(request, exc):
-        return error_response(APIError(405, f"{request.method} is not allowed on {request.url.path}",
-                                       kind="invalid_request_error", code="method_not_allowed"))
-
-    async def server_error(request, exc):
-        return error_response(APIError(500, f"internal error: {exc!r}", code="internal_error"))
-
-    routes = [
+    return [
         Route("/v1/completions", guarded(completions), methods=["POST"]),
         Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
@@ -351,6 +352,25 @@ def create_app(load: Callable, model_name: str, api_keys: Sequence[str] = (), ma
         Route("/config", page_config, methods=["GET"]),
     ]
 
+
+async def not_found(request, exc):
+    return error_response(APIError(404, f"no route {request.method} {request.url.path}", code="not_found"))
+
+
+async def method_not_allowed(request, exc):
+    return error_response(APIError(405, f"{request.method} is not allowed on {request.url.path}",
+                                   kind="invalid_request_error", code="method_not_allowed"))
+
+
+async def server_error(request, exc):
+    return error_response(APIError(500, f"internal error: {exc!r}", code="internal_error"))
+
+
+def create_app(load: Callable, model_name: str, api_keys: Sequence[str] = (), max_queue: int = 256,
+               prefill_chunk: int = 128) -> Starlette:
+    """load() builds the Llama (called once, in a background thread at startup; /health answers 503 until then)."""
+    state = State(load, model_name, api_keys, max_queue, prefill_chunk)
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         state.start_loading()
@@ -358,7 +378,7 @@ def create_app(load: Callable, model_name: str, api_keys: Sequence[str] = (), ma
         if state.engine is not None:
             state.engine.close(cancel=True)
 
-    app = Starlette(routes=routes, lifespan=lifespan,
+    app = Starlette(routes=routes(state), lifespan=lifespan,
                     exception_handlers={404: not_found, 405: method_not_allowed, 500: server_error})
     app.state.llama = state
     return app

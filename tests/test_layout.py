@@ -1,0 +1,197 @@
+"""The package's layout holds: llama.* modules import one another without a cycle (imports inside functions
+included), dependencies point down the layers below, the command-line entry points are leaves nothing imports,
+`python -m llama.quantize` runs without runpy's RuntimeWarning, and no module or function outgrows the project's
+limits. Read from the source with `ast`: nothing is imported."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Set
+
+import pytest
+from conftest import REPO, rank_env
+
+PACKAGE = REPO / "llama"
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 80
+
+# Command-line entry points (`python -m ...`): nothing may import them, or runpy warns that the module is in
+# sys.modules before it runs.
+LEAVES = ("llama.quantize", "llama.reshard", "llama.convert", "llama.batch", "llama.perplexity", "llama.serve.__main__")
+
+# Dependencies point one way: a module may import its own layer or lower ones, never a higher one. A module's
+# layer is that of its longest listed prefix (a package's modules default to the package's layer; the modules of
+# a package that spans layers are placed one by one). "llama" is the root package alone; an unplaced module fails.
+LAYERS: List[tuple] = [
+    ("llama.settings",),  # the environment, read once
+    ("llama.kernels", "llama.layers"),  # our C++ kernels; the fused projections
+    ("llama.quantization", "llama.distributed"),  # int4/int8 weights and their products; devices, process groups
+    ("llama.model", "llama.kernels.fused_decode"),  # the transformer; its one-call decode step over its layers
+    ("llama.formats", "llama.tokenizers", "llama.sample", "llama.kernels.int4_pack_store"),  # files, text, tokens
+    ("llama.distributed.pipeline", "llama.compilation"),  # stages of a model; compiled decode steps
+    ("llama.core", "llama.distributed.pipeline_engine"),  # requests, scheduler, runner, engine
+    ("llama.formats.loader", "llama.generation"),  # Llama.build and the Llama facade
+    ("llama.serve", "llama.cli", "llama.quantization.cli", "llama.tokenizer", "llama", *LEAVES),  # user-facing
+]
+
+# Known offenders in files being restructured as this test was written; the lead empties these after merging.
+KNOWN_OVERSIZED_MODULES: Set[str] = {"llama/model.py"}
+KNOWN_OVERSIZED_FUNCTIONS: Set[str] = {"llama/formats/loader.py:load"}
+KNOWN_CYCLES: List[List[str]] = []
+KNOWN_LAYER_VIOLATIONS: Set[tuple] = set()
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES: Dict[str, Path] = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def nearest_module(name: str) -> Optional[str]:
+    """The llama module that `import name` loads (a name imported from a module resolves to the module)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imported(module: str, path: Path, node: ast.AST) -> List[str]:
+    """The llama.* modules an Import/ImportFrom node names, relative imports resolved against `module`."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        if node.level:
+            base = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+            base = base[: len(base) - node.level + 1]
+            prefix = ".".join(base + ([node.module] if node.module else []))
+        else:
+            prefix = node.module
+        names = [f"{prefix}.{a.name}" for a in node.names]  # a submodule, or a name defined in prefix
+    found = [nearest_module(n) for n in names if n == "llama" or n.startswith("llama.")]
+    return [m for m in found if m is not None and m != module]
+
+
+def import_graph() -> Dict[str, Set[str]]:
+    """Every llama module -> the llama modules it imports anywhere (module level, functions, conditionals)."""
+    graph = {}
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text(), str(path))
+        graph[module] = {dep for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+                         for dep in imported(module, path, node)}
+    return graph
+
+
+def cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """Cycle paths (a -> ... -> a), one for each edge back into the path of a depth-first walk: none when the
+    graph has no cycle."""
+    found, state = [], {}  # state: 1 on the current path, 2 finished
+
+    def visit(node: str, path: List[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                found.append(path[path.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return found
+
+
+def layer(module: str) -> int:
+    best, index = -1, None
+    for i, prefixes in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or (p != "llama" and module.startswith(p + "."))) and len(p) > best:
+                best, index = len(p), i
+    if index is None:
+        raise AssertionError(f"{module} is in no layer of LAYERS: place it")
+    return index
+
+
+def test_the_resolver_sees_every_kind_of_import():
+    """Relative, absolute, `from package import module`, and imports inside functions, on real modules."""
+    graph = import_graph()
+    assert "llama.settings" in graph["llama.kernels.cpu"]  # from llama import settings
+    assert "llama.compilation.step_store" in graph["llama.compilation.compiled_decode"]  # from pkg import module
+    assert "llama.generation" in graph["llama.cli.batch"]  # inside main()
+    assert "llama.core.engine" in graph["llama"]  # relative, from the package's __init__
+    assert "llama.formats.checklist" in graph["llama.formats.meta_checkpoint"]  # from module import names
+
+
+def test_no_import_cycle():
+    found = [c for c in cycles(import_graph()) if c not in KNOWN_CYCLES]
+    assert not found, "import cycle(s): " + "; ".join(" -> ".join(c) for c in found)
+
+
+def test_the_cycle_finder_reports_the_path():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set()}
+    assert cycles(graph) == [["a", "b", "c", "a"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_dependencies_point_down_the_layers():
+    graph = import_graph()
+    for module in graph:
+        layer(module)  # every module is placed
+    up = sorted((m, dep) for m, deps in graph.items() for dep in deps
+                if layer(dep) > layer(m) and (m, dep) not in KNOWN_LAYER_VIOLATIONS)
+    assert not up, "imports of a higher layer: " + "; ".join(
+        f"{m} (layer {layer(m)}) -> {dep} (layer {layer(dep)})" for m, dep in up)
+
+
+def test_entry_points_are_leaves():
+    graph = import_graph()
+    for leaf in LEAVES:
+        assert leaf in MODULES, leaf
+        importers = sorted(m for m, deps in graph.items() if leaf in deps)
+        assert not importers, f"{leaf} is a `python -m` entry point, yet {importers} import it"
+
+
+def test_python_m_quantize_runs_without_a_runtime_warning():
+    """runpy's "found in sys.modules ... unpredictable behaviour" is a RuntimeWarning: made an error here."""
+    proc = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "llama.quantize", "--help"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO, env=rank_env(1))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "usage:" in proc.stdout and "RuntimeWarning" not in proc.stderr
+
+
+def sizes():
+    """(path, lines) of every module and (path:function, lines) of every function (nested ones too)."""
+    modules, functions = {}, {}
+    for path in MODULES.values():
+        text = path.read_text()
+        rel = str(path.relative_to(REPO))
+        modules[rel] = len(text.splitlines())
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                functions[f"{rel}:{node.name}"] = max(functions.get(f"{rel}:{node.name}", 0),
+                                                      node.end_lineno - node.lineno + 1)
+    return modules, functions
+
+
+def test_no_module_over_500_lines():
+    modules, _ = sizes()
+    over = {p: n for p, n in modules.items() if n > MAX_MODULE_LINES and p not in KNOWN_OVERSIZED_MODULES}
+    assert not over, f"modules over {MAX_MODULE_LINES} lines: {over}"
+
+
+def test_no_function_over_80_lines():
+    _, functions = sizes()
+    over = {f: n for f, n in functions.items() if n > MAX_FUNCTION_LINES and f not in KNOWN_OVERSIZED_FUNCTIONS}
+    assert not over, f"functions over {MAX_FUNCTION_LINES} lines: {over}"
+
+
+@pytest.mark.parametrize("known", sorted(KNOWN_OVERSIZED_MODULES | KNOWN_OVERSIZED_FUNCTIONS))
+def test_known_offenders_are_still_offenders(known):
+    """A known offender that was fixed must leave the list, so the list cannot hide a new one."""
+    modules, functions = sizes()
+    size = modules.get(known, functions.get(known))
+    assert size is not None, f"{known} no longer exists: remove it from the known offenders"
+    assert size > (MAX_MODULE_LINES if known in modules else MAX_FUNCTION_LINES), \
+        f"{known} is {size} lines now: remove it from the known offenders"
