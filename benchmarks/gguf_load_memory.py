@@ -30,7 +30,7 @@ SHARED = Path(__file__).resolve().parents[2] / "shared"
 PROBE = """
 import json, sys, torch
 from llama import Llama
-from llama.quantization.schemes import linear_layers
+from llama.layers import linear_layers
 def hwm():
     return int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1]) * 1024
 base = hwm()

@@ -50,7 +50,7 @@ def simulate_q4_0(model) -> None:
     weight error of llama.cpp q4_0, with fp32 activations (llama.cpp also rounds activations to q8_0)."""
     import gguf
 
-    from llama.quantization.schemes import linear_layers
+    from llama.layers import linear_layers
 
     qt = gguf.GGMLQuantizationType.Q4_0
     with torch.no_grad():

@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llama.kernels import cpu as cpu_kernels  # noqa: E402
 from llama.quantization.int4 import int4_linear, quantize_codes, quantize_int4_weight  # noqa: E402
-from llama.quantization.schemes import linear as int8_linear  # noqa: E402
-from llama.quantization.schemes import quantize_weight
+from llama.quantization.int8 import linear as int8_linear  # noqa: E402
+from llama.quantization.int8 import quantize_weight  # noqa: E402
 
 
 def timed(fn, xs, repeat: int) -> float:

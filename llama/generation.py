@@ -77,7 +77,9 @@ class Llama:
         (llama/quantization/cli.py); "int4" (CPU): group-wise 4-bit weights, group_size inputs per scale (default 32;
         llama/quantization/int4.py), activations fp32 unless dtype says otherwise. On x86 CPUs with AVX2 both run in
         our own kernels (llama/kernels/cpu.py, compiled once on first use), as do bf16 weights.
-        A checkpoint written by `python -m llama.quantize` loads as the scheme it records, without requantizing.
+        A checkpoint written by `python -m llama.quantize` loads without requantizing: int4 as int4, int8 as the
+        fastest int8 scheme the device runs (int8-dynamic in our CPU kernels, else weight-only; quantize="int8"
+        asks for weight-only).
         A configuration whose weights and KV cache would not fit in available memory (or LLAMA_MEMORY_LIMIT
         bytes) is refused before loading, naming what would fit (llama/formats/memory.py).
         compile="auto" (default): on CPU, models of 50M+ parameters compile their one-token decode step once eager

@@ -269,7 +269,7 @@ class Attention(Fusable):
         """One token per row in one call of our CPU kernel (llama/kernels/cpu.py): rotation, cache write and
         attention, as qkv(), store() and the attention below compute them. Returns (B, heads * head_dim)."""
         B = x.shape[0]
-        nq, nkv, hd = self.n_local_heads * self.head_dim, self.n_local_kv_heads * self.head_dim, self.head_dim
+        nq, nkv = self.n_local_heads * self.head_dim, self.n_local_kv_heads * self.head_dim
         if self.wqkv is None:
             q, k, v = self.wq(x).view(B, nq), self.wk(x).view(B, nkv), self.wv(x).view(B, nkv)
         else:

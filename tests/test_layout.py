@@ -25,21 +25,16 @@ LEAVES = ("llama.quantize", "llama.reshard", "llama.convert", "llama.batch", "ll
 # a package that spans layers are placed one by one). "llama" is the root package alone; an unplaced module fails.
 LAYERS: List[tuple] = [
     ("llama.settings",),  # the environment, read once
-    ("llama.kernels", "llama.layers"),  # our C++ kernels; the fused projections
-    ("llama.quantization", "llama.distributed"),  # int4/int8 weights and their products; devices, process groups
-    ("llama.model", "llama.kernels.fused_decode"),  # the transformer; its one-call decode step over its layers
-    ("llama.formats", "llama.tokenizers", "llama.sample", "llama.kernels.int4_pack_store"),  # files, text, tokens
-    ("llama.distributed.pipeline", "llama.compilation"),  # stages of a model; compiled decode steps
-    ("llama.core", "llama.distributed.pipeline_engine"),  # requests, scheduler, runner, engine
-    ("llama.formats.loader", "llama.generation"),  # Llama.build and the Llama facade
-    ("llama.serve", "llama.cli", "llama.quantization.cli", "llama.tokenizer", "llama", *LEAVES),  # user-facing
+    ("llama.kernels", "llama.distributed.parallel"),  # our C++ kernels and products; devices, process groups
+    ("llama.layers",),  # parallel linear layers holding a linear method; fusion
+    ("llama.quantization", "llama.model"),  # the linear methods; the transformer (which imports neither way)
+    ("llama.formats", "llama.tokenizers", "llama.tokenizer", "llama.sample", "llama.compilation",
+     "llama.kernels.int4_pack_store"),  # files, text, tokens, compiled steps
+    ("llama.core",),  # requests, plan, scheduler, runner, engine, KV cache
+    ("llama.distributed", "llama.formats.loader"),  # pipeline stages (an Execution for the runner); Llama.build
+    ("llama.generation",),  # the Llama facade
+    ("llama.serve", "llama.cli", "llama.quantization.cli", "llama", *LEAVES),  # user-facing
 ]
-
-# Known offenders in files being restructured as this test was written; the lead empties these after merging.
-KNOWN_OVERSIZED_MODULES: Set[str] = {"llama/model.py"}
-KNOWN_OVERSIZED_FUNCTIONS: Set[str] = {"llama/formats/loader.py:load"}
-KNOWN_CYCLES: List[List[str]] = []
-KNOWN_LAYER_VIOLATIONS: Set[tuple] = set()
 
 
 def module_name(path: Path) -> str:
@@ -125,7 +120,7 @@ def test_the_resolver_sees_every_kind_of_import():
 
 
 def test_no_import_cycle():
-    found = [c for c in cycles(import_graph()) if c not in KNOWN_CYCLES]
+    found = [c for c in cycles(import_graph())]
     assert not found, "import cycle(s): " + "; ".join(" -> ".join(c) for c in found)
 
 
@@ -140,7 +135,7 @@ def test_dependencies_point_down_the_layers():
     for module in graph:
         layer(module)  # every module is placed
     up = sorted((m, dep) for m, deps in graph.items() for dep in deps
-                if layer(dep) > layer(m) and (m, dep) not in KNOWN_LAYER_VIOLATIONS)
+                if layer(dep) > layer(m))
     assert not up, "imports of a higher layer: " + "; ".join(
         f"{m} (layer {layer(m)}) -> {dep} (layer {layer(dep)})" for m, dep in up)
 
@@ -177,21 +172,11 @@ def sizes():
 
 def test_no_module_over_500_lines():
     modules, _ = sizes()
-    over = {p: n for p, n in modules.items() if n > MAX_MODULE_LINES and p not in KNOWN_OVERSIZED_MODULES}
+    over = {p: n for p, n in modules.items() if n > MAX_MODULE_LINES}
     assert not over, f"modules over {MAX_MODULE_LINES} lines: {over}"
 
 
 def test_no_function_over_80_lines():
     _, functions = sizes()
-    over = {f: n for f, n in functions.items() if n > MAX_FUNCTION_LINES and f not in KNOWN_OVERSIZED_FUNCTIONS}
+    over = {f: n for f, n in functions.items() if n > MAX_FUNCTION_LINES}
     assert not over, f"functions over {MAX_FUNCTION_LINES} lines: {over}"
-
-
-@pytest.mark.parametrize("known", sorted(KNOWN_OVERSIZED_MODULES | KNOWN_OVERSIZED_FUNCTIONS))
-def test_known_offenders_are_still_offenders(known):
-    """A known offender that was fixed must leave the list, so the list cannot hide a new one."""
-    modules, functions = sizes()
-    size = modules.get(known, functions.get(known))
-    assert size is not None, f"{known} no longer exists: remove it from the known offenders"
-    assert size > (MAX_MODULE_LINES if known in modules else MAX_FUNCTION_LINES), \
-        f"{known} is {size} lines now: remove it from the known offenders"

@@ -7,7 +7,7 @@ import torch
 from llama.core.kv_cache import KVCache
 from llama.distributed.parallel import init_distributed
 from llama.model import ModelArgs, Transformer
-from llama.quantization.schemes import linear
+from llama.quantization.int8 import linear
 
 ARGS = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, multiple_of=16)
 

@@ -13,6 +13,7 @@ from tqdm import tqdm
 from llama.compilation import compiled_decode as compilation
 from llama.core.params import positive_int
 from llama.distributed import parallel, pipeline
+from llama.formats import checklist
 from llama.formats import gguf_file as gguf_checkpoint
 from llama.formats import memory
 from llama.formats import meta_checkpoint as checkpoint
@@ -182,7 +183,7 @@ def load(
     memory.check_fits(args, dtype, quantize, group_size, compile, mp_size * pipeline_parallel_size, device)
     fuse = fuses(args, dtype, device, quantize, compile, mp_size * pipeline_parallel_size)
     if verify and gguf_path is None:
-        checkpoint.verify_checklist(ckpt_dir)
+        checklist.verify_checklist(ckpt_dir)
     rank = parallel.model_parallel_rank()
     if stored is not None:
         model = stored_model(ckpt_dir, args, rank, mp_size, stored, quantize, device, dtype)

@@ -22,7 +22,6 @@ from llama import settings
 from llama.kernels import cpu as cpu_kernels
 from llama.model import ModelArgs
 from llama.quantization.schemes import activation_dtype
-from llama.settings import parse_bytes  # noqa: F401  (re-exported: it was defined here)
 
 MARGIN = 1.10
 ENV = "LLAMA_MEMORY_LIMIT"

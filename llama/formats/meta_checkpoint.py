@@ -19,8 +19,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from llama.formats.checklist import (  # noqa: F401  (the checklist is part of Meta's layout: re-exported)
-    CHECKLIST, md5_file, read_checklist, verify_checklist, write_checklist)
+from llama.formats.checklist import write_checklist
 from llama.model import ModelArgs, check_model_parallel
 
 DROPPED = ("rope.freqs",)  # Meta's shards carry the rotary table; the model recomputes it

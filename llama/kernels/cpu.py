@@ -260,7 +260,7 @@ def attention_inputs(cos, sin, rows, positions):
 
 def takes_float(weight: torch.Tensor) -> bool:
     """Whether an unquantized CPU weight's products run in float_linear (bf16 always; fp32 up to
-    quantize.FP32_KERNEL_MAX_ROWS rows), eager or inside torch.compile, where the weight then stays out of the
+    dense.FP32_KERNEL_MAX_ROWS rows), eager or inside torch.compile, where the weight then stays out of the
     graph (llama/compilation/compiled_decode.py)."""
     return _float_cpu(weight) and weight.is_contiguous() and (_loaded if torch.compiler.is_compiling() else available())
 

@@ -11,8 +11,8 @@ Gathering the op's arguments from the modules costs Python time on every layer, 
 and batch size, and forgotten by forget(), which whatever replaces the layers' tensors calls: a linear layer taking
 new tensors or a method (quantizing, loading), fusing, casting and allocating a KV cache (Transformer.setup_rope).
 Code that assigns a layer's tensors by hand after a step must call it too.
-`LLAMA_FUSED_DECODE=0` turns it off (read on every step, so a benchmark can time both in one process:
-`benchmarks/paired.py --layer-by-layer`).
+`LLAMA_FUSED_DECODE=0` turns it off (llama/settings.py; `benchmarks/paired.py --layer-by-layer` reloads the
+settings to time both in one process).
 """
 
 import weakref

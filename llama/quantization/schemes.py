@@ -10,22 +10,9 @@ from torch import nn
 
 from llama.kernels import cpu as cpu_kernels
 from llama.kernels import fused_decode
-from llama.kernels.dense import BF16_KERNEL_MAX_ROWS, FP32_KERNEL_MAX_ROWS, ONEDNN_FP32  # noqa: F401
-from llama.layers import Fusable, float_kernel_model, kernel_model, linear_layers, quantized  # noqa: F401
+from llama.layers import Fusable, linear_layers, quantized
 from llama.quantization.int4 import DEFAULT_GROUP_SIZE, quantize_int4
-from llama.quantization.int8 import (  # noqa: F401 (the names tools and tests import from here)
-    ACT_HALF_RANGE,
-    ACT_ZERO_POINT,
-    Int8Dynamic,
-    Int8DynamicOneDNN,
-    Int8WeightOnly,
-    dequantize_weight,
-    dynamic_int8_linear,
-    int8_dynamic,
-    linear,
-    quantize_rows,
-    quantize_weight,
-)
+from llama.quantization.int8 import Int8WeightOnly, int8_dynamic, quantize_weight
 
 SCHEMES = ("int8", "int8-dynamic", "int4")
 

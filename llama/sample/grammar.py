@@ -14,7 +14,7 @@ import json
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 

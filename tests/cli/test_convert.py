@@ -16,7 +16,8 @@ from conftest import REPO, STORIES, rank_env
 
 from llama.cli.convert import derive_ffn, main, read_safetensors
 from llama.core.kv_cache import KVCache
-from llama.formats.meta_checkpoint import expected_shapes, read_params, verify_checklist
+from llama.formats.checklist import verify_checklist
+from llama.formats.meta_checkpoint import expected_shapes, read_params
 from llama.model import ModelArgs, Transformer, ffn_hidden_dim
 
 BIN = STORIES / "llama2c" / "stories260K.bin"

@@ -184,7 +184,7 @@ def test_a_stored_int4_step_gives_what_torch_compile_gives(tmp_path, monkeypatch
 
     from llama.core.kv_cache import KVCache
     from llama.quantization.int4 import quantize_int4
-    from llama.quantization.schemes import kernel_model
+    from llama.layers import kernel_model
 
     monkeypatch.undo()
     if not cpu_kernels.available():

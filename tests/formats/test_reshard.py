@@ -9,7 +9,8 @@ import pytest
 import torch
 from conftest import GOLDENS, REPO, SHARED, STORIES, rank_env
 
-from llama.formats.meta_checkpoint import load_state_dict, parallel_dim, read_params, verify_checklist
+from llama.formats.checklist import verify_checklist
+from llama.formats.meta_checkpoint import load_state_dict, parallel_dim, read_params
 from llama.formats.reshard import main, reshard
 from llama.model import ModelArgs
 

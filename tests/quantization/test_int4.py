@@ -15,7 +15,8 @@ from test_model import random_model
 
 from llama import Llama
 from llama.formats.demo import write_random_checkpoint
-from llama.formats.memory import NotEnoughMemory, estimate, parse_bytes
+from llama.formats.memory import NotEnoughMemory, estimate
+from llama.settings import parse_bytes
 from llama.kernels import cpu as cpu_kernels
 from llama.model import ColumnLinear, ModelArgs, RowLinear
 from llama.quantization.cli import main as quantize_main
@@ -183,7 +184,7 @@ def test_cli_checkpoint_loads_to_the_same_logits_as_quantizing_at_load(small_ckp
     params = json.loads((out / "params.json").read_text())
     assert params["quantization"] == ({"scheme": "int4", "group_size": 32} if scheme == "int4" else {"scheme": "int8"})
     assert sorted(p.name for p in out.glob("*.pth")) == [f"consolidated.{k:02d}.pth" for k in range(shards)]
-    from llama.formats.meta_checkpoint import verify_checklist
+    from llama.formats.checklist import verify_checklist
     verify_checklist(out)
     state = torch.load(out / "consolidated.00.pth", weights_only=True, mmap=True)
     assert state["layers.0.attention.wq.weight"].dtype == (torch.uint8 if scheme == "int4" else torch.int8)
