@@ -15,6 +15,6 @@ setup(
     extras_require={
         "test": ["pytest", "pytest-xdist", "transformers", "accelerate", "llama-models==0.3.0; python_version >= '3.10'", "openai",
                  "httpx", "jsonschema", "playwright"],
-        "serve": ["starlette", "uvicorn", "prometheus_client", "llguidance"],
+        "serve": ["starlette", "uvicorn", "prometheus_client", "llguidance>=1.9"],
     },
 )

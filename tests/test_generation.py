@@ -187,7 +187,7 @@ def test_bf16_runs_on_cpu_close_to_fp32(stories_dir, stories, goldens):
     assert g.model.norm.weight.dtype == torch.bfloat16
     eps = torch.finfo(torch.bfloat16).eps
     for prompt, expected in golden_pairs(goldens):
-        seq = torch.tensor([prompt + expected])
+        seq = torch.tensor([prompt + expected], device=g.model.norm.weight.device)
         want, got = stories.model(seq, 0)[0].float(), g.model(seq, 0)[0].float()
         worst = (got - want).abs().max().item()
         assert worst <= 4 * eps * want.abs().max().item(), f"bf16 logits differ by {worst} ({worst / eps:.1f} eps)"

@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+from llama.formats.checklist import verify_checklist
 from llama.formats.meta_checkpoint import (
     load_state_dict,
     open_shards,
     read_params,
-    verify_checklist,
     with_vocab,
     write_shards,
 )

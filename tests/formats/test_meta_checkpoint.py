@@ -15,6 +15,7 @@ import torch
 from conftest import REPO, STORIES, rank_env
 
 from llama.formats import meta_checkpoint as checkpoint
+from llama.formats.checklist import verify_checklist
 from llama.formats.meta_checkpoint import (
     expected_shapes,
     load_shard,
@@ -22,7 +23,6 @@ from llama.formats.meta_checkpoint import (
     parallel_dim,
     read_params,
     save_checkpoint,
-    verify_checklist,
 )
 from llama.model import ModelArgs
 
