@@ -192,7 +192,11 @@ def test_bf16_runs_on_cpu_close_to_fp32(stories_dir, stories, goldens):
         worst = (got - want).abs().max().item()
         assert worst <= 4 * eps * want.abs().max().item(), f"bf16 logits differ by {worst} ({worst / eps:.1f} eps)"
         n = len(expected)
-        assert got[-n - 1 : -1].argmax(-1).tolist() == expected
+        argmax = got[-n - 1 : -1].argmax(-1).tolist()
+        if seq.device.type == "cpu":
+            assert argmax == expected
+        else:  # cuBLAS rounds bf16 products its own way: 1 near-tie of 128 differed on an H200
+            assert sum(a != b for a, b in zip(argmax, expected)) <= 2, (argmax, expected)
         tokens, _ = g.generate([prompt], max_gen_len=64, temperature=0)
         assert tokens[0] == expected[:64]
 
