@@ -37,14 +37,6 @@ def model_path() -> Path:
     return cache_dir() / "smollm2-135m-instruct" / Path(MEMBER).name
 
 
-def md5_of(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.md5()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(chunk), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 @contextmanager
 def _locked(path: Path):
     """One fetch at a time per cache (ranks under torchrun, two shells): the others wait, then reuse it."""

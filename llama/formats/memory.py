@@ -11,7 +11,6 @@ systems without the variable nothing is refused. The load itself streams (memory
 is of the resident model, with a 10% margin for allocator slack and transient copies.
 """
 
-import ctypes
 import os
 from contextlib import contextmanager
 from typing import Dict, Optional
@@ -19,6 +18,7 @@ from typing import Dict, Optional
 import torch
 
 from llama import settings
+from llama.formats import libc
 from llama.kernels import cpu as cpu_kernels
 from llama.model import ModelArgs
 from llama.quantization.schemes import activation_dtype
@@ -123,9 +123,8 @@ def freed_memory_returned():
     tensors allocated later pin them: a layer-by-layer load would keep every layer's temporaries resident. While
     loading, blocks of 1 MB and up get their own mappings, returned to the OS when freed; afterwards the thresholds
     glibc would have grown to are set (32 MB, trim at 64 MB). Elsewhere than glibc, nothing changes."""
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
+    mallopt = libc.function("mallopt")
+    if mallopt is None:
         yield
         return
     m_trim_threshold, m_mmap_threshold = -1, -3

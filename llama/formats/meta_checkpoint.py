@@ -12,13 +12,13 @@ import mmap
 import os
 import pickle
 import re
-import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from llama.formats import libc
 from llama.formats.checklist import write_checklist
 from llama.model import ModelArgs, check_model_parallel
 
@@ -415,12 +415,7 @@ def save_checkpoint(state_dict_full: Dict[str, torch.Tensor], params: dict, out_
 
 _PAGE = mmap.PAGESIZE
 _MADV_DONTNEED = 4
-try:
-    _madvise = ctypes.CDLL(None, use_errno=True).madvise if sys.platform.startswith("linux") else None
-    if _madvise is not None:
-        _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-except (OSError, AttributeError):
-    _madvise = None
+_madvise = libc.function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
 
 
 def _release(t: torch.Tensor) -> None:

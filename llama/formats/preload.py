@@ -17,7 +17,6 @@ from /proc/self/maps); elsewhere weights stay lazy.
 import ctypes
 import mmap
 import os
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, List, Optional, Tuple
@@ -25,7 +24,7 @@ from typing import Iterable, List, Optional, Tuple
 import torch
 from tqdm import tqdm
 
-from llama.formats import memory
+from llama.formats import libc, memory
 
 _CHUNK = 256 << 20  # bytes touched per call
 # The files are read first, by _READERS readers in _PIECE-byte requests: a virtual disk serves several streams at
@@ -35,12 +34,7 @@ _PIECE = 16 << 20
 _BUFFER = 4 << 20  # each reader's scratch buffer: the readers' buffers add to the load's peak RSS
 _PAGE = mmap.PAGESIZE
 _PASSES = 4  # reads of the pages still missing after the first
-try:
-    _mincore = ctypes.CDLL(None, use_errno=True).mincore if sys.platform.startswith("linux") else None
-    if _mincore is not None:
-        _mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-except (OSError, AttributeError):
-    _mincore = None
+_mincore = libc.function("mincore", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p))
 
 
 def mapped_files() -> List[Tuple[int, int, str, int]]:

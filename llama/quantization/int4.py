@@ -235,9 +235,6 @@ class Int4(LinearMethod):
         return f"Int4(group_size={self.group_size}, out_features={self.out_features}, ours={self.ours})"
 
 
-def is_int4(layer: nn.Module) -> bool:
-    return isinstance(getattr(layer, "method", None), Int4)
-
 
 def set_int4(layer: nn.Module, codes: torch.Tensor, scales: torch.Tensor, group_size: int) -> None:
     """Make a Column/RowLinear an int4 layer from storage-layout codes and scales."""

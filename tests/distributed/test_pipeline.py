@@ -8,7 +8,6 @@ ValueError."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import GOLDENS, SHARED, STORIES, error_lines, rank_env
 from helpers import ONCE, build_stories
+from serve_util import free_port
 
 TESTS = Path(__file__).resolve().parent
 ROOT_TESTS = TESTS.parent
@@ -258,12 +258,6 @@ def p2(checkpoints):
     tmp, dirs, tied = checkpoints
     finish([launch(tmp, ["--standalone", "--nproc_per_node", "2"], 1, 2, "p2", "engine", [tied, *dirs])])
     return outputs(tmp, "p2", 2)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ MP=1, a two-node rendezvous on 127.0.0.1, a clear error at an impossible size, a
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -14,6 +13,7 @@ import pytest
 import torch
 from conftest import GOLDENS, REPO, STORIES, need, rank_env
 from helpers import ONCE, build_stories
+from serve_util import free_port
 
 from llama.formats.reshard import reshard
 
@@ -109,12 +109,6 @@ def test_sampling_at_mp2_matches_mp1_with_the_same_seed(two_procs):
     assert sampled != greedy48 and all(len(s) > 0 for s in sampled)  # really sampled, not greedy
     assert ranks[0][str(STORIES)]["sampled"] == sampled
     assert ranks[0][str(tmp / "two")]["sampled"] == sampled
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_nodes_over_a_127_0_0_1_rendezvous(setup):
