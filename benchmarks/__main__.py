@@ -3,6 +3,8 @@
 Each measurement is a module of this directory with its own arguments (`python -m benchmarks NAME --help`); what
 they share (paths, shapes, --workdir weights, peers, alternating rounds, the results table) is harness.py.
 Measurements spawn fresh worker processes of their own module, so each figure comes from a clean process.
+Every measurement prints its results as markdown tables, each followed by the same rows as one `JSON {...}` line;
+`--json PATH`, taken here for all of them, also writes those lines to PATH (one a table).
 """
 
 import argparse
@@ -38,6 +40,8 @@ MEASUREMENTS = {
     "tied-memory": ("tied_memory", "peak RSS with tied against untied embeddings (Llama 3.2's vocabulary)"),
 }
 PROG = "python -m benchmarks"
+JSON_HELP = ("common option, taken by python -m benchmarks for every measurement:\n"
+             "  --json PATH           also write each results table's JSON line to PATH (one line a table)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -45,30 +49,55 @@ def parser() -> argparse.ArgumentParser:
     listing = "\n".join(f"  {name:{width}}  {what}" for name, (_, what) in MEASUREMENTS.items())
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=f"measurements:\n{listing}\n\n`{PROG} NAME --help` gives one's arguments.")
+                                epilog=f"measurements:\n{listing}\n\n{JSON_HELP}\n\n`{PROG} NAME --help` gives one's arguments.")
     p.add_argument("measurement", choices=list(MEASUREMENTS), metavar="MEASUREMENT", help="one of those below")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the measurement's own arguments")
+    p.add_argument("--json", metavar="PATH", help="as below (also accepted after MEASUREMENT)")
     return p
+
+
+def take_json(argv: list) -> tuple:
+    """(argv without `--json PATH` / `--json=PATH`, PATH or None): the option every measurement shares."""
+    rest, path, i = [], None, 0
+    while i < len(argv):
+        if argv[i] == "--json":
+            if i + 1 >= len(argv) or argv[i + 1].startswith("-"):
+                raise SystemExit(f"{PROG}: --json needs a PATH to write the results to")
+            path, i = argv[i + 1], i + 2
+            continue
+        if argv[i].startswith("--json="):
+            path = argv[i][len("--json="):]
+        else:
+            rest.append(argv[i])
+        i += 1
+    return rest, path
 
 
 def run(name: str, argv: list) -> int:
     """Import the measurement's module (as its script would run: this directory first on sys.path) and call its
-    main with argv, through sys.argv for the modules whose main() reads it."""
+    main with argv, through sys.argv for the modules whose main() reads it; `--json PATH` goes to the harness."""
     module, _ = MEASUREMENTS[name]
     here = str(Path(__file__).resolve().parent)
     if here not in sys.path:
         sys.path.insert(0, here)
+    argv, json_path = take_json(argv)
+    importlib.import_module("harness").JSON_PATH = json_path  # the module the measurements import as `harness`
     if name == "int8-agreement":
         argv = ["--accuracy", *argv]
     main = importlib.import_module(module).main
     sys.argv = [f"{PROG} {name}", *argv]
-    result = main(argv) if inspect.signature(main).parameters else main()
-    return result or 0
+    try:
+        result = main(argv) if inspect.signature(main).parameters else main()
+    except SystemExit as e:
+        if e.code in (0, None) and {"-h", "--help"} & set(argv):
+            print(f"\n{JSON_HELP}")
+        raise
+    return result if isinstance(result, int) else 0  # bench_batching's main returns its results
 
 
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
-    return run(a.measurement, a.args)
+    return run(a.measurement, a.args + (["--json", a.json] if a.json else []))
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from harness import (
     machine,
     merge_rounds,
     peak_rss,
+    print_results,
     prompt_tokens,
     read_bandwidth,
     round_ratios,
@@ -164,21 +165,21 @@ def fmt(v, spec=".1f"):
     return "—" if v is None else format(v, spec)
 
 
-def report(results, batches, bandwidth: float, rounds: int = 1) -> str:
-    """A markdown table: one row per configuration, ratios against peers of the same precision."""
+def report(results, batches, bandwidth: float, rounds: int = 1) -> list:
+    """The results table's rows: one per configuration, ratios against peers of the same precision."""
     head = ["configuration", "load s", "load peak RSS GB", "run peak RSS GB", "run peak / checkpoint",
             "prefill tok/s", "TTFT ms"]
     vs_cpp_head = "vs llama.cpp (b=1)" + (": median of the rounds' ratios (each round)" if rounds > 1 else "")
     head += [f"decode b={b} tok/s" for b in batches] + ["GB/s (b=1)", "% of bandwidth", "vs transformers (b=1/8)",
                                                         vs_cpp_head]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     peers = {}
     for cfg, r in results:
         if cfg["engine"] != "llama" and "error" not in r:
             peers[(cfg["engine"], precision(cfg))] = r
     for cfg, r in results:
         if "error" in r:
-            lines.append(f"| {label(cfg)} | error: {r['error']} |")
+            rows.append({**dict.fromkeys(head, ""), "configuration": label(cfg), "load s": f"error: {r['error']}"})
             continue
         dec = {int(k): v for k, v in r["decode_tps"].items()}
         gbs = r["weight_bytes"] * dec[batches[0]] / 1e9 if r.get("weight_bytes") and batches[0] == 1 else None
@@ -203,8 +204,17 @@ def report(results, batches, bandwidth: float, rounds: int = 1) -> str:
                 vs_cpp = (f"{statistics.median(per_round):.2f}x ({', '.join(f'{x:.2f}' for x in per_round)}); "
                           f"medians {vs_cpp}")
         row.append(vs_cpp)
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines)
+        rows.append(dict(zip(head, row)))
+    return rows
+
+
+def accuracy_rows(acc: dict) -> list:
+    """int8_accuracy's report as table rows, one per configuration against fp32."""
+    return [{"config": name, "tokens before divergence": ", ".join(map(str, r["tokens_before_divergence"])),
+             "max abs logit diff": f"{r['max_abs_logit_diff']:.4g}", "mean abs logit diff":
+             f"{r['mean_abs_logit_diff']:.4g}", "teacher-forced argmax agreement":
+             f"{100 * r['teacher_forced_argmax_agreement']:.1f}%"}
+            for name, r in acc.items() if isinstance(r, dict)]
 
 
 # --------------------------------------------------------------------------------------------- int8 accuracy
@@ -327,7 +337,6 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", help="where random weights and GGUF files go (default: a temporary directory)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per configuration")
     ap.add_argument("--accuracy", action="store_true", help="int8 vs fp32 agreement on the goldens, then exit")
-    ap.add_argument("--json", help="also write the raw results here")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
@@ -338,7 +347,9 @@ def main(argv=None) -> int:
     if args.accuracy:
         ckpt = Path(args.model)
         tok = args.tokenizer or str(ckpt / "tokenizer.model")
-        print(json.dumps(int8_accuracy(str(ckpt), tok, SHARED / "goldens" / "stories260K_greedy.json"), indent=1))
+        acc = int8_accuracy(str(ckpt), tok, SHARED / "goldens" / "stories260K_greedy.json")
+        print(f"against fp32 on the goldens' prompts; fp32 logit std {acc['logit_std_fp32']:.4g}")
+        print_results("int8-agreement", accuracy_rows(acc), extra={"report": acc})
         return 0
     if args.rounds < 1:
         ap.error(f"--rounds must be at least 1, got {args.rounds}")
@@ -368,9 +379,8 @@ def main(argv=None) -> int:
         print(f"command: python -m benchmarks decode-prefill {' '.join(argv if argv is not None else sys.argv[1:])}")
         print(f"model {args.model}, prompt {args.prompt} tokens, {args.gen} generated, {args.repeat} runs each"
               + (f", medians over {args.rounds} rounds" if args.rounds > 1 else "") + "\n")
-        print(report(results, args.batch, limit, args.rounds))
-        if args.json:
-            Path(args.json).write_text(json.dumps({"bandwidth": bw, "results": results}, indent=1))
+        print_results("decode-prefill", report(results, args.batch, limit, args.rounds),
+                      extra={"bandwidth": bw, "results": results})
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import torch
-from harness import STORIES, random_checkpoint
+from harness import STORIES, print_results, random_checkpoint
 
 from llama import Llama
 
@@ -112,16 +112,17 @@ def main(argv=None):
             results.append(bench(name, ckpt, tokenizer, args.runs, args.slots))
     print(f"\n32 requests, {args.slots} slots, every 8th wants 100 new tokens, the others 10; "
           f"torch threads {torch.get_num_threads()}; best of {args.runs} interleaved runs\n")
-    print("| model | params | static batching | continuous, FIFO (online submit) | continuous, longest first "
-          "(offline text_completion) |")
-    print("|---|---|---|---|---|")
+    heads = ["static batching", "continuous, FIFO (online submit)",
+             "continuous, longest first (offline text_completion)"]
+    rows = []
     for r in results:
-        cells = []
-        for mode in MODES:
+        row = {"model": r["model"], "params": f"{r['params'] / 1e6:.2f}M"}
+        for head, mode in zip(heads, MODES):
             sec = r["best"][mode]
             ratio = "" if mode == "static" else f", **{r['best']['static'] / sec:.2f}x**"
-            cells.append(f"{sec:.2f} s, {r['tokens'] / sec:.0f} tok/s{ratio}")
-        print(f"| {r['model']} | {r['params'] / 1e6:.2f}M | " + " | ".join(cells) + " |")
+            row[head] = f"{sec:.2f} s, {r['tokens'] / sec:.0f} tok/s{ratio}"
+        rows.append(row)
+    print_results("batching", rows, extra={"results": results})
     return results
 
 

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import torch
-from harness import LLAMA2_TOKENIZER, SHAPES, prompt_tokens, run_requests, shape_checkpoint, step_times
+from harness import LLAMA2_TOKENIZER, SHAPES, print_results, prompt_tokens, run_requests, shape_checkpoint, step_times
 
 
 def worker(cfg: dict) -> dict:
@@ -77,9 +77,7 @@ def main() -> int:
         cpp = "llamacpp" in args.compare
         print(f"model {args.model} {args.dtype}, batch 1, prompt 16; seconds from the request to its last token "
               "(compile or load of the step included), model load in brackets")
-        print("| tokens | compile=False | compile=True | compile=\"auto\" | auto vs the better of the two |"
-              + (" llama.cpp | llama.cpp / auto |" if cpp else ""))
-        print("|---|---|---|---|---|" + ("---|---|" if cpp else ""))
+        rows = []
         for gen in args.gen:
             res = {}
             for comp in ("False", "True", "auto") + (("llamacpp",) if cpp else ()):
@@ -98,13 +96,17 @@ def main() -> int:
                     return "stayed eager"
                 return f"{'loaded a stored step' if r['loaded'] else 'compiled'} in {r['compile_s']:.1f} s"
 
-            row = (f"| {gen} | {res['False']['seconds']:.1f} [{res['False']['load_s']:.1f}] | {true['seconds']:.1f} "
-                   f"[{true['load_s']:.1f}] ({how(true)}) | {auto['seconds']:.1f} [{auto['load_s']:.1f}] "
-                   f"({how(auto)}) | {auto['seconds'] / best:.2f}x |")
+            row = {"tokens": gen, "compile=False": f"{res['False']['seconds']:.1f} [{res['False']['load_s']:.1f}]",
+                   "compile=True": f"{true['seconds']:.1f} [{true['load_s']:.1f}] ({how(true)})",
+                   'compile="auto"': f"{auto['seconds']:.1f} [{auto['load_s']:.1f}] ({how(auto)})",
+                   "auto vs the better of the two": f"{auto['seconds'] / best:.2f}x"}
             if cpp:
                 c = res["llamacpp"]
-                row += f" {c['seconds']:.1f} [{c['load_s']:.1f}] | {c['seconds'] / auto['seconds']:.2f}x |"
-            print(row, flush=True)
+                row.update({"llama.cpp": f"{c['seconds']:.1f} [{c['load_s']:.1f}]",
+                            "llama.cpp / auto": f"{c['seconds'] / auto['seconds']:.2f}x"})
+            rows.append(row)
+            print(f"{gen} tokens: {json.dumps(res)}", flush=True)
+        print_results("compile-auto", rows)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0

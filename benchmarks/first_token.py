@@ -19,9 +19,11 @@ import time
 from pathlib import Path
 
 import torch
-from harness import LLAMA2_TOKENIZER, drop_from_page_cache, peak_rss
+from harness import LLAMA2_TOKENIZER, drop_from_page_cache, peak_rss, print_results
 
 MODES = {"preload": None, "lazy": False}
+HEAD = ["round", "mode", "build s", "RSS after build GB", "16-token prefill s", "first token s", "decode step s",
+        "peak RSS GB"]
 
 
 def read_twice(path: str) -> None:
@@ -81,8 +83,7 @@ def main():
         return
     print(f"{a.ckpt}, {a.dtype}, {'cold' if a.cold else 'warm'} page cache{', filled with ' + a.fill if a.fill else ''}, "
           f"{a.rounds} rounds")
-    print("| round | mode | build s | RSS after build GB | 16-token prefill s | first token s | decode step s | peak RSS GB |")
-    print("|---|---|---|---|---|---|---|---|")
+    rows = []
     for r in range(a.rounds):
         for mode in (MODES if r % 2 == 0 else reversed(list(MODES))):
             cmd = [sys.executable, __file__, a.ckpt, "--tokenizer", tok, "--dtype", a.dtype,
@@ -90,11 +91,15 @@ def main():
             proc = subprocess.run(cmd, capture_output=True, text=True)
             line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
             if line is None:
-                print(f"| {r + 1} | {mode} | failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]} ||||||")
+                failed = f"failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}"
+                rows.append({**dict.fromkeys(HEAD, ""), "round": r + 1, "mode": mode, "build s": failed})
                 continue
             m = json.loads(line[len("RESULT "):])
-            print(f"| {r + 1} | {mode} | {m['build_s']:.1f} | {m['built_rss_gb']:.2f} | {m['prefill_s']:.2f} | {m['first_token_s']:.1f} | "
-                  f"{m['step_s']:.2f} | {m['rss_gb']:.2f} |", flush=True)
+            rows.append(dict(zip(HEAD, [r + 1, mode, f"{m['build_s']:.1f}", f"{m['built_rss_gb']:.2f}",
+                                        f"{m['prefill_s']:.2f}", f"{m['first_token_s']:.1f}", f"{m['step_s']:.2f}",
+                                        f"{m['rss_gb']:.2f}"])))
+            print(f"round {r + 1}, {mode}: {json.dumps(m)}", flush=True)
+    print_results("first-token", rows)
 
 
 if __name__ == "__main__":

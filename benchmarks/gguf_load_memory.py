@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import torch
+from harness import print_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -69,12 +70,13 @@ def main() -> None:
         write_meta_gguf(path, state, params, tokenizer, quant="Q8_0")
         del state
     print(f"{path.name}: {path.stat().st_size / MIB:.0f} MiB, torch {torch.__version__}")
-    print("| load | peak RSS - baseline (MiB) | model weights (MiB) |")
-    print("|---|---|---|")
+    rows = []
     for q in ("none", "int8"):
         m = measure(path, q)
-        print(f"| {'bf16' if q == 'none' else 'quantize=int8'} | {(m['peak'] - m['base']) / MIB:.0f} | "
-              f"{m['weights'] / MIB:.0f} |")
+        rows.append({"load": "bf16" if q == "none" else "quantize=int8",
+                     "peak RSS - baseline (MiB)": f"{(m['peak'] - m['base']) / MIB:.0f}",
+                     "model weights (MiB)": f"{m['weights'] / MIB:.0f}"})
+    print_results("gguf-load-memory", rows)
 
 
 if __name__ == "__main__":

@@ -217,7 +217,6 @@ def round_ratios(ours: dict, peer: dict) -> list:
     return [a / b for a, b in zip(ours.get("b1_rounds", []), peer.get("b1_rounds", [])) if a and b]
 
 
-
 # --------------------------------------------------------------------------------------------- results
 def markdown_table(rows: List[Dict]) -> str:
     """Rows of one measurement as a markdown table, columns in the order the first row names them."""
@@ -230,12 +229,23 @@ def markdown_table(rows: List[Dict]) -> str:
     return "\n".join(lines)
 
 
-def print_results(name: str, rows: List[Dict], json_path: Optional[str] = None) -> None:
-    """The results table in markdown, then the same rows as one JSON line (with the machine), also written to
-    json_path when given: what docs/performance.md quotes."""
+# Set by `python -m benchmarks NAME --json PATH` (__main__.py takes the option off the measurement's arguments):
+# every results table of the run is appended to PATH, one JSON line each, as printed.
+JSON_PATH: Optional[str] = None
+_written: set = set()  # paths this process has begun writing: the first table of a run truncates, later ones append
+
+
+def print_results(name: str, rows: List[Dict], json_path: Optional[str] = None, extra: Optional[Dict] = None) -> None:
+    """The results table in markdown, then the same rows as one `JSON {...}` line (with the machine and date, and
+    `extra`: raw figures the table condenses), also appended to json_path or JSON_PATH when set: what
+    docs/performance.md quotes. A measurement with several tables calls this once per table, each named apart."""
     print(markdown_table(rows))
     record = {"benchmark": name, "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "rows": rows}
-    print("JSON " + json.dumps(record))
-    if json_path:
-        Path(json_path).write_text(json.dumps(record, indent=1))
+              "rows": rows, **(extra or {})}
+    line = json.dumps(record)
+    print("JSON " + line, flush=True)
+    path = json_path or JSON_PATH
+    if path:
+        with open(path, "a" if path in _written else "w") as f:
+            f.write(line + "\n")
+        _written.add(path)

@@ -54,7 +54,6 @@ def main():
     p.add_argument("--dim", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--json", help="also write the results here")
     p.add_argument("--measure", nargs=3, help=argparse.SUPPRESS)
     p.add_argument("--naive", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -79,7 +78,7 @@ def main():
                 r = child(str(Path(tmp) / d), rank, world, naive)
                 rows.append({"case": name, "rank": rank, "slice MiB": round(r["slice"] / MIB),
                              "peak RSS growth MiB": round(r["peak_growth"] / MIB)})
-    print_results("load-memory", rows, a.json)
+    print_results("load-memory", rows)
 
 
 if __name__ == "__main__":

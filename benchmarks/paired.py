@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 from bench import prequantize
-from harness import LLAMA2_TOKENIZER, machine, prompt_tokens, read_bandwidth, run_requests, shape_checkpoint, step_times
+from harness import (LLAMA2_TOKENIZER, machine, print_results, prompt_tokens, read_bandwidth, run_requests,
+                     shape_checkpoint, step_times)
 from peers import gguf_file
 
 from llama import settings
@@ -99,12 +100,22 @@ def measure(cfg: dict) -> dict:
     return {"blocks": blocks}
 
 
-def report(label: str, blocks: list, seconds: float) -> None:
+HEAD = ["scheme", "ours tok/s, median", "llama.cpp tok/s, median", "ours / llama.cpp, median of blocks", "range",
+        "blocks"]
+
+
+def not_run(label: str, why: str) -> dict:
+    """A row of the table for a scheme that gave no figures."""
+    return {**dict.fromkeys(HEAD, ""), "scheme": label, HEAD[1]: why}
+
+
+def report(label: str, blocks: list, seconds: float) -> dict:
+    """The table's row for one scheme (or prompt length); every block's rates printed as they come."""
     ratios = [b["ours"] / b["peer"] for b in blocks]
-    print(f"| {label} | {statistics.median(b['ours'] for b in blocks):.2f} | "
-          f"{statistics.median(b['peer'] for b in blocks):.2f} | {statistics.median(ratios):.2f}x | "
-          f"{min(ratios):.2f}–{max(ratios):.2f}x | {len(blocks)} in {seconds:.0f} s |", flush=True)
-    print("  blocks (ours, llama.cpp tok/s): " + ", ".join(f"{b['ours']:.2f}/{b['peer']:.2f}" for b in blocks),
+    row = dict(zip(HEAD, [label, f"{statistics.median(b['ours'] for b in blocks):.2f}",
+                          f"{statistics.median(b['peer'] for b in blocks):.2f}", f"{statistics.median(ratios):.2f}x",
+                          f"{min(ratios):.2f}–{max(ratios):.2f}x", f"{len(blocks)} in {seconds:.0f} s"]))
+    print(f"{label}: blocks (ours, llama.cpp tok/s): " + ", ".join(f"{b['ours']:.2f}/{b['peer']:.2f}" for b in blocks),
           flush=True)
     if "layers" in blocks[0]:
         steps = [b["ours"] / b["layers"] for b in blocks]
@@ -112,6 +123,7 @@ def report(label: str, blocks: list, seconds: float) -> None:
               f"{min(steps):.3f}–{max(steps):.3f}x; layer by layer / llama.cpp "
               f"{statistics.median(b['layers'] / b['peer'] for b in blocks):.2f}x; layer-by-layer tok/s: "
               + ", ".join(f"{b['layers']:.2f}" for b in blocks), flush=True)
+    return row
 
 
 def main():
@@ -144,8 +156,7 @@ def main():
     print(machine())
     print(f"read bandwidth: {read_bandwidth():.1f} GB/s")
     print(f"command: python benchmarks/paired.py {' '.join(sys.argv[1:])}")
-    print("| scheme | ours tok/s, median | llama.cpp tok/s, median | ours / llama.cpp, median of blocks | range | blocks |")
-    print("|---|---|---|---|---|---|")
+    rows = []
     for dtype in a.dtypes:
         cfg = {"ckpt": str(ckpt), "tokenizer": str(LLAMA2_TOKENIZER), "workdir": a.workdir}
         gguf = gguf_file(cfg, GGUF_TYPE[dtype])
@@ -154,7 +165,7 @@ def main():
         need = gguf.stat().st_size + sum(f.stat().st_size for f in Path(ours).glob("*.pth"))  # bf16: one file
         have = memory.available_bytes()
         if have is not None and need * memory.MARGIN > have:
-            print(f"| {dtype} | not run: both models need {need / 1e9:.1f} GB, {have / 1e9:.1f} GB available |||||")
+            rows.append(not_run(dtype, f"not run: both models need {need / 1e9:.1f} GB, {have / 1e9:.1f} GB available"))
             continue
         cfg.update(dtype=dtype, ours=ours, gguf=str(gguf), blocks=a.blocks, tokens=a.tokens, compile=a.compile,
                    prompts=a.prompts, layer_by_layer=a.layer_by_layer)
@@ -163,14 +174,16 @@ def main():
                               capture_output=True, text=True)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if line is None:
-            print(f"| {dtype} | failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]} |||||")
+            rows.append(not_run(dtype, f"failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}"))
             continue
         blocks = json.loads(line[len("RESULT "):])["blocks"]
         if a.prompts:
             for length in a.prompts:
-                report(f"{dtype}, prefill {length}", [b[str(length)] for b in blocks], time.perf_counter() - t)
+                rows.append(report(f"{dtype}, prefill {length}", [b[str(length)] for b in blocks],
+                                   time.perf_counter() - t))
         else:
-            report(dtype, blocks, time.perf_counter() - t)
+            rows.append(report(dtype, blocks, time.perf_counter() - t))
+    print_results("paired-llamacpp", rows)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import torch
+from harness import print_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -109,21 +110,20 @@ def main():
     ap.add_argument("--configs", nargs="+", default=["bf16", "int8", "int4-g32", "int4-g64", "int4-g128"],
                     choices=list(CONFIGS))
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--json", help="also write the rows here")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     rows = [r for m in a.models for r in evaluate(m, a.configs, a.threads)]
-    print("| model | config | greedy tokens = fp32 (per prompt) | teacher-forced argmax = fp32 | mean / max logit "
-          "error (x fp32 std) | perplexity |")
-    print("|---|---|---|---|---|---|")
+    head = ["model", "config", "greedy tokens = fp32 (per prompt)", "teacher-forced argmax = fp32",
+            "mean / max logit error (x fp32 std)", "perplexity"]
+    table = []
     for r in rows:
         if r["config"] == "fp32":
-            print(f"| {r['model']} | fp32 | - | - | - | {r['perplexity']:.3f} |")
+            table.append(dict(zip(head, [r["model"], "fp32", "-", "-", "-", f"{r['perplexity']:.3f}"])))
             continue
-        print(f"| {r['model']} | {r['config']} | {', '.join(map(str, r['greedy_agree']))} of {r['of']} | "
-              f"{100 * r['argmax_agree']:.1f}% | {r['mean_err']:.3f} / {r['max_err']:.2f} | {r['perplexity']:.3f} |")
-    if a.json:
-        Path(a.json).write_text(json.dumps(rows, indent=1))
+        table.append(dict(zip(head, [r["model"], r["config"], f"{', '.join(map(str, r['greedy_agree']))} of {r['of']}",
+                                     f"{100 * r['argmax_agree']:.1f}%", f"{r['mean_err']:.3f} / {r['max_err']:.2f}",
+                                     f"{r['perplexity']:.3f}"])))
+    print_results("quant-accuracy", table, extra={"results": rows})
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from harness import print_results
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -82,6 +83,7 @@ def main():
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"{'shape':>11} {'kernel':<34} " + " ".join(f"{'b=' + str(b) + ' ms':>9} {'GB/s':>6}" for b in a.batch))
+    table = []  # the same figures as the lines printed as they come, for print_results
     for shape in a.shapes:
         n, k = map(int, shape.split("x"))
         weights = [(torch.randn(n, k) * 0.02).to(torch.bfloat16) for _ in range(a.copies)]
@@ -105,6 +107,7 @@ def main():
             for label, mods in torchao_kernels(weights, shape):
                 if isinstance(mods, str):
                     print(f"{shape:>11} {label:<34} {mods}")
+                    table.append({"shape": shape, "kernel": label, f"b={a.batch[0]} ms": mods})
                     continue
                 nbytes = None
                 rows.append((label, [(m,) for m in mods], lambda x, m: m(x), nbytes))
@@ -112,7 +115,7 @@ def main():
                     cmods = [torch.compile(copy.deepcopy(m)) for m in mods]
                     rows.append((label + " compiled", [(m,) for m in cmods], lambda x, m: m(x), nbytes))
         for label, params, fn, nbytes in rows:
-            cells = []
+            cells, row = [], {"shape": shape, "kernel": label}
             for b in a.batch:
                 x = torch.randn(b, k).to(torch.bfloat16)
                 try:
@@ -120,10 +123,14 @@ def main():
                         t = timed(lambda *p: fn(x, *p), params, a.repeat)
                     gbs = f"{nbytes / t / 1e9:6.1f}" if nbytes else f"{'-':>6}"
                     cells.append(f"{t * 1e3:9.3f} {gbs}")
+                    row.update({f"b={b} ms": f"{t * 1e3:.3f}", f"b={b} GB/s": gbs.strip()})
                 except Exception as e:
                     cells.append(f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
+                    row.update({f"b={b} ms": cells[-1], f"b={b} GB/s": ""})
             print(f"{shape:>11} {label:<34} " + " ".join(cells), flush=True)
+            table.append(row)
         del rows, weights
+    print_results("quant-kernels", table)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dim", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -57,7 +56,7 @@ def main() -> None:
             r = json.loads(out.stdout.strip().splitlines()[-1])
             rows.append({"checkpoint": name, "peak RSS growth MiB": round(r["growth"] / 2**20),
                          "embedding table MiB": round(r["table"] / 2**20), "output shares it": r["shared"]})
-    print_results("tied-memory", rows, a.json)
+    print_results("tied-memory", rows)
 
 
 if __name__ == "__main__":
