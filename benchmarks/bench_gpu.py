@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from harness import print_results
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -310,21 +311,22 @@ def spawn(cfg: dict, timeout: float) -> dict:
     return {"error": f"exit {p.returncode}: {p.stderr[-2000:]}"}
 
 
-def table(rows, batches) -> str:
-    head = ("| model | engine | weights | load+warm s | peak GiB | prefill tok/s | TTFT ms (b=1) | "
-            + " | ".join(f"decode b={b}" for b in batches) + " | b=1 GB/s |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+def table(rows, batches) -> list:
+    """The results table's rows, one per configuration."""
+    head = (["model", "engine", "weights", "load+warm s", "peak GiB", "prefill tok/s", "TTFT ms (b=1)"]
+            + [f"decode b={b}" for b in batches] + ["b=1 GB/s"])
+    out = []
     for cfg, r in rows:
-        name = f"{cfg['shape']} | {cfg['engine']} | {cfg['dtype']}"
+        name = [cfg["shape"], cfg["engine"], cfg["dtype"]]
         if "error" in r:
-            lines.append(f"| {name} | failed: {r['error'][:150]} |")
+            out.append({**dict.fromkeys(head, ""), **dict(zip(head, name)), "load+warm s": f"failed: {r['error'][:150]}"})
             continue
         d = r["decode_tps"]
         gbs = d.get("1", d.get(1, 0)) * r["weight_gb"]
-        lines.append(f"| {name} | {r['total_s']:.0f} | {r['peak_gib']:.1f} | {r['prefill_tps']:.0f} | "
-                     f"{r['ttft_ms'].get('1', r['ttft_ms'].get(1, 0)):.1f} | "
-                     + " | ".join(f"{d.get(str(b), d.get(b, 0)):.1f}" for b in batches) + f" | {gbs:.0f} |")
-    return "\n".join(lines)
+        out.append(dict(zip(head, name + [f"{r['total_s']:.0f}", f"{r['peak_gib']:.1f}", f"{r['prefill_tps']:.0f}",
+                                          f"{r['ttft_ms'].get('1', r['ttft_ms'].get(1, 0)):.1f}"]
+                            + [f"{d.get(str(b), d.get(b, 0)):.1f}" for b in batches] + [f"{gbs:.0f}"])))
+    return out
 
 
 def main(argv=None) -> int:
@@ -345,7 +347,6 @@ def main(argv=None) -> int:
     ap.add_argument("--compare-batch", nargs="+", type=int, help="batch sizes for gpt-fast (default: --batch)")
     ap.add_argument("--profile", action="store_true", help="also print where our host time goes at the first batch")
     ap.add_argument("--timeout", type=float, default=900)
-    ap.add_argument("--json", help="also write the raw results here")
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: a smoke test of this script
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -376,15 +377,13 @@ def main(argv=None) -> int:
             print(r.pop("profile", ""), flush=True)
             print(json.dumps({"cfg": {k: cfg[k] for k in ("shape", "engine", "dtype")}, **r}), flush=True)
     print()
-    print(table(rows, a.batch))
+    print_results("gpu", table(rows, a.batch),
+                  extra={"bandwidth": bw, "device": name, "results": [[c, r] for c, r in rows]})
     for cfg, r in rows:
         if "error" not in r and cfg["engine"] == "llama" and cfg["dtype"] == "bf16":
             d1 = r["decode_tps"].get("1", r["decode_tps"].get(1))
             print(f"{cfg['shape']} bf16 b=1: {d1 * r['weight_gb'] / bw['read_gbs'] * 100:.0f}% of the measured "
                   f"read bandwidth ({d1 * r['weight_gb']:.0f} of {bw['read_gbs']:.0f} GB/s)")
-    if a.json:
-        Path(a.json).write_text(json.dumps({"bandwidth": bw, "device": name,
-                                            "rows": [[c, r] for c, r in rows]}, indent=1))
     return 0
 
 

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 import torch
+from harness import print_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from llama.sample.grammar import Grammar, token_bytes, vocabulary  # noqa: E402
@@ -296,17 +297,18 @@ def main() -> None:
             print(f"  llguidance via llama.sample.grammar: {rows[-1][2:]}", flush=True)
 
     print(f"\ntorch threads {torch.get_num_threads()}; token bytes from our tokenizers timed separately above\n")
-    print("| vocabulary | library | tokenizer info | compile | mask computed, median / p90 | "
-          "computed + applied, median / p90 | tokens | complete JSON |")
-    print("|---|---|---|---|---|---|---|---|")
+    head = ["vocabulary", "library", "tokenizer info", "compile", "mask computed, median / p90",
+            "computed + applied, median / p90", "tokens", "complete JSON"]
+    table = []
     for r in rows:
         if len(r) == 3:
-            print(f"| {r[0]} | {r[1]} | {r[2]} | | | | | |")
+            table.append({**dict.fromkeys(head, ""), **dict(zip(head, r))})
             continue
         label, lib, info, comp, f50, f90, t50, t90, n, parsed = r
         fill = "—" if f50 != f50 else f"{f50:.3f} / {f90:.3f} ms"
-        print(f"| {label} | {lib} | {info:.3f} s | {comp:.3f} s | {fill} | {t50:.3f} / {t90:.3f} ms | {n} | "
-              f"{parsed} |")
+        table.append(dict(zip(head, [label, lib, f"{info:.3f} s", f"{comp:.3f} s", fill,
+                                     f"{t50:.3f} / {t90:.3f} ms", n, parsed])))
+    print_results("grammar-libraries", table)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import LLAMA2_TOKENIZER, REPO, machine, random_checkpoint, step_times
+from harness import LLAMA2_TOKENIZER, REPO, machine, print_results, random_checkpoint, step_times
 
 COUNTS = {"tp_bytes": 0, "tp_calls": 0}
 
@@ -61,6 +61,29 @@ def count_collectives(T: int) -> None:
         model_mod.reduce_sum = wrap(model_mod.reduce_sum, 2 * (T - 1) / T)
         model_mod.gather_last_dim = wrap(model_mod.gather_last_dim, T - 1)
         parallel_mod.gather_last_dim = wrap(parallel_mod.gather_last_dim, T - 1)
+
+
+def long_prefill(llm, tokens: int, g) -> dict:
+    """Prefill of one long prompt, cut into sequence chunks that the stages work on at once ("chunked"), and in one
+    piece ("whole"): (best ms of 3, this rank's busy share then) each; {} for tokens == 0."""
+    import torch
+
+    import llama.distributed.pipeline as pipeline_mod
+
+    long_prompt = [1] + torch.randint(3, llm.model.vocab_size, (max(tokens, 2) - 1,), generator=g).tolist()
+    prefill = {}
+    for name, micro in (("chunked", pipeline_mod.MICRO_TOKENS), ("whole", 10**9)) if tokens else ():
+        pipeline_mod.MICRO_TOKENS = micro
+        times, busy = [], []
+        for _ in range(3):
+            c0 = getattr(llm.model, "traffic", {}).get("compute_s", 0.0)
+            tic = time.perf_counter()
+            llm.generate([long_prompt], max_gen_len=1, temperature=0.0)
+            times.append(time.perf_counter() - tic)
+            busy.append((getattr(llm.model, "traffic", {}).get("compute_s", 0.0) - c0) / times[-1])
+        best = min(range(3), key=times.__getitem__)
+        prefill[name] = (1e3 * times[best], busy[best])
+    return prefill
 
 
 def worker(a) -> None:
@@ -113,22 +136,7 @@ def worker(a) -> None:
     _, e1, _ = run(1, leader=True)
     _, eN, engine_tokens = run(a.new + 1, leader=True)
     steps = [t1 - t0 for t0, t1 in zip(stampsN[1:], stampsN[2:])]
-    # Prefill of one long prompt, cut into sequence chunks that the stages work on at once, and in one piece.
-    import llama.distributed.pipeline as pipeline_mod
-
-    long_prompt = [1] + torch.randint(3, llm.model.vocab_size, (max(a.prefill_tokens, 2) - 1,), generator=g).tolist()
-    prefill = {}
-    for name, micro in (("chunked", pipeline_mod.MICRO_TOKENS), ("whole", 10**9)) if a.prefill_tokens else ():
-        pipeline_mod.MICRO_TOKENS = micro
-        times, busy = [], []
-        for _ in range(3):
-            c0 = getattr(llm.model, "traffic", {}).get("compute_s", 0.0)
-            tic = time.perf_counter()
-            llm.generate([long_prompt], max_gen_len=1, temperature=0.0)
-            times.append(time.perf_counter() - tic)
-            busy.append((getattr(llm.model, "traffic", {}).get("compute_s", 0.0) - c0) / times[-1])
-        best = min(range(3), key=times.__getitem__)
-        prefill[name] = (1e3 * times[best], busy[best])
+    prefill = long_prefill(llm, a.prefill_tokens, g)
     decode_wall = stampsN[-1] - stampsN[1]
     per_token = {k: (dN[k] - d1[k]) / (a.new * a.batch) for k in dN}
     result = {
@@ -224,58 +232,79 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         ckpt = random_checkpoint(tmp / "model", params, tokenizer=Path(a.tokenizer))
-        reference, results = None, {}
-        print("| layout (T x P) | ranks | decode step ms | bytes/token inside stages | bytes/token between stages "
-              "(engine) | p2p msgs/step | weights/rank MB | busy per rank |")
-        print("|---|---|---|---|---|---|---|---|")
+        results = {}
         for layout in a.layouts:
             tp, pp = map(int, layout.split("x"))
-            ranks = results[layout] = launch(a, ckpt, tmp, tp, pp)
-            reference = reference or ranks[0]["tokens"]
-            assert all(r["tokens"] == reference for r in ranks), f"{layout} decoded other tokens"
-            assert ranks[0]["engine_tokens"] == reference, f"{layout} decoded other tokens on the engine's path"
-            busy = ", ".join(f"{r['busy']:.0%}" for r in ranks) if ranks[0]["busy"] is not None else "n/a"
-            print(f"| {tp} x {pp} | {tp * pp} | {max(r['step_ms'] for r in ranks):.1f} "
-                  f"| {sum(r['tp_bytes_per_token'] for r in ranks):,.0f} "
-                  f"| {sum(r['pp_bytes_per_token'] for r in ranks):,.0f} "
-                  f"({sum(r['engine_pp_bytes_per_token'] for r in ranks):,.0f}) "
-                  f"| {sum(r['pp_messages_per_step'] for r in ranks):.0f} "
-                  f"| {max(r['weight_bytes'] for r in ranks) / 1e6:.1f} | {busy} |", flush=True)
-        print("# every layout decoded the same greedy tokens")
-        staged, engine_reference = {k: v for k, v in results.items() if v[0]["engine"]}, None
-        if staged:
-            print("\n| layout (T x P) | engine steps | decode tokens/s | busy per rank | CPU per rank "
-                  "| CPU ms per token, per rank | tokens/s bound, a free core per rank |\n|---|---|---|---|---|---|---|")
-        for layout, ranks in staged.items():
-            tp, pp = map(int, layout.split("x"))
-            for name, label in (("one_step", "one at a time"), ("overlap", "overlapping")):
-                e = [r["engine"][name] for r in ranks]
-                engine_reference = engine_reference or e[0]["tokens"]
-                assert e[0]["tokens"][: a.batch] == reference and e[0]["tokens"] == engine_reference, \
-                    f"{layout} engine ({name}) decoded other tokens"
-                ms = [x["cpu_ms_per_token"] for x in e]
-                # one at a time, the stages run in turn: sum over stages of the stage's slowest rank; overlapping:
-                # the slowest rank
-                stages = [max(ms[s * tp:(s + 1) * tp]) for s in range(pp)]
-                bound = 1e3 / (sum(stages) if name == "one_step" else max(stages))
-                busy = ", ".join(f"{x['busy']:.0%}" for x in e)
-                cpu = ", ".join(f"{x['cpu']:.0%}" for x in e)
-                print(f"| {tp} x {pp} | {label} | {e[0]['tokens_per_s']:.1f} | {busy} | {cpu} "
-                      f"| {', '.join(f'{m:.2f}' for m in ms)} | {bound:.0f} |", flush=True)
-            assert ranks[0]["engine"]["overlap"]["overlapped_steps"] > 0, f"{layout}: no step overlapped"
-        if not a.prefill_tokens:
-            return
-        print(f"\n| layout (T x P) | prefill {a.prefill_tokens} tokens, chunked: ms (busy per rank) "
-              "| in one piece: ms (busy per rank) |\n|---|---|---|")
-        for layout, ranks in results.items():
-            cells = []
-            for name in ("chunked", "whole"):
-                ms = max(r["prefill"][name][0] for r in ranks)
-                busy = ", ".join(f"{r['prefill'][name][1]:.0%}" for r in ranks) if ranks[0]["busy"] is not None \
-                    else "n/a"
-                cells.append(f"{ms:.0f} ({busy})")
-            print(f"| {layout.replace('x', ' x ')} | {cells[0]} | {cells[1]} |")
+            results[layout] = launch(a, ckpt, tmp, tp, pp)
+    reference = layout_table(results)
+    engine_table(results, reference, a.batch)
+    if a.prefill_tokens:
+        prefill_table(results, a.prefill_tokens)
 
+
+def layout_table(results: dict) -> list:
+    """Decode step and bytes per layout (checking every layout decoded the same tokens); the greedy tokens."""
+    reference, rows = None, []
+    for layout, ranks in results.items():
+        tp, pp = map(int, layout.split("x"))
+        reference = reference or ranks[0]["tokens"]
+        assert all(r["tokens"] == reference for r in ranks), f"{layout} decoded other tokens"
+        assert ranks[0]["engine_tokens"] == reference, f"{layout} decoded other tokens on the engine's path"
+        busy = ", ".join(f"{r['busy']:.0%}" for r in ranks) if ranks[0]["busy"] is not None else "n/a"
+        rows.append({"layout (T x P)": f"{tp} x {pp}", "ranks": tp * pp,
+                     "decode step ms": f"{max(r['step_ms'] for r in ranks):.1f}",
+                     "bytes/token inside stages": f"{sum(r['tp_bytes_per_token'] for r in ranks):,.0f}",
+                     "bytes/token between stages (engine)": f"{sum(r['pp_bytes_per_token'] for r in ranks):,.0f} "
+                     f"({sum(r['engine_pp_bytes_per_token'] for r in ranks):,.0f})",
+                     "p2p msgs/step": f"{sum(r['pp_messages_per_step'] for r in ranks):.0f}",
+                     "weights/rank MB": f"{max(r['weight_bytes'] for r in ranks) / 1e6:.1f}", "busy per rank": busy})
+    print_results("parallel-layouts", rows)
+    print("# every layout decoded the same greedy tokens")
+    return reference
+
+
+def engine_table(results: dict, reference: list, batch: int) -> None:
+    """The engine's decode, steps one at a time and overlapping, for the layouts with pipeline stages."""
+    staged, engine_reference, rows = {k: v for k, v in results.items() if v[0]["engine"]}, None, []
+    for layout, ranks in staged.items():
+        tp, pp = map(int, layout.split("x"))
+        for name, label in (("one_step", "one at a time"), ("overlap", "overlapping")):
+            e = [r["engine"][name] for r in ranks]
+            engine_reference = engine_reference or e[0]["tokens"]
+            assert e[0]["tokens"][:batch] == reference and e[0]["tokens"] == engine_reference, \
+                f"{layout} engine ({name}) decoded other tokens"
+            ms = [x["cpu_ms_per_token"] for x in e]
+            # one at a time, the stages run in turn: sum over stages of the stage's slowest rank; overlapping:
+            # the slowest rank
+            stages = [max(ms[s * tp:(s + 1) * tp]) for s in range(pp)]
+            bound = 1e3 / (sum(stages) if name == "one_step" else max(stages))
+            rows.append({"layout (T x P)": f"{tp} x {pp}", "engine steps": label,
+                         "decode tokens/s": f"{e[0]['tokens_per_s']:.1f}",
+                         "busy per rank": ", ".join(f"{x['busy']:.0%}" for x in e),
+                         "CPU per rank": ", ".join(f"{x['cpu']:.0%}" for x in e),
+                         "CPU ms per token, per rank": ", ".join(f"{m:.2f}" for m in ms),
+                         "tokens/s bound, a free core per rank": f"{bound:.0f}"})
+        assert ranks[0]["engine"]["overlap"]["overlapped_steps"] > 0, f"{layout}: no step overlapped"
+    if staged:
+        print()
+        print_results("parallel-layouts-engine", rows)
+
+
+def prefill_table(results: dict, tokens: int) -> None:
+    """One long prompt's prefill per layout, chunked and in one piece."""
+    rows = []
+    for layout, ranks in results.items():
+        cells = []
+        for name in ("chunked", "whole"):
+            ms = max(r["prefill"][name][0] for r in ranks)
+            busy = ", ".join(f"{r['prefill'][name][1]:.0%}" for r in ranks) if ranks[0]["busy"] is not None \
+                else "n/a"
+            cells.append(f"{ms:.0f} ({busy})")
+        rows.append({"layout (T x P)": layout.replace("x", " x "),
+                     f"prefill {tokens} tokens, chunked: ms (busy per rank)": cells[0],
+                     "in one piece: ms (busy per rank)": cells[1]})
+    print()
+    print_results("parallel-layouts-prefill", rows)
 
 if __name__ == "__main__":
     main()

@@ -44,7 +44,6 @@ import asyncio
 import collections
 import itertools
 import json
-import math
 import os
 import random
 import socket
@@ -288,6 +287,22 @@ def check_offline(args, ckpt, ok: list, logprobs: bool) -> dict:
     return {"equal": len(ok) - len(mismatched), "near_ties": ties, "bad": len(mismatched) - ties}
 
 
+def summary(figs: list, check: dict = None) -> None:
+    """The runs above as one results table (harness.print_results): a row per server run."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from harness import print_results
+
+    rows = [{"server": f["name"], "requests": f["requests"], "ok": f["ok"], "errors": f["errors"],
+             "without [DONE]": f["unfinished"], "[DONE] without finish_reason": f["cut_short"],
+             "TTFT p50 ms": f"{f['ttft_p50_s'] * 1e3:.0f}", "TTFT p99 ms": f"{f['ttft_p99_s'] * 1e3:.0f}",
+             "mean latency s": f"{f['mean_latency_s'] or float('nan'):.2f}", "tokens": f["tokens"],
+             "tokens/s": f"{f['tokens_per_s']:.1f}", "wall s": f"{f['wall_s']:.1f}"} for f in figs]
+    if check is not None:  # our server's replies against the offline results (the first run)
+        rows[0]["offline check"] = (f"{check['equal']}/{figs[0]['ok']} equal, {check['near_ties']} near-ties, "
+                                    f"{check['bad']} otherwise")
+    print_results("serve-load", rows)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt_dir", default=str(STORIES))
@@ -313,16 +328,17 @@ def main() -> None:
 
     port = free_port()
     ok, fig = run_load(f"llama.serve ({Path(ckpt).name})", start_ours(args, ckpt, port), args, port, args.logprobs)
-    failed = fig["errors"] + fig["unfinished"]
+    failed, figs, check = fig["errors"] + fig["unfinished"], [fig], None
     if not args.skip_offline:
         check = check_offline(args, ckpt, ok, args.logprobs)
         failed += check["bad"]
     if args.compare == "llamacpp":
         for interrupt in {"both": (True, False), "true": (True,), "false": (False,)}[args.llamacpp_interrupt]:
             port = free_port()
-            run_load(f"llama_cpp.server ({Path(args.gguf).name}, interrupt_requests={interrupt})",
-                     start_llamacpp(args, port, interrupt), args, port, False)
+            figs.append(run_load(f"llama_cpp.server ({Path(args.gguf).name}, interrupt_requests={interrupt})",
+                                 start_llamacpp(args, port, interrupt), args, port, False)[1])
     failed += fig["cut_short"]
+    summary(figs, check)
     if failed:
         sys.exit(f"FAILED: {failed} errors, unfinished or differing replies that are not near-ties")
 
