@@ -23,6 +23,7 @@ from llama.sample.sampling import sample_top_p, token_logprobs
 from llama.tokenizer import Tokenizer
 from llama.tokenizers.chat_format import (B_INST, B_SYS, E_INST, E_SYS, SPECIAL_TAGS, UNSAFE_ERROR, ChatFormat, Dialog,
                                           Message, Role, chat_format_for)
+from llama.tokenizers.text import check_text
 
 # Meta's names in its llama.generation (Llama 2's and Llama 3's repositories), for code written against them.
 __all__ = ["Llama", "CompletionPrediction", "ChatPrediction", "sample_top_p", "Role", "Message", "Dialog", "B_INST",
@@ -268,7 +269,10 @@ class Llama:
         count(texts, "texts")
         seqs = []
         for i, t in enumerate(texts):
-            toks = self.tokenizer.encode(t, bos=True, eos=False) if isinstance(t, str) else self.inputs.check_tokens(f"text {i}", t)
+            if isinstance(t, str):
+                toks = self.tokenizer.encode(check_text(f"text {i}", t), bos=True, eos=False)
+            else:
+                toks = self.inputs.check_tokens(f"text {i}", t)
             if len(toks) < 2:
                 raise ValueError(f"text {i} has {len(toks)} token(s): at least 2 are needed to score one")
             if len(toks) > self.max_seq_len:

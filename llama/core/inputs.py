@@ -10,6 +10,7 @@ from llama.core.params import SamplingParams, per_prompt, positive_int
 from llama.core.prefix import Prefix
 from llama.core.request import Request
 from llama.core.textstream import TextStream
+from llama.tokenizers.text import check_text
 
 
 def count(values, name: str) -> int:
@@ -53,7 +54,7 @@ class RequestBuilder:
     def encode_text(self, text: str, prefix: Optional[Prefix] = None) -> List[int]:
         """A text prompt's tokens; with a prefix (from Llama.prefill) they continue the prefix's tokens."""
         check_prefix(prefix)
-        tokens = self.tokenizer.encode(text, bos=prefix is None, eos=False)
+        tokens = self.tokenizer.encode(check_text("prompt", text), bos=prefix is None, eos=False)
         return tokens if prefix is None else prefix.tokens + tokens
 
     def encode_dialog(self, dialog, index: int = 0) -> Tuple[Optional[List[int]], Optional[str]]:

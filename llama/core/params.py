@@ -7,6 +7,8 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
+from llama.tokenizers.text import check_text
+
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 LogitsProcessor = Callable[[List[int], torch.Tensor], torch.Tensor]
 
@@ -55,7 +57,7 @@ class SamplingParams:
             self.stop = (self.stop,)
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
-        self.stop = tuple(self.stop)
+        self.stop = tuple(check_text(f"stop[{i}]", s) for i, s in enumerate(self.stop))
         if callable(self.logits_processors):
             self.logits_processors = (self.logits_processors,)
         if not isinstance(self.logits_processors, (list, tuple)) or not all(callable(p) for p in self.logits_processors):

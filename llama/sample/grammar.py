@@ -18,6 +18,8 @@ from typing import Dict, List
 
 import torch
 
+from llama.tokenizers.text import check_text
+
 KINDS = ("json_schema", "json_object", "regex", "lark")
 # Compact JSON (no whitespace between tokens): a model can never loop on whitespace forever.
 JSON_OPTIONS = {"whitespace_flexible": False}
@@ -49,13 +51,13 @@ class Grammar:
     def regex(pattern: str) -> "Grammar":
         if not isinstance(pattern, str) or not pattern:
             raise ValueError("grammar: a regex must be a non-empty string")
-        return Grammar("regex", pattern).checked()
+        return Grammar("regex", check_text("grammar: the regex", pattern)).checked()
 
     @staticmethod
     def lark(text: str) -> "Grammar":
         if not isinstance(text, str) or not text.strip():
             raise ValueError("grammar: a Lark grammar must be a non-empty string")
-        return Grammar("lark", text).checked()
+        return Grammar("lark", check_text("grammar: the Lark grammar", text)).checked()
 
     @staticmethod
     def coerce(value) -> "Grammar":

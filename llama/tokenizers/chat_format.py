@@ -13,6 +13,8 @@ from typing import Dict, List, Literal, Optional, Sequence, TypedDict, Union
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from llama.tokenizers.text import check_text
+
 Role = Literal["system", "user", "assistant", "ipython", "tool"]
 
 
@@ -41,6 +43,7 @@ def validate_messages(dialog, index: int = 0, roles: Sequence[str] = ("system", 
             raise ValueError(f"{where}, message {i}: unknown role {msg['role']!r} (use {', '.join(roles)})")
         if not isinstance(msg["content"], str):
             raise ValueError(f"{where}, message {i}: content must be a str, got {type(msg['content']).__name__}")
+        check_text(f"{where}, message {i}: content", msg["content"])
 
 
 def validate_dialog(dialog, index: int = 0) -> None:

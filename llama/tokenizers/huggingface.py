@@ -13,6 +13,7 @@ from typing import Dict, List, Optional
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from llama.tokenizers.llama3 import STOP_REASONS
+from llama.tokenizers.text import check_text
 
 CONTROL, UNKNOWN = 3, 2  # llama.cpp's token types for control (special) and unknown tokens
 SPACE = "\u2581"  # sentencepiece's visible space
@@ -36,7 +37,7 @@ class HFTokenizer:
     def encode(self, s: str, bos: bool, eos: bool) -> List[int]:
         if not isinstance(s, str):
             raise TypeError(f"encode expects a str, got {type(s).__name__}")
-        ids = self.tok.encode(s, add_special_tokens=False).ids
+        ids = self.tok.encode(check_text("text", s), add_special_tokens=False).ids
         if bos and self.add_bos:
             ids = [self.bos_id] + ids
         return ids + [self.eos_id] if eos else ids

@@ -13,6 +13,7 @@ from sentencepiece import SentencePieceProcessor
 
 from llama.tokenizers import huggingface as tokenizer_hf
 from llama.tokenizers.llama3 import Llama3Tokenizer, is_rank_file
+from llama.tokenizers.text import check_text
 
 
 def _check_path(model_path) -> str:
@@ -49,7 +50,7 @@ class Tokenizer:
     def encode(self, s: str, bos: bool, eos: bool) -> List[int]:
         if not isinstance(s, str):
             raise TypeError(f"encode expects a str, got {type(s).__name__}")
-        t = self.sp_model.encode(s)
+        t = self.sp_model.encode(check_text("text", s))
         if bos:
             t = [self.bos_id] + t
         if eos:
