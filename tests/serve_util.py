@@ -17,16 +17,18 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, ckpt_dir, *args: str, tokenizer=None, timeout: float = 120, nproc: int = 1):
+    def __init__(self, ckpt_dir, *args: str, tokenizer=None, timeout: float = 120, nproc: int = 1, env=None):
+        """ckpt_dir None: no --ckpt_dir (the default model); env: extra environment variables."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                       "--nproc_per_node", str(nproc)]
-        cmd = [*launch, "-m", "llama.serve", "--ckpt_dir", str(ckpt_dir), "--port", str(self.port),
-               "--log-level", "warning", *args]
+        where = [] if ckpt_dir is None else ["--ckpt_dir", str(ckpt_dir)]
+        cmd = [*launch, "-m", "llama.serve", *where, "--port", str(self.port), "--log-level", "warning", *args]
         if tokenizer:
             cmd += ["--tokenizer_path", str(tokenizer)]
-        self.proc = subprocess.Popen(cmd, env=rank_env(nproc), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(cmd, env={**rank_env(nproc), **(env or {})}, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
         deadline = time.time() + timeout
         while True:
             if self.proc.poll() is not None:

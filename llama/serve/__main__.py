@@ -1,4 +1,7 @@
-"""python -m llama.serve --ckpt_dir DIR [--tokenizer_path P] [--host 127.0.0.1] [--port 8000] ...
+"""python -m llama.serve [--ckpt_dir DIR] [--tokenizer_path P] [--host 127.0.0.1] [--port 8000] ...
+
+Without --ckpt_dir it serves the default model (SmolLM2-135M-Instruct, fetched once, as the examples do) and says
+so in one line.
 
 Under torchrun, rank 0 serves HTTP and drives the engine; the other ranks build the same model and replay rank
 0's steps (Engine.serve_forever) until it shuts down.
@@ -14,7 +17,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m llama.serve", description="OpenAI-compatible server for a Llama "
                                 "checkpoint: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics "
                                 "and a chat page at /")
-    p.add_argument("--ckpt_dir", "--ckpt-dir", required=True, help="Meta checkpoint directory or GGUF file/dir")
+    p.add_argument("--ckpt_dir", "--ckpt-dir", default=None,
+                   help="Meta checkpoint directory or GGUF file/dir (default: SmolLM2-135M-Instruct, fetched once)")
     p.add_argument("--tokenizer_path", "--tokenizer-path", default=None,
                    help="default: CKPT_DIR/tokenizer.model (a GGUF file carries its own)")
     p.add_argument("--host", default="127.0.0.1")
@@ -55,9 +59,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     from llama.cli.launch import resolve_checkpoint
+    from llama.formats import fetch
     from llama.generation import Llama
 
-    ckpt_dir, tokenizer_path, _ = resolve_checkpoint(args.ckpt_dir, args.tokenizer_path)
+    try:
+        ckpt_dir, tokenizer_path, default = resolve_checkpoint(args.ckpt_dir, args.tokenizer_path)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
 
     def load():
         return Llama.build(ckpt_dir=ckpt_dir, tokenizer_path=tokenizer_path, max_seq_len=args.max_seq_len,
@@ -75,7 +83,7 @@ def main(argv=None) -> None:
         from llama.serve.app import create_app
     except ImportError as e:
         sys.exit(f"llama.serve needs the serve extra ({e.name} is missing): pip install -e '.[serve]'")
-    name = args.model_name or Path(ckpt_dir.rstrip("/")).name
+    name = args.model_name or (fetch.NAME if default else Path(ckpt_dir.rstrip("/")).name)
     app = create_app(load, name, args.api_keys, args.max_queue, prefill_chunk=args.prefill_chunk)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
 

@@ -357,3 +357,27 @@ def test_model_parallel_rank0_serves(tmp_path, local):
     finally:
         s.close()
     assert s.proc.returncode is not None
+
+
+def test_without_ckpt_dir_it_serves_the_default_model_and_says_so(tmp_path):
+    """`python -m llama.serve` with no --ckpt_dir serves SmolLM2-135M-Instruct from the cache the examples fill
+    (here laid from ../shared, so nothing is fetched), names it in one line, and answers as the examples do."""
+    from conftest import SHARED
+
+    from llama.formats import fetch
+
+    gguf = need(SHARED / "models/smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    cached = tmp_path / "smollm2-135m-instruct" / gguf.name
+    cached.parent.mkdir()
+    cached.symlink_to(gguf)
+    s = Server(None, "--max_seq_len", "256", "--max_batch_size", "2", env={"LLAMA_CACHE": str(tmp_path)})
+    try:
+        client = s.client()
+        assert [m.id for m in client.models.list().data] == [fetch.NAME]
+        reply = client.chat.completions.create(model=fetch.NAME, max_tokens=16, temperature=0,
+                                               messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert "Paris" in reply.choices[0].message.content
+    finally:
+        s.close()
+    out = s.proc.stdout.read()
+    assert [line for line in out.splitlines() if line.startswith("Using ")] == [fetch.NOTE]
