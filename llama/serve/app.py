@@ -13,7 +13,7 @@ import json
 import threading
 import time
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from starlette.applications import Starlette
 from starlette.requests import Request as HTTPRequest
@@ -21,7 +21,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from llama.core.engine import EngineStopped
-from llama.serve import protocol
+from llama.serve import protocol, tokens
 from llama.serve.metrics import CONTENT_TYPE, Metrics
 from llama.serve.protocol import APIError
 
@@ -301,6 +301,12 @@ async def generate(state: State, request: HTTPRequest, chat: bool):
     return Watched(job.stream if spec.stream else job.whole, job.cancel)
 
 
+def model_card(state: State) -> Dict:
+    """The served model as OpenAI's /v1/models lists it (vLLM's max_model_len once it has loaded)."""
+    return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "llama",
+            **({"max_model_len": state.generator.max_seq_len} if state.generator else {})}
+
+
 def routes(state: State) -> List[Route]:
     def guarded(handler):
         async def endpoint(request: HTTPRequest):
@@ -321,9 +327,27 @@ def routes(state: State) -> List[Route]:
 
     async def models(request):
         state.authorize(request)
-        return JSONResponse({"object": "list", "data": [
-            {"id": state.model_name, "object": "model", "created": 0, "owned_by": "llama",
-             **({"max_model_len": state.generator.max_seq_len} if state.generator else {})}]})
+        return JSONResponse({"object": "list", "data": [model_card(state)]})
+
+    async def model(request):
+        state.authorize(request)
+        if request.path_params["model"] != state.model_name:
+            raise APIError(404, f"the model {request.path_params['model']!r} does not exist: this server serves "
+                                f"{state.model_name!r}", param="model", code="model_not_found")
+        return JSONResponse(model_card(state))
+
+    def with_tokens(convert):
+        async def endpoint(request):
+            state.authorize(request)
+            state.ready()
+            gen = state.generator
+            try:
+                body = await request.json()
+            except (ValueError, UnicodeDecodeError) as e:
+                raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+            return JSONResponse(convert(gen, body))
+
+        return endpoint
 
     async def health(request):
         try:
@@ -346,6 +370,9 @@ def routes(state: State) -> List[Route]:
         Route("/v1/completions", guarded(completions), methods=["POST"]),
         Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
+        Route("/v1/models/{model:path}", guarded(model), methods=["GET"]),
+        Route("/tokenize", guarded(with_tokens(tokens.tokenize)), methods=["POST"]),
+        Route("/detokenize", guarded(with_tokens(tokens.detokenize)), methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/", page, methods=["GET"]),
