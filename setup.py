@@ -13,7 +13,7 @@ setup(
     install_requires=["torch>=2.5", "fairscale", "sentencepiece", "tiktoken", "tokenizers", "gguf", "safetensors",
                       "jinja2", "fire", "tqdm"],
     extras_require={
-        "test": ["pytest", "pytest-xdist", "transformers", "accelerate", "llama-models==0.3.0; python_version >= '3.10'", "openai",
+        "test": ["pytest", "pytest-xdist", "transformers", "accelerate", "llama-models==0.3.0; python_version >= '3.10'", "openai", "pexpect",
                  "httpx", "jsonschema", "playwright"],
         "serve": ["starlette", "uvicorn", "prometheus_client", "llguidance>=1.9"],
     },

@@ -18,7 +18,8 @@ MAX_FUNCTION_LINES = 80
 
 # Command-line entry points (`python -m ...`): nothing may import them, or runpy warns that the module is in
 # sys.modules before it runs.
-LEAVES = ("llama.quantize", "llama.reshard", "llama.convert", "llama.batch", "llama.perplexity", "llama.serve.__main__")
+LEAVES = ("llama.quantize", "llama.reshard", "llama.convert", "llama.batch", "llama.perplexity", "llama.serve.__main__",
+          "llama.__main__")
 
 # Dependencies point one way: a module may import its own layer or lower ones, never a higher one. A module's
 # layer is that of its longest listed prefix (a package's modules default to the package's layer; the modules of
