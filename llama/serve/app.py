@@ -329,7 +329,7 @@ def routes(state: State) -> List[Route]:
         state.authorize(request)
         return JSONResponse({"object": "list", "data": [model_card(state)]})
 
-    async def model(request):
+    async def model_by_id(request):
         state.authorize(request)
         if request.path_params["model"] != state.model_name:
             raise APIError(404, f"the model {request.path_params['model']!r} does not exist: this server serves "
@@ -370,7 +370,7 @@ def routes(state: State) -> List[Route]:
         Route("/v1/completions", guarded(completions), methods=["POST"]),
         Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
-        Route("/v1/models/{model:path}", guarded(model), methods=["GET"]),
+        Route("/v1/models/{model:path}", guarded(model_by_id), methods=["GET"]),
         Route("/tokenize", guarded(with_tokens(tokens.tokenize)), methods=["POST"]),
         Route("/detokenize", guarded(with_tokens(tokens.detokenize)), methods=["POST"]),
         Route("/health", health, methods=["GET"]),
