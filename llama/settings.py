@@ -57,8 +57,8 @@ def parse_bytes(text: str, name: str = "LLAMA_MEMORY_LIMIT") -> int:
         value = float(t[: len(t) - len(unit)]) * _SUFFIX[unit]
     except ValueError:
         raise ValueError(f"{name} must be a byte count such as 8G, 512M or 1000000, got {text!r}") from None
-    if not value > 0:
-        raise ValueError(f"{name} must be positive, got {text!r}")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{name} must be a positive, finite byte count, got {text!r}")
     return int(value)
 
 

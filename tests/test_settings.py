@@ -67,7 +67,8 @@ def test_flags_take_the_usual_spellings(clean, name):
     ("LLAMA_DTYPE", "float64", "LLAMA_DTYPE must be one of ['bf16', 'bfloat16', 'float16', 'float32', 'fp16', "
                                "'fp32', 'half'], got 'float64'"),
     ("LLAMA_MEMORY_LIMIT", "lots", "LLAMA_MEMORY_LIMIT must be a byte count such as 8G, 512M or 1000000, got 'lots'"),
-    ("LLAMA_MEMORY_LIMIT", "0", "LLAMA_MEMORY_LIMIT must be positive, got '0'"),
+    ("LLAMA_MEMORY_LIMIT", "0", "LLAMA_MEMORY_LIMIT must be a positive, finite byte count, got '0'"),
+    ("LLAMA_MEMORY_LIMIT", "inf", "LLAMA_MEMORY_LIMIT must be a positive, finite byte count, got 'inf'"),
 ])
 def test_bad_values_are_refused_naming_the_variable(clean, name, value, message):
     clean.setenv(name, value)
