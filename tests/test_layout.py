@@ -53,6 +53,13 @@ def nearest_module(name: str) -> Optional[str]:
     return name or None
 
 
+def init_imports(package: str) -> bool:
+    """Whether package's __init__.py imports anything (then importing from the package runs those imports)."""
+    init = REPO / package.replace(".", "/") / "__init__.py"
+    return init.is_file() and any(isinstance(n, (ast.Import, ast.ImportFrom)) for n in ast.walk(ast.parse(
+        init.read_text())))
+
+
 def imported(module: str, path: Path, node: ast.AST) -> List[str]:
     """The llama.* modules an Import/ImportFrom node names, relative imports resolved against `module`."""
     if isinstance(node, ast.Import):
@@ -65,6 +72,8 @@ def imported(module: str, path: Path, node: ast.AST) -> List[str]:
         else:
             prefix = node.module
         names = [f"{prefix}.{a.name}" for a in node.names]  # a submodule, or a name defined in prefix
+        if prefix != "llama" and init_imports(prefix):
+            names.append(prefix)  # `from pkg import x` runs pkg/__init__.py first (the root's is everyone's)
     found = [nearest_module(n) for n in names if n == "llama" or n.startswith("llama.")]
     return [m for m in found if m is not None and m != module]
 

@@ -1,6 +1,3 @@
 """An OpenAI-compatible HTTP server over the continuous-batching engine: `python -m llama.serve --ckpt_dir ...`
-(docs/serving.md). Needs the `serve` extra: pip install -e '.[serve]'."""
-
-from llama.serve.app import create_app
-
-__all__ = ["create_app"]
+(docs/serving.md), its app in llama/serve/app.py (`create_app`). Needs the `serve` extra: pip install -e '.[serve]'.
+Imports nothing, so its modules may import each other through the package without a cycle."""
