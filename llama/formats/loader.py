@@ -258,7 +258,7 @@ def stored_model(ckpt_dir, args: ModelArgs, rank: int, mp_size: int, stored: dic
                  dtype) -> Transformer:
     """This rank's model from a checkpoint written by `python -m llama.quantize`, nothing requantized: int8 codes
     that load as int8-dynamic keep their codes and multiply int8 activations."""
-    model = quant_checkpoint.load_model(ckpt_dir, args, rank, mp_size, stored)
+    model = quant_checkpoint.load_model(ckpt_dir, args, rank, mp_size, stored, device)
     model.to(device=device).eval()
     if quantize != stored["scheme"]:
         quantization.quantize(model, quantize)

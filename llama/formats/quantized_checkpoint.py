@@ -158,8 +158,9 @@ def _slice(name: str, parts, rank: int, world_size: int, scheme: str) -> torch.T
     return full.narrow(dim, rank * size, size).contiguous()
 
 
-def load_model(ckpt_dir, args: ModelArgs, rank: int, world_size: int, stored: dict) -> Transformer:
-    """The fused, quantized model of rank `rank` from a quantized checkpoint (CPU; nothing is requantized)."""
+def load_model(ckpt_dir, args: ModelArgs, rank: int, world_size: int, stored: dict, device=None) -> Transformer:
+    """The fused, quantized model of rank `rank` from a quantized checkpoint, nothing requantized: on the CPU, and
+    int4 layers already in tinygemm's layout on a CUDA `device` (the caller moves the rest)."""
     scheme = stored["scheme"]
     group_size = stored.get("group_size") or DEFAULT_GROUP_SIZE
     check_model_parallel(args, world_size)
@@ -169,7 +170,8 @@ def load_model(ckpt_dir, args: ModelArgs, rank: int, world_size: int, stored: di
     # The layers as the model holds them (fused; int4 in its kernel's layout), cached per machine: after the first
     # load nothing is concatenated or repacked, so the model memory-maps its weights (llama/kernels/int4_pack_store.py)
     path = pack_cache.cache_path(ckpt_dir, rank, world_size, group_size if scheme == "int4" else 0)
-    packs = Packs(path, pack_cache.load(path) or {}, {})
+    on_cuda = device is not None and torch.device(device).type == "cuda"
+    packs = None if on_cuda else Packs(path, pack_cache.load(path) or {}, {})
     with torch.device("meta"):
         model = Transformer(args)
         model.fuse()
@@ -180,10 +182,10 @@ def load_model(ckpt_dir, args: ModelArgs, rank: int, world_size: int, stored: di
             if layer is None:
                 continue
             names = [f"layers.{i}.{n}" for n in FUSED.get(local, (local,))]
-            _assign(layer, f"layers.{i}.{local}", names, state, scheme, group_size, packs)
+            _assign(layer, f"layers.{i}.{local}", names, state, scheme, group_size, packs, device)
         for norm in ("attention_norm", "ffn_norm"):
             getattr(block, norm).weight = nn.Parameter(state.pop(f"layers.{i}.{norm}.weight"), requires_grad=False)
-    _assign(model.output, "output", ["output"], state, scheme, group_size, packs)
+    _assign(model.output, "output", ["output"], state, scheme, group_size, packs, device)
     if packs is not None and packs.fresh:
         pack_cache.save(packs.path, {**packs.cached, **packs.fresh})
     model.tok_embeddings.weight = nn.Parameter(state.pop("tok_embeddings.weight"), requires_grad=False)
@@ -209,9 +211,13 @@ class Packs:
         return packed, scales
 
 
-def _assign(layer, key: str, names, state, scheme: str, group_size: int, packs: Optional[Packs] = None) -> None:
+def _assign(layer, key: str, names, state, scheme: str, group_size: int, packs: Optional[Packs] = None,
+            device=None) -> None:
     weights = [state.pop(n + ".weight") for n in names]
     scales = [state.pop(n + ".scales") for n in names]
+    if scheme == "int4" and device is not None and torch.device(device).type == "cuda":  # tinygemm's layout
+        set_int4(layer, torch.cat(weights).to(device), torch.cat(scales).to(device), group_size)
+        return
     rows, inputs = sum(w.shape[0] for w in weights), weights[0].shape[1] * (2 if scheme == "int4" else 1)
     own = scheme == "int8" or own_kernel(inputs)  # the stored layout is the model's (no repacking)
     # A single stored tensor in the model's layout is used as it is (memory-mapped); fused or repacked ones are cached

@@ -38,6 +38,7 @@ from torch import nn
 from llama.kernels import cpu as cpu_kernels
 from llama.kernels import fused_decode
 from llama.layers import LinearMethod, linear_layers
+from llama.quantization.int4_cuda import Int4Cuda, to_cuda_kernel
 
 GROUP_SIZES = (32, 64, 128, 256)  # what the CPU kernel takes
 DEFAULT_GROUP_SIZE = 32  # q4_0/q4_1's block size
@@ -72,8 +73,8 @@ def quantize_codes(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
     if k % 2:
         raise ValueError(f"int4 weights need an even input size, got a ({n}, {k}) weight")
     full, tail = divmod(k, group_size)
-    codes = torch.empty(n, k // 2, dtype=torch.uint8)
-    scales = torch.empty(n, full + (tail > 0), 2, dtype=scale_dtype)
+    codes = torch.empty(n, k // 2, dtype=torch.uint8, device=weight.device)
+    scales = torch.empty(n, full + (tail > 0), 2, dtype=scale_dtype, device=weight.device)
     chunk = max(1, _CHUNK_ELEMENTS // k)
     for r0 in range(0, n, chunk):
         rows = weight[r0 : r0 + chunk].float()
@@ -237,8 +238,10 @@ class Int4(LinearMethod):
 
 
 def set_int4(layer: nn.Module, codes: torch.Tensor, scales: torch.Tensor, group_size: int) -> None:
-    """Make a Column/RowLinear an int4 layer from storage-layout codes and scales."""
-    if own_kernel(codes.shape[1] * 2):
+    """Make a Column/RowLinear an int4 layer from storage-layout codes and scales (on a CUDA device: tinygemm's)."""
+    if codes.device.type == "cuda":
+        Int4Cuda(group_size, codes.shape[0]).hold(layer, *to_cuda_kernel(codes, scales, group_size))
+    elif own_kernel(codes.shape[1] * 2):
         Int4(group_size, codes.shape[0], True).hold(layer, codes.contiguous(), scales.contiguous())
     else:
         Int4(group_size, codes.shape[0], False).hold(layer, *to_kernel(codes, scales, group_size))
@@ -255,8 +258,8 @@ def quantize_int4(model: nn.Module, group_size: int = DEFAULT_GROUP_SIZE) -> nn.
     """
     check_group_size(group_size)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))  # a model, or one of its layers
-    if device.type != "cpu":
-        raise ValueError(f"quantize='int4' runs on CPU only (its kernels are CPU kernels); the model is on "
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"quantize='int4' runs on CPU and CUDA only (ours and tinygemm's kernels); the model is on "
                          f"{device}: use quantize='int8' there")
     for module in linear_layers(model):
         if not module.method.quantized:
