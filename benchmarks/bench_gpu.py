@@ -143,8 +143,8 @@ def run_llama(cfg: dict) -> dict:
         model = Transformer(args)
     model.load_state_dict(random_state(args, device), assign=True)
     model.eval().fuse()
-    if cfg["dtype"] == "int8":
-        quantize(model, "int8")
+    if cfg["dtype"] in ("int8", "int4"):
+        quantize(model, cfg["dtype"], cfg["int4_group"] if cfg["dtype"] == "int4" else None)  # int4: tinygemm
     cast_floating(model, torch.bfloat16)
     tokenizer = load_tokenizer(cfg["tokenizer"])
     tokenizer.stop_tokens = {}  # random weights: every run decodes N tokens
@@ -222,6 +222,27 @@ def run_hf(cfg: dict) -> dict:
     return out
 
 
+def gpt_fast_int4(model, group_size: int):
+    """gpt-fast's own int4 handler (tinygemm, inner k-tiles 8). Its packer call predates PyTorch 2.5, which takes
+    the codes two per uint8 (even input in the high nibble) instead of int32: its helper is wrapped to pass that."""
+    import quantize as gq
+
+    pack = torch.ops.aten._convert_weight_to_int4pack
+
+    def prepare(weight_bf16, groupsize, inner_k_tiles):
+        w, scales_and_zeros = gq.group_quantize_tensor(weight_bf16, n_bit=4, groupsize=groupsize)
+        if w.dtype != torch.uint8:
+            w = (w[:, ::2] << 4 | w[:, 1::2]).to(torch.uint8)
+        return pack(w, inner_k_tiles), scales_and_zeros
+
+    gq.prepare_int4_weight_and_scales_and_zeros = prepare
+    handler = gq.WeightOnlyInt4QuantHandler(model.to(torch.bfloat16), groupsize=group_size)
+    state = handler.create_quantized_state_dict()
+    model = handler.convert_for_runtime()
+    model.load_state_dict(state, assign=True)
+    return model
+
+
 def run_gpt_fast(cfg: dict) -> dict:
     """gpt-fast's Transformer and generate() with its own compile settings, same weights (wq/wk/wv -> wqkv)."""
     sys.path.insert(0, cfg["gpt_fast"])
@@ -248,6 +269,8 @@ def run_gpt_fast(cfg: dict) -> dict:
         state = handler.create_quantized_state_dict()
         model = handler.convert_for_runtime()
         model.load_state_dict(state, assign=True)
+    if cfg["dtype"] == "int4":
+        model = gpt_fast_int4(model, cfg["int4_group"])
     model = model.to(device=cfg["device"]).eval()
     gf.decode_one_token = torch.compile(gf.decode_one_token, mode="reduce-overhead", fullgraph=True)
     prompt = torch.tensor(prompt_ids(args.vocab_size, P), device=cfg["device"], dtype=torch.int)
@@ -332,13 +355,14 @@ def table(rows, batches) -> list:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", nargs="+", default=["7b"], choices=sorted(SHAPES))
-    ap.add_argument("--dtypes", nargs="+", default=["bf16", "int8"], choices=["bf16", "int8"])
+    ap.add_argument("--dtypes", nargs="+", default=["bf16", "int8"], choices=["bf16", "int8", "int4"])
+    ap.add_argument("--int4-group", type=int, default=32, help="int4 group size, ours and gpt-fast's alike")
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 8, 32])
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--compare", nargs="*", default=["hf", "gpt-fast"], choices=["hf", "gpt-fast"])
-    ap.add_argument("--compare-dtypes", nargs="+", default=["bf16"], choices=["bf16", "int8"],
+    ap.add_argument("--compare-dtypes", nargs="+", default=["bf16"], choices=["bf16", "int8", "int4"],
                     help="dtypes gpt-fast runs (transformers runs bf16 only)")
     ap.add_argument("--gpt-fast", help="a checkout of pytorch-labs/gpt-fast (needed for --compare gpt-fast)")
     ap.add_argument("--compile", default="true", choices=["true", "false", "auto"], help="our compile= setting")
@@ -365,7 +389,7 @@ def main(argv=None) -> int:
     rows = []
     for shape in a.model:
         tok = a.llama3_tokenizer if SHAPES[shape]["vocab_size"] > 32000 else a.llama2_tokenizer
-        base = dict(device=a.device, shape=shape, prompt=a.prompt, gen=a.gen, batch=a.batch, repeat=a.repeat, tokenizer=tok,
+        base = dict(device=a.device, shape=shape, prompt=a.prompt, gen=a.gen, batch=a.batch, repeat=a.repeat, tokenizer=tok, int4_group=a.int4_group,
                     gpt_fast=str(Path(a.gpt_fast).resolve()) if a.gpt_fast else None, compile=compile_flag)
         cfgs = [dict(base, engine="llama", dtype=d, profile=a.profile) for d in a.dtypes]
         cfgs += [dict(base, engine="gpt-fast", dtype=d, batch=a.compare_batch or a.batch)
