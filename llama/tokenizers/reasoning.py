@@ -79,3 +79,12 @@ class ReasoningStream:
 
     def finish(self) -> Tuple[str, str]:
         return self._emit(final=True)
+
+
+def split_predictions(predictions: List[dict], in_think: List[bool]) -> None:
+    """Move each chat prediction's think block to generation["reasoning_content"] (in place; a reply without
+    one is left as it is)."""
+    for pred, opened in zip(predictions, in_think):
+        thought, content = split(pred["generation"]["content"], opened)
+        if thought is not None:
+            pred["generation"]["reasoning_content"], pred["generation"]["content"] = thought, content
