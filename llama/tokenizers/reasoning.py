@@ -4,10 +4,11 @@ split_reasoning=True)).
 
 A model reasons when its chat template knows `</think>` (DeepSeek-R1 and its distills, Qwen3, QwQ). The reply
 starts inside the block when the rendered prompt ends with `<think>` (DeepSeek-R1's template opens it in the
-generation prompt); else a block counts only at the very start of the reply. What follows `</think>` is the
-content. Whitespace around the reasoning and before the content is dropped (the templates put newlines there).
-A block never closed (the reply ran out of tokens) is all reasoning. The split is the same whether the text
-arrives whole or in deltas: the deltas' concatenation equals the whole split, whatever the cut points.
+generation prompt; a `<think>` the reply then writes first is skipped); else a block counts only at the very
+start of the reply. What follows `</think>` is the content. Whitespace around the reasoning and before the
+content is dropped (the templates put newlines there). A block never closed (the reply ran out of tokens) is all
+reasoning. The split is the same whether the text arrives whole or in deltas: the deltas' concatenation equals
+the whole split, whatever the cut points.
 """
 
 from typing import List, Optional, Tuple
@@ -42,14 +43,13 @@ def _held(text: str, tag: str) -> int:
 def split(text: str, in_think: bool = False, final: bool = True) -> Tuple[Optional[str], str]:
     """(reasoning or None, content) of a reply's text. Not final: the parts already certain, a prefix of
     the final split's parts whatever follows."""
-    start = 0
-    if not in_think:
-        body = text.lstrip()
-        if not body.startswith(OPEN):
-            if not final and OPEN.startswith(body):  # empty, whitespace or a partial "<think": undecided
-                return None, ""
-            return None, text
+    start, body = 0, text.lstrip()
+    if body.startswith(OPEN):  # a block at the start (one the prompt opened may be opened again: skipped)
         start = len(text) - len(body) + len(OPEN)
+    elif not final and OPEN.startswith(body):  # empty, whitespace or a partial "<think": undecided
+        return ("" if in_think else None), ""
+    elif not in_think:
+        return None, text
     close = text.find(CLOSE, start)
     if close < 0:
         thought = text[start:]

@@ -72,6 +72,8 @@ def test_our_rendering_equals_transformers_apply_chat_template(vocab, template, 
     ("answer", False, (None, "answer")),
     ("", False, (None, "")),
     ("</think>answer", True, ("", "answer")),
+    ("<think>\nplan</think>answer", True, ("plan", "answer")),
+    ("<thi", True, ("<thi", "")),
 ])
 def test_split(text, in_think, expected):
     assert reasoning.split(text, in_think) == expected
@@ -80,7 +82,8 @@ def test_split(text, in_think, expected):
 @pytest.mark.parametrize("text, in_think", [
     ("<think>\nplan with </thi and < signs\n</think>\n\nanswer </think> kept", False),
     ("  \n<think>x y z</think>", False), ("plan\n\n</think>\n\n\nanswer  ", True), ("plain <think> reply", False),
-    ("<thinking>is not a tag</thinking>", False), ("never closed\n\n", True), (" ", False), ("<thi", False)])
+    ("<thinking>is not a tag</thinking>", False), ("never closed\n\n", True), (" ", False), ("<thi", False),
+    (" <think>again</think> x", True), ("<thi", True), ("<thinker", True)])
 def test_streamed_deltas_concatenate_to_the_whole_split_at_any_cut_points(text, in_think):
     whole = reasoning.split(text, in_think)
     rng = random.Random(0)
