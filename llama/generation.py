@@ -21,6 +21,7 @@ from llama.distributed import parallel, pipeline
 from llama.formats import loader
 from llama.sample.sampling import sample_top_p, token_logprobs
 from llama.tokenizer import Tokenizer
+from llama.tokenizers import reasoning
 from llama.tokenizers.chat_format import (B_INST, B_SYS, E_INST, E_SYS, SPECIAL_TAGS, UNSAFE_ERROR, ChatFormat, Dialog,
                                           Message, Role, chat_format_for)
 from llama.tokenizers.text import check_text
@@ -183,12 +184,14 @@ class Llama:
         logprobs: bool = False,
         *,
         n: int = 1,
+        split_reasoning: bool = False,
         **options,
     ) -> List[ChatPrediction]:
         """Answer each dialog as the assistant, in the checkpoint's chat format.
 
         A dialog the format refuses (Llama 2: one containing its special tags) gets the reference's error text as
-        its answer; the rest of the batch runs normally.
+        its answer; the rest of the batch runs normally. A reasoning model's <think> block stays in the content
+        unless split_reasoning: then it moves to generation["reasoning_content"] (llama/tokenizers/reasoning.py).
         """
         count(dialogs, "dialogs")
         encoded = [self.inputs.encode_dialog(d, i) for i, d in enumerate(dialogs)]
@@ -203,6 +206,9 @@ class Llama:
                 out.append(next(preds) if toks is not None else refusal_prediction(refusal, logprobs, p.top_logprobs))
                 failed.append(next(errors) if toks is not None else None)
         _check(out, failed)
+        if split_reasoning:
+            reasoning.split_predictions(out, [toks is not None and reasoning.prompt_opens_think(self.tokenizer, toks)
+                                              for toks, _ in encoded for _ in range(n)])
         return out
 
     # ----------------------------------------------------------------------------------------- streaming

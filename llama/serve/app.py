@@ -21,7 +21,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from llama.core.engine import EngineStopped
-from llama.serve import protocol, tokens
+from llama.serve import protocol, thinking, tokens
 from llama.serve.metrics import CONTENT_TYPE, Metrics
 from llama.serve.protocol import APIError
 
@@ -180,8 +180,10 @@ class Job:
             e = engine_error(err)
             await send_response(send, error_response(e))
             return
-        tok = self.state.generator.tokenizer
-        await send_response(send, JSONResponse(protocol.whole(self.spec, self.reqs, tok)))
+        gen = self.state.generator
+        response = protocol.whole(self.spec, self.reqs, gen.tokenizer)
+        thinking.apply_whole(self.spec, self.reqs, response, gen)
+        await send_response(send, JSONResponse(response))
 
     async def stream(self, send) -> None:
         spec, tok = self.spec, self.state.generator.tokenizer
@@ -201,10 +203,13 @@ class Job:
                 await event(protocol.chunk(spec, [protocol.delta_choice(spec, i, tok.decode(r.prompt))]))
             first[i] = False
         left = len(self.reqs)
+        thinks = thinking.streams(spec, self.reqs, self.state.generator)
         while left:
             i, item = await self.events.get()
             if item is not _END:
-                await event(protocol.chunk(spec, [protocol.delta_choice(spec, i, item)]))
+                for d in thinking.deltas(spec, i, thinks[i].feed(item)) if thinks else [
+                        protocol.delta_choice(spec, i, item)]:
+                    await event(protocol.chunk(spec, [d]))
                 continue
             left -= 1
             r = self.reqs[i]
@@ -212,6 +217,8 @@ class Job:
                 self.cancel()
                 await event(engine_error(r.error).body())
                 break
+            for d in thinking.deltas(spec, i, thinks[i].finish()) if thinks else []:
+                await event(protocol.chunk(spec, [d]))
             lp = None
             if spec.logprobs:
                 lp = protocol.logprobs_block(spec, r.prediction)

@@ -1,6 +1,7 @@
 """Tokenizers as Hugging Face builds them (the `tokenizers` package): from a GGUF file's embedded vocabulary —
-byte-level BPE with merges ('gpt2': SmolLM, Llama 3 on Hugging Face, Qwen...) or a sentencepiece vocabulary with
-scores ('llama': Llama 2, TinyLlama, Mistral...) — or from a tokenizer.json.
+byte-level BPE with merges ('gpt2': SmolLM, Llama 3 on Hugging Face, Qwen...), split first by the pre-tokenizer
+the file names (tokenizer.ggml.pre, llama/tokenizers/pretokenizers.py), or a sentencepiece vocabulary with scores
+('llama': Llama 2, TinyLlama, Mistral...) — or from a tokenizer.json.
 
 Control tokens of the vocabulary become special tokens, so a chat template's `<|im_start|>` text encodes to its id.
 The file's add-BOS rule is kept: `encode(s, bos=True)` adds BOS only where the model was trained with one.
@@ -10,12 +11,13 @@ import json
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
 
+from llama.tokenizers import pretokenizers
 from llama.tokenizers.llama3 import STOP_REASONS
 from llama.tokenizers.text import check_text
 
-CONTROL, UNKNOWN = 3, 2  # llama.cpp's token types for control (special) and unknown tokens
+CONTROL, UNKNOWN, USER_DEFINED = 3, 2, 4  # llama.cpp's token types: control (special), unknown, user-defined
 SPACE = "\u2581"  # sentencepiece's visible space
 
 
@@ -60,8 +62,9 @@ def from_gguf(reader, path: Path) -> HFTokenizer:
     types = f["tokenizer.ggml.token_type"].contents() if "tokenizer.ggml.token_type" in f else [1] * len(tokens)
     get = lambda key, default: f[key].contents() if key in f else default  # noqa: E731
     if kind == "gpt2":
-        tok = _byte_level_bpe(tokens, get("tokenizer.ggml.merges", []))
-        add_bos_default = False
+        pre = pretokenizers.for_gguf(get("tokenizer.ggml.pre", None), str(path))
+        tok = _byte_level_bpe(tokens, get("tokenizer.ggml.merges", []), pre)
+        add_bos_default = pre.add_bos
     else:
         if "tokenizer.ggml.scores" not in f:
             raise ValueError(f"{path}: a 'llama' vocabulary needs tokenizer.ggml.scores, which the file lacks")
@@ -70,17 +73,20 @@ def from_gguf(reader, path: Path) -> HFTokenizer:
         add_bos_default = True  # sentencepiece models add BOS unless the file says otherwise
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, ty in zip(tokens, types) if ty == CONTROL])
+    # A tokenizer.json's added tokens that are not special (Qwen's <tool_call>, DeepSeek-R1's <think>) are stored
+    # as user-defined, in plain text: matched whole in the text before BPE, as llama.cpp and Hugging Face do.
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, ty in zip(tokens, types) if ty == USER_DEFINED])
     return HFTokenizer(tok, int(get("tokenizer.ggml.bos_token_id", 1)), int(get("tokenizer.ggml.eos_token_id", 2)),
                        bool(get("tokenizer.ggml.add_bos_token", add_bos_default)),
                        get("tokenizer.chat_template", None), str(path))
 
 
-def _byte_level_bpe(tokens: List[str], merges: List[str]) -> Tokenizer:
+def _byte_level_bpe(tokens: List[str], merges: List[str], pre: pretokenizers.PreTokenizer) -> Tokenizer:
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
-                               merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False, byte_fallback=False))
-    # GPT-2's byte-level split with digits kept apart, as SmolLM's and Llama 3's pre-tokenizers do.
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+                               merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False, byte_fallback=False,
+                               ignore_merges=pre.ignore_merges))
+    tok.pre_tokenizer = pre.build()
     tok.decoder = decoders.ByteLevel()
     return tok
 

@@ -1,0 +1,98 @@
+"""Real models' chat templates (tests/data/templates, from their tokenizer_config.json) rendered by our
+TemplateChatFormat against transformers' apply_chat_template on the same template, text and token for token,
+and the reasoning split of their replies (llama/tokenizers/reasoning.py)."""
+
+import random
+import warnings
+from pathlib import Path
+
+import pytest
+from vocab_gguf import llama_cpp_files
+
+from llama.formats.gguf_file import open_reader
+from llama.tokenizers import huggingface as tokenizer_hf
+from llama.tokenizers import reasoning
+from llama.tokenizers.chat_format import TemplateChatFormat, chat_format_for
+
+transformers = pytest.importorskip("transformers")
+TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "templates"
+DIALOG = [{"role": "system", "content": "You are terse."},
+          {"role": "user", "content": "What is 12345 + 1?"},
+          {"role": "assistant", "content": "<think>\nAdd one to the last digit.\n</think>\n\n12346"},
+          {"role": "user", "content": "And  times 2? Answer in 中文."}]
+CASES = [("deepseek-ai-DeepSeek-R1-Distill-Llama-8B", "llama-bpe", True),
+         ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B", "qwen2", False),
+         ("Qwen-Qwen2.5-7B-Instruct", "qwen2", False),
+         ("Qwen-Qwen3-0.6B", "qwen2", False)]
+
+
+@pytest.fixture(scope="module")
+def vocab():
+    root, done = llama_cpp_files(), {}
+
+    def get(name):
+        if name not in done:
+            path = root / "models" / f"ggml-vocab-{name}.gguf"
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                done[name] = tokenizer_hf.from_gguf(open_reader(path), path)
+        return done[name]
+    return get
+
+
+@pytest.mark.parametrize("template, vocab_name, opens_think", CASES)
+def test_our_rendering_equals_transformers_apply_chat_template(vocab, template, vocab_name, opens_think):
+    from tokenizers import Tokenizer
+
+    source = (TEMPLATES / f"{template}.jinja").read_text(encoding="utf-8")
+    tok = vocab(vocab_name)
+    tok.chat_template = source  # as a GGUF or tokenizer_config.json carries it
+    fmt = chat_format_for(tok)
+    assert isinstance(fmt, TemplateChatFormat)
+    ref = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tok.tok.to_str()))
+    kw = dict(bos_token=tok.piece(tok.bos_id), eos_token=tok.piece(tok.eos_id))
+    for dialog in (DIALOG, DIALOG[1:2], DIALOG[1:]):
+        text = ref.apply_chat_template(dialog, chat_template=source, tokenize=False, add_generation_prompt=True, **kw)
+        assert fmt.render(dialog) == text
+        assert fmt.encode_dialog_prompt(dialog) == ref.encode(text, add_special_tokens=False)
+    prompt = fmt.encode_dialog_prompt(DIALOG)
+    assert reasoning.prompt_opens_think(tok, prompt) is opens_think
+    assert reasoning.reasons(fmt) is ("</think>" in source)
+    if "DeepSeek" in template or "Qwen3" in template:  # earlier turns' reasoning is dropped by the template
+        assert "Add one" not in fmt.render(DIALOG) and "12346" in fmt.render(DIALOG)
+
+
+@pytest.mark.parametrize("text, in_think, expected", [
+    ("<think>\nplan\n</think>\n\nanswer", False, ("plan", "answer")),
+    ("  <think>a</think>b", False, ("a", "b")),
+    ("plan\n</think>\n\nanswer", True, ("plan", "answer")),
+    ("plan that never ends", True, ("plan that never ends", "")),
+    ("<think>unclosed", False, ("unclosed", "")),
+    ("no think here, <think>x</think>", False, (None, "no think here, <think>x</think>")),
+    ("answer", False, (None, "answer")),
+    ("", False, (None, "")),
+    ("</think>answer", True, ("", "answer")),
+    ("<think>\nplan</think>answer", True, ("plan", "answer")),
+    ("<thi", True, ("<thi", "")),
+])
+def test_split(text, in_think, expected):
+    assert reasoning.split(text, in_think) == expected
+
+
+@pytest.mark.parametrize("text, in_think", [
+    ("<think>\nplan with </thi and < signs\n</think>\n\nanswer </think> kept", False),
+    ("  \n<think>x y z</think>", False), ("plan\n\n</think>\n\n\nanswer  ", True), ("plain <think> reply", False),
+    ("<thinking>is not a tag</thinking>", False), ("never closed\n\n", True), (" ", False), ("<thi", False),
+    (" <think>again</think> x", True), ("<thi", True), ("<thinker", True)])
+def test_streamed_deltas_concatenate_to_the_whole_split_at_any_cut_points(text, in_think):
+    whole = reasoning.split(text, in_think)
+    rng = random.Random(0)
+    for _ in range(50):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 6)))) if len(text) > 1 else []
+        pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        stream, thought, content = reasoning.ReasoningStream(in_think), "", ""
+        for p in pieces:
+            t, c = stream.feed(p)
+            thought, content = thought + t, content + c
+        t, c = stream.finish()
+        assert (thought + t, content + c) == (whole[0] or "", whole[1]), pieces

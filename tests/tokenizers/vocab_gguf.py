@@ -1,0 +1,84 @@
+"""A GGUF holding only a tokenizer, written from a Hugging Face tokenizer.json the way llama.cpp's
+convert_hf_to_gguf.py writes one (get_vocab_base and gguf's SpecialVocab): tokens in id order; added tokens
+CONTROL when special, USER_DEFINED (in plain text) otherwise; merges as "a b"; the pre-tokenizer name; BOS/EOS,
+the add-BOS rule and the chat template. Tests load it with from_gguf and compare with transformers on the same
+vocabulary."""
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import gguf
+from tokenizers import Tokenizer
+
+
+def write_vocab_gguf(path: Path, tok: Tokenizer, pre: Optional[str], bos: Optional[str], eos: str,
+                     add_bos: Optional[bool] = None, chat_template: Optional[str] = None) -> Path:
+    spec = json.loads(tok.to_str())
+    vocab, added = tok.get_vocab(with_added_tokens=True), tok.get_added_tokens_decoder()
+    size = max(vocab.values()) + 1
+    tokens, types = [f"[PAD{i}]" for i in range(size)], [gguf.TokenType.UNUSED] * size
+    for text, i in vocab.items():
+        tokens[i], types[i] = text, gguf.TokenType.NORMAL
+    for i, a in added.items():
+        if a.special:
+            types[i] = gguf.TokenType.CONTROL
+        else:  # convert_hf_to_gguf.py stores a non-normalized added token as the text it decodes to
+            tokens[i] = tok.decode([i]) if not a.normalized else a.content
+            types[i] = gguf.TokenType.USER_DEFINED
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    if pre is not None:
+        w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    if bos is not None:
+        w.add_bos_token_id(vocab[bos])
+    w.add_eos_token_id(vocab[eos])
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+LLAMA_CPP_VERSION = "0.3.36"
+LLAMA_CPP = f"llama_cpp_python-{LLAMA_CPP_VERSION}/vendor/llama.cpp/"
+
+
+def llama_cpp_files() -> Path:
+    """llama.cpp's tree (as in llama-cpp-python's sdist, fetched with pip into the cache once) holding its
+    tokenizer test vocabularies (models/ggml-vocab-*.gguf with .inp texts and the .out ids transformers gave
+    them), the chat templates it tests (models/templates/) and src/llama-vocab.cpp. Skips when pip cannot fetch."""
+    import subprocess
+    import sys
+    import tarfile
+
+    import pytest
+
+    from llama import settings
+
+    target = settings.cache_dir() / f"llama.cpp-vocab-{LLAMA_CPP_VERSION}"
+    root = target / LLAMA_CPP
+    if not (root / "src" / "llama-vocab.cpp").is_file():
+        target.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+                               f"llama-cpp-python=={LLAMA_CPP_VERSION}", "-d", str(target)], capture_output=True,
+                              text=True, timeout=600)
+        sdist = target / f"llama_cpp_python-{LLAMA_CPP_VERSION}.tar.gz"
+        if proc.returncode != 0 or not sdist.is_file():
+            pytest.skip(f"could not fetch llama-cpp-python=={LLAMA_CPP_VERSION}'s sdist with pip: "
+                        f"{proc.stderr[-300:]}")
+        with tarfile.open(sdist) as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith(LLAMA_CPP + "models/ggml-vocab-")
+                       or m.name.startswith(LLAMA_CPP + "models/templates/") or m.name == LLAMA_CPP
+                       + "src/llama-vocab.cpp"]
+            tar.extractall(target, members=members, filter="data")
+        sdist.unlink()
+    return root
