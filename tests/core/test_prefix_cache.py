@@ -148,3 +148,38 @@ def test_concurrent_engine_requests_equal_their_solo_text(on, off):
         for t in threads:
             t.join()
     assert results == want
+
+
+def test_server_reports_cached_tokens_and_the_pool_and_answers_every_request(off):
+    """usage.prompt_tokens_details.cached_tokens, /metrics' pool gauges, per-API-key isolation, and a pool with
+    room for one request at a time: concurrent requests all answer 200 with the cache-off text."""
+    pytest.importorskip("starlette", reason="the server needs the serve extra: pip install -e '.[serve]'")
+    pytest.importorskip("httpx")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from starlette.testclient import TestClient
+
+    from llama.serve.app import create_app
+
+    one_row = build("on", slots=4, seq=128)
+    tight = build("on", slots=4, seq=128, kv_cache_memory=8 * (one_row.cache.bytes // one_row.cache.num_blocks))
+    body = dict(model="s", prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    want = off.text_completion([PROMPTS[0]], temperature=0.0, max_gen_len=12)[0]["generation"]
+    keys = {"a": {"Authorization": "Bearer key-a"}, "b": {"Authorization": "Bearer key-b"}}
+    with TestClient(create_app(lambda: tight, "s", api_keys=["key-a", "key-b"])) as c:
+        first = c.post("/v1/completions", json=body, headers=keys["a"]).json()
+        again = c.post("/v1/completions", json=body, headers=keys["a"]).json()
+        other = c.post("/v1/completions", json=body, headers=keys["b"]).json()
+        assert first["choices"][0]["text"] == again["choices"][0]["text"] == other["choices"][0]["text"] == want
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
+        assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # another key's blocks
+        with ThreadPoolExecutor(6) as pool:
+            rs = list(pool.map(lambda i: c.post("/v1/completions", json={**body, "prompt": PROMPTS[i % 3]},
+                                                headers=keys["a"]), range(6)))
+        assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+        metrics = c.get("/metrics").text
+    values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines() if line.startswith("llama_")}
+    assert values["llama_prefix_cache_hit_tokens"] >= 32 and values["llama_prefix_cache_prompt_tokens"] > 0
+    assert values["llama_kv_blocks_used"] == 0 and values["llama_kv_blocks_free"] == 8
+    assert "llama_kv_preemptions" in values
