@@ -6,6 +6,10 @@
               second turn, whose prompt holds a reply that decode steps wrote (bf16 / quantized kernels)
   shared      N users sharing one long system prompt through the engine, all at once, then a follow-up each:
               time to first token p50/p99 and tokens/s, caching on against off
+  chat        a 10-turn chat on one GGUF, time to first token per turn: ours through the engine with the prefix
+              cache on and off, and llama-cpp-python's Llama (which reuses its last prompt's common prefix) in-process
+  int8-kv     kv_cache_dtype="int8" against the model's dtype: logit error and perplexity of real text
+              (llama/data/demo_corpus.txt, windows of 256, stride 128, as benchmarks/quant_accuracy.py)
 """
 
 import argparse
@@ -27,7 +31,7 @@ def memory(args) -> None:
     budget = int(args.budget_gb * 2**30)
     rows = []
     for name, (layers, kv, hd) in SHAPES.items():
-        for kv_dtype, per in (("bf16", 2 * hd), ("int8 + bf16 scale per token and head (projected)", hd + 2)):
+        for kv_dtype, per in (("bf16", 2 * hd), ("int8 + fp32 scale per position and head", hd + 4)):
             per_pos = 2 * layers * kv * per  # K and V over every layer
             block = BLOCK_SIZE * per_pos
             blocks = budget // block
@@ -126,6 +130,86 @@ def shared(args) -> None:
     print_results("prefix-cache-shared-system", rows)
 
 
+def int8_kv(args) -> None:
+    import torch
+
+    from llama.cli.perplexity import perplexity
+
+    ckpt = Path(args.model)
+    tok = None if ckpt.suffix == ".gguf" else str(ckpt / "tokenizer.model")
+    text = (Path(__file__).resolve().parents[1] / "llama" / "data" / "demo_corpus.txt").read_text()
+    rows, logits = [], {}
+    for kv in (None, "int8"):
+        from llama import Llama
+
+        gen = Llama.build(str(ckpt), tok, max_seq_len=256, max_batch_size=4, dtype=args.dtype, kv_cache_dtype=kv,
+                          compile=False, prefix_cache="off")
+        ids = gen.tokenizer.encode(text, bos=True, eos=False)[:256]
+        with gen.cache.hold():
+            logits[kv] = gen.runner.logits([ids])[0].float()
+        rows.append({"KV cache": kv or args.dtype, "bytes / block": gen.cache.bytes // gen.cache.num_blocks,
+                     "perplexity": round(perplexity(gen, text, 256, 128)["perplexity"], 4)})
+    d = (logits["int8"] - logits[None]).abs()
+    std = float(logits[None].std())
+    rows[1].update({"mean logit error (x std)": round(float(d.mean()) / std, 5),
+                    "max logit error (x std)": round(float(d.max()) / std, 5),
+                    "argmax agreement": float((logits["int8"].argmax(-1) == logits[None].argmax(-1)).float().mean())})
+    rows[1]["perplexity delta"] = round(rows[1]["perplexity"] - rows[0]["perplexity"], 4)
+    print(f"{args.model} ({args.dtype}): int8 keys/values against {args.dtype}")
+    print_results("int8-kv-accuracy", rows)
+    del torch
+
+
+def chat(args) -> None:
+    from llama import Llama
+
+    lines = ["Tell me about the sea.", "What lives there?", "And deeper down?", "How do they see?",
+             "What do they eat?", "Are they dangerous?", "Tell me about whales.", "How big are they?",
+             "Do they sing?", "Summarize our chat."]
+    results = {}
+    for mode in ("off", "on"):
+        gen = Llama.build(args.model, None, max_seq_len=args.seq, max_batch_size=1, prefix_cache=mode,
+                          compile=False)
+        engine, dialog, ttft = gen.engine(), [{"role": "system", "content": args.system}], []
+        for line in lines:
+            dialog.append({"role": "user", "content": line})
+            start = time.perf_counter()
+            r = engine.submit(dialog, temperature=0.0, max_gen_len=args.gen)
+            first = None
+            for _ in r:
+                first = first or time.perf_counter()
+            ttft.append((first or time.perf_counter()) - start)
+            dialog.append({"role": "assistant", "content": r.stream.text})
+        engine.close()
+        results[mode] = (ttft, [len(gen.inputs.encode_dialog(dialog[: 2 * i + 2])[0]) for i in range(len(lines))])
+    try:
+        from llama_cpp import Llama as CppLlama
+
+        cpp = CppLlama(model_path=args.model, n_ctx=args.seq, verbose=False)
+        dialog, ttft = [{"role": "system", "content": args.system}], []
+        for line in lines:
+            dialog.append({"role": "user", "content": line})
+            start = time.perf_counter()
+            first, text = None, ""
+            for piece in cpp.create_chat_completion(dialog, temperature=0.0, max_tokens=args.gen, stream=True):
+                first = first or time.perf_counter()
+                text += piece["choices"][0]["delta"].get("content", "") or ""
+            ttft.append(first - start)
+            dialog.append({"role": "assistant", "content": text})
+        results["llama-cpp-python"] = (ttft, None)
+    except ImportError:
+        pass
+    rows = []
+    for i in range(len(lines)):
+        row = {"turn": i + 1, "prompt tokens": results["on"][1][i]}
+        row.update({f"{k} TTFT s": round(v[0][i], 3) for k, v in results.items()})
+        rows.append(row)
+    sums = {k: sum(v[0][1:]) for k, v in results.items()}
+    rows.append({"turn": "2-10 sum", "prompt tokens": "", **{f"{k} TTFT s": round(v, 2) for k, v in sums.items()}})
+    print(f"10-turn chat on {args.model}, {args.gen}-token replies (prefix_cache on/off, llama-cpp-python):")
+    print_results("prefix-cache-chat", rows)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="what", required=True)
@@ -149,8 +233,16 @@ def main(argv=None):
     s.add_argument("--n_layers", type=int, default=8)
     s.add_argument("--n_heads", type=int, default=12)
     s.add_argument("--dtype", default="bf16")
+    q = sub.add_parser("int8-kv")
+    q.add_argument("--model", required=True, help="a Meta checkpoint directory or a GGUF file")
+    q.add_argument("--dtype", default="bf16")
+    c = sub.add_parser("chat")
+    c.add_argument("--model", required=True, help="a GGUF file (llama-cpp-python runs the same file)")
+    c.add_argument("--gen", type=int, default=32)
+    c.add_argument("--seq", type=int, default=2048)
+    c.add_argument("--system", default="You are a helpful assistant who answers in a few sentences.")
     args = ap.parse_args(argv)
-    {"memory": memory, "divergence": divergence, "shared": shared}[args.what](args)
+    {"memory": memory, "divergence": divergence, "shared": shared, "int8-kv": int8_kv, "chat": chat}[args.what](args)
 
 
 if __name__ == "__main__":

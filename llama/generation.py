@@ -70,6 +70,7 @@ class Llama:
         preload: Optional[bool] = None,
         kv_cache_memory: Union[int, str, None] = None,
         prefix_cache: Union[bool, str] = "on",
+        kv_cache_dtype: Optional[str] = None,
     ) -> "Llama":
         """Load a checkpoint: a Meta-layout directory, or a GGUF file (or a directory holding one; its embedded
         tokenizer and chat template are used unless tokenizer_path is given). Works in plain python and under
@@ -98,16 +99,19 @@ class Llama:
         kv_cache_memory: bytes (or "4GiB") of this rank's paged KV pool; default max_batch_size x max_seq_len
         positions, as slots held before (llama/core/kv_cache.py). prefix_cache: "on" (default) reuses the longest
         cached prefix of every prompt, "exact" only positions a prefill computed, "off" none (llama/core/paging.py).
+        kv_cache_dtype="int8": keys and values as int8 with an fp32 scale per position and head (about half of
+        bf16; read by the torch paths, eager: docs/architecture.md).
         """
         model, tokenizer, compiled = loader.load(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size,
                                                  model_parallel_size, seed, device, dtype, verify, compile, quantize,
                                                  rope_scaling_factor, pipeline_parallel_size=pipeline_parallel_size,
                                                  group_size=group_size, preload=preload)
         return Llama(model, tokenizer, max_batch_size, max_seq_len, compiled, kv_cache_memory=kv_cache_memory,
-                     prefix_cache=prefix_cache)
+                     prefix_cache=prefix_cache, kv_cache_dtype=kv_cache_dtype)
 
     def __init__(self, model, tokenizer, max_batch_size: Optional[int] = None, max_seq_len: Optional[int] = None,
-                 compiled=None, kv_cache_memory: Union[int, str, None] = None, prefix_cache: Union[bool, str] = "on"):
+                 compiled=None, kv_cache_memory: Union[int, str, None] = None, prefix_cache: Union[bool, str] = "on",
+                 kv_cache_dtype: Optional[str] = None):
         """Meta's Llama(model, tokenizer) sizes the KV cache from model.params, as here when the sizes are None."""
         max_batch_size = model.params.max_batch_size if max_batch_size is None else max_batch_size
         max_seq_len = model.params.max_seq_len if max_seq_len is None else max_seq_len
@@ -116,7 +120,8 @@ class Llama:
         self.formatter = chat_format_for(tokenizer)
         self.cache = build_cache(model, max_batch_size, max_seq_len, kv_cache_memory, prefix_cache,
                                  place=(parallel.model_parallel_rank(), parallel.pipeline_parallel_rank()),
-                                 replicated=parallel.model_parallel_size() * parallel.pipeline_parallel_size() > 1)
+                                 replicated=parallel.model_parallel_size() * parallel.pipeline_parallel_size() > 1,
+                                 kv_dtype=kv_cache_dtype)
         self.device = self.cache.device
         self.runner = Runner(model, self.cache, compiled, execution_for(model))
         self.inputs = RequestBuilder(tokenizer, self.formatter, max_seq_len, model.vocab_size)

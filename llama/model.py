@@ -320,7 +320,8 @@ class Attention(Fusable):
         self.store(k, v, start, positions, rows)
         ck, cv, rows = self.cached_rows(rows) if self.block_table is None else (None, None, rows)
         if self.block_table is not None:
-            keys, values = paged.read(self.cache_k, self.cache_v, self.table_rows(rows, B, x.device), kv_len)
+            table = self.table_rows(rows, B, x.device)
+            keys, values = paged.read(self.cache_k, self.cache_v, table, kv_len, x.dtype)
         elif rows is None:  # rows 0..B-1: read the cache in place
             keys, values = ck[:B, :, :kv_len], cv[:B, :, :kv_len]
         else:

@@ -22,6 +22,7 @@ import torch
 
 from llama.core.block_pool import SCRATCH, BlockPool
 from llama.core.paging import check_mode
+from llama.kernels import paged
 from llama.settings import parse_bytes
 
 Snapshot = List[Tuple[torch.Tensor, torch.Tensor]]  # per layer: keys and values (kv_heads, length, head_dim)
@@ -29,9 +30,11 @@ BLOCK_SIZE = 16
 
 
 def bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes over every layer of this rank (keys and values)."""
+    """Bytes one block takes over every layer of this rank (keys and values; int8: codes and an fp32 scale per
+    position and head)."""
     per = torch.empty((), dtype=dtype).element_size()
-    return sum(2 * block_size * layer.attention.n_local_kv_heads * layer.attention.head_dim * per
+    extra = 4 if dtype == torch.int8 else 0
+    return sum(2 * block_size * layer.attention.n_local_kv_heads * (layer.attention.head_dim * per + extra)
                for layer in model.layers)
 
 
@@ -62,8 +65,11 @@ def pool_salt(model, dtype: torch.dtype, block_size: int, place: Tuple[int, int]
     return repr((params, str(dtype), block_size, repr(model.params), place)).encode()
 
 
+KV_DTYPES = {"int8": torch.int8}
+
+
 def build_cache(model, max_batch_size: int, max_seq_len: int, memory=None, prefix_cache="on",
-                place: Tuple[int, int] = (0, 0), replicated: bool = False) -> "KVCache":
+                place: Tuple[int, int] = (0, 0), replicated: bool = False, kv_dtype=None) -> "KVCache":
     """The Llama facade's cache: the model's dtype and device, sized by kv_cache_memory (bytes or "4GiB"). place:
     (model-parallel rank, pipeline stage); replicated: other ranks replay this one's steps."""
     mode = check_mode(prefix_cache)
@@ -72,10 +78,13 @@ def build_cache(model, max_batch_size: int, max_seq_len: int, memory=None, prefi
     if memory is not None and (isinstance(memory, bool) or not isinstance(memory, (int, float)) or memory <= 0):
         raise ValueError(f"kv_cache_memory must be a positive number of bytes (or a size such as '4GiB'), "
                          f"got {memory!r}")
+    if kv_dtype not in (None, "int8"):
+        raise ValueError(f"kv_cache_dtype must be None (the model's dtype) or 'int8', got {kv_dtype!r}")
     ref = model.norm.weight
-    blocks = pool_blocks(model, max_batch_size, max_seq_len, BLOCK_SIZE, ref.dtype, memory=memory)
-    cache = KVCache(model, max_batch_size, max_seq_len, dtype=ref.dtype, device=ref.device, num_blocks=blocks,
-                    salt=pool_salt(model, ref.dtype, BLOCK_SIZE, place))
+    dtype = KV_DTYPES.get(kv_dtype, ref.dtype)
+    blocks = pool_blocks(model, max_batch_size, max_seq_len, BLOCK_SIZE, dtype, memory=memory)
+    cache = KVCache(model, max_batch_size, max_seq_len, dtype=dtype, device=ref.device, num_blocks=blocks,
+                    salt=pool_salt(model, dtype, BLOCK_SIZE, place))
     cache.pool.mode, cache.replicated = mode, replicated
     return cache
 
@@ -109,6 +118,9 @@ class KVCache:
             shape = (num_blocks + 1, attn.n_local_kv_heads, block_size, attn.head_dim)  # + the scratch block
             attn.cache_k = torch.zeros(shape, dtype=dtype, device=device)
             attn.cache_v = torch.zeros(shape, dtype=dtype, device=device)
+            if dtype == torch.int8:  # a scale per position and head (llama/kernels/paged.py)
+                attn.cache_k.scales = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
+                attn.cache_v.scales = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
             attn.block_table = self.table
         model.setup_rope(max_seq_len, device)
         self.max_batch_size, self.max_seq_len, self.device = max_batch_size, max_seq_len, device
@@ -191,9 +203,8 @@ class KVCache:
         """Copy whole blocks (copy on write: a twin's own copy of its source's last, partial prompt block)."""
         s = torch.tensor(list(src), device=self.device)
         d = torch.tensor(list(dst), device=self.device)
-        for attn in self.layers:
-            attn.cache_k[d] = attn.cache_k[s]
-            attn.cache_v[d] = attn.cache_v[s]
+        for cache in self._tensors():
+            cache[d] = cache[s]
 
     def _where(self, row: int, length: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """(blocks, offsets) of a row's positions [0, length)."""
@@ -206,24 +217,35 @@ class KVCache:
         for s, d in zip(src, dst):
             sb, so = self._where(s, length)
             db, do = self._where(d, length)
-            for attn in self.layers:
-                attn.cache_k[db, :, do] = attn.cache_k[sb, :, so]
-                attn.cache_v[db, :, do] = attn.cache_v[sb, :, so]
+            for cache in self._tensors():
+                cache[db, :, do] = cache[sb, :, so]
 
     @torch.inference_mode()
     def snapshot(self, slot: int, length: int) -> Snapshot:
         """A copy of positions [0, length) of one row, for every layer."""
         b, o = self._where(slot, length)
-        return [(a.cache_k[b, :, o].transpose(0, 1).clone(), a.cache_v[b, :, o].transpose(0, 1).clone())
+        return [tuple(self._values(c, b, o).transpose(0, 1).clone() for c in (a.cache_k, a.cache_v))
                 for a in self.layers]
+
+    def _tensors(self) -> List[torch.Tensor]:
+        """Every tensor a block spans: keys, values (and an int8 pool's scales)."""
+        out = [t for a in self.layers for t in (a.cache_k, a.cache_v)]
+        return out + [t.scales for t in out if hasattr(t, "scales")]
+
+    @staticmethod
+    def _values(cache: torch.Tensor, b, o) -> torch.Tensor:
+        """Positions (b, o) of a cache, dequantized if int8: (positions, kv_heads, head_dim)."""
+        if cache.dtype == torch.int8:
+            return cache[b, :, o].float() * cache.scales[b, :, o][..., None]
+        return cache[b, :, o]
 
     @torch.inference_mode()
     def load(self, kv: Snapshot, slot: int, length: int) -> None:
         """Write the first `length` positions of a snapshot into a row (blocks it owns)."""
         b, o = self._where(slot, length)
         for attn, (k, v) in zip(self.layers, kv):
-            attn.cache_k[b, :, o] = k[:, :length].transpose(0, 1).to(attn.cache_k.dtype)
-            attn.cache_v[b, :, o] = v[:, :length].transpose(0, 1).to(attn.cache_v.dtype)
+            paged.write(attn.cache_k, b, o, k[:, :length].transpose(0, 1))
+            paged.write(attn.cache_v, b, o, v[:, :length].transpose(0, 1))
 
     def register(self, prefix) -> int:
         """An id for a prefix snapshot, the same on every model-parallel rank when they take snapshots in the

@@ -128,7 +128,7 @@ class Runner:
         size = len(tokens)  # the graph's batch: slots 0..size-1
         if not getattr(c, "cuda", False):
             size = min(bucket(width, self.model.max_batch_size), size)
-        if c is not None and not base and c.ready(c.key(size, None)):
+        if c is not None and not base and self.cache.dtype != torch.int8 and c.ready(c.key(size, None)):
             return c(torch.tensor(tokens[:size], device=dev)[:, None], torch.tensor(pos[:size], device=dev))[:, 0]
         x = torch.tensor(tokens[:width], device=dev)[:, None]
         same = len(set(pos[:width])) == 1
