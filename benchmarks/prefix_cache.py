@@ -17,7 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.harness import print_results, prompt_tokens, random_checkpoint
+from benchmarks.harness import LLAMA2_TOKENIZER, print_results, prompt_tokens, random_checkpoint
 
 SHAPES = {  # (n_layers, n_kv_heads, head_dim)
     "Llama 2 7B (32 KV heads)": (32, 32, 128),
@@ -87,11 +87,11 @@ def shared(args) -> None:
     work = Path(args.workdir)
     params = {"dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.n_heads,
               "multiple_of": 256, "norm_eps": 1e-5, "vocab_size": 32000}
-    ckpt = random_checkpoint(work / f"shared-{args.dim}-{args.n_layers}", params)
+    ckpt = random_checkpoint(work / f"shared-{args.dim}-{args.n_layers}", params, tokenizer=LLAMA2_TOKENIZER)
     system = prompt_tokens(32000, args.system, seed=1)
     rows = []
     for mode in ("off", "on"):
-        gen = build(ckpt, None, mode, args.dtype, args.users, args.system + 64 + 2 * args.gen + 32)
+        gen = build(ckpt, str(LLAMA2_TOKENIZER), mode, args.dtype, args.users, args.system + 64 + 2 * args.gen + 32)
         engine = gen.engine()
         opts = dict(temperature=0.0, max_gen_len=args.gen, logits_processors=[])
         for phase in ("first", "follow-up"):
