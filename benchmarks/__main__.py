@@ -28,6 +28,8 @@ MEASUREMENTS = {
                                   "optionally beside llama-cpp-python's server"),
     "cache-reuse": ("bench_serving", "what reusing a KV cache saves: n samples of one prompt, a shared prefix, a "
                                      "chat session"),
+    "prefix-cache": ("prefix_cache", "the paged KV pool: sequences per GiB at 7B shapes, prefix caching's "
+                                     "divergence rate, N users sharing a system prompt (TTFT on against off)"),
     "batching": ("bench_batching", "continuous batching (the engine) against static batching"),
     "parallel-layouts": ("bench_pipeline", "tensor parallel against tensor x pipeline parallel: step time, bytes "
                                            "between ranks"),

@@ -11,7 +11,7 @@ import torch
 from llama.core.decode_core import DecodeCore
 from llama.core.engine import Engine
 from llama.core.inputs import RequestBuilder, count, expand_params, refusal_prediction, string_list
-from llama.core.kv_cache import KVCache
+from llama.core.kv_cache import KVCache, build_cache
 from llama.core.params import SamplingParams
 from llama.core.prefix import Prefix
 from llama.core.request import BatchError, Request
@@ -69,6 +69,9 @@ class Llama:
         pipeline_parallel_size: int = 1,
         group_size: Optional[int] = None,
         preload: Optional[bool] = None,
+        kv_cache_memory: Union[int, str, None] = None,
+        prefix_cache: Union[bool, str] = "on",
+        kv_cache_dtype: Optional[str] = None,
     ) -> "Llama":
         """Load a checkpoint: a Meta-layout directory, or a GGUF file (or a directory holding one; its embedded
         tokenizer and chat template are used unless tokenizer_path is given). Works in plain python and under
@@ -94,23 +97,32 @@ class Llama:
         preload: memory-mapped weights are read into memory before build returns, so the first token does not
         wait for the disk: None (default) when they fit in available memory, True always, False never
         (llama/formats/preload.py).
+        kv_cache_memory: bytes (or "4GiB") of this rank's paged KV pool; default max_batch_size x max_seq_len
+        positions, as slots held before (llama/core/kv_cache.py). prefix_cache: "on" (default) reuses the longest
+        cached prefix of every prompt, "exact" only positions a prefill computed, "off" none (llama/core/paging.py).
+        kv_cache_dtype="int8": keys and values as int8 with an fp32 scale per position and head (about half of
+        bf16; read by the torch paths, eager: docs/architecture.md).
         """
         model, tokenizer, compiled = loader.load(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size,
                                                  model_parallel_size, seed, device, dtype, verify, compile, quantize,
                                                  rope_scaling_factor, pipeline_parallel_size=pipeline_parallel_size,
                                                  group_size=group_size, preload=preload)
-        return Llama(model, tokenizer, max_batch_size, max_seq_len, compiled)
+        return Llama(model, tokenizer, max_batch_size, max_seq_len, compiled, kv_cache_memory=kv_cache_memory,
+                     prefix_cache=prefix_cache, kv_cache_dtype=kv_cache_dtype)
 
     def __init__(self, model, tokenizer, max_batch_size: Optional[int] = None, max_seq_len: Optional[int] = None,
-                 compiled=None):
+                 compiled=None, kv_cache_memory: Union[int, str, None] = None, prefix_cache: Union[bool, str] = "on",
+                 kv_cache_dtype: Optional[str] = None):
         """Meta's Llama(model, tokenizer) sizes the KV cache from model.params, as here when the sizes are None."""
         max_batch_size = model.params.max_batch_size if max_batch_size is None else max_batch_size
         max_seq_len = model.params.max_seq_len if max_seq_len is None else max_seq_len
         self.model = model
         self.tokenizer = tokenizer
         self.formatter = chat_format_for(tokenizer)
-        ref = model.norm.weight
-        self.cache = KVCache(model, max_batch_size, max_seq_len, dtype=ref.dtype, device=ref.device)
+        self.cache = build_cache(model, max_batch_size, max_seq_len, kv_cache_memory, prefix_cache,
+                                 place=(parallel.model_parallel_rank(), parallel.pipeline_parallel_rank()),
+                                 replicated=parallel.model_parallel_size() * parallel.pipeline_parallel_size() > 1,
+                                 kv_dtype=kv_cache_dtype)
         self.device = self.cache.device
         self.runner = Runner(model, self.cache, compiled, execution_for(model))
         self.inputs = RequestBuilder(tokenizer, self.formatter, max_seq_len, model.vocab_size)
@@ -251,6 +263,11 @@ class Llama:
             logits = self.runner.logits([tokens])[0]
             return Prefix.from_slot(self.cache, 0, tokens, logprobs=token_logprobs(logits, tokens),
                                     next_logprobs=torch.log_softmax(logits[-1], dim=-1))
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached prefix block (waits for the cache: running requests keep their blocks)."""
+        with self.cache.hold():
+            self.cache.pool.clear()
 
     def chat_session(self, system: Optional[str] = None) -> ChatSession:
         """A multi-turn conversation that keeps its KV cache between turns."""

@@ -18,7 +18,7 @@ from fairscale.nn.model_parallel.initialize import get_model_parallel_world_size
 from torch import nn
 
 from llama.kernels import cpu as cpu_kernels
-from llama.kernels import fused_decode
+from llama.kernels import fused_decode, paged
 from llama.layers import ColumnLinear, Embedding, Fusable, RowLinear  # noqa: F401 (Meta's path for the layers)
 
 
@@ -252,6 +252,10 @@ class Attention(Fusable):
         # them as the model's mutable state, but not persistent: they are never part of a checkpoint.
         self.register_buffer("cache_k", None, persistent=False)
         self.register_buffer("cache_v", None, persistent=False)
+        # A paged pool (llama/core/kv_cache.py): cache_k/cache_v are (blocks, kv_heads, block_size, head_dim) and
+        # this (rows, blocks per row) int64 table, shared by every layer, places row r's position p in block
+        # block_table[r, p // block_size]. None: the caches are (rows, kv_heads, positions, head_dim) slots.
+        self.register_buffer("block_table", None, persistent=False)
 
     def qkv(self, x, cos, sin):
         """Rotated queries and keys and the values, each (B, T, heads, head_dim)."""
@@ -275,7 +279,8 @@ class Attention(Fusable):
         else:
             qkv = self.wqkv(x).view(B, -1)
             q, k, v = qkv[:, :nq], qkv[:, nq : nq + nkv], qkv[:, nq + nkv :]
-        return cpu_kernels.decode_attention(q, k, v, cos, sin, self.cache_k, self.cache_v, rows, positions, kv_len)
+        return cpu_kernels.decode_attention(q, k, v, cos, sin, self.cache_k, self.cache_v, rows, positions, kv_len,
+                                            table=self.block_table)
 
     def cached_rows(self, rows):
         """(keys, values, rows): a slice of consecutive rows (an engine group's slots) is a view used in place."""
@@ -283,11 +288,19 @@ class Attention(Fusable):
             return self.cache_k[rows], self.cache_v[rows], None
         return self.cache_k, self.cache_v, rows
 
+    def table_rows(self, rows, B: int, device) -> torch.Tensor:
+        """The block table's rows (B, blocks per row) of a pass's cache rows (a tensor, a slice, or None: 0..B-1)."""
+        if rows is None or isinstance(rows, slice):
+            return self.block_table[rows if rows is not None else slice(0, B)][:B]
+        return self.block_table[rows.to(device)]
+
     def store(self, k, v, start, positions, rows) -> None:
         """Write new keys/values (B, T, heads, head_dim): the model's one cache write. Rows 0..B-1 that share
         positions start..start+T-1 take plain slices (no index tensors, the cheapest step); any other layout
         (per-row positions, chosen rows) is a scatter."""
         B, T = k.shape[:2]
+        if self.block_table is not None:
+            return paged.store(self.cache_k, self.cache_v, self.table_rows(rows, B, k.device), k, v, positions)
         ck, cv, rows = self.cached_rows(rows)
         if rows is None and start is not None:
             ck[:B, :, start : start + T] = k.transpose(1, 2)
@@ -299,12 +312,17 @@ class Attention(Fusable):
 
     def forward(self, x, cos, sin, start, positions, rows, kv_len, mask):
         B, T, _ = x.shape
+        if self.block_table is not None and not torch.compiler.is_compiling():
+            getattr(self.block_table, "direct", int)()  # outside the runner: the slot layout (core/kv_cache.py)
         if T == 1 and self.cache_k is not None and cpu_kernels.attends(x, self.cache_k):
             return self.wo(self.decode(x, cos, sin, positions, rows, kv_len).view(B, 1, -1))
         q, k, v = self.qkv(x, cos, sin)
         self.store(k, v, start, positions, rows)
-        ck, cv, rows = self.cached_rows(rows)
-        if rows is None:  # rows 0..B-1: read the cache in place
+        ck, cv, rows = self.cached_rows(rows) if self.block_table is None else (None, None, rows)
+        if self.block_table is not None:
+            table = self.table_rows(rows, B, x.device)
+            keys, values = paged.read(self.cache_k, self.cache_v, table, kv_len, x.dtype)
+        elif rows is None:  # rows 0..B-1: read the cache in place
             keys, values = ck[:B, :, :kv_len], cv[:B, :, :kv_len]
         else:
             keys, values = ck[rows, :, :kv_len], cv[rows, :, :kv_len]
@@ -399,11 +417,15 @@ class Transformer(nn.Module):
 
     @property
     def max_seq_len(self) -> int:
-        return self.layers[0].attention.cache_k.shape[2]
+        attn = self.layers[0].attention
+        if attn.block_table is not None:  # a paged pool: a row's blocks
+            return attn.block_table.shape[1] * attn.cache_k.shape[2]
+        return attn.cache_k.shape[2]
 
     @property
     def max_batch_size(self) -> int:
-        return self.layers[0].attention.cache_k.shape[0]
+        attn = self.layers[0].attention
+        return (attn.cache_k if attn.block_table is None else attn.block_table).shape[0]
 
     @torch.inference_mode()
     def forward(

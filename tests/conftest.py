@@ -102,10 +102,12 @@ def llama2_tokenizer_path() -> Path:
 
 @pytest.fixture(scope="session")
 def stories(stories_dir):
-    """stories260K with room for the goldens' 128 new tokens, batch of 4."""
+    """stories260K with room for the goldens' 128 new tokens, batch of 4. Prefix caching off: tests that count the
+    positions a request computes share this generator (tests/core/test_prefix_cache.py turns it on)."""
     from llama import Llama
 
-    return Llama.build(str(stories_dir), str(stories_dir / "tokenizer.model"), max_seq_len=256, max_batch_size=4)
+    return Llama.build(str(stories_dir), str(stories_dir / "tokenizer.model"), max_seq_len=256, max_batch_size=4,
+                       prefix_cache="off")
 
 
 @pytest.fixture(scope="session")

@@ -76,12 +76,15 @@ def default_tokenizer(ckpt_dir: str) -> str:
 
 
 def main(file: str, ckpt_dir: str, tokenizer_path: Optional[str] = None, max_seq_len: int = 512,
-         stride: Optional[int] = None, max_batch_size: int = 4, pipeline_parallel_size: int = 1) -> Dict:
+         stride: Optional[int] = None, max_batch_size: int = 4, pipeline_parallel_size: int = 1,
+         kv_cache_dtype: Optional[str] = None, dtype: Optional[str] = None) -> Dict:
     """Load the model, score the file, print one summary line (rank 0) and return the figures."""
     with open(file, encoding="utf-8") as f:
         text = f.read()
-    generator = Llama.build(ckpt_dir, tokenizer_path or default_tokenizer(ckpt_dir), max_seq_len=max_seq_len,
-                            max_batch_size=max_batch_size, pipeline_parallel_size=pipeline_parallel_size)
+    if tokenizer_path is None and not str(ckpt_dir).endswith(".gguf"):  # a GGUF file holds its tokenizer
+        tokenizer_path = default_tokenizer(ckpt_dir)
+    generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len=max_seq_len, max_batch_size=max_batch_size,
+                            pipeline_parallel_size=pipeline_parallel_size, kv_cache_dtype=kv_cache_dtype, dtype=dtype)
     result = perplexity(generator, text, stride=stride)
     if parallel.is_main_process():
         print(f"{file}: {result['tokens']} tokens in {result['windows']} window(s) of {result['window']} "
@@ -99,9 +102,13 @@ def cli(argv=None) -> None:
     p.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: half a window)")
     p.add_argument("--max_batch_size", type=int, default=4, help="windows per forward pass")
     p.add_argument("--pipeline_parallel_size", type=int, default=1, help="pipeline stages under torchrun")
+    p.add_argument("--kv-cache-dtype", "--kv_cache_dtype", default=None, choices=["int8"], dest="kv_cache_dtype",
+                   help="int8 keys/values with a scale per position and head (default: the model's dtype)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 (default: the loader's choice)")
     a = p.parse_args(argv)
     try:
-        main(a.file, a.ckpt_dir, a.tokenizer_path, a.max_seq_len, a.stride, a.max_batch_size, a.pipeline_parallel_size)
+        main(a.file, a.ckpt_dir, a.tokenizer_path, a.max_seq_len, a.stride, a.max_batch_size, a.pipeline_parallel_size,
+             a.kv_cache_dtype, a.dtype)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
 

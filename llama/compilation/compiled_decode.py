@@ -175,6 +175,9 @@ class CompiledDecode:
         B = tokens.shape[0]
         if not self.ready(self.key(B, rows)):
             return None
+        table = self.model.layers[0].attention.block_table
+        if table is not None:
+            table.direct()  # outside the runner: the pool's slot layout (llama/core/kv_cache.py)
         size = bucket(B, self.model.max_batch_size)
         if size != B:
             if rows is None:

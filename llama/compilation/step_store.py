@@ -32,7 +32,7 @@ from llama import settings
 from llama.kernels import cpu as cpu_kernels
 from llama.settings import cache_dir
 
-FORMAT = 3  # bump when what a stored step holds or how it is called changes
+FORMAT = 4  # bump when what a stored step holds or how it is called changes (4: the KV pool's block table)
 SAMPLE = 4096  # elements of each tensor that go into the fingerprint
 SO = "step.so"  # what a stored step keeps of its AOTInductor package: the shared library (frozen weights included)
 CALLS = "step.json"  # and the calls of ops from other libraries (ours), beside it where the loader looks for them
@@ -49,7 +49,7 @@ def enabled(model) -> bool:
 
 
 def is_cache(name: str) -> bool:
-    return name.endswith(("cache_k", "cache_v"))
+    return name.endswith(("cache_k", "cache_v", "block_table"))
 
 
 @torch.no_grad()
@@ -99,12 +99,14 @@ class _Step(torch.nn.Module):
         rows, caches = (rest[0], rest[1:]) if self.rows else (None, rest)  # a None input would upset the package
         attns = [layer.attention for layer in self.model.layers]
         for i, attn in enumerate(attns):
-            attn.cache_k, attn.cache_v = caches[2 * i], caches[2 * i + 1]
+            attn.cache_k, attn.cache_v, attn.block_table = caches[2 * i], caches[2 * i + 1], caches[-1]
         return self.traced(tokens, pos, rows)
 
 
 def caches(model) -> list:
-    return [t for layer in model.layers for t in (layer.attention.cache_k, layer.attention.cache_v)]
+    """Every layer's keys and values, then the paged pool's block table (one for all layers)."""
+    kv = [t for layer in model.layers for t in (layer.attention.cache_k, layer.attention.cache_v)]
+    return kv + [model.layers[0].attention.block_table]
 
 
 def external(config: Dict) -> bool:
@@ -124,13 +126,13 @@ def build(model, path: Path, inputs: tuple, config: Dict) -> None:
     attns = [layer.attention for layer in model.layers]
     try:
         for attn in attns:  # the caches exist only as the step's inputs while exporting
-            attn.cache_k = attn.cache_v = None
+            attn.cache_k = attn.cache_v = attn.block_table = None
         tokens, pos, rows = (None if t is None else t.contiguous() for t in inputs)
         given = (tokens, pos) if rows is None else (tokens, pos, rows)
         ep = torch.export.export(_Step(model, rows is not None).eval(), (*given, *kv), strict=False)
     finally:
         for i, attn in enumerate(attns):
-            attn.cache_k, attn.cache_v = kv[2 * i], kv[2 * i + 1]
+            attn.cache_k, attn.cache_v, attn.block_table = kv[2 * i], kv[2 * i + 1], kv[-1]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
     package = tmp.with_suffix(".pt2")

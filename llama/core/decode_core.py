@@ -22,7 +22,7 @@ class DecodeCore:
         cache rows it owns (default all of them; the pipelined engine gives each of its groups a range)."""
         slots = range(self.max_batch_size) if slots is None else slots
         chunk = prefill_chunk or len(slots) * self.max_seq_len
-        return Scheduler(len(slots), self.max_seq_len, chunk, base=slots.start)
+        return Scheduler(len(slots), self.max_seq_len, chunk, base=slots.start, pool=self.runner.cache.pool)
 
     def step(self, sched: Scheduler, broadcast: Optional[Callable] = None,
              publish: bool = False) -> List[Tuple[Request, str]]:
@@ -73,6 +73,8 @@ class DecodeCore:
     def _fail(sched: Scheduler, e: Exception) -> None:
         for r in sched.running():
             r.fail(RuntimeError(f"request {r.id} failed: {e!r}"))
+        if sched.paging is not None:  # blocks keyed this step may never have been written
+            sched.paging.pool.clear()
 
     def run(self, requests: Sequence[Request]) -> Iterator[List[Tuple[Request, str]]]:
         """Run requests to completion in this thread (the caller holds the cache): per step, the text deltas.

@@ -73,17 +73,20 @@ class Engine:
             return self.scheduler.stats
         return {**{k: sum(g.stats[k] for g in self.groups) for k in self.scheduler.stats}, **self._pipe.stats}
 
-    def submit(self, prompt, *, prefix=None, **params) -> Request:
+    def submit(self, prompt, *, prefix=None, cache_salt: Optional[str] = "", **params) -> Request:
         """Queue a prompt (str or token ids) or a dialog (list of messages) with SamplingParams keywords.
 
         prefix: a Llama.prefill() Prefix that a text or token prompt continues (its cache is copied, not recomputed).
+        cache_salt: prompts share cached prefix blocks only with prompts of the same salt (the server's per-API-key
+        isolation); None: this request neither reuses nor leaves cached blocks.
 
         Never raises for a bad request: a prompt that cannot fit or bad parameters make result() raise, and the
         engine keeps serving the others.
         """
-        return self.submit_samples(prompt, 1, prefix=prefix, **params)[0]
+        return self.submit_samples(prompt, 1, prefix=prefix, cache_salt=cache_salt, **params)[0]
 
-    def submit_samples(self, prompt, n: int, *, prefix=None, **params) -> List[Request]:
+    def submit_samples(self, prompt, n: int, *, prefix=None, cache_salt: Optional[str] = "",
+                       **params) -> List[Request]:
         """Queue n samples of one prompt (as submit), prompt prefilled once: the others copy its cache."""
         if self._role == "follower":
             raise RuntimeError(
@@ -96,6 +99,8 @@ class Engine:
             return [self.llama.inputs.failed(e) for _ in range(n if isinstance(n, int) and n > 0 else 1)]
         if reqs[0].done():  # a refused dialog, answered with its error text
             return reqs
+        for r in reqs:
+            r.cache_salt = cache_salt
         with self._cv:
             for r in reqs:
                 r.wake = self._wake

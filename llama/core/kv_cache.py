@@ -1,9 +1,16 @@
-"""The KV cache and its one owner: allocation, slot copies, prefix snapshots, and the lock that says who holds it.
+"""The KV cache and its one owner: a paged pool of blocks, the block table of every cache row, prefix snapshots,
+and the lock that says who holds it.
 
-The tensors live in each attention layer as buffers (so torch.compile sees them as the model's mutable state);
-the model writes new keys/values during its forward pass, and everything else that touches them goes through
-KVCache: the decode core copies a slot into another (n samples of one prompt, compaction), a Prefix is a snapshot
-of a slot that later loads into another one.
+The tensors live in each attention layer as buffers (so torch.compile sees them as the model's mutable state):
+cache_k/cache_v (blocks, kv_heads, block_size, head_dim) and one block table (rows, blocks per row) shared by
+every layer; the model writes new keys/values during its forward pass and reads them through the table. Everything
+else that touches them goes through KVCache: the runner applies the scheduler's table edits and block copies (the
+n samples of a prompt share its full blocks and copy the last, partial one), a Prefix is a snapshot of a row that
+later loads into another. Which blocks are free, shared or cached is the BlockPool's (llama/core/block_pool.py),
+kept on the planning rank only.
+
+Default size: max_batch_size rows of max_seq_len positions, as many blocks as the slots held before paging, so
+nothing grows unless asked (kv_cache_memory / kv_cache_tokens size it otherwise).
 """
 
 import threading
@@ -13,27 +20,114 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from llama.core.block_pool import SCRATCH, BlockPool
+from llama.core.paging import check_mode
+from llama.kernels import paged
+from llama.settings import parse_bytes
+
 Snapshot = List[Tuple[torch.Tensor, torch.Tensor]]  # per layer: keys and values (kv_heads, length, head_dim)
+BLOCK_SIZE = 16
+
+
+def bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes over every layer of this rank (keys and values; int8: codes and an fp32 scale per
+    position and head)."""
+    per = torch.empty((), dtype=dtype).element_size()
+    extra = 4 if dtype == torch.int8 else 0
+    return sum(2 * block_size * layer.attention.n_local_kv_heads * (layer.attention.head_dim * per + extra)
+               for layer in model.layers)
+
+
+def pool_blocks(model, max_batch_size: int, max_seq_len: int, block_size: int, dtype: torch.dtype,
+                memory: Optional[int] = None, tokens: Optional[int] = None) -> int:
+    """Blocks of a pool sized by memory (bytes), by tokens, or by default as max_batch_size full rows; at least
+    one full row (max_seq_len still bounds one sequence)."""
+    row = -(-max_seq_len // block_size)
+    if memory is not None:
+        n = int(memory) // bytes_per_block(model, block_size, dtype)
+        what = f"kv_cache_memory={memory} bytes"
+    elif tokens is not None:
+        n, what = -(-int(tokens) // block_size), f"kv_cache_tokens={tokens}"
+    else:
+        return max_batch_size * row
+    if n < row:
+        raise ValueError(f"{what} holds {n} blocks of {block_size} positions; one sequence of max_seq_len="
+                         f"{max_seq_len} needs {row}: give the KV cache more room or lower max_seq_len")
+    return n
+
+
+def pool_salt(model, dtype: torch.dtype, block_size: int, place: Tuple[int, int]) -> bytes:
+    """What, besides the tokens, decides a block's keys and values on this rank: the weights (this model object's
+    parameters and their scheme), the KV dtype and layout, rope and the rank's place in model and pipeline parallel.
+    Blocks never leave their pool, so today the pool's own identity already separates these; the salt keeps keys
+    apart should blocks ever be shared or stored beyond one pool."""
+    params = ",".join(f"{n}:{tuple(t.shape)}:{t.dtype}:{id(t)}" for n, t in list(model.named_parameters())[:4])
+    return repr((params, str(dtype), block_size, repr(model.params), place)).encode()
+
+
+KV_DTYPES = {"int8": torch.int8}
+
+
+def build_cache(model, max_batch_size: int, max_seq_len: int, memory=None, prefix_cache="on",
+                place: Tuple[int, int] = (0, 0), replicated: bool = False, kv_dtype=None) -> "KVCache":
+    """The Llama facade's cache: the model's dtype and device, sized by kv_cache_memory (bytes or "4GiB"). place:
+    (model-parallel rank, pipeline stage); replicated: other ranks replay this one's steps."""
+    mode = check_mode(prefix_cache)
+    if isinstance(memory, str):
+        memory = parse_bytes(memory, "kv_cache_memory")
+    if memory is not None and (isinstance(memory, bool) or not isinstance(memory, (int, float)) or memory <= 0):
+        raise ValueError(f"kv_cache_memory must be a positive number of bytes (or a size such as '4GiB'), "
+                         f"got {memory!r}")
+    if kv_dtype not in (None, "int8"):
+        raise ValueError(f"kv_cache_dtype must be None (the model's dtype) or 'int8', got {kv_dtype!r}")
+    ref = model.norm.weight
+    dtype = KV_DTYPES.get(kv_dtype, ref.dtype)
+    blocks = pool_blocks(model, max_batch_size, max_seq_len, BLOCK_SIZE, dtype, memory=memory)
+    cache = KVCache(model, max_batch_size, max_seq_len, dtype=dtype, device=ref.device, num_blocks=blocks,
+                    salt=pool_salt(model, dtype, BLOCK_SIZE, place))
+    cache.pool.mode, cache.replicated = mode, replicated
+    return cache
 
 
 class KVCache:
-    """max_batch_size slots of max_seq_len positions for every layer of `model`.
+    """A paged pool of blocks for max_batch_size rows of up to max_seq_len positions, in every layer of `model`.
 
     A model has one cache at a time: allocating another replaces the tensors of the first, so build one Llama per
     model (Llama.build loads a fresh model each time).
     """
 
-    def __init__(self, model, max_batch_size: int, max_seq_len: int, dtype=None, device=None):
+    def __init__(self, model, max_batch_size: int, max_seq_len: int, dtype=None, device=None,
+                 block_size: int = BLOCK_SIZE, num_blocks: Optional[int] = None, salt: bytes = b""):
         ref = model.norm.weight
         dtype, device = dtype or ref.dtype, device or ref.device
+        if num_blocks is None:
+            num_blocks = pool_blocks(model, max_batch_size, max_seq_len, block_size, dtype)
         self.layers = [layer.attention for layer in model.layers]
+        per_row = -(-max_seq_len // block_size)
+        self.table = torch.zeros((max_batch_size, per_row), dtype=torch.int64, device=device)
+        # Outside the runner's passes (a direct model call: Meta's code, tests) the table rests in the slot layout
+        # of old, row r in blocks 1 + r * per_row ..., as far as the pool has blocks; see direct().
+        home = torch.arange(max_batch_size * per_row, device=device).view(max_batch_size, per_row) + 1
+        self.home = torch.where(home <= (num_blocks or 0), home, torch.zeros_like(home))
+        self.table.copy_(self.home)
+        self._saved = torch.zeros_like(self.table)  # the runner's tables while the slot layout rests
+        self._resting, self._managing = True, 0
+        self.table.direct = self.direct  # the model calls it before a pass outside the runner (eager)
+        self.replicated = False
         for attn in self.layers:
-            shape = (max_batch_size, attn.n_local_kv_heads, max_seq_len, attn.head_dim)
+            shape = (num_blocks + 1, attn.n_local_kv_heads, block_size, attn.head_dim)  # + the scratch block
             attn.cache_k = torch.zeros(shape, dtype=dtype, device=device)
             attn.cache_v = torch.zeros(shape, dtype=dtype, device=device)
+            if dtype == torch.int8:  # a scale per position and head (llama/kernels/paged.py)
+                attn.cache_k.scales = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
+                attn.cache_v.scales = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
+            attn.block_table = self.table
         model.setup_rope(max_seq_len, device)
         self.max_batch_size, self.max_seq_len, self.device = max_batch_size, max_seq_len, device
-        self.lock = threading.RLock()  # one user of the slots at a time: a static batch, a stream or the engine
+        self.block_size, self.num_blocks, self.dtype = block_size, num_blocks, dtype
+        self.pool = BlockPool(num_blocks, block_size, salt)  # used on the planning rank only
+        self.bytes = num_blocks * bytes_per_block(model, block_size, dtype)
+        self.lock = threading.RLock()  # one user of the rows at a time: a static batch, a stream or the engine
         self._stream_thread: Optional[int] = None  # the thread whose unfinished stream holds the cache
         self._prefixes: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
         self._next_prefix = 0
@@ -54,26 +148,104 @@ class KVCache:
                 if streaming:
                     self._stream_thread = None
 
+    # ------------------------------------------------------------------------------------------ block tables
+    @contextmanager
+    def manage(self):
+        """The runner's passes: the scheduler's block tables are live."""
+        if self._resting:
+            self.table.copy_(self._saved)
+            self._resting = False
+        self._managing += 1
+        try:
+            yield
+        finally:
+            self._managing -= 1
+
+    def direct(self) -> None:
+        """A pass outside the runner: rows go back to their slot layout, and since that layout's blocks may hold
+        cached prefixes, which the pass overwrites, every prefix key is forgotten."""
+        if self._managing:
+            return
+        if not self._resting:
+            self._saved.copy_(self.table)
+            self.table.copy_(self.home)
+            self._resting = True
+        if self.pool.by_key:
+            self.pool.clear()
+
+    def set_blocks(self, rows: Sequence[int], blocks: Sequence[Sequence[int]]) -> None:
+        """Row rows[i]'s table: blocks[i], then the scratch block."""
+        for row, bl in zip(rows, blocks):
+            self.table[row] = SCRATCH
+            if bl:
+                self.table[row, : len(bl)] = torch.tensor(list(bl), dtype=torch.int64, device=self.device)
+
+    @contextmanager
+    def borrow(self, rows: int, length: int):
+        """Blocks for rows 0..rows-1 up to `length` positions during a pass outside the scheduler (scoring, a
+        prefix), given back after it. Their table entries stay until the next table edit, so the caller (holding
+        the cache) may still snapshot the rows. On model-parallel ranks every rank borrows alike."""
+        per = self.pool.blocks_for(length)
+        if self.replicated:
+            self.pool.clear()  # the other ranks' pools do not know which blocks rank 0 keyed: forget them all
+        blocks = self.pool.allocate(rows * per)
+        if blocks is None:
+            raise ValueError(f"{rows} sequence(s) of {length} positions need {rows * per} KV blocks; the pool has "
+                             f"{self.pool.available()} free: use fewer at a time or a larger kv_cache_memory")
+        try:
+            self.set_blocks(range(rows), [blocks[i * per : (i + 1) * per] for i in range(rows)])
+            yield
+        finally:
+            self.pool.release(blocks)
+
     @torch.inference_mode()
-    def copy_rows(self, src: Sequence[int], dst: Sequence[int], length: int) -> None:
-        """Copy positions [0, length) of slots src into slots dst (n samples of a prompt, compaction)."""
+    def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy whole blocks (copy on write: a twin's own copy of its source's last, partial prompt block)."""
         s = torch.tensor(list(src), device=self.device)
         d = torch.tensor(list(dst), device=self.device)
-        for attn in self.layers:
-            attn.cache_k[d, :, :length] = attn.cache_k[s, :, :length]
-            attn.cache_v[d, :, :length] = attn.cache_v[s, :, :length]
+        for cache in self._tensors():
+            cache[d] = cache[s]
+
+    def _where(self, row: int, length: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(blocks, offsets) of a row's positions [0, length)."""
+        pos = torch.arange(length, device=self.device)
+        return self.table[row, pos // self.block_size], pos % self.block_size
+
+    @torch.inference_mode()
+    def copy_rows(self, src: Sequence[int], dst: Sequence[int], length: int) -> None:
+        """Copy positions [0, length) of rows src into rows dst (through their tables: blocks dst owns)."""
+        for s, d in zip(src, dst):
+            sb, so = self._where(s, length)
+            db, do = self._where(d, length)
+            for cache in self._tensors():
+                cache[db, :, do] = cache[sb, :, so]
 
     @torch.inference_mode()
     def snapshot(self, slot: int, length: int) -> Snapshot:
-        """A copy of positions [0, length) of one slot, for every layer."""
-        return [(a.cache_k[slot, :, :length].clone(), a.cache_v[slot, :, :length].clone()) for a in self.layers]
+        """A copy of positions [0, length) of one row, for every layer."""
+        b, o = self._where(slot, length)
+        return [tuple(self._values(c, b, o).transpose(0, 1).clone() for c in (a.cache_k, a.cache_v))
+                for a in self.layers]
+
+    def _tensors(self) -> List[torch.Tensor]:
+        """Every tensor a block spans: keys, values (and an int8 pool's scales)."""
+        out = [t for a in self.layers for t in (a.cache_k, a.cache_v)]
+        return out + [t.scales for t in out if hasattr(t, "scales")]
+
+    @staticmethod
+    def _values(cache: torch.Tensor, b, o) -> torch.Tensor:
+        """Positions (b, o) of a cache, dequantized if int8: (positions, kv_heads, head_dim)."""
+        if cache.dtype == torch.int8:
+            return cache[b, :, o].float() * cache.scales[b, :, o][..., None]
+        return cache[b, :, o]
 
     @torch.inference_mode()
     def load(self, kv: Snapshot, slot: int, length: int) -> None:
-        """Write the first `length` positions of a snapshot into a slot."""
+        """Write the first `length` positions of a snapshot into a row (blocks it owns)."""
+        b, o = self._where(slot, length)
         for attn, (k, v) in zip(self.layers, kv):
-            attn.cache_k[slot, :, :length] = k[:, :length]
-            attn.cache_v[slot, :, :length] = v[:, :length]
+            paged.write(attn.cache_k, b, o, k[:, :length].transpose(0, 1))
+            paged.write(attn.cache_v, b, o, v[:, :length].transpose(0, 1))
 
     def register(self, prefix) -> int:
         """An id for a prefix snapshot, the same on every model-parallel rank when they take snapshots in the

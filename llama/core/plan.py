@@ -4,9 +4,9 @@ Ops are plain, small data (lists of ints, no tensors, no requests): model-parall
 with torch.distributed.broadcast_object_list, and the pipelined engine pickles them to every other rank, which
 replay them on their own runner. Cache rows are named as rows of the KVCache (a scheduler's base already added).
 
-Copies move whole sequences (the first `length` positions of src rows into dst rows) rather than naming the
-cache's memory, so a paged KV cache can turn a compaction move or a twin's copy (CopyRows) and a prefix load
-(LoadPrefix) into block-table edits (shared blocks, copy on write) without changing the scheduler.
+With the paged KV pool (llama/core/kv_cache.py) the scheduler names blocks: SetBlocks gives rows their block
+tables (admission, a compaction move, a twin sharing its source's prompt blocks), CopyBlocks copies a block on
+write. CopyRows (whole sequences) is what a scheduler without a pool emits.
 """
 
 from dataclasses import dataclass, field
@@ -62,7 +62,23 @@ class Decode:
     base: int = 0
 
 
-Op = Union[LoadPrefix, CopyRows, Prefill, Decode]
+@dataclass(frozen=True)
+class SetBlocks:
+    """Set the block tables of cache rows: rows[i] reads and writes blocks[i] (then the scratch block)."""
+
+    rows: List[int]
+    blocks: List[List[int]]
+
+
+@dataclass(frozen=True)
+class CopyBlocks:
+    """Copy whole pool blocks src[i] into dst[i] (a twin's own copy of its source's partial last prompt block)."""
+
+    src: List[int]
+    dst: List[int]
+
+
+Op = Union[SetBlocks, CopyBlocks, LoadPrefix, CopyRows, Prefill, Decode]
 FORWARD = (Prefill, Decode)  # the ops that run the model
 
 

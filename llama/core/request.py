@@ -54,6 +54,8 @@ class Request:
     first_logits: Optional[object] = None  # next-token logits after the prompt, kept for twins that copy this one
     cancelled: bool = False
     matcher: Optional[object] = None  # the grammar's state (llama.sample.grammar.Matcher) when the request has one
+    blocks: List[int] = field(default_factory=list)  # its KV pool blocks, position p in blocks[p // block_size]
+    cache_salt: str = ""  # prefix-cache isolation (the server's per-API-key salt); None: no prefix cache
 
     def __post_init__(self):
         self._deltas: "queue.Queue" = queue.Queue()

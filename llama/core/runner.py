@@ -8,14 +8,14 @@ facade), so the core never imports them.
 """
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from llama.compilation.compiled_decode import CompiledDecode, bucket
 from llama.core.kv_cache import KVCache
-from llama.core.plan import CopyRows, Decode, LoadPrefix, Op, Plan, Prefill
+from llama.core.plan import CopyBlocks, CopyRows, Decode, LoadPrefix, Op, Plan, Prefill, SetBlocks
 from llama.core.request import Request
 from llama.sample.sampling import RowSampler, prompt_top_entries, token_logprobs
 
@@ -70,7 +70,9 @@ class Runner:
         self.execution = Execution() if execution is None else execution
         self.device = cache.device
         self._sampler: Optional[Tuple[List[Request], RowSampler]] = None
-        self._ops = {LoadPrefix: self._load, CopyRows: self._copy, Prefill: self._prefill, Decode: self._decode}
+        self._ops = {LoadPrefix: self._load, CopyRows: self._copy, Prefill: self._prefill, Decode: self._decode,
+                     SetBlocks: lambda op: self.cache.set_blocks(op.rows, op.blocks),
+                     CopyBlocks: lambda op: self.cache.copy_blocks(op.src, op.dst)}
 
     def leader_samples(self, deferred: bool = False):
         """While the engine serves: its leader samples every request (see Execution.leader_samples)."""
@@ -87,7 +89,8 @@ class Runner:
     # ------------------------------------------------------------------------------------------ forward passes
     @torch.inference_mode()  # also what lets Inductor freeze the weights into the compiled graph
     def execute(self, ops: List[Op]) -> List[Optional[torch.Tensor]]:
-        return [self._op(op) for op in ops]
+        with getattr(self.cache, "manage", nullcontext)():
+            return [self._op(op) for op in ops]
 
     def _op(self, op: Op) -> Optional[torch.Tensor]:
         run = self._ops.get(type(op))
@@ -125,7 +128,7 @@ class Runner:
         size = len(tokens)  # the graph's batch: slots 0..size-1
         if not getattr(c, "cuda", False):
             size = min(bucket(width, self.model.max_batch_size), size)
-        if c is not None and not base and c.ready(c.key(size, None)):
+        if c is not None and not base and self.cache.dtype != torch.int8 and c.ready(c.key(size, None)):
             return c(torch.tensor(tokens[:size], device=dev)[:, None], torch.tensor(pos[:size], device=dev))[:, 0]
         x = torch.tensor(tokens[:width], device=dev)[:, None]
         same = len(set(pos[:width])) == 1
@@ -141,7 +144,8 @@ class Runner:
         """Every position's logits (B, T, V) of token lists placed in slots 0..B-1 from position 0 (scoring and
         prefixes; right-padded, so only each list's own positions mean anything)."""
         width = max(map(len, batch))
-        return self._full_pass(torch.tensor([s + [0] * (width - len(s)) for s in batch], device=self.device), 0)
+        with self.cache.manage(), self.cache.borrow(len(batch), width):
+            return self._full_pass(torch.tensor([s + [0] * (width - len(s)) for s in batch], device=self.device), 0)
 
     # ------------------------------------------------------------------------------------------ one step
     def run(self, plan: Plan) -> List[Tuple[Request, str]]:

@@ -10,6 +10,11 @@ data, so model-parallel rank 0 can send them to the other ranks.
 A scheduler may own a range of the cache's slots that starts past 0 (`base`): the pipelined engine runs one
 scheduler per group of slots. Requests keep slot numbers local to their scheduler; the ops name the cache's
 rows.
+
+With a paged KV pool (`pool`, llama/core/paging.py) a request is admitted when its blocks are free, starts after
+the longest cached prefix of its prompt, moves by a table edit instead of a copy, and shares its twins' prompt
+blocks. Admission is first come, first served, not cache-aware: preferring cached prompts would reorder the queue
+by what else ran, and a request's wait (unlike its text) would then depend on other tenants' traffic.
 """
 
 import itertools
@@ -17,13 +22,15 @@ from collections import deque
 from typing import Iterable, List, Optional
 
 from llama.core.request import Request
+from llama.core.paging import Paging
 from llama.core.plan import CopyRows, Decode, LoadPrefix, Plan, Prefill
 
 
 class Scheduler:
-    def __init__(self, max_batch_size: int, max_seq_len: int, prefill_chunk: int, base: int = 0):
+    def __init__(self, max_batch_size: int, max_seq_len: int, prefill_chunk: int, base: int = 0, pool=None):
         self.slots: List[Optional[Request]] = [None] * max_batch_size
         self.base = base  # cache row of slot 0
+        self.paging = None if pool is None else Paging(pool, base, max_seq_len)
         self.max_seq_len, self.prefill_chunk = max_seq_len, prefill_chunk
         self.waiting: deque = deque()
         self.stats = {"steps": 0, "forwards": 0, "admitted": 0, "finished": 0, "generated_tokens": 0,
@@ -58,6 +65,8 @@ class Scheduler:
             self.slots[r.slot] = None
             self.stats["finished"] += 1
             self.stats["generated_tokens"] += len(r.generated)
+            if self.paging is not None:
+                self.paging.retired(r)
         r.first_logits = None
 
     # ------------------------------------------------------------------------------------------ planning
@@ -84,8 +93,20 @@ class Scheduler:
                 group.append(r)
             if len(free) < len(group) <= len(self.slots):
                 break
-            for _ in group[: len(free)]:
-                self._place(self.waiting.popleft(), free.pop(0), plan)
+            group = group[: len(free)]
+            if self.paging is None:
+                for _ in group:
+                    self._place(self.waiting.popleft(), free.pop(0), plan)
+                continue
+            placed = self.paging.reserve(group, nothing_runs=not self.running())
+            if not placed:  # its blocks are not free yet: it waits, and so does the queue behind it
+                break
+            for r, blocks, cached in placed:
+                self.waiting.popleft()
+                s = free.pop(0)
+                plan.ops.append(self.paging.admitted(r, self.base + s, blocks, cached))
+                r.prefilled = r.reused = cached
+                self._place(r, s, plan)
         self.stats["peak_active"] = max(self.stats["peak_active"], len(self.running()))
 
     def _place(self, r: Request, s: int, plan: Plan) -> None:
@@ -128,7 +149,11 @@ class Scheduler:
             dst.append(free[0])
             r.slot = free[0]
             length = max(length, r.next_pos if r.feed is not None else r.prefilled)
-        if src and length:
+            if self.paging is not None:
+                plan.ops.append(self.paging.moved(r, self.base + src[-1], self.base + dst[-1]))
+        if src and self.paging is not None:
+            self.stats["moves"] += len(src)
+        elif src and length:
             self.stats["moves"] += len(src)
             plan.ops.append(CopyRows(src=self._rows(src), dst=self._rows(dst), length=length))
 
@@ -156,8 +181,13 @@ class Scheduler:
                 plan.prefill.append((r, r.prefilled, c))
                 r.prefilled += c
                 budget -= c
+                if self.paging is not None:
+                    self.paging.prefilled(r)
         plan.ops += self._prefill_ops(plan.prefill)
         for r, src in twins:
+            if self.paging is not None:
+                plan.ops += self.paging.share(r, src, self.base + r.slot)
+                continue
             plan.ops.append(CopyRows(src=self._rows([src.slot]), dst=self._rows([r.slot]), length=len(r.prompt)))
         plan.twins = twins
 

@@ -238,12 +238,15 @@ def attends(x: torch.Tensor, cache: torch.Tensor) -> bool:
     return x.dtype == cache.dtype and cache.shape[-1] % 8 == 0 and _eager_float(cache)
 
 
-def decode_attention(q, k, v, cos, sin, cache_k, cache_v, rows, positions, kv_len: int) -> torch.Tensor:
+def decode_attention(q, k, v, cos, sin, cache_k, cache_v, rows, positions, kv_len: int,
+                     table: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One token per row: rotate q and k (B, heads * head_dim), write k and v into the cache at `positions` (one per
     row, or one for all), attend over positions 0 .. position (at most kv_len) and return (B, heads * head_dim).
-    rows: the cache rows (an int64 tensor), a slice of consecutive rows, or None for 0..B-1."""
+    rows: the cache rows (an int64 tensor), a slice of consecutive rows, or None for 0..B-1. table: a paged pool's
+    block table (rows, blocks per row), the caches then (blocks, kv_heads, block_size, head_dim); read in place."""
     cos, sin, rows, row0, positions = attention_inputs(cos, sin, rows, positions)
-    return torch.ops.llama_cpu.decode_attention(q, k, v, cos, sin, cache_k, cache_v, rows, row0, positions, kv_len)
+    return torch.ops.llama_cpu.decode_attention(q, k, v, cos, sin, cache_k, cache_v, table, rows, row0, positions,
+                                                kv_len)
 
 
 def attention_inputs(cos, sin, rows, positions):

@@ -35,7 +35,8 @@ def route(linear, rows: int, dtype: torch.dtype) -> Optional[Tuple[int, int, Tup
 
 
 def layer_inputs(layers, x: torch.Tensor):
-    """The op's per-layer arguments (norms, eps, weights, schemes, groups, qkv_products, ffn_products, caches) for
+    """The op's per-layer arguments (norms, eps, weights, schemes, groups, qkv_products, ffn_products, caches, the
+    paged pool's block table (one for every layer), or None for a slot cache) for
     x (B, 1, dim), or None where any layer would not run entirely in our kernels."""
     B, dtype = x.shape[0], x.dtype
     norms: List[torch.Tensor] = []
@@ -68,7 +69,7 @@ def layer_inputs(layers, x: torch.Tensor):
             weights += r[2]
     if layout is None:
         return None
-    return norms, eps, weights, schemes, groups, layout[0], layout[1], caches
+    return norms, eps, weights, schemes, groups, layout[0], layout[1], caches, layers[0].attention.block_table
 
 
 _kept: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # layers -> {(rows, dtype): layer_inputs()}
@@ -94,9 +95,12 @@ def run(layers, h: torch.Tensor, cos, sin, positions, rows, kv_len: int) -> Opti
     inputs = kept[key]
     if inputs is None:
         return None
-    norms, eps, weights, schemes, groups, qkv_products, ffn_products, caches = inputs
+    norms, eps, weights, schemes, groups, qkv_products, ffn_products, caches, table = inputs
+    if table is not None:
+        table.direct()  # outside the runner: the pool's slot layout (llama/core/kv_cache.py)
     cos, sin, rows, row0, positions = cpu_kernels.attention_inputs(cos, sin, rows, positions)
     B = h.shape[0]
     out = torch.ops.llama_cpu.decode_layers(h.reshape(B, -1).contiguous(), norms, eps, weights, schemes, groups,
-                                            qkv_products, ffn_products, cos, sin, caches, rows, row0, positions, kv_len)
+                                            qkv_products, ffn_products, cos, sin, caches, table, rows, row0, positions,
+                                            kv_len)
     return out.view(B, 1, -1)

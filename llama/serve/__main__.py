@@ -44,6 +44,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefill_chunk", "--prefill-chunk", type=int, default=128)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--log-level", default="info", dest="log_level")
+    p.add_argument("--kv-cache-memory", "--kv_cache_memory", default=None, dest="kv_cache_memory",
+                   help="bytes of the paged KV pool, e.g. 4GiB (default: max_batch_size x max_seq_len positions)")
+    p.add_argument("--prefix-cache", "--prefix_cache", default="on", choices=["on", "exact", "off"],
+                   dest="prefix_cache", help="reuse cached prompt prefixes (exact: only prefill-computed positions)")
+    p.add_argument("--kv-cache-dtype", "--kv_cache_dtype", default=None, choices=["int8"], dest="kv_cache_dtype",
+                   help="int8 keys/values with a scale per position and head (default: the model's dtype)")
+    p.add_argument("--share-prefix-cache", action="store_true", dest="share_prefix_cache",
+                   help="API keys share cached prefixes (default: each key its own, as timing leaks between them)")
     args = p.parse_args(argv)
     if args.max_queue < 0:
         p.error("--max-queue must be >= 0")
@@ -72,7 +80,9 @@ def main(argv=None) -> None:
                            max_batch_size=args.max_batch_size, seed=args.seed, dtype=args.dtype,
                            compile=args.compile, quantize=args.quantize, group_size=args.group_size,
                            model_parallel_size=args.model_parallel_size,
-                           pipeline_parallel_size=args.pipeline_parallel_size)
+                           pipeline_parallel_size=args.pipeline_parallel_size,
+                           kv_cache_memory=args.kv_cache_memory, prefix_cache=args.prefix_cache,
+                           kv_cache_dtype=args.kv_cache_dtype)
 
     if int(os.environ.get("RANK", "0")) != 0:  # a model-parallel follower: replay rank 0's steps
         load().engine(prefill_chunk=args.prefill_chunk).serve_forever()
@@ -84,7 +94,8 @@ def main(argv=None) -> None:
     except ImportError as e:
         sys.exit(f"llama.serve needs the serve extra ({e.name} is missing): pip install -e '.[serve]'")
     name = args.model_name or (fetch.NAME if default else Path(ckpt_dir.rstrip("/")).name)
-    app = create_app(load, name, args.api_keys, args.max_queue, prefill_chunk=args.prefill_chunk)
+    app = create_app(load, name, args.api_keys, args.max_queue, prefill_chunk=args.prefill_chunk,
+                     share_prefix_cache=args.share_prefix_cache)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
 
 

@@ -8,6 +8,7 @@ once, so their slots free up at the engine's next step.
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import json
 import threading
@@ -33,8 +34,9 @@ class State:
     """What the endpoints share: the generator and engine once loaded, the admission count, the metrics."""
 
     def __init__(self, load: Callable, model_name: str, api_keys: Sequence[str], max_queue: int,
-                 prefill_chunk: int = 128):
+                 prefill_chunk: int = 128, share_prefix_cache: bool = False):
         self.load, self.model_name, self.prefill_chunk = load, model_name, prefill_chunk
+        self.share_prefix_cache = share_prefix_cache
         self.api_keys = [k.encode() for k in api_keys]
         self.max_queue = max_queue
         self.generator = self.engine = None
@@ -66,6 +68,13 @@ class State:
         if not ok:
             raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
+
+    def cache_salt(self, request: HTTPRequest) -> str:
+        """Prefix-cache isolation: each API key its own cached blocks (a shared cache leaks timing between
+        tenants), unless the operator shares them (--share-prefix-cache)."""
+        if self.share_prefix_cache or not self.api_keys:
+            return ""
+        return hashlib.sha256(request.headers.get("authorization", "").encode()).hexdigest()
 
     def ready(self):
         if self.load_error is not None:
@@ -101,6 +110,8 @@ class State:
         running = sum(s is not None for s in list(self.engine.slots))
         self.metrics.running.set(running)
         self.metrics.waiting.set(max(0, self.active - running))
+        if self.generator is not None:
+            self.metrics.kv_pool(self.generator.cache.pool)
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -227,7 +238,9 @@ class Job:
         else:
             if spec.include_usage:
                 prompt = sum(len(self.reqs[k * spec.n].prompt) for k in range(len(spec.prompts)))
-                out = protocol.chunk(spec, [], protocol.usage(prompt, sum(r.tokens_generated for r in self.reqs)))
+                cached = sum(self.reqs[k * spec.n].reused for k in range(len(spec.prompts)))
+                out = protocol.chunk(spec, [], protocol.usage(prompt, sum(r.tokens_generated for r in self.reqs),
+                                                              cached))
                 await event(out)
             await event("[DONE]")
         await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -266,14 +279,14 @@ def with_grammar(spec) -> None:
         raise protocol.bad("response_format", str(e)) from None
 
 
-async def submit(state: State, engine, spec) -> List:
+async def submit(state: State, engine, spec, salt: str = "") -> List:
     """spec's requests, submitted off the event loop (a grammar's first use builds its vocabulary, up to seconds);
     on failure those submitted are cancelled and the admission count of the rest released."""
     reqs: List = []
 
     def submit_all():
         for p in spec.prompts:
-            reqs.extend(engine.submit_samples(p, spec.n, **spec.params))
+            reqs.extend(engine.submit_samples(p, spec.n, cache_salt=salt, **spec.params))
 
     try:
         await asyncio.to_thread(submit_all)
@@ -298,7 +311,7 @@ async def generate(state: State, request: HTTPRequest, chat: bool):
     if spec.response_format is not None:
         with_grammar(spec)
     state.admit(len(spec.prompts) * spec.n)
-    reqs = await submit(state, engine, spec)
+    reqs = await submit(state, engine, spec, state.cache_salt(request))
     failed = next((r.error for r in reqs if r.done() and r.error is not None), None)
     job = Job(state, spec, reqs, asyncio.get_running_loop())  # its threads release the admission count
     if failed is not None:
@@ -401,9 +414,10 @@ async def server_error(request, exc):
 
 
 def create_app(load: Callable, model_name: str, api_keys: Sequence[str] = (), max_queue: int = 256,
-               prefill_chunk: int = 128) -> Starlette:
-    """load() builds the Llama (called once, in a background thread at startup; /health answers 503 until then)."""
-    state = State(load, model_name, api_keys, max_queue, prefill_chunk)
+               prefill_chunk: int = 128, share_prefix_cache: bool = False) -> Starlette:
+    """load() builds the Llama (called once, in a background thread at startup; /health answers 503 until then).
+    share_prefix_cache: API keys share cached prompt blocks (default: each key its own)."""
+    state = State(load, model_name, api_keys, max_queue, prefill_chunk, share_prefix_cache)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

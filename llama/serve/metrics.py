@@ -21,5 +21,21 @@ class Metrics:
         self.tpot = Histogram("llama_time_per_output_token_seconds", "mean time between tokens of a sequence",
                               buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5), registry=r)
 
+        pool = "the paged KV pool (llama/core/kv_cache.py)"
+        self.kv = {k: Gauge(f"llama_{k}", f"{what} of {pool}", registry=r) for k, what in (
+            ("kv_blocks_used", "blocks sequences reference"), ("kv_blocks_free", "blocks free or only cached"),
+            ("kv_blocks_cached", "blocks kept for their prefix"), ("prefix_cache_prompt_tokens", "prompt tokens"),
+            ("prefix_cache_hit_tokens", "prompt tokens read from the prefix cache"),
+            ("kv_preemptions", "requests preempted"), ("kv_evictions", "cached blocks evicted"))}
+
+    def kv_pool(self, pool) -> None:
+        """The pool's own counts (totals since start; gauges, as the pool keeps them)."""
+        values = {"kv_blocks_used": pool.used(), "kv_blocks_free": pool.available(), "kv_blocks_cached": pool.cached(),
+                  "prefix_cache_prompt_tokens": pool.stats["prompt_tokens"],
+                  "prefix_cache_hit_tokens": pool.stats["cached_tokens"],
+                  "kv_preemptions": pool.stats["preemptions"], "kv_evictions": pool.stats["evictions"]}
+        for k, v in values.items():
+            self.kv[k].set(v)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

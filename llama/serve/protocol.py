@@ -269,8 +269,10 @@ def finish_reason(r) -> Optional[str]:
     return FINISH.get(r.finish_reason, "stop")
 
 
-def usage(prompt: int, completion: int) -> Dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage(prompt: int, completion: int, cached: int = 0) -> Dict:
+    """OpenAI's usage; cached: prompt tokens read from the prefix cache instead of computed."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def logprobs_block(job: Job, pred: Dict, offset: int = 0) -> Dict:
@@ -321,11 +323,12 @@ def choice(job: Job, index: int, r, tokenizer) -> Dict:
 def whole(job: Job, reqs: List, tokenizer) -> Dict:
     prompt_tokens = sum(len(reqs[i * job.n].prompt) for i in range(len(job.prompts)))
     completion = sum(r.tokens_generated for r in reqs)
+    cached = sum(reqs[i * job.n].reused for i in range(len(job.prompts)))
     return {
         "id": job.object_id, "object": "chat.completion" if job.chat else "text_completion",
         "created": job.created, "model": job.model, "system_fingerprint": None,
         "choices": [choice(job, i, r, tokenizer) for i, r in enumerate(reqs)],
-        "usage": usage(prompt_tokens, completion),
+        "usage": usage(prompt_tokens, completion, cached),
     }
 
 

@@ -132,7 +132,8 @@ def test_op_refuses_inconsistent_arguments():
     x = torch.zeros(1, 64)
     w = torch.zeros(64, 64)
     cache = torch.zeros(1, 2, 8, 16)
-    args = dict(cos=torch.zeros(1, 8), sin=torch.zeros(1, 8), rows=None, row0=0, positions=torch.tensor([0]), kv_len=1)
+    args = dict(cos=torch.zeros(1, 8), sin=torch.zeros(1, 8), table=None, rows=None, row0=0,
+                positions=torch.tensor([0]), kv_len=1)
     op = torch.ops.llama_cpu.decode_layers
     with pytest.raises(RuntimeError, match="qkv_products must be 1 or 3"):
         op(x, [w[0], w[0]], 1e-5, [w] * 4, [0] * 4, [0] * 4, 2, 1, caches=[cache, cache], **args)
@@ -159,8 +160,9 @@ def test_kept_arguments_follow_changes_to_the_model(monkeypatch):
         change(model)
         assert not fused_decode._kept
         got = step(model)
-        assert model.layers[0].attention.cache_k.shape[0] == (2 if i == 2 else 4)
-        assert model.layers[-1].attention.cache_k[0, :, 4].abs().sum() > 0  # the step wrote the cache in use
+        assert model.max_batch_size == (2 if i == 2 else 4)
+        last = model.layers[-1].attention  # the step wrote the cache in use (row 0's position 4, through its table)
+        assert last.cache_k[last.block_table[0, 0], :, 4].abs().sum() > 0
         want_model = model_in("none", False)
         for c in changes[: i + 1]:
             c(want_model)

@@ -100,13 +100,13 @@ struct Products {
 // place). weights: every product's tensors, layer by layer in the order attention inputs (qkv_products: 1 for a
 // fused q/k/v, or 3), output, feed-forward inputs (ffn_products: 1 for a fused gate/up, or 2), down; schemes holds
 // one entry per product (0: a bf16 or fp32 weight; 1: int4 codes and scales, groups[i] the group size; 2: int8
-// weight and scales) and says how many tensors it takes (1, 2, 2). cos, sin, rows, row0, positions and kv_len are
-// decode_attention's. Returns the last layer's output (B, D).
+// weight and scales) and says how many tensors it takes (1, 2, 2). cos, sin, table, rows, row0, positions and kv_len
+// are decode_attention's (one block table for every layer's paged pool). Returns the last layer's output (B, D).
 at::Tensor decode_layers(const at::Tensor& x, at::TensorList norms, double eps, at::TensorList weights,
                          c10::IntArrayRef schemes, c10::IntArrayRef groups, int64_t qkv_products,
                          int64_t ffn_products, const at::Tensor& cos, const at::Tensor& sin, at::TensorList caches,
-                         const c10::optional<at::Tensor>& rows, int64_t row0, const at::Tensor& positions,
-                         int64_t kv_len) {
+                         const c10::optional<at::Tensor>& table, const c10::optional<at::Tensor>& rows,
+                         int64_t row0, const at::Tensor& positions, int64_t kv_len) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "decode_layers: x must be a contiguous 2-d float32 or bf16 tensor (rows, dim)");
   TORCH_CHECK((qkv_products == 1 || qkv_products == 3) && (ffn_products == 1 || ffn_products == 2),
@@ -139,7 +139,7 @@ at::Tensor decode_layers(const at::Tensor& x, at::TensorList norms, double eps, 
       const int64_t kv = cache_k.size(1) * cache_k.size(3), nq = qkv.size(1) - 2 * kv;
       q = qkv.narrow(1, 0, nq), k = qkv.narrow(1, nq, kv), v = qkv.narrow(1, nq + kv, kv);
     }
-    const at::Tensor a = decode_attention(q, k, v, cos, sin, cache_k, cache_v, rows, row0, positions, kv_len);
+    const at::Tensor a = decode_attention(q, k, v, cos, sin, cache_k, cache_v, table, rows, row0, positions, kv_len);
     combine_rows(h, product(a), h, true);
     const at::Tensor n2 = rms_norm(h, norms[2 * l + 1], eps);
     at::Tensor gate, up;
@@ -162,7 +162,8 @@ at::Tensor decode_layers(const at::Tensor& x, at::TensorList norms, double eps, 
 
 TORCH_LIBRARY_FRAGMENT(llama_cpu, m) {
   m.def("decode_layers(Tensor x, Tensor[] norms, float eps, Tensor[] weights, int[] schemes, int[] groups, "
-        "int qkv_products, int ffn_products, Tensor cos, Tensor sin, Tensor(a!)[] caches, Tensor? rows, int row0, "
+        "int qkv_products, int ffn_products, Tensor cos, Tensor sin, Tensor(a!)[] caches, Tensor? table, Tensor? rows, "
+        "int row0, "
         "Tensor positions, int kv_len) -> Tensor");
 }
 

@@ -83,10 +83,13 @@ void rotate(const S* x, const float* cos, const float* sin, int64_t D, S* out, f
   }
 }
 
+// A paged cache (table given): cache_k/cache_v (blocks, Hkv, block_size, D) and table (rows, M) int64, row r's
+// position s in block table[r * M + s / block_size] at offset s % block_size. Without a table: (rows, Hkv, S, D).
 template <typename S>
 void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const float* cos, const float* sin,
-                 int64_t angle_stride, at::Tensor& cache_k, at::Tensor& cache_v, const int64_t* rows, int64_t row0,
-                 const int64_t* pos, int64_t pos_stride, int64_t kv_len, at::Tensor& out) {
+                 int64_t angle_stride, at::Tensor& cache_k, at::Tensor& cache_v, const int64_t* table, int64_t M,
+                 const int64_t* rows, int64_t row0, const int64_t* pos, int64_t pos_stride, int64_t kv_len,
+                 at::Tensor& out) {
   const int64_t B = q.size(0), Hkv = cache_k.size(1), S_ = cache_k.size(2), D = cache_k.size(3);
   const int64_t H = q.size(1) / D, group = H / Hkv;
   S* ck = reinterpret_cast<S*>(cache_k.data_ptr());
@@ -95,7 +98,11 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   const S* kp = reinterpret_cast<const S*>(k.data_ptr());
   const S* vp = reinterpret_cast<const S*>(v.data_ptr());
   S* op = reinterpret_cast<S*>(out.data_ptr());
-  auto slot = [&](int64_t b, int64_t g, int64_t s) { return ((rows ? rows[b] : row0 + b) * Hkv + g) * S_ * D + s * D; };
+  auto slot = [&](int64_t b, int64_t g, int64_t s) {
+    const int64_t r = rows ? rows[b] : row0 + b;
+    if (!table) return (r * Hkv + g) * S_ * D + s * D;
+    return ((table[r * M + s / S_] * Hkv + g) * S_ + s % S_) * D;  // S_ is the block size here
+  };
   for (int64_t b = 0; b < B; ++b) {  // the cache writes, before any row reads
     const int64_t p = pos[b * pos_stride];
     for (int64_t g = 0; g < Hkv; ++g) {
@@ -112,22 +119,28 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
       const int64_t b = i / H, h = i % H, g = h / group;
       const int64_t n = std::min(pos[b * pos_stride] + 1, kv_len);  // keys at positions 0 .. pos
       rotate(qp + b * q.stride(0) + h * D, cos + b * angle_stride, sin + b * angle_stride, D, qs.data(), qf.data());
-      const S* keys = ck + slot(b, g, 0);
-      const S* values = cv + slot(b, g, 0);
+      // Positions in runs that are contiguous in memory: a whole row without a table, a block with one.
+      const int64_t run = table ? S_ : n;
       float top = -INFINITY;
-      for (int64_t s = 0; s < n; ++s) {
-        __m256 dot = _mm256_setzero_ps();
-        for (int64_t d = 0; d < D; d += 8) dot = _mm256_fmadd_ps(_mm256_loadu_ps(qf.data() + d), load8(keys + s * D + d), dot);
-        scores[s] = hsum(dot) * scale;
-        top = std::max(top, scores[s]);
+      for (int64_t s0 = 0; s0 < n; s0 += run) {
+        const S* keys = ck + slot(b, g, s0) - s0 * D;
+        for (int64_t s = s0; s < std::min(n, s0 + run); ++s) {
+          __m256 dot = _mm256_setzero_ps();
+          for (int64_t d = 0; d < D; d += 8) dot = _mm256_fmadd_ps(_mm256_loadu_ps(qf.data() + d), load8(keys + s * D + d), dot);
+          scores[s] = hsum(dot) * scale;
+          top = std::max(top, scores[s]);
+        }
       }
       float total = 0.f;
       for (int64_t s = 0; s < n; ++s) total += scores[s] = std::exp(scores[s] - top);
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t s = 0; s < n; ++s) {
-        const __m256 w = _mm256_set1_ps(scores[s] / total);
-        for (int64_t d = 0; d < D; d += 8)
-          _mm256_storeu_ps(acc.data() + d, _mm256_fmadd_ps(w, load8(values + s * D + d), _mm256_loadu_ps(acc.data() + d)));
+      for (int64_t s0 = 0; s0 < n; s0 += run) {
+        const S* values = cv + slot(b, g, s0) - s0 * D;
+        for (int64_t s = s0; s < std::min(n, s0 + run); ++s) {
+          const __m256 w = _mm256_set1_ps(scores[s] / total);
+          for (int64_t d = 0; d < D; d += 8)
+            _mm256_storeu_ps(acc.data() + d, _mm256_fmadd_ps(w, load8(values + s * D + d), _mm256_loadu_ps(acc.data() + d)));
+        }
       }
       for (int64_t d = 0; d < D; ++d) store_f(op + b * H * D + h * D + d, acc[d]);
     }
@@ -139,19 +152,33 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 namespace llama_cpu {
 
 // q (B, H*D), k and v (B, Hkv*D): the new token's projections (any row stride, contiguous within a row).
-// cos/sin (1 or B, D/2) fp32: its rotation. cache_k/cache_v (rows, Hkv, S, D), contiguous, written in place.
+// cos/sin (1 or B, D/2) fp32: its rotation. cache_k/cache_v (rows, Hkv, S, D), contiguous, written in place; with
+// a block table (rows, M) int64 they are a paged pool (blocks, Hkv, block_size, D) and a row has M * block_size
+// positions (llama/core/kv_cache.py).
 // Row b lives in cache row rows[b] (or row0 + b without rows) at position positions[b] (one position: all rows)
 // and attends positions 0 .. min(position, kv_len - 1). Returns (B, H*D) in the cache's dtype.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                             const at::Tensor& sin, at::Tensor cache_k, at::Tensor cache_v,
-                            const c10::optional<at::Tensor>& rows, int64_t row0, const at::Tensor& positions,
-                            int64_t kv_len) {
+                            const c10::optional<at::Tensor>& table, const c10::optional<at::Tensor>& rows,
+                            int64_t row0, const at::Tensor& positions, int64_t kv_len) {
   TORCH_CHECK(cache_k.dim() == 4 && cache_k.is_contiguous() && cache_v.is_contiguous() &&
                   cache_v.sizes() == cache_k.sizes() && cache_v.scalar_type() == cache_k.scalar_type() &&
                   (cache_k.scalar_type() == at::kFloat || cache_k.scalar_type() == at::kBFloat16),
               "decode_attention: cache_k and cache_v must be contiguous float32 or bf16 of one shape (rows, kv_heads, "
               "seq, head_dim)");
-  const int64_t R = cache_k.size(0), Hkv = cache_k.size(1), S_ = cache_k.size(2), D = cache_k.size(3);
+  int64_t R = cache_k.size(0), S_ = cache_k.size(2), M = 0;
+  const int64_t Hkv = cache_k.size(1), D = cache_k.size(3);
+  const int64_t* table_ids = nullptr;
+  if (table.has_value()) {  // a paged pool: rows are the table's, positions M blocks' worth
+    TORCH_CHECK(table->scalar_type() == at::kLong && table->is_contiguous() && table->dim() == 2,
+                "decode_attention: table must be a contiguous 2-d int64 tensor (rows, blocks per row)");
+    const int64_t blocks = R;
+    R = table->size(0), M = table->size(1), S_ = M * cache_k.size(2);
+    table_ids = table->data_ptr<int64_t>();
+    for (int64_t i = 0; i < R * M; ++i)
+      TORCH_CHECK(table_ids[i] >= 0 && table_ids[i] < blocks, "decode_attention: table names block ", table_ids[i],
+                  " outside the pool's ", blocks);
+  }
   TORCH_CHECK(D % 8 == 0, "decode_attention: head_dim must be a multiple of 8, got ", D);
   const int64_t B = q.size(0);
   for (const at::Tensor* t : {&q, &k, &v})
@@ -185,10 +212,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t step = P == 1 ? 0 : 1;
   if (cache_k.scalar_type() == at::kFloat)
     attend_rows<float>(q, k, v, cos.data_ptr<float>(), sin.data_ptr<float>(), step * (D / 2), cache_k, cache_v,
-                       row_ids, row0, pos, step, kv_len, out);
+                       table_ids, M, row_ids, row0, pos, step, kv_len, out);
   else
     attend_rows<uint16_t>(q, k, v, cos.data_ptr<float>(), sin.data_ptr<float>(), step * (D / 2), cache_k, cache_v,
-                          row_ids, row0, pos, step, kv_len, out);
+                          table_ids, M, row_ids, row0, pos, step, kv_len, out);
   return out;
 }
 
@@ -196,7 +223,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 TORCH_LIBRARY_FRAGMENT(llama_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) cache_k, "
-        "Tensor(b!) cache_v, Tensor? rows, int row0, Tensor positions, int kv_len) -> Tensor");
+        "Tensor(b!) cache_v, Tensor? table, Tensor? rows, int row0, Tensor positions, int kv_len) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
 }
 

@@ -1,0 +1,249 @@
+"""The paged KV pool and automatic prefix caching (llama/core/kv_cache.py, llama/core/paging.py).
+
+  memory      how many concurrent sequences fit in a KV budget at 7B shapes, from the pool's own accounting: the
+              slots' reservation (max_batch_size x max_seq_len) against blocks that hold what sequences write
+  divergence  greedy tokens that differ per 10,000 between prefix_cache="on" and "off" (or "exact") on a chat's
+              second turn, whose prompt holds a reply that decode steps wrote (bf16 / quantized kernels)
+  shared      N users sharing one long system prompt through the engine, all at once, then a follow-up each:
+              time to first token p50/p99 and tokens/s, caching on against off
+  chat        a 10-turn chat on one GGUF, time to first token per turn: ours through the engine with the prefix
+              cache on and off, and llama-cpp-python's Llama (which reuses its last prompt's common prefix) in-process
+  int8-kv     kv_cache_dtype="int8" against the model's dtype: logit error and perplexity of real text
+              (llama/data/demo_corpus.txt, windows of 256, stride 128, as benchmarks/quant_accuracy.py)
+"""
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from benchmarks.harness import LLAMA2_TOKENIZER, print_results, prompt_tokens, random_checkpoint
+
+SHAPES = {  # (n_layers, n_kv_heads, head_dim)
+    "Llama 2 7B (32 KV heads)": (32, 32, 128),
+    "Llama 3 8B (GQA, 8 KV heads)": (32, 8, 128),
+}
+
+
+def memory(args) -> None:
+    from llama.core.kv_cache import BLOCK_SIZE
+
+    budget = int(args.budget_gb * 2**30)
+    rows = []
+    for name, (layers, kv, hd) in SHAPES.items():
+        for kv_dtype, per in (("bf16", 2 * hd), ("int8 + fp32 scale per position and head", hd + 4)):
+            per_pos = 2 * layers * kv * per  # K and V over every layer
+            block = BLOCK_SIZE * per_pos
+            blocks = budget // block
+            seq_blocks = -(-args.seq // BLOCK_SIZE)
+            rows.append({"shape": name, "KV dtype": kv_dtype, "bytes / position": per_pos,
+                         f"slots (max_seq_len={args.max_seq_len})": budget // (per_pos * args.max_seq_len),
+                         "pool": blocks // seq_blocks,
+                         "pool slack / sequence (positions)": seq_blocks * BLOCK_SIZE - args.seq})
+    print(f"Concurrent {args.seq}-token sequences in {args.budget_gb:g} GiB of KV cache:")
+    print_results("kv-memory", rows)
+
+
+def build(ckpt: Path, tok, mode: str, dtype: str, slots: int, seq: int, quantize=None):
+    from llama import Llama
+
+    return Llama.build(str(ckpt), tok, max_seq_len=seq, max_batch_size=slots, dtype=dtype, prefix_cache=mode,
+                       quantize=quantize, compile=False)
+
+
+def divergence(args) -> None:
+    from tqdm import tqdm
+
+    ckpt = Path(args.model)
+    tok = None if ckpt.suffix == ".gguf" else str(ckpt / "tokenizer.model")
+    gens = {m: build(ckpt, tok, m, args.dtype, 4, args.seq, args.quantize) for m in ("off", "on", "exact")}
+    topics = ["a cat", "a dog", "the sea", "a robot", "a tree", "the moon", "a train", "a dragon", "rain", "a king",
+              "bread", "a river", "music", "a clock", "snow", "a bird"]
+    counts = {m: 0 for m in ("on", "exact")}
+    total = 0
+    opts = dict(temperature=0.0, max_gen_len=args.gen)
+    for i in tqdm(range(args.dialogs), desc="dialogs"):
+        d = [{"role": "user", "content": f"Tell me a story about {topics[i % len(topics)]} ({i})."}]
+        for g in gens.values():
+            g.clear_prefix_cache()
+        first = {m: g.chat_completion([d], **opts)[0]["generation"]["content"] for m, g in gens.items()}
+        d2 = d + [{"role": "assistant", "content": first["off"]}, {"role": "user", "content": "And then?"}]
+        want = gens["off"].tokenizer.encode(gens["off"].chat_completion([d2], **opts)[0]["generation"]["content"],
+                                            bos=False, eos=False)
+        total += len(want)
+        for m in counts:
+            got = gens[m].tokenizer.encode(gens[m].chat_completion([d2], **opts)[0]["generation"]["content"],
+                                           bos=False, eos=False)
+            counts[m] += sum(a != b for a, b in zip(got, want)) + abs(len(got) - len(want))
+    rows = [{"mode": m, "greedy tokens": total, "differing": c, "per 10,000": round(1e4 * c / max(total, 1), 1)}
+            for m, c in counts.items()]
+    print(f"{args.model} {args.dtype} {args.quantize or ''}: turn-2 greedy tokens against prefix_cache='off'")
+    print_results("prefix-cache-divergence", rows)
+
+
+def shared(args) -> None:
+    import threading
+
+    work = Path(args.workdir)
+    params = {"dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.n_heads,
+              "multiple_of": 256, "norm_eps": 1e-5, "vocab_size": 32000}
+    ckpt = random_checkpoint(work / f"shared-{args.dim}-{args.n_layers}", params, tokenizer=LLAMA2_TOKENIZER)
+    system = prompt_tokens(32000, args.system, seed=1)
+    rows = []
+    for mode in ("off", "on"):
+        gen = build(ckpt, str(LLAMA2_TOKENIZER), mode, args.dtype, args.users, args.system + 64 + 2 * args.gen + 32)
+        engine = gen.engine()
+        opts = dict(temperature=0.0, max_gen_len=args.gen, logits_processors=[])
+        for phase in ("first", "follow-up"):
+            ttft, start, tokens = [], time.perf_counter(), [0]
+            lock = threading.Lock()
+
+            def user(u):
+                extra = prompt_tokens(32000, 16 if phase == "first" else 48, seed=100 + u)
+                arrive = time.perf_counter()
+                r = engine.submit(system + extra, **opts)
+                first = True
+                for _ in r:
+                    if first:
+                        with lock:
+                            ttft.append(time.perf_counter() - arrive)
+                        first = False
+                r.result()
+                with lock:
+                    tokens[0] += len(r.generated)
+
+            threads = [threading.Thread(target=user, args=(u,)) for u in range(args.users)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - start
+            ttft.sort()
+            rows.append({"prefix cache": mode, "phase": phase, "users": args.users,
+                         "TTFT p50 s": round(statistics.median(ttft), 2),
+                         "TTFT p99 s": round(ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 2),
+                         "tok/s": round(tokens[0] / wall, 1),
+                         "cached prompt tokens": gen.cache.pool.stats["cached_tokens"]})
+        engine.close()
+    print(f"{args.users} users sharing a {args.system}-token system prompt (random {args.dim}x{args.n_layers} "
+          f"{args.dtype}, {args.gen} tokens each):")
+    print_results("prefix-cache-shared-system", rows)
+
+
+def int8_kv(args) -> None:
+    import torch
+
+    from llama.cli.perplexity import perplexity
+
+    ckpt = Path(args.model)
+    tok = None if ckpt.suffix == ".gguf" else str(ckpt / "tokenizer.model")
+    text = (Path(__file__).resolve().parents[1] / "llama" / "data" / "demo_corpus.txt").read_text()
+    rows, logits = [], {}
+    for kv in (None, "int8"):
+        from llama import Llama
+
+        gen = Llama.build(str(ckpt), tok, max_seq_len=256, max_batch_size=4, dtype=args.dtype, kv_cache_dtype=kv,
+                          compile=False, prefix_cache="off")
+        ids = gen.tokenizer.encode(text, bos=True, eos=False)[:256]
+        with gen.cache.hold():
+            logits[kv] = gen.runner.logits([ids])[0].float()
+        rows.append({"KV cache": kv or args.dtype, "bytes / block": gen.cache.bytes // gen.cache.num_blocks,
+                     "perplexity": round(perplexity(gen, text, 256, 128)["perplexity"], 4)})
+    d = (logits["int8"] - logits[None]).abs()
+    std = float(logits[None].std())
+    rows[1].update({"mean logit error (x std)": round(float(d.mean()) / std, 5),
+                    "max logit error (x std)": round(float(d.max()) / std, 5),
+                    "argmax agreement": float((logits["int8"].argmax(-1) == logits[None].argmax(-1)).float().mean())})
+    rows[1]["perplexity delta"] = round(rows[1]["perplexity"] - rows[0]["perplexity"], 4)
+    print(f"{args.model} ({args.dtype}): int8 keys/values against {args.dtype}")
+    print_results("int8-kv-accuracy", rows)
+    del torch
+
+
+def chat(args) -> None:
+    from llama import Llama
+
+    lines = ["Tell me about the sea.", "What lives there?", "And deeper down?", "How do they see?",
+             "What do they eat?", "Are they dangerous?", "Tell me about whales.", "How big are they?",
+             "Do they sing?", "Summarize our chat."]
+    results = {}
+    for mode in ("off", "on"):
+        gen = Llama.build(args.model, None, max_seq_len=args.seq, max_batch_size=1, prefix_cache=mode,
+                          compile=False)
+        engine, dialog, ttft = gen.engine(), [{"role": "system", "content": args.system}], []
+        for line in lines:
+            dialog.append({"role": "user", "content": line})
+            start = time.perf_counter()
+            r = engine.submit(dialog, temperature=0.0, max_gen_len=args.gen)
+            first = None
+            for _ in r:
+                first = first or time.perf_counter()
+            ttft.append((first or time.perf_counter()) - start)
+            dialog.append({"role": "assistant", "content": r.stream.text})
+        engine.close()
+        results[mode] = (ttft, [len(gen.inputs.encode_dialog(dialog[: 2 * i + 2])[0]) for i in range(len(lines))])
+    try:
+        from llama_cpp import Llama as CppLlama
+
+        cpp = CppLlama(model_path=args.model, n_ctx=args.seq, verbose=False)
+        dialog, ttft = [{"role": "system", "content": args.system}], []
+        for line in lines:
+            dialog.append({"role": "user", "content": line})
+            start = time.perf_counter()
+            first, text = None, ""
+            for piece in cpp.create_chat_completion(dialog, temperature=0.0, max_tokens=args.gen, stream=True):
+                first = first or time.perf_counter()
+                text += piece["choices"][0]["delta"].get("content", "") or ""
+            ttft.append(first - start)
+            dialog.append({"role": "assistant", "content": text})
+        results["llama-cpp-python"] = (ttft, None)
+    except ImportError:
+        pass
+    rows = []
+    for i in range(len(lines)):
+        row = {"turn": i + 1, "prompt tokens": results["on"][1][i]}
+        row.update({f"{k} TTFT s": round(v[0][i], 3) for k, v in results.items()})
+        rows.append(row)
+    sums = {k: sum(v[0][1:]) for k, v in results.items()}
+    rows.append({"turn": "2-10 sum", "prompt tokens": "", **{f"{k} TTFT s": round(v, 2) for k, v in sums.items()}})
+    print(f"10-turn chat on {args.model}, {args.gen}-token replies (prefix_cache on/off, llama-cpp-python):")
+    print_results("prefix-cache-chat", rows)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="what", required=True)
+    m = sub.add_parser("memory")
+    m.add_argument("--budget-gb", type=float, default=24.0)
+    m.add_argument("--seq", type=int, default=4096)
+    m.add_argument("--max-seq-len", type=int, default=8192, dest="max_seq_len")
+    d = sub.add_parser("divergence")
+    d.add_argument("--model", required=True, help="a Meta checkpoint directory or a GGUF file")
+    d.add_argument("--dtype", default="bf16")
+    d.add_argument("--quantize", default=None)
+    d.add_argument("--dialogs", type=int, default=40)
+    d.add_argument("--gen", type=int, default=64)
+    d.add_argument("--seq", type=int, default=512)
+    s = sub.add_parser("shared")
+    s.add_argument("--workdir", default="/tmp/llama-bench")
+    s.add_argument("--users", type=int, default=32)
+    s.add_argument("--system", type=int, default=1000)
+    s.add_argument("--gen", type=int, default=16)
+    s.add_argument("--dim", type=int, default=768)
+    s.add_argument("--n_layers", type=int, default=8)
+    s.add_argument("--n_heads", type=int, default=12)
+    s.add_argument("--dtype", default="bf16")
+    q = sub.add_parser("int8-kv")
+    q.add_argument("--model", required=True, help="a Meta checkpoint directory or a GGUF file")
+    q.add_argument("--dtype", default="bf16")
+    c = sub.add_parser("chat")
+    c.add_argument("--model", required=True, help="a GGUF file (llama-cpp-python runs the same file)")
+    c.add_argument("--gen", type=int, default=32)
+    c.add_argument("--seq", type=int, default=2048)
+    c.add_argument("--system", default="You are a helpful assistant who answers in a few sentences.")
+    args = ap.parse_args(argv)
+    {"memory": memory, "divergence": divergence, "shared": shared, "int8-kv": int8_kv, "chat": chat}[args.what](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""Reads and writes of the paged KV pool (llama/core/kv_cache.py) in pure torch, for every path other than our CPU
+decode kernel (which reads the blocks in place): SDPA prefill, the compiled decode step, CUDA.
+
+The pool's caches are (blocks, kv_heads, block_size, head_dim); `table` holds the blocks of each row of a pass
+(B, blocks per row), so row b's position p is in block table[b, p // block_size] at offset p % block_size.
+
+An int8 pool (kv_cache_dtype="int8") keeps one fp32 scale per position and head in the cache tensor's `scales`
+attribute (blocks, kv_heads, block_size): a position's bytes never depend on its neighbours, so a cached block
+holds what a fresh prefill would write.
+"""
+
+import torch
+
+
+def quantize(x: torch.Tensor):
+    """int8 codes and fp32 scales (x.shape[:-1]) of x, symmetric per vector (a position's head)."""
+    scale = x.float().abs().amax(dim=-1).clamp(min=1e-12) / 127.0
+    return torch.round(x.float() / scale[..., None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def write(cache: torch.Tensor, blocks, offsets, x: torch.Tensor) -> None:
+    if cache.dtype == torch.int8:
+        codes, scale = quantize(x)
+        cache[blocks, :, offsets] = codes
+        cache.scales[blocks, :, offsets] = scale
+    else:
+        cache[blocks, :, offsets] = x.to(cache.dtype)
+
+
+def store(cache_k: torch.Tensor, cache_v: torch.Tensor, table: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+          positions: torch.Tensor) -> None:
+    """Write keys/values (B, T, kv_heads, head_dim) at positions (B or 1, T) of the table's rows."""
+    B, T = k.shape[:2]
+    bs = cache_k.shape[2]
+    pos = positions.expand(B, T)
+    blocks = table.gather(1, pos // bs)  # (B, T)
+    write(cache_k, blocks, pos % bs, k)
+    write(cache_v, blocks, pos % bs, v)
+
+
+def read(cache_k: torch.Tensor, cache_v: torch.Tensor, table: torch.Tensor, kv_len: int, dtype=None):
+    """Keys and values (B, kv_heads, kv_len, head_dim) of positions 0..kv_len-1 of the table's rows (a gather);
+    an int8 pool's dequantized to dtype."""
+    bs = cache_k.shape[2]
+    table = table[:, : -(-kv_len // bs)]
+    out = []
+    for cache in (cache_k, cache_v):
+        g = cache[table]  # (B, blocks, kv_heads, block_size, head_dim)
+        if cache.dtype == torch.int8:
+            g = (g.float() * cache.scales[table][..., None]).to(dtype)
+        g = g.transpose(1, 2)
+        out.append(g.reshape(g.shape[0], g.shape[1], -1, g.shape[-1])[:, :, :kv_len])
+    return out

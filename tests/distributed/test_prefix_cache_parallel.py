@@ -1,0 +1,61 @@
+"""Prefix caching under model parallel (torchrun, 2 ranks, gloo): rank 0 plans with its block pool and the other
+rank applies the same block tables from the broadcast ops, so Llama calls and the engine reuse cached prompt blocks
+on both ranks and give the text of a single process with the cache off."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from conftest import STORIES, rank_env
+
+from llama.formats.reshard import reshard
+
+SYSTEM = ("You are a storyteller who tells short, happy stories about animals in a park, with a cat, a dog and a "
+          "little bird who are friends.")
+PROMPTS = [SYSTEM + " Tell me about the cat.", SYSTEM + " Tell me about the dog.", SYSTEM + " And the bird?"]
+GREEDY = dict(temperature=0.0, max_gen_len=20)
+
+SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import torch.distributed as dist
+    from llama.generation import Llama
+
+    ckpt, tokenizer, out, prompts = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+    llama = Llama.build(ckpt, tokenizer, max_seq_len=256, max_batch_size=4, device="cpu", dtype="float32")
+    opts = dict(temperature=0.0, max_gen_len=20)
+    calls = [llama.text_completion([p], **opts)[0]["generation"] for p in prompts]  # each after the last: hits
+    hits_calls = llama.cache.pool.stats["cached_tokens"]
+    engine = llama.engine()
+    if os.environ["RANK"] == "0":
+        reqs = [engine.submit(p, **opts) for p in prompts]
+        served = [r.result()["generation"] for r in reqs]
+        reused = [r.reused for r in reqs]
+        engine.close()
+        json.dump({"calls": calls, "served": served, "reused": reused, "hits_calls": hits_calls}, open(out, "w"))
+    else:
+        engine.serve_forever()
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+def test_model_parallel_reuses_the_cache_with_the_cache_off_text(tmp_path):
+    if not (STORIES / "consolidated.00.pth").is_file():
+        pytest.skip(f"shared stories260K model not found under {STORIES.parent.parent}")
+    from llama import Llama
+
+    reshard(STORIES, tmp_path / "two", 2)
+    (tmp_path / "run.py").write_text(SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(tmp_path / "run.py"), str(tmp_path / "two"), str(STORIES / "tokenizer.model"),
+           str(tmp_path / "out.json"), json.dumps(PROMPTS)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=rank_env(3), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads((tmp_path / "out.json").read_text())
+    ref = Llama.build(str(STORIES), str(STORIES / "tokenizer.model"), max_seq_len=256, max_batch_size=4,
+                      device="cpu", dtype="float32", prefix_cache="off")
+    want = [r["generation"] for r in ref.text_completion(PROMPTS, **GREEDY)]
+    assert got["calls"] == want and got["served"] == want
+    assert got["hits_calls"] >= 2 * 32 and all(n >= 32 for n in got["reused"])
