@@ -20,9 +20,6 @@ HARMLESS = {
     "metadata": lambda v: v is None or isinstance(v, dict),
     "store": lambda v: v in (None, False),
     "service_tier": lambda v: v in (None, "auto", "default"),
-    "presence_penalty": lambda v: v in (None, 0),
-    "frequency_penalty": lambda v: v in (None, 0),
-    "repetition_penalty": lambda v: v in (None, 1),
     "parallel_tool_calls": lambda v: True,
     "tools": lambda v: v in (None, []),
     "tool_choice": lambda v: v in (None, "none", "auto"),
@@ -36,7 +33,8 @@ HARMLESS = {
     "reasoning_effort": lambda v: v is None,
 }
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream", "stream_options",
-          "logprobs", "logit_bias", "response_format", "min_p"}
+          "logprobs", "logit_bias", "response_format", "min_p", "presence_penalty", "frequency_penalty",
+          "repetition_penalty"}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "best_of"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 ROLES = ("system", "user", "assistant", "tool", "ipython", "developer")
@@ -131,6 +129,9 @@ def parse(body, chat: bool, model_name: str, max_seq_len: int, vocab_size: int) 
         "top_p": _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         "top_k": _int(body, "top_k", 0, 0, None) if body.get("top_k") != -1 else 0,
         "seed": _int(body, "seed", None, -(2**63), 2**63 - 1),
+        "presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        "repetition_penalty": _number(body, "repetition_penalty", 1.0, 0.0, math.inf, lo_open=True),
     }
     if body.get("min_p") not in (None, 0):
         raise bad("min_p", f"min_p={body['min_p']!r} is not supported (only 0)")
