@@ -21,7 +21,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from llama.core.engine import EngineStopped
-from llama.serve import protocol, tokens
+from llama.serve import protocol, tokens, tools
 from llama.serve.metrics import CONTENT_TYPE, Metrics
 from llama.serve.protocol import APIError
 
@@ -181,7 +181,9 @@ class Job:
             await send_response(send, error_response(e))
             return
         tok = self.state.generator.tokenizer
-        await send_response(send, JSONResponse(protocol.whole(self.spec, self.reqs, tok)))
+        response = protocol.whole(self.spec, self.reqs, tok)
+        tools.apply_whole(self.spec, response)
+        await send_response(send, JSONResponse(response))
 
     async def stream(self, send) -> None:
         spec, tok = self.spec, self.state.generator.tokenizer
@@ -201,10 +203,12 @@ class Job:
                 await event(protocol.chunk(spec, [protocol.delta_choice(spec, i, tok.decode(r.prompt))]))
             first[i] = False
         left = len(self.reqs)
+        calls = [tools.ToolStream(spec, i) for i in range(len(self.reqs))] if spec.tools is not None else None
         while left:
             i, item = await self.events.get()
             if item is not _END:
-                await event(protocol.chunk(spec, [protocol.delta_choice(spec, i, item)]))
+                for d in calls[i].feed(item) if calls else [protocol.delta_choice(spec, i, item)]:
+                    await event(protocol.chunk(spec, [d]))
                 continue
             left -= 1
             r = self.reqs[i]
@@ -212,11 +216,14 @@ class Job:
                 self.cancel()
                 await event(engine_error(r.error).body())
                 break
-            lp = None
+            lp, reason = None, protocol.finish_reason(r)
+            if calls:
+                last, reason = calls[i].finish(reason)
+                for d in last:
+                    await event(protocol.chunk(spec, [d]))
             if spec.logprobs:
                 lp = protocol.logprobs_block(spec, r.prediction)
-            await event(protocol.chunk(spec, [protocol.delta_choice(spec, i, None if spec.chat else "",
-                                                                    protocol.finish_reason(r), lp)]))
+            await event(protocol.chunk(spec, [protocol.delta_choice(spec, i, None if spec.chat else "", reason, lp)]))
         else:
             if spec.include_usage:
                 prompt = sum(len(self.reqs[k * spec.n].prompt) for k in range(len(spec.prompts)))
@@ -288,6 +295,8 @@ async def generate(state: State, request: HTTPRequest, chat: bool):
         raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
     gen = state.generator
     spec = protocol.parse(body, chat, state.model_name, gen.max_seq_len, gen.model.vocab_size)
+    if chat:
+        tools.attach(spec, body, gen.formatter)
     if spec.response_format is not None:
         with_grammar(spec)
     state.admit(len(spec.prompts) * spec.n)

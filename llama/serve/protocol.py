@@ -20,9 +20,6 @@ HARMLESS = {
     "metadata": lambda v: v is None or isinstance(v, dict),
     "store": lambda v: v in (None, False),
     "service_tier": lambda v: v in (None, "auto", "default"),
-    "parallel_tool_calls": lambda v: True,
-    "tools": lambda v: v in (None, []),
-    "tool_choice": lambda v: v in (None, "none", "auto"),
     "functions": lambda v: v in (None, []),
     "function_call": lambda v: v in (None, "none", "auto"),
     "modalities": lambda v: v in (None, ["text"]),
@@ -36,7 +33,8 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "
           "logprobs", "logit_bias", "response_format", "min_p", "presence_penalty", "frequency_penalty",
           "repetition_penalty"}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "best_of"}
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                        "parallel_tool_calls"}  # tools: llama/serve/tools.py
 ROLES = ("system", "user", "assistant", "tool", "ipython", "developer")
 
 
@@ -71,6 +69,7 @@ class Job:
     top_logprobs: int = 0
     echo: bool = False
     response_format: Optional[Dict] = None
+    tools: Optional[object] = None  # llama.serve.tools.Tools
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -211,6 +210,8 @@ def _dialog(messages) -> List[Dict[str, str]]:
                                                              "({\"type\": \"text\", \"text\": ...}) are supported")
                 texts.append(part["text"])
             content = "".join(texts)
+        if content is None and m.get("tool_calls"):  # an assistant's calls (checked in llama/serve/tools.py)
+            content = ""
         if not isinstance(content, str):
             raise bad(f"messages[{i}].content", f"messages[{i}].content must be a string or a list of text parts")
         role = "system" if m["role"] == "developer" else m["role"]
