@@ -5,7 +5,7 @@
 
 Input: one JSON object per line with `id` (string or integer, unique), `prompt` (string) or `dialog` (list of
 messages), and optional per-row parameters (temperature, top_p, top_k, max_gen_len, seed, stop, logprobs,
-top_logprobs) that override the command-line defaults.
+top_logprobs, presence_penalty, frequency_penalty, repetition_penalty) that override the command-line defaults.
 
 Output: one JSON object per finished request, appended and flushed the moment it finishes (so in completion
 order): `id`, `line`, `generation`, `finish_reason`, `num_tokens` (plus `tokens`/`logprobs` with logprobs, and
@@ -28,7 +28,8 @@ import time
 import zlib
 from typing import Dict, List, Optional, Set, Tuple
 
-ROW_PARAMS = ("temperature", "top_p", "top_k", "max_gen_len", "seed", "stop", "logprobs", "top_logprobs")
+ROW_PARAMS = ("temperature", "top_p", "top_k", "max_gen_len", "seed", "stop", "logprobs", "top_logprobs",
+              "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 def row_seed(base: int, rid) -> int:

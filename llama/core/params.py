@@ -29,6 +29,9 @@ class SamplingParams:
     echo: bool = False
     logits_processors: Sequence[LogitsProcessor] = field(default_factory=tuple)
     grammar: Optional[object] = None  # structured output: a llama.Grammar or {"json_schema": ...} (llama/sample/grammar.py)
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence among the generated tokens
+    repetition_penalty: float = 1.0  # transformers'/vLLM's: divides (or multiplies) the prompt's and output's logits
 
     def __post_init__(self):
         _number("temperature", self.temperature)
@@ -63,10 +66,21 @@ class SamplingParams:
         if not isinstance(self.logits_processors, (list, tuple)) or not all(callable(p) for p in self.logits_processors):
             raise ValueError("logits_processors must be callables (token_ids_so_far, logits) -> logits")
         self.logits_processors = tuple(self.logits_processors)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _number(name, getattr(self, name))
+            if not -2 <= getattr(self, name) <= 2:  # NaN fails this too
+                raise ValueError(f"{name} must be in [-2, 2] (0 disables it), got {getattr(self, name)}")
+        _number("repetition_penalty", self.repetition_penalty)
+        if not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be > 0 and finite (1 disables it), got {self.repetition_penalty}")
         if self.grammar is not None:
             from llama.sample.grammar import Grammar  # llguidance is needed only by requests that use a grammar
 
             self.grammar = Grammar.coerce(self.grammar)
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
     @property
     def scores_prompt(self) -> bool:

@@ -126,6 +126,24 @@ def token_logprobs(logits: torch.Tensor, tokens: List[int]) -> List[float]:
     return torch.log_softmax(logits[: len(tokens) - 1].float(), dim=-1).gather(1, target[:, None])[:, 0].tolist()
 
 
+def penalize(row: torch.Tensor, prompt: Sequence[int], generated: Sequence[int], presence: float = 0.0,
+             frequency: float = 0.0, repetition: float = 1.0) -> torch.Tensor:
+    """One request's logits row (V,) with its penalties applied in place: repetition as transformers' and vLLM's
+    (a seen token's logit divided by the penalty if positive, multiplied if negative; seen = prompt + generated),
+    then OpenAI's presence and frequency (logit -= count * frequency + (count > 0) * presence over the generated
+    tokens). A function of the row and the request's own tokens only, so batching cannot change it."""
+    if repetition != 1:
+        seen = torch.tensor(sorted(set(prompt) | set(generated)), dtype=torch.long, device=row.device)
+        if len(seen):
+            vals = row[seen]
+            row[seen] = torch.where(vals < 0, vals * repetition, vals / repetition)
+    if (presence or frequency) and len(generated):
+        ids, counts = torch.tensor(list(generated), dtype=torch.long).unique(return_counts=True)
+        ids, counts = ids.to(row.device), counts.to(row.device, torch.float32)
+        row[ids] = (row[ids].float() - counts * frequency - presence).to(row.dtype)
+    return row
+
+
 class RowSampler:
     """Draws one token per row for a fixed list of rows (anything with .params, .sample and .generated), with
     their parameters turned into tensors once rather than at every step."""
@@ -143,10 +161,15 @@ class RowSampler:
         self.want_logprobs = any(r.params.logprobs for r in rows)
         self.top_ks = [r.params.top_logprobs for r in rows]
         self.want_top = any(self.top_ks)
+        self.penalized = [b for b, r in enumerate(rows) if r.params.penalized]
 
     def __call__(self, logits: torch.Tensor) -> Tuple[List[int], Optional[List[float]], Optional[List]]:
         """(token per row, its log-probability under the raw logits or None when no row asked for them, each row's
         top_logprobs alternatives or None when no row asked for them)."""
+        for b in self.penalized:
+            p = self.rows[b].params
+            penalize(logits[b], self.rows[b].prompt, self.rows[b].generated, p.presence_penalty, p.frequency_penalty,
+                     p.repetition_penalty)
         uniform = None
         if self.any_seeded:  # the draw of generated token t of sample j depends on (seed, j, t) only
             u = seeded_uniform(self.seeds, self.samples, torch.tensor([len(r.generated) for r in self.rows]))

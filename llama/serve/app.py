@@ -22,7 +22,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from llama.core.engine import EngineStopped
-from llama.serve import protocol, thinking, tokens
+from llama.serve import protocol, thinking, tokens, tools
 from llama.serve.metrics import CONTENT_TYPE, Metrics
 from llama.serve.protocol import APIError
 
@@ -193,7 +193,8 @@ class Job:
             return
         gen = self.state.generator
         response = protocol.whole(self.spec, self.reqs, gen.tokenizer)
-        thinking.apply_whole(self.spec, self.reqs, response, gen)
+        thinking.apply_whole(self.spec, self.reqs, response, gen)  # the think block first: calls are in the content
+        tools.apply_whole(self.spec, response)
         await send_response(send, JSONResponse(response))
 
     async def stream(self, send) -> None:
@@ -215,11 +216,18 @@ class Job:
             first[i] = False
         left = len(self.reqs)
         thinks = thinking.streams(spec, self.reqs, self.state.generator)
+        calls = [tools.ToolStream(spec, i) for i in range(len(self.reqs))] if spec.tools is not None else None
+
+        def choices(i, parts):  # (reasoning, content): reasoning first, then the content through the tool calls
+            out = thinking.deltas(spec, i, (parts[0], ""))
+            if parts[1]:
+                out += calls[i].feed(parts[1]) if calls else [protocol.delta_choice(spec, i, parts[1])]
+            return out
+
         while left:
             i, item = await self.events.get()
             if item is not _END:
-                for d in thinking.deltas(spec, i, thinks[i].feed(item)) if thinks else [
-                        protocol.delta_choice(spec, i, item)]:
+                for d in choices(i, thinks[i].feed(item) if thinks else ("", item)):
                     await event(protocol.chunk(spec, [d]))
                 continue
             left -= 1
@@ -228,13 +236,16 @@ class Job:
                 self.cancel()
                 await event(engine_error(r.error).body())
                 break
-            for d in thinking.deltas(spec, i, thinks[i].finish()) if thinks else []:
+            for d in choices(i, thinks[i].finish()) if thinks else []:
                 await event(protocol.chunk(spec, [d]))
-            lp = None
+            lp, reason = None, protocol.finish_reason(r)
+            if calls:
+                last, reason = calls[i].finish(reason)
+                for d in last:
+                    await event(protocol.chunk(spec, [d]))
             if spec.logprobs:
                 lp = protocol.logprobs_block(spec, r.prediction)
-            await event(protocol.chunk(spec, [protocol.delta_choice(spec, i, None if spec.chat else "",
-                                                                    protocol.finish_reason(r), lp)]))
+            await event(protocol.chunk(spec, [protocol.delta_choice(spec, i, None if spec.chat else "", reason, lp)]))
         else:
             if spec.include_usage:
                 prompt = sum(len(self.reqs[k * spec.n].prompt) for k in range(len(spec.prompts)))
@@ -308,6 +319,8 @@ async def generate(state: State, request: HTTPRequest, chat: bool):
         raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
     gen = state.generator
     spec = protocol.parse(body, chat, state.model_name, gen.max_seq_len, gen.model.vocab_size)
+    if chat:
+        tools.attach(spec, body, gen.formatter)
     if spec.response_format is not None:
         with_grammar(spec)
     state.admit(len(spec.prompts) * spec.n)

@@ -20,12 +20,6 @@ HARMLESS = {
     "metadata": lambda v: v is None or isinstance(v, dict),
     "store": lambda v: v in (None, False),
     "service_tier": lambda v: v in (None, "auto", "default"),
-    "presence_penalty": lambda v: v in (None, 0),
-    "frequency_penalty": lambda v: v in (None, 0),
-    "repetition_penalty": lambda v: v in (None, 1),
-    "parallel_tool_calls": lambda v: True,
-    "tools": lambda v: v in (None, []),
-    "tool_choice": lambda v: v in (None, "none", "auto"),
     "functions": lambda v: v in (None, []),
     "function_call": lambda v: v in (None, "none", "auto"),
     "modalities": lambda v: v in (None, ["text"]),
@@ -36,9 +30,11 @@ HARMLESS = {
     "reasoning_effort": lambda v: v is None,
 }
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream", "stream_options",
-          "logprobs", "logit_bias", "response_format", "min_p"}
+          "logprobs", "logit_bias", "response_format", "min_p", "presence_penalty", "frequency_penalty",
+          "repetition_penalty"}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "best_of"}
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                        "parallel_tool_calls"}  # tools: llama/serve/tools.py
 ROLES = ("system", "user", "assistant", "tool", "ipython", "developer")
 
 
@@ -73,6 +69,7 @@ class Job:
     top_logprobs: int = 0
     echo: bool = False
     response_format: Optional[Dict] = None
+    tools: Optional[object] = None  # llama.serve.tools.Tools
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -131,6 +128,9 @@ def parse(body, chat: bool, model_name: str, max_seq_len: int, vocab_size: int) 
         "top_p": _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         "top_k": _int(body, "top_k", 0, 0, None) if body.get("top_k") != -1 else 0,
         "seed": _int(body, "seed", None, -(2**63), 2**63 - 1),
+        "presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        "repetition_penalty": _number(body, "repetition_penalty", 1.0, 0.0, math.inf, lo_open=True),
     }
     if body.get("min_p") not in (None, 0):
         raise bad("min_p", f"min_p={body['min_p']!r} is not supported (only 0)")
@@ -210,6 +210,8 @@ def _dialog(messages) -> List[Dict[str, str]]:
                                                              "({\"type\": \"text\", \"text\": ...}) are supported")
                 texts.append(part["text"])
             content = "".join(texts)
+        if content is None and m.get("tool_calls"):  # an assistant's calls (checked in llama/serve/tools.py)
+            content = ""
         if not isinstance(content, str):
             raise bad(f"messages[{i}].content", f"messages[{i}].content must be a string or a list of text parts")
         role = "system" if m["role"] == "developer" else m["role"]

@@ -8,6 +8,8 @@ first space, which the template puts after its last tag) and stop_tokens ({id: f
 tokenizer's for chat replies). `chat_format_for(tokenizer)` picks the format that belongs to a tokenizer.
 """
 
+import datetime
+import json
 from typing import Dict, List, Literal, Optional, Sequence, TypedDict, Union
 
 from jinja2 import TemplateError
@@ -85,6 +87,8 @@ class ChatFormat:
         self.tokenizer = tokenizer
 
     def validate(self, dialog, index: int = 0) -> None:
+        if hasattr(dialog, "render_with"):  # a dialog with tools (llama/tokenizers/tool_format.py)
+            return dialog.validate_with(self, index)
         validate_dialog(dialog, index)
 
     def refusal(self, dialog: Dialog) -> Optional[str]:
@@ -108,6 +112,8 @@ class ChatFormat:
         return self.tokenizer.encode(f"{B_INST} {user.strip()} {E_INST}", bos=True, eos=False)
 
     def encode_dialog_prompt(self, dialog: Dialog) -> List[int]:
+        if hasattr(dialog, "render_with"):
+            return dialog.render_with(self)
         validate_dialog(dialog)
         msgs = self.fold_system(dialog)
         tokens: List[int] = []
@@ -127,12 +133,15 @@ class Llama3ChatFormat:
     strip_reply_space = False
     ROLES = ("system", "user", "assistant", "ipython", "tool")
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, tool_style: str = "llama3_json"):
         self.tokenizer = tokenizer
+        self.tool_style = tool_style  # Meta's tool syntax: llama3_json (3.1) or pythonic (3.2, 3.3)
         self.special = tokenizer.special_tokens
         self.stop_tokens: Dict[int, str] = {}  # the tokenizer's eos/eot/eom already stop every generation
 
     def validate(self, dialog, index: int = 0) -> None:
+        if hasattr(dialog, "render_with"):
+            return dialog.validate_with(self, index)
         validate_messages(dialog, index, self.ROLES)
         for i, msg in enumerate(dialog):
             if msg["role"] == "system" and i > 0:
@@ -160,6 +169,8 @@ class Llama3ChatFormat:
 
     def encode_dialog_prompt(self, dialog: Dialog) -> List[int]:
         self.validate(dialog)
+        if hasattr(dialog, "render_with"):
+            return dialog.render_with(self)
         tokens = [self.special["<|begin_of_text|>"]]
         for message in dialog:
             tokens += self.encode_message(message)
@@ -173,6 +184,24 @@ def _raise(message):
     raise TemplateError(message)
 
 
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    """Hugging Face's tojson (Jinja's own escapes HTML characters and sorts keys)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+def template_environment() -> ImmutableSandboxedEnvironment:
+    """The Jinja environment Hugging Face renders chat templates in (transformers' chat_template_utils)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
 class TemplateChatFormat:
     """The chat-format interface over a Jinja template; its end-of-turn token stops replies."""
 
@@ -180,8 +209,8 @@ class TemplateChatFormat:
     ROLES = ("system", "user", "assistant", "tool", "ipython")
 
     def __init__(self, tokenizer, template: str):
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
+        env = template_environment()
+        self.source = template
         try:
             self.template = env.from_string(template)
         except TemplateError as e:
@@ -193,6 +222,8 @@ class TemplateChatFormat:
                                             if t in special and t in template and special[t] != tokenizer.eos_id}
 
     def validate(self, dialog, index: int = 0) -> None:
+        if hasattr(dialog, "render_with"):
+            return dialog.validate_with(self, index)
         validate_messages(dialog, index, self.ROLES)
         if dialog[-1]["role"] == "assistant":
             raise ValueError(f"dialog {index}: the last message must not be the assistant's (the reply comes next)")
@@ -200,17 +231,20 @@ class TemplateChatFormat:
     def refusal(self, dialog: Dialog) -> Optional[str]:
         return None
 
-    def render(self, dialog: Dialog) -> str:
+    def render(self, dialog: Dialog, tools: Optional[List[Dict]] = None) -> str:
         tok = self.tokenizer
         piece = lambda i: tok.piece(i) if i is not None and i >= 0 else ""  # noqa: E731
+        extra = {"tools": tools} if tools is not None else {}  # as transformers: unset without tools
         try:
             return self.template.render(messages=[dict(m) for m in dialog], add_generation_prompt=True,
-                                        bos_token=piece(tok.bos_id), eos_token=piece(tok.eos_id))
+                                        bos_token=piece(tok.bos_id), eos_token=piece(tok.eos_id), **extra)
         except TemplateError as e:
             raise ValueError(f"the chat template refused the dialog: {e}") from None
 
     def encode_dialog_prompt(self, dialog: Dialog) -> List[int]:
         self.validate(dialog)
+        if hasattr(dialog, "render_with"):
+            return dialog.render_with(self)
         return self.tokenizer.encode(self.render(dialog), bos=False, eos=False)
 
 
