@@ -1,8 +1,9 @@
 """GGUF files (llama.cpp's format: weights, hyperparameters, tokenizer and chat template in one file), read with
 the `gguf` package and turned into this package's parameters, Meta-named weights and tokenizer.
 
-Only the `llama` architecture is accepted. Quantized tensors (Q8_0, Q4_0, Q4_1) are dequantized at load, tensor
-by tensor, to the requested dtype; F32/F16/BF16 are cast, or, already in the requested dtype, used in place: the
+Only the `llama` architecture is accepted. Quantized tensors of any type gguf's numpy code dequantizes are, where
+they do not run in their own blocks (llama/formats/gguf_quants.py), dequantized at load, tensor by tensor, to the
+requested dtype; F32/F16/BF16 are cast, or, already in the requested dtype, used in place: the
 tensor maps the file's bytes (read-only, as Meta checkpoints are memory-mapped), so a bf16 file loads without a
 copy. llama.cpp's converter stores q/k rows in Meta's interleaved rotary order already (it undoes Hugging Face's
 permutation), so they are used as they are.
@@ -11,6 +12,7 @@ permutation), so they are used as they are.
 import json
 import math
 import mmap
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -26,7 +28,6 @@ from llama.formats.meta_checkpoint import save_checkpoint
 from llama.model import derive_ffn
 from llama.tokenizers import huggingface as tokenizer_hf
 
-SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 _GLOBAL = {"token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight",
            "output.weight": "output.weight"}
 _LAYER = {"attn_q.weight": "attention.wq.weight", "attn_k.weight": "attention.wk.weight",
@@ -141,9 +142,10 @@ def read_tensors(tensors, path: Path, dtype: torch.dtype) -> Dict[str, torch.Ten
     state = {}
     for t in tensors:
         kind = t.tensor_type.name
-        if kind not in SUPPORTED:
+        if not readable(kind):
             raise ValueError(f"{path}: tensor {t.name} has type {kind}, which is not supported "
-                             f"(supported: {', '.join(SUPPORTED)})")
+                             f"(supported: {', '.join(supported())})")
+        note_dequantized(path, kind)
         shape = tensor_shape(t)
         try:
             values = mapped_tensor(t.data, dtype) if in_place(t, dtype) else dequantize_tensor(t.data, kind, dtype)
@@ -154,6 +156,30 @@ def read_tensors(tensors, path: Path, dtype: torch.dtype) -> Dict[str, torch.Ten
                              "the file is truncated or corrupt")
         state[meta_name(t.name, path)] = values.reshape(shape)
     return state
+
+
+def supported() -> Tuple[str, ...]:
+    """Every tensor type a file may hold: the float types and each block type gguf's numpy code dequantizes."""
+    from gguf.quants import _type_traits
+
+    return tuple(sorted({*_FLOAT, *(q.name for q in _type_traits)}))
+
+
+def readable(kind: str) -> bool:
+    return kind in supported()
+
+
+_noted = set()
+
+
+def note_dequantized(path: Path, kind: str) -> None:
+    """One line per file and block type that is dequantized at load rather than run in its own bits (our kernels run
+    llama/quantization/gguf_blocks.py's types on CPU; the others, and any type on a GPU or under quantize=, are
+    dequantized)."""
+    if kind in _FLOAT or (path, kind) in _noted:
+        return
+    _noted.add((path, kind))
+    print(f"note: {path.name}: {kind} tensors are dequantized at load", file=sys.stderr)
 
 
 def tensor_shape(t) -> Tuple[int, ...]:
