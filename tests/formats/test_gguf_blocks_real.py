@@ -20,13 +20,12 @@ GOLDENS = SHARED / "goldens" / "smollm2_greedy.json"
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="our CPU kernels are not built here")
 
 
-@pytest.fixture(scope="module")
-def q4_k_m(tmp_path_factory):
+def requantized(tmp_path_factory, ftype: str):
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama.cpp's quantizer makes the file")
     src = need(Q4_1)
-    out = tmp_path_factory.mktemp("q4km") / "SmolLM2-135M-Instruct.Q4_K_M.gguf"
+    out = tmp_path_factory.mktemp(ftype) / f"SmolLM2-135M-Instruct.{ftype}.gguf"
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
     params.allow_requantize = True
     params.nthread = 1
     if llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), ctypes.byref(params)) != 0:
@@ -34,10 +33,21 @@ def q4_k_m(tmp_path_factory):
     return out
 
 
-def test_a_q4_k_m_smollm2_runs_in_its_blocks_and_chats(q4_k_m):
+@pytest.fixture(scope="module")
+def q4_k_m(tmp_path_factory):
+    return requantized(tmp_path_factory, "Q4_K_M")
+
+
+def test_a_k_quant_smollm2_runs_in_its_blocks_and_chats(q4_k_m, tmp_path_factory):
+    """Q5_K_M: requantized from the Q4_1 file, a Q4_K_M SmolLM2 answers the question wrongly in llama.cpp too
+    ("L'Étoile (The Lion) is the capital of France.", llama-cpp-python 0.3.36, greedy), as does the Q4_1 file itself
+    there; the Q5_K_M file names Paris in both."""
     gen = Llama.build(str(q4_k_m), None, max_seq_len=256, max_batch_size=1, compile=False)
     kinds = gguf_quants.summary(gen.model)
     assert kinds.get("Q4_K", 0) > 0 and kinds.get("Q6_K", 0) > 0, kinds
+    gen = Llama.build(str(requantized(tmp_path_factory, "Q5_K_M")), None, max_seq_len=256, max_batch_size=1,
+                      compile=False)
+    assert gguf_quants.summary(gen.model).get("Q5_K", 0) > 0
     dialog = [{"role": "user", "content": "What is the capital of France?"}]
     reply = gen.chat_completion([dialog], temperature=0, max_gen_len=40)[0]["generation"]["content"]
     assert "Paris" in reply, reply
