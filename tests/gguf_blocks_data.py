@@ -62,7 +62,7 @@ Q4_K_M = {"tok_embeddings.weight": "Q6_K", "output.weight": "Q6_K", "attention.w
           "feed_forward.w2.weight": "Q6_K"}
 
 
-def write_block_gguf(path, params: dict, sp_model_path, kinds, seed: int = 0, tied: bool = False):
+def write_block_gguf(path, params: dict, sp_model_path, kinds, seed: int = 0, tied: bool = False, split: int = 0):
     """A random-weight llama GGUF (sentencepiece vocabulary from sp_model_path) whose matrices are random valid
     blocks: kinds(meta name) -> a GGUF type name (e.g. "Q4_K"), or a str for every matrix. Norms are F32."""
     import gguf
@@ -79,7 +79,7 @@ def write_block_gguf(path, params: dict, sp_model_path, kinds, seed: int = 0, ti
               "attention.wo.weight": (dim, dim), "feed_forward.w1.weight": (hidden, dim),
               "feed_forward.w2.weight": (dim, hidden), "feed_forward.w3.weight": (hidden, dim)}
     sp = spm.SentencePieceProcessor(model_file=str(sp_model_path))
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), "llama", split_max_tensors=split)  # split: files of at most that many tensors
     w.add_context_length(2048)
     w.add_embedding_length(dim)
     w.add_block_count(args.n_layers)

@@ -12,6 +12,7 @@ permutation), so they are used as they are.
 import json
 import math
 import mmap
+import re
 import sys
 import tempfile
 import warnings
@@ -43,7 +44,7 @@ def find_gguf(path) -> Optional[Path]:
     if path.is_file() and path.suffix == ".gguf":
         return path
     if path.is_dir() and not (path / "params.json").exists():
-        found = sorted(path.glob("*.gguf"))
+        found = sorted(p for p in path.glob("*.gguf") if not _later_part(p))  # a split file: its first part
         if len(found) > 1:
             raise ValueError(f"{path} holds {len(found)} .gguf files: pass the one to load")
         return found[0] if found else None
@@ -65,11 +66,53 @@ class _Reader(gguf.GGUFReader):
         self.memmap, self._plain = value, value.view(np.ndarray)
 
 
-def open_reader(path: Path):
+def _open_one(path: Path):
     try:
         return _Reader(str(path))
     except (ValueError, OSError, IndexError, KeyError) as e:  # the reader's errors for truncated/corrupt files
         raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {e}") from None
+
+
+class SplitReader:
+    """The parts of a split file (`name-00001-of-0000N.gguf`, gguf's `split.*` metadata) read as one: the first
+    part's metadata (the others carry only their split keys) and every part's tensors, each mapping its own file."""
+
+    def __init__(self, parts):
+        self.parts, self.fields = parts, parts[0].fields
+        self.tensors = [t for part in parts for t in part.tensors]
+
+
+_SPLIT = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
+
+
+def _later_part(path: Path) -> bool:
+    m = _SPLIT.match(path.name)
+    return m is not None and int(m.group(2)) != 1
+
+
+def open_reader(path: Path):
+    """gguf's reader of the file, or a SplitReader over every part when it is the first part of a split file."""
+    reader = _open_one(path)
+    count = reader.fields.get("split.count")
+    if count is None or int(count.contents()) <= 1:
+        return reader
+    count = int(count.contents())
+    m = _SPLIT.match(Path(path).name)
+    if m is None or int(m.group(2)) != 1:
+        raise ValueError(f"{path} is a part of a file split in {count}: pass its first part (...-00001-of-"
+                         f"{count:05d}.gguf)")
+    parts = [reader]
+    for i in range(2, count + 1):
+        part = Path(path).with_name(f"{m.group(1)}-{i:05d}-of-{count:05d}.gguf")
+        if not part.exists():
+            raise ValueError(f"{path}: part {i} of {count} ({part.name}) is missing")
+        parts.append(_open_one(part))
+    split = SplitReader(parts)
+    expected = reader.fields.get("split.tensors.count")
+    if expected is not None and int(expected.contents()) != len(split.tensors):
+        raise ValueError(f"{path}: its {count} parts hold {len(split.tensors)} tensors, the metadata says "
+                         f"{int(expected.contents())}")
+    return split
 
 
 def field(reader, key: str, default=None, path=None):
@@ -190,6 +233,11 @@ def release(reader, tensors, dtype: Optional[torch.dtype] = None) -> None:
     """Drop these tensors' file pages from this process's resident set once they are read (they stay in the page
     cache and fault back in if touched): loading layer by layer then never holds the whole file too. Tensors
     read in place as dtype keep theirs: they are the weights."""
+    if isinstance(reader, SplitReader):
+        for part in reader.parts:
+            mine = {id(t) for t in part.tensors}
+            release(part, [t for t in tensors if id(t) in mine], dtype)
+        return
     mm = getattr(getattr(reader, "memmap", reader.data), "_mmap", None)  # numpy.memmap's mmap object
     if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
         return

@@ -198,3 +198,19 @@ def test_two_ranks_each_take_their_blocks_and_give_the_greedy_ids_of_one(tmp_pat
     for rank in range(2):
         got = json.loads((tmp_path / f"out.{rank}.json").read_text())
         assert got["kinds"] == {"Q4_K": 8, "Q6_K": 5} and got["ids"] == one, (rank, got)
+
+
+def test_a_split_file_loads_as_one_model(q4km, tmp_path):
+    path = write_block_gguf(tmp_path / "split.gguf", PARAMS, need(STORIES / "tokenizer.model"), q4_k_m, split=7)
+    parts = sorted(tmp_path.glob("split-*-of-*.gguf"))
+    assert len(parts) == 3 and not path.exists()
+    whole = build(q4km).generate([PROMPT], max_gen_len=12, temperature=0)[0][0]
+    for given in (parts[0], tmp_path):  # the first part, or the folder holding the parts
+        gen = build(given)
+        assert gguf_quants.summary(gen.model) == {"Q4_K": 8, "Q6_K": 5}
+        assert gen.generate([PROMPT], max_gen_len=12, temperature=0)[0][0] == whole
+    with pytest.raises(ValueError, match="pass its first part"):
+        build(parts[1])
+    parts[2].unlink()
+    with pytest.raises(ValueError, match=r"part 3 of 3 \(split-00003-of-00003.gguf\) is missing"):
+        build(parts[0])
