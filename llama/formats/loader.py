@@ -182,8 +182,10 @@ def load(
     reader, params, tokenizer = read_parts(ckpt_dir, tokenizer_path, gguf_path)
     args = model_args(params, tokenizer, max_seq_len, max_batch_size, rope_scaling_factor,
                       f"{ckpt_dir}/params.json" if gguf_path is None else str(gguf_path), tokenizer_path or gguf_path)
-    # each rank holds about 1/(T x P) of the weights
-    memory.check_fits(args, dtype, quantize, group_size, compile, mp_size * pipeline_parallel_size, device)
+    # each rank holds about 1/(T x P) of the weights; a GGUF file run in its blocks holds about the file's size
+    # (mapped), which the estimate at dtype would overstate several times, so it is not checked (issue 36)
+    if staged or reader is None or not gguf_quants.runs_natively(reader, quantize, device):
+        memory.check_fits(args, dtype, quantize, group_size, compile, mp_size * pipeline_parallel_size, device)
     fuse = fuses(args, dtype, device, quantize, compile, mp_size * pipeline_parallel_size)
     if verify and gguf_path is None:
         checklist.verify_checklist(ckpt_dir)

@@ -214,3 +214,14 @@ def test_a_split_file_loads_as_one_model(q4km, tmp_path):
     parts[2].unlink()
     with pytest.raises(ValueError, match=r"part 3 of 3 \(split-00003-of-00003.gguf\) is missing"):
         build(parts[0])
+
+
+def test_a_compiled_step_calls_the_block_kernels_to_the_eager_ids(q4km, capfd):
+    """torch.compile traces the block products and the embedding lookup through their fake registrations
+    (llama/kernels/cpu.py) and calls our kernels on the layers' own bytes."""
+    eager = build(q4km).generate([PROMPT], max_gen_len=12, temperature=0)[0][0]
+    compiled = Llama.build(str(q4km), None, max_seq_len=64, max_batch_size=2, compile=True)
+    capfd.readouterr()
+    assert compiled.generate([PROMPT], max_gen_len=12, temperature=0)[0][0] == eager
+    out = capfd.readouterr()
+    assert "Compiling the decode step" in out.out + out.err
