@@ -29,6 +29,7 @@ class Settings:
     memory_limit: Optional[int]  # LLAMA_MEMORY_LIMIT in bytes: None reads MemAvailable
     cpu_kernels: bool  # LLAMA_CPU_KERNELS
     fused_decode: bool  # LLAMA_FUSED_DECODE
+    gguf_blocks: bool  # LLAMA_GGUF_BLOCKS
     int4_cache: bool  # LLAMA_INT4_CACHE
     compile_cache: bool  # LLAMA_COMPILE_CACHE
     offline: bool  # LLAMA_OFFLINE: never fetch the default model
@@ -89,6 +90,7 @@ def read() -> Settings:
         memory_limit=parse_bytes(_text("LLAMA_MEMORY_LIMIT")) if _text("LLAMA_MEMORY_LIMIT") else None,
         cpu_kernels=flag("LLAMA_CPU_KERNELS", True),
         fused_decode=flag("LLAMA_FUSED_DECODE", True),
+        gguf_blocks=flag("LLAMA_GGUF_BLOCKS", True),
         int4_cache=flag("LLAMA_INT4_CACHE", True),
         compile_cache=flag("LLAMA_COMPILE_CACHE", True),
         offline=flag("LLAMA_OFFLINE", False),

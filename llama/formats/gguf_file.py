@@ -1,8 +1,9 @@
 """GGUF files (llama.cpp's format: weights, hyperparameters, tokenizer and chat template in one file), read with
 the `gguf` package and turned into this package's parameters, Meta-named weights and tokenizer.
 
-Only the `llama` architecture is accepted. Quantized tensors (Q8_0, Q4_0, Q4_1) are dequantized at load, tensor
-by tensor, to the requested dtype; F32/F16/BF16 are cast, or, already in the requested dtype, used in place: the
+Only the `llama` architecture is accepted. Quantized tensors of any type gguf's numpy code dequantizes are, where
+they do not run in their own blocks (llama/formats/gguf_quants.py), dequantized at load, tensor by tensor, to the
+requested dtype; F32/F16/BF16 are cast, or, already in the requested dtype, used in place: the
 tensor maps the file's bytes (read-only, as Meta checkpoints are memory-mapped), so a bf16 file loads without a
 copy. llama.cpp's converter stores q/k rows in Meta's interleaved rotary order already (it undoes Hugging Face's
 permutation), so they are used as they are.
@@ -11,6 +12,8 @@ permutation), so they are used as they are.
 import json
 import math
 import mmap
+import re
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -26,7 +29,6 @@ from llama.formats.meta_checkpoint import save_checkpoint
 from llama.model import derive_ffn
 from llama.tokenizers import huggingface as tokenizer_hf
 
-SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 _GLOBAL = {"token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight",
            "output.weight": "output.weight"}
 _LAYER = {"attn_q.weight": "attention.wq.weight", "attn_k.weight": "attention.wk.weight",
@@ -42,7 +44,7 @@ def find_gguf(path) -> Optional[Path]:
     if path.is_file() and path.suffix == ".gguf":
         return path
     if path.is_dir() and not (path / "params.json").exists():
-        found = sorted(path.glob("*.gguf"))
+        found = sorted(p for p in path.glob("*.gguf") if not _later_part(p))  # a split file: its first part
         if len(found) > 1:
             raise ValueError(f"{path} holds {len(found)} .gguf files: pass the one to load")
         return found[0] if found else None
@@ -64,11 +66,53 @@ class _Reader(gguf.GGUFReader):
         self.memmap, self._plain = value, value.view(np.ndarray)
 
 
-def open_reader(path: Path):
+def _open_one(path: Path):
     try:
         return _Reader(str(path))
     except (ValueError, OSError, IndexError, KeyError) as e:  # the reader's errors for truncated/corrupt files
         raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {e}") from None
+
+
+class SplitReader:
+    """The parts of a split file (`name-00001-of-0000N.gguf`, gguf's `split.*` metadata) read as one: the first
+    part's metadata (the others carry only their split keys) and every part's tensors, each mapping its own file."""
+
+    def __init__(self, parts):
+        self.parts, self.fields = parts, parts[0].fields
+        self.tensors = [t for part in parts for t in part.tensors]
+
+
+_SPLIT = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
+
+
+def _later_part(path: Path) -> bool:
+    m = _SPLIT.match(path.name)
+    return m is not None and int(m.group(2)) != 1
+
+
+def open_reader(path: Path):
+    """gguf's reader of the file, or a SplitReader over every part when it is the first part of a split file."""
+    reader = _open_one(path)
+    count = reader.fields.get("split.count")
+    if count is None or int(count.contents()) <= 1:
+        return reader
+    count = int(count.contents())
+    m = _SPLIT.match(Path(path).name)
+    if m is None or int(m.group(2)) != 1:
+        raise ValueError(f"{path} is a part of a file split in {count}: pass its first part (...-00001-of-"
+                         f"{count:05d}.gguf)")
+    parts = [reader]
+    for i in range(2, count + 1):
+        part = Path(path).with_name(f"{m.group(1)}-{i:05d}-of-{count:05d}.gguf")
+        if not part.exists():
+            raise ValueError(f"{path}: part {i} of {count} ({part.name}) is missing")
+        parts.append(_open_one(part))
+    split = SplitReader(parts)
+    expected = reader.fields.get("split.tensors.count")
+    if expected is not None and int(expected.contents()) != len(split.tensors):
+        raise ValueError(f"{path}: its {count} parts hold {len(split.tensors)} tensors, the metadata says "
+                         f"{int(expected.contents())}")
+    return split
 
 
 def field(reader, key: str, default=None, path=None):
@@ -141,9 +185,10 @@ def read_tensors(tensors, path: Path, dtype: torch.dtype) -> Dict[str, torch.Ten
     state = {}
     for t in tensors:
         kind = t.tensor_type.name
-        if kind not in SUPPORTED:
+        if not readable(kind):
             raise ValueError(f"{path}: tensor {t.name} has type {kind}, which is not supported "
-                             f"(supported: {', '.join(SUPPORTED)})")
+                             f"(supported: {', '.join(supported())})")
+        note_dequantized(path, kind)
         shape = tensor_shape(t)
         try:
             values = mapped_tensor(t.data, dtype) if in_place(t, dtype) else dequantize_tensor(t.data, kind, dtype)
@@ -156,6 +201,30 @@ def read_tensors(tensors, path: Path, dtype: torch.dtype) -> Dict[str, torch.Ten
     return state
 
 
+def supported() -> Tuple[str, ...]:
+    """Every tensor type a file may hold: the float types and each block type gguf's numpy code dequantizes."""
+    from gguf.quants import _type_traits
+
+    return tuple(sorted({*_FLOAT, *(q.name for q in _type_traits)}))
+
+
+def readable(kind: str) -> bool:
+    return kind in supported()
+
+
+_noted = set()
+
+
+def note_dequantized(path: Path, kind: str) -> None:
+    """One line per file and block type that is dequantized at load rather than run in its own bits (our kernels run
+    llama/quantization/gguf_blocks.py's types on CPU; the others, and any type on a GPU or under quantize=, are
+    dequantized)."""
+    if kind in _FLOAT or (path, kind) in _noted:
+        return
+    _noted.add((path, kind))
+    print(f"note: {path.name}: {kind} tensors are dequantized at load", file=sys.stderr)
+
+
 def tensor_shape(t) -> Tuple[int, ...]:
     return tuple(int(n) for n in reversed(t.shape))  # GGUF lists the fastest dimension first
 
@@ -164,6 +233,11 @@ def release(reader, tensors, dtype: Optional[torch.dtype] = None) -> None:
     """Drop these tensors' file pages from this process's resident set once they are read (they stay in the page
     cache and fault back in if touched): loading layer by layer then never holds the whole file too. Tensors
     read in place as dtype keep theirs: they are the weights."""
+    if isinstance(reader, SplitReader):
+        for part in reader.parts:
+            mine = {id(t) for t in part.tensors}
+            release(part, [t for t in tensors if id(t) in mine], dtype)
+        return
     mm = getattr(getattr(reader, "memmap", reader.data), "_mmap", None)  # numpy.memmap's mmap object
     if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
         return

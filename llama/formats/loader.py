@@ -15,12 +15,13 @@ from llama.core.params import positive_int
 from llama.distributed import parallel, pipeline
 from llama.formats import checklist
 from llama.formats import gguf_file as gguf_checkpoint
+from llama.formats import gguf_quants
 from llama.formats import memory
 from llama.formats import meta_checkpoint as checkpoint
 from llama.formats import preload as residency
 from llama.formats import quantized_checkpoint as quant_checkpoint
 from llama.kernels import cpu as cpu_kernels
-from llama.layers import Fusable
+from llama.layers import Fusable, linear_layers
 from llama.model import ModelArgs, Transformer, check_model_parallel
 from llama.quantization import schemes as quantization
 from llama.tokenizers import huggingface as tokenizer_hf
@@ -79,6 +80,8 @@ def gguf_model(reader, path, args: ModelArgs, rank: int, world_size: int, device
     check_model_parallel(args, world_size)
     globals_, layers, shapes = gguf_checkpoint.layer_groups(reader, path)
     checkpoint.check_shapes(shapes, args, str(path))  # before any weight is dequantized
+    if gguf_quants.runs_natively(reader, quantize, device):  # quantized tensors kept in their own blocks
+        return gguf_quants.native_model(reader, path, args, rank, world_size, device, dtype, fuse)
     with torch.device("meta"):
         model = Transformer(args)
     # whole tensors already in dtype stay mapped on CPU, their pages kept (gguf_checkpoint.in_place); slices,
@@ -179,8 +182,10 @@ def load(
     reader, params, tokenizer = read_parts(ckpt_dir, tokenizer_path, gguf_path)
     args = model_args(params, tokenizer, max_seq_len, max_batch_size, rope_scaling_factor,
                       f"{ckpt_dir}/params.json" if gguf_path is None else str(gguf_path), tokenizer_path or gguf_path)
-    # each rank holds about 1/(T x P) of the weights
-    memory.check_fits(args, dtype, quantize, group_size, compile, mp_size * pipeline_parallel_size, device)
+    # each rank holds about 1/(T x P) of the weights; a GGUF file run in its blocks holds about the file's size
+    # (mapped), which the estimate at dtype would overstate several times, so it is not checked (issue 36)
+    if staged or reader is None or not gguf_quants.runs_natively(reader, quantize, device):
+        memory.check_fits(args, dtype, quantize, group_size, compile, mp_size * pipeline_parallel_size, device)
     fuse = fuses(args, dtype, device, quantize, compile, mp_size * pipeline_parallel_size)
     if verify and gguf_path is None:
         checklist.verify_checklist(ckpt_dir)
@@ -294,7 +299,9 @@ def float_model(ckpt_dir, args: ModelArgs, rank: int, mp_size: int, reader, gguf
     if tied:  # one Parameter for both, so moving to the device makes one copy, not two
         model.output.weight = model.tok_embeddings.weight
     model.eval()
-    prepare(model, device, dtype, quantize, group_size, fuse)  # what layer-by-layer loading has not done yet
+    native = any(isinstance(m.method, gguf_quants.gguf_blocks.GGUFBlocks) for m in linear_layers(model))
+    # what layer-by-layer loading has not done yet (block layers were fused by type as they loaded)
+    prepare(model, device, dtype, quantize, group_size, fuse and not native)
     if tied and not model.output.method.quantized:  # casting copied each: share the embedding again
         model.output.weight = model.tok_embeddings.weight
     return model

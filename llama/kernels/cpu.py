@@ -33,7 +33,8 @@ from llama import settings
 from llama.settings import cache_dir
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "decode_ops.cpp", CSRC / "decode_layers.cpp")  # one library
+SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "decode_ops.cpp", CSRC / "decode_layers.cpp",
+           CSRC / "gguf_blocks.cpp")  # one library
 HEADERS = (CSRC / "simd.h", CSRC / "ops.h")
 FLAGS = ("-O3", "-std=c++20", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp", "-w")
 BLOCK = 32  # activation block of the quantized kernels: inputs must be a multiple of it
@@ -134,7 +135,10 @@ def _register_fakes() -> None:
 
     for name, fake in (("int4_linear", lambda x, codes, scales, group: rows_out(x, codes.shape[0])),
                        ("int8_linear", lambda x, weight, scales: rows_out(x, weight.shape[0])),
-                       ("float_linear", lambda x, weight: rows_out(x, weight.shape[0]))):
+                       ("float_linear", lambda x, weight: rows_out(x, weight.shape[0])),
+                       ("gguf_linear", lambda x, weight, type: rows_out(x, weight.shape[0])),
+                       ("gguf_rows", lambda weight, ids, type: weight.new_empty(
+                           (ids.numel(), gguf_values(type, weight.shape[1])), dtype=torch.float32))):
         try:
             torch.library.register_fake(f"llama_cpu::{name}")(fake)
         except RuntimeError:  # registered already (a second import path)
@@ -201,6 +205,30 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> 
             weight[n0:n1], scales[n0:n1]))
     y = torch.ops.llama_cpu.int8_linear(_rows(x), weight, scales)
     return y.view(*x.shape[:-1], -1).to(x.dtype)
+
+
+# GGUF block formats our kernels run (llama/kernels/csrc/gguf_blocks.cpp): ggml type id -> (values, bytes) per block
+GGUF_BLOCKS = {8: (32, 34), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 20: (32, 18), 12: (256, 144),
+               13: (256, 176), 14: (256, 210), 23: (256, 136)}
+
+
+def gguf_values(qtype: int, row_bytes: int) -> int:
+    """How many values a row of row_bytes bytes of GGUF blocks of type qtype holds."""
+    values, nbytes = GGUF_BLOCKS[qtype]
+    return row_bytes // nbytes * values
+
+
+def gguf_linear(x: torch.Tensor, weight: torch.Tensor, qtype: int) -> torch.Tensor:
+    """x @ W.T for W held as GGUF blocks of ggml type qtype, (N, row bytes) uint8; x quantized to int8 blocks as
+    llama.cpp does (32 values for the 32-value formats, 256 for the K- and i-quants); result in x's dtype."""
+    y = torch.ops.llama_cpu.gguf_linear(_rows(x), weight, qtype)
+    return y.view(*x.shape[:-1], -1).to(x.dtype)
+
+
+def gguf_rows(weight: torch.Tensor, ids: torch.Tensor, qtype: int) -> torch.Tensor:
+    """Rows `ids` of a GGUF-block matrix, dequantized to fp32, shaped (*ids.shape, K): an embedding lookup."""
+    out = torch.ops.llama_cpu.gguf_rows(weight, ids.reshape(-1), qtype)
+    return out.view(*ids.shape, -1)
 
 
 def float_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

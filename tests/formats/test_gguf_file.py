@@ -2,8 +2,10 @@
 template) reproduces the independent fp32 goldens token for token, alone, batched and through the engine; its
 embedded tokenizer and chat template give the golden ids; and bad files fail with errors naming the file."""
 
+import contextlib
 import json
 import mmap
+import os
 from pathlib import Path
 
 import numpy as np
@@ -16,10 +18,28 @@ GGUF = SHARED / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1
 GOLDENS = SHARED / "goldens" / "smollm2_greedy.json"
 
 
+@contextlib.contextmanager
+def dequantizing():
+    """Loads that dequantize the file's blocks (LLAMA_GGUF_BLOCKS=0): the fp32 model the goldens and transformers
+    compute, where running the blocks natively quantizes activations to int8 as llama.cpp does
+    (tests/quantization/test_gguf_blocks.py)."""
+    from llama import settings
+
+    old = os.environ.get("LLAMA_GGUF_BLOCKS")
+    os.environ["LLAMA_GGUF_BLOCKS"] = "0"
+    settings.reset()
+    try:
+        yield
+    finally:
+        os.environ.pop("LLAMA_GGUF_BLOCKS") if old is None else os.environ.__setitem__("LLAMA_GGUF_BLOCKS", old)
+        settings.reset()
+
+
 @pytest.fixture(scope="module")
 def smol():
     pytest.importorskip("gguf", reason="the gguf package reads GGUF files")
-    return Llama.build(str(need(GGUF)), None, max_seq_len=256, max_batch_size=3, compile=False)
+    with dequantizing():
+        return Llama.build(str(need(GGUF)), None, max_seq_len=256, max_batch_size=3, compile=False)
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +212,7 @@ def test_gguf_under_model_parallel_gives_the_goldens(golden, tmp_path):
 
 
     (tmp_path / "run.py").write_text(MP_SCRIPT)
-    env = rank_env(3)
+    env = {**rank_env(3), "LLAMA_GGUF_BLOCKS": "0"}  # the fp32 goldens: dequantized (see dequantizing())
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "3",
                            str(tmp_path / "run.py"), str(need(GGUF)), str(GOLDENS), str(tmp_path / "out")],
                           env=env, capture_output=True, text=True, timeout=600)
@@ -300,7 +320,8 @@ def test_quantized_load_streams_layer_by_layer_to_the_same_weights_as_quantizing
 
     q = Llama.build(str(GGUF), None, max_seq_len=256, max_batch_size=1, compile=False, quantize=scheme)
     dtype = quantization.activation_dtype(scheme) or torch.float32
-    ref = Llama.build(str(GGUF), None, max_seq_len=256, max_batch_size=1, compile=False, dtype=dtype)
+    with dequantizing():
+        ref = Llama.build(str(GGUF), None, max_seq_len=256, max_batch_size=1, compile=False, dtype=dtype)
     quantization.quantize(ref.model, scheme)
     ours, theirs = dict(q.model.named_parameters()), dict(ref.model.named_parameters())
     assert ours.keys() == theirs.keys() and any(p.dtype in (torch.int8, torch.uint8) for p in ours.values())
@@ -352,7 +373,7 @@ def test_a_quantized_load_of_a_q8_0_file_peaks_below_a_bf16_load(stories_dir, tm
     peaks = {}
     for q in ("none", "int8"):
         out = subprocess.run([sys.executable, "-c", PEAK_PROBE, str(path), q], capture_output=True, text=True,
-                             env=rank_env(1), cwd=REPO, timeout=300)
+                             env={**rank_env(1), "LLAMA_GGUF_BLOCKS": "0"}, cwd=REPO, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
         peaks[q] = json.loads(out.stdout.strip().splitlines()[-1])["peak"]
     assert peaks["int8"] < peaks["none"] - 0.1 * bf16_bytes, (peaks, bf16_bytes)

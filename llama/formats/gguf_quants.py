@@ -1,0 +1,154 @@
+"""A GGUF file's quantized tensors kept in their own block formats (llama/quantization/gguf_blocks.py) instead of
+dequantized at load: the model's layers hold the file's bytes (memory-mapped where a tensor is used whole, copied
+where it is sliced for model parallel or fused), so loading a Q4_K_M file takes about the file's size in memory.
+
+Used on CPU where our kernels are built and no quantize= scheme is asked for (quantize= on a quantized file
+re-quantizes: its blocks are dequantized layer by layer and quantized to the scheme, as before). Tensors of types
+our kernels do not run (Q2_K, Q3_K, the other i-quants, F16/F32 norms) are dequantized as gguf_file reads them.
+"""
+
+from typing import Dict, List, Optional
+
+import torch
+
+from llama import settings
+from llama.formats import gguf_file
+from llama.formats.meta_checkpoint import parallel_dim, split_tensor
+from llama.kernels import cpu as cpu_kernels
+from llama.layers import Fusable
+from llama.model import Transformer
+from llama.quantization import gguf_blocks
+
+
+def runs_natively(reader, quantize: Optional[str], device) -> bool:
+    """Whether a load of this file keeps its quantized tensors as blocks: CPU, our kernels, no quantize=,
+    LLAMA_GGUF_BLOCKS not off, and a tensor of a type they run."""
+    return (quantize is None and torch.device(device).type == "cpu" and settings.get().gguf_blocks
+            and cpu_kernels.available() and any(native_type(t) is not None for t in reader.tensors))
+
+
+def native_type(t) -> Optional[int]:
+    qtype = int(t.tensor_type)
+    return qtype if qtype in gguf_blocks.NAMES else None
+
+
+def blocks(t) -> torch.Tensor:
+    """Reader tensor t's bytes as (rows, row bytes) uint8, mapping the file (no copy)."""
+    data = t.data
+    return gguf_file.mapped_tensor(data, torch.uint8).view(-1, data.shape[-1])
+
+
+def shard(name: str, t, b: torch.Tensor, rank: int, world: int, path) -> torch.Tensor:
+    """Rank `rank`'s part of blocks b (Meta name `name`): whole output rows for column-parallel weights, whole
+    blocks of every row for row-parallel ones (refused where the inputs do not split into whole blocks)."""
+    dim = parallel_dim(name)
+    if dim is None or world == 1:
+        return b
+    if dim == 0:
+        rows = b.shape[0] // world
+        return b[rank * rows : (rank + 1) * rows].clone()
+    values, nbytes = cpu_kernels.GGUF_BLOCKS[int(t.tensor_type)]
+    inputs = gguf_blocks.values_per_row(int(t.tensor_type), b.shape[1])
+    if (inputs // world) % values:
+        raise ValueError(f"{path}: tensor {t.name} ({t.tensor_type.name}) has {inputs} inputs in blocks of {values}: "
+                         f"model parallel size {world} would give each rank {inputs / world:g} inputs, not whole "
+                         "blocks (uneven splits are not supported: use another model parallel size, or "
+                         "quantize= to re-quantize)")
+    width = b.shape[1] // world
+    return b[:, rank * width : (rank + 1) * width].contiguous()
+
+
+def native_model(reader, path, args, rank: int, world: int, device, dtype: torch.dtype,
+                 fuse: bool) -> Transformer:
+    """This rank's model with the file's native-type tensors as blocks, layer by layer (gguf_file.layer_groups);
+    pages of tensors that were dequantized, sliced or fused are released as each layer is done."""
+    from tqdm import tqdm
+
+    globals_, layers, shapes = gguf_file.layer_groups(reader, path)
+    with torch.device("meta"):
+        model = Transformer(args)
+    load_tensors(model, globals_, "", path, dtype, rank, world)
+    if "output.weight" not in shapes:
+        tie_output(model, globals_, path, dtype, rank, world)
+    finish(model.output, dtype, fuse)
+    finish(model.norm, dtype, fuse)
+    release_unused(reader, globals_, model)
+    big = sum(int(t.n_bytes) for t in reader.tensors) > 1 << 30
+    for i in tqdm(range(args.n_layers), desc=f"loading {path.name}", unit="layer", disable=not big):
+        load_tensors(model.layers[i], layers.get(i, []), f"layers.{i}.", path, dtype, rank, world)
+        finish(model.layers[i], dtype, fuse)
+        release_unused(reader, layers.get(i, []), model.layers[i])
+    empty = [n for n, p in model.named_parameters() if p.is_meta]
+    if empty:
+        raise ValueError(f"{path}: the file lacks {', '.join(empty[:4])}")
+    return model.eval()
+
+
+def load_tensors(module, tensors: List, prefix: str, path, dtype, rank: int, world: int) -> None:
+    """Put these reader tensors (Meta names starting with prefix) into module: native-type matrices as blocks,
+    the rest dequantized or cast by gguf_file.read_tensors."""
+    plain, state = [], {}
+    for t in tensors:
+        name = gguf_file.meta_name(t.name, path)
+        qtype = native_type(t)
+        if qtype is None or parallel_dim(name) is None:
+            plain.append(t)
+            continue
+        b = blocks(t)
+        if name == "tok_embeddings.weight":
+            module.tok_embeddings = gguf_blocks.BlockEmbedding(b, qtype, world)
+        else:
+            module.get_submodule(name[len(prefix) : -len(".weight")]).take(gguf_blocks.method(qtype),
+                                                                           shard(name, t, b, rank, world, path))
+    for name, value in gguf_file.read_tensors(plain, path, dtype).items():
+        state[name[len(prefix):]] = split_tensor(name, value, rank, world)
+    missing, unexpected = module.load_state_dict(state, strict=False, assign=True)
+    if unexpected:
+        raise ValueError(f"{path}: tensors {unexpected} do not belong to the model")
+
+
+def tie_output(model, globals_, path, dtype, rank: int, world: int) -> None:
+    """No output.weight: the output is the embedding table (blocks shared at world size 1, its rows cut above)."""
+    emb = model.tok_embeddings
+    if isinstance(emb, gguf_blocks.BlockEmbedding):
+        b = emb.weight.data
+        rows = b.shape[0] // world
+        part = b if world == 1 else b[rank * rows : (rank + 1) * rows].clone()
+        model.output.take(gguf_blocks.method(emb.qtype), part)
+        return
+    t = next(t for t in globals_ if gguf_file.meta_name(t.name, path) == "tok_embeddings.weight")
+    full = gguf_file.read_tensors([t], path, dtype)["tok_embeddings.weight"]
+    model.output.weight = torch.nn.Parameter(split_tensor("output.weight", full, rank, world), requires_grad=False)
+
+
+def finish(module, dtype: torch.dtype, fuse: bool) -> None:
+    """Fuse q/k/v and gate/up where their types agree (a Q4_K_M file's Q6_K v stays apart from its Q4_K q and k),
+    and cast the floating tensors (norms, dequantized matrices) to dtype."""
+    if fuse:
+        for m in module.modules():
+            if isinstance(m, Fusable) and not m.fused:
+                kinds = {type(getattr(m, n).method) for names in m.FUSED.values() for n in names}
+                if len(kinds) == 1:
+                    m.fuse()
+    for m in module.modules():
+        if not isinstance(m, gguf_blocks.BlockEmbedding):
+            for name, p in m.named_parameters(recurse=False):
+                if p.is_floating_point() and p.dtype != dtype and name != "scales":
+                    setattr(m, name, torch.nn.Parameter(p.to(dtype), requires_grad=False))
+
+
+def release_unused(reader, tensors: List, module) -> None:
+    """Release the file pages of these tensors unless the module holds them as they are (mapped blocks, or
+    in-place floats)."""
+    held = {p.untyped_storage().data_ptr() for p in module.parameters() if not p.is_meta}
+    gguf_file.release(reader, [t for t in tensors if t.data.ctypes.data not in held])
+
+
+def summary(model) -> Dict[str, int]:
+    """How many linear layers hold each block type (for notes and tests)."""
+    counts: Dict[str, int] = {}
+    for m in model.modules():
+        method = getattr(m, "method", None)
+        if isinstance(method, gguf_blocks.GGUFBlocks):
+            counts[gguf_blocks.NAMES[method.qtype]] = counts.get(gguf_blocks.NAMES[method.qtype], 0) + 1
+    return counts

@@ -1,0 +1,76 @@
+"""Weights in GGUF's own block formats (Q8_0, Q4_K, Q6_K ... as llama.cpp's files hold them), multiplied in our CPU
+kernels without dequantizing: a layer holds its (N, row bytes) uint8 blocks, memory-mapped from the file or sliced
+from it, and its method knows their ggml type (llama/kernels/csrc/gguf_blocks.cpp).
+
+Why: a Q4_K_M file of a 7B model is 4 GB; dequantized it is 13.5 GB in bf16 and runs at bf16's speed. Kept as the
+file's blocks, it is read at its own size, as llama.cpp reads it. Activations are quantized to int8 blocks as llama.cpp
+does (Q8_0 for the 32-value formats, Q8_K for the super-block formats), so a product is the dequantized weights times
+those activations, to fp32 rounding, and a row's result never depends on its batch.
+
+Each type has its own method class, so fusing (llama/layers.py fuse_columns) only concatenates projections of one
+type: a Q4_K_M file keeps its Q6_K projections apart from its Q4_K ones.
+"""
+
+from functools import lru_cache
+
+import torch
+from torch import nn
+
+from llama.kernels import cpu as cpu_kernels
+from llama.layers import LinearMethod
+
+# ggml type ids our kernels run (gguf.GGMLQuantizationType) -> their names
+NAMES = {8: "Q8_0", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 20: "IQ4_NL", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K",
+         23: "IQ4_XS"}
+
+
+class GGUFBlocks(LinearMethod):
+    """A weight as GGUF blocks of one ggml type (`qtype`), (N, row bytes) uint8 in layer.weight."""
+
+    quantized = True
+    qtype = -1
+
+    def apply(self, layer, x):
+        return cpu_kernels.gguf_linear(x, layer.weight, self.qtype)
+
+    def in_our_kernels(self, layer):
+        return layer.weight.device.type == "cpu"
+
+    def __repr__(self) -> str:
+        return f"GGUFBlocks({NAMES[self.qtype]})"
+
+
+@lru_cache(maxsize=None)
+def method_class(qtype: int) -> type:
+    return type(f"GGUFBlocks_{NAMES[qtype]}", (GGUFBlocks,), {"qtype": qtype})
+
+
+def method(qtype: int) -> GGUFBlocks:
+    """The method for weights of ggml type qtype (one class per type, so only equal types fuse)."""
+    if qtype not in NAMES:
+        raise ValueError(f"ggml type {qtype} is not run natively (natively: {', '.join(NAMES.values())})")
+    return method_class(qtype)()
+
+
+def values_per_row(qtype: int, row_bytes: int) -> int:
+    return cpu_kernels.gguf_values(qtype, row_bytes)
+
+
+class BlockEmbedding(nn.Module):
+    """An embedding table kept as GGUF blocks: a lookup dequantizes only the rows it reads (fp32; the model casts
+    them). Every rank holds the whole table (it is the file's size, not a dequantized copy), so under model parallel
+    the rows need no gather."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: int, mp: int = 1):
+        super().__init__()
+        self.weight = nn.Parameter(blocks, requires_grad=False)
+        self.qtype, self.mp = qtype, mp
+        self.num_embeddings = blocks.shape[0]
+        self.embedding_dim = values_per_row(qtype, blocks.shape[1])
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.gguf_rows(self.weight, tokens, self.qtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {NAMES[self.qtype]}"
+

@@ -1,0 +1,124 @@
+"""Random valid GGUF blocks of every block format (gguf 0.19 cannot quantize to K- or i-quants, so tests build the
+bytes): random bytes are valid blocks once their fp16 scales are finite and small."""
+
+import numpy as np
+import torch
+
+# ggml type name -> byte offsets of the block's fp16 fields (scales, and mins where the format has them)
+HALF_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "IQ4_NL": (0,),
+               "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,), "Q2_K": (80, 82), "Q3_K": (108,)}
+
+
+def random_blocks(kind: str, rows: int, cols: int, seed: int = 0, std=None) -> np.ndarray:
+    """(rows, row bytes) uint8: rows of `cols` values of GGUF type `kind`, random but valid; with std, the fp16
+    scales (and mins) are shrunk so the dequantized values have about that standard deviation."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    values, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, size=(rows, cols // values, nbytes), dtype=np.uint8)
+    for offset in HALF_FIELDS[kind]:
+        half = rng.uniform(0.002, 0.02, size=(rows, cols // values)).astype(np.float16)
+        if offset == 0 and kind not in ("Q4_K", "Q5_K", "Q2_K"):
+            half *= rng.choice(np.array([-1, 1], dtype=np.float16), size=half.shape)
+        data[:, :, offset : offset + 2] = half.view(np.uint8).reshape(rows, -1, 2)
+    if std is not None:
+        factor = std / float(dequantized(data.reshape(rows, -1), kind).std())
+        for offset in HALF_FIELDS[kind]:
+            half = data[:, :, offset : offset + 2].copy().view(np.float16)
+            data[:, :, offset : offset + 2] = (half.astype(np.float32) * factor).astype(np.float16).view(np.uint8)
+    return data.reshape(rows, -1)
+
+
+def dequantized(blocks: np.ndarray, kind: str) -> torch.Tensor:
+    """gguf's own numpy dequantization of these blocks, as fp32 (rows, cols)."""
+    import gguf
+    from gguf.quants import dequantize
+
+    return torch.from_numpy(np.ascontiguousarray(dequantize(blocks, gguf.GGMLQuantizationType[kind])))
+
+
+def act_block(kind: str) -> int:
+    """The activation block our kernels quantize x in for weights of this type: llama.cpp's Q8_0 or Q8_K."""
+    return 256 if kind.endswith("_K") or kind == "IQ4_XS" else 32
+
+
+def quantized_activations(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x (M, K) as our kernels see it: int8 codes per block (d = amax / 127, round half to even) times d, fp64."""
+    xb = x.float().reshape(x.shape[0], -1, block)
+    d = xb.abs().amax(-1, keepdim=True) / 127.0
+    codes = torch.where(d > 0, torch.round(xb / torch.where(d > 0, d, 1.0)), torch.zeros_like(xb))
+    return (codes.double() * d.double()).reshape(x.shape)
+
+
+MATRICES = {"tok_embeddings.weight": "token_embd.weight", "output.weight": "output.weight",
+            "attention.wq.weight": "attn_q.weight", "attention.wk.weight": "attn_k.weight",
+            "attention.wv.weight": "attn_v.weight", "attention.wo.weight": "attn_output.weight",
+            "feed_forward.w1.weight": "ffn_gate.weight", "feed_forward.w2.weight": "ffn_down.weight",
+            "feed_forward.w3.weight": "ffn_up.weight"}
+# llama.cpp's Q4_K_M mixture, in little: Q6_K embedding/output, v and down projections, Q4_K elsewhere
+Q4_K_M = {"tok_embeddings.weight": "Q6_K", "output.weight": "Q6_K", "attention.wv.weight": "Q6_K",
+          "feed_forward.w2.weight": "Q6_K"}
+
+
+def write_block_gguf(path, params: dict, sp_model_path, kinds, seed: int = 0, tied: bool = False, split: int = 0):
+    """A random-weight llama GGUF (sentencepiece vocabulary from sp_model_path) whose matrices are random valid
+    blocks: kinds(meta name) -> a GGUF type name (e.g. "Q4_K"), or a str for every matrix. Norms are F32."""
+    import gguf
+    import sentencepiece as spm
+
+    from llama.model import ModelArgs
+
+    kind_of = (lambda name: kinds) if isinstance(kinds, str) else kinds
+    args = ModelArgs.from_params(params)
+    dim, hidden, hd = args.dim, args.hidden_dim, args.dim // args.n_heads
+    kv = (args.n_kv_heads or args.n_heads) * hd
+    shapes = {"tok_embeddings.weight": (args.vocab_size, dim), "output.weight": (args.vocab_size, dim),
+              "attention.wq.weight": (dim, dim), "attention.wk.weight": (kv, dim), "attention.wv.weight": (kv, dim),
+              "attention.wo.weight": (dim, dim), "feed_forward.w1.weight": (hidden, dim),
+              "feed_forward.w2.weight": (dim, hidden), "feed_forward.w3.weight": (hidden, dim)}
+    sp = spm.SentencePieceProcessor(model_file=str(sp_model_path))
+    w = gguf.GGUFWriter(str(path), "llama", split_max_tensors=split)  # split: files of at most that many tensors
+    w.add_context_length(2048)
+    w.add_embedding_length(dim)
+    w.add_block_count(args.n_layers)
+    w.add_feed_forward_length(hidden)
+    w.add_head_count(args.n_heads)
+    w.add_head_count_kv(args.n_kv_heads or args.n_heads)
+    w.add_layer_norm_rms_eps(args.norm_eps)
+    w.add_rope_dimension_count(hd)
+    n = sp.vocab_size()
+    w.add_tokenizer_model("llama")
+    w.add_token_list([sp.id_to_piece(i) for i in range(n)])
+    w.add_token_scores([sp.get_score(i) for i in range(n)])
+    w.add_token_types([3 if sp.is_control(i) else 2 if sp.is_unknown(i) else 6 if sp.is_byte(i) else 1
+                       for i in range(n)])
+    w.add_bos_token_id(sp.bos_id())
+    w.add_eos_token_id(sp.eos_id())
+    rng = np.random.default_rng(seed)
+
+    def add(gname, meta, i):
+        rows, cols = shapes[meta]
+        kind = kind_of(meta)
+        data = random_blocks(kind, rows, cols, seed=seed * 1000 + i, std=(1.0 if 'tok_emb' in meta else cols ** -0.5))
+        w.add_tensor(gname, data, raw_dtype=gguf.GGMLQuantizationType[kind])
+
+    count = 0
+    for meta in ("tok_embeddings.weight", *(() if tied else ("output.weight",))):
+        add(MATRICES[meta], meta, count)
+        count += 1
+    w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(dim)).astype(np.float32))
+    for layer in range(args.n_layers):
+        for meta, gname in MATRICES.items():
+            if not meta.startswith(("attention.", "feed_forward.")):
+                continue
+            add(f"blk.{layer}.{gname}", meta, count)
+            count += 1
+        for gname in ("attn_norm.weight", "ffn_norm.weight"):
+            w.add_tensor(f"blk.{layer}.{gname}", (1 + 0.1 * rng.standard_normal(dim)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -1,0 +1,227 @@
+"""GGUF files whose matrices are K-quants, i-quants and the 32-value block formats run in their own blocks
+(llama/formats/gguf_quants.py, llama/quantization/gguf_blocks.py): the model's logits are the dequantized weights
+times our int8 activations to fp32 rounding, greedy ids equal the dequantized model's, batches do not change a
+row's result, and loading takes about the file's size in memory."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO, STORIES, need, rank_env
+from gguf_blocks_data import Q4_K_M, act_block, dequantized, quantized_activations, write_block_gguf
+
+from llama import Llama
+from llama.formats import gguf_quants
+from llama.kernels import cpu as cpu_kernels
+from llama.quantization import gguf_blocks
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="our CPU kernels are not built here")
+
+PARAMS = {"dim": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 256, "norm_eps": 1e-5,
+          "vocab_size": 512}
+PROMPT = [1, 20, 30, 40]
+
+
+def q4_k_m(name):
+    return Q4_K_M.get(name, "Q4_K")
+
+
+def build(path, **kw):
+    return Llama.build(str(path), None, max_seq_len=64, max_batch_size=2, compile=False, **kw)
+
+
+def reference_apply(self, layer, x):
+    """A block layer's product as gguf's dequantized weights times our int8 activations, in fp64."""
+    kind = gguf_blocks.NAMES[self.qtype]
+    w = dequantized(layer.weight.numpy(), kind).double()
+    rows = x.reshape(-1, x.shape[-1])
+    return (quantized_activations(rows, act_block(kind)) @ w.T).float().view(*x.shape[:-1], -1).to(x.dtype)
+
+
+def check_exact(gen, monkeypatch, seq):
+    """Every block product of a forward pass over seq equals reference_apply on the same input, to fp32 rounding
+    (compared product by product: over a whole model one activation code rounded the other way at an exact half
+    would carry its 1/254 on)."""
+    errors = []
+    ours = gguf_blocks.GGUFBlocks.apply
+
+    def both(self, layer, x):
+        y, ref = ours(self, layer, x), reference_apply(self, layer, x)
+        errors.append(((y - ref).abs().max() / ref.abs().max()).item())
+        return y
+
+    with monkeypatch.context() as m:
+        m.setattr(gguf_blocks.GGUFBlocks, "apply", both)
+        gen.model(torch.tensor([seq]), 0)
+    assert len(errors) >= 4 * len(gen.model.layers) + 1 and max(errors) < 1e-6, errors
+
+
+@pytest.fixture(scope="module")
+def q4km(tmp_path_factory):
+    return write_block_gguf(tmp_path_factory.mktemp("blocks") / "q4km.gguf", PARAMS, need(STORIES / "tokenizer.model"),
+                            q4_k_m)
+
+
+def test_a_q4_k_m_file_runs_in_its_blocks_exactly_and_greedy_ids_equal_the_dequantized_model(q4km, monkeypatch):
+    gen = build(q4km)
+    # Q6_K embedding, output, v and down; Q4_K q, k, out and the fused gate/up (q and k do not fuse with a Q6_K v)
+    assert gguf_quants.summary(gen.model) == {"Q4_K": 8, "Q6_K": 5}
+    assert isinstance(gen.model.tok_embeddings, gguf_blocks.BlockEmbedding)
+    assert gen.model.layers[0].feed_forward.w13 is not None and gen.model.layers[0].attention.wqkv is None
+    from llama.formats import preload
+
+    if preload.file_mappings():  # an unfused layer's blocks are the file's pages, not a copy
+        wv = gen.model.layers[0].attention.wv.weight
+        in_file = [s.data_ptr() for s in preload.mapped_storages([wv], preload.file_mappings())]
+        assert wv.dtype == torch.uint8 and wv.untyped_storage().data_ptr() in in_file
+    ids = gen.generate([PROMPT], max_gen_len=20, temperature=0)[0][0]
+    check_exact(gen, monkeypatch, PROMPT + ids)
+    with monkeypatch.context() as m:
+        m.setattr(gguf_quants, "runs_natively", lambda *a: False)  # the dequantized load (a GPU's)
+        ref = build(q4km)
+    assert gguf_quants.summary(ref.model) == {} and ref.model.output.weight.dtype == torch.float32
+    assert ref.generate([PROMPT], max_gen_len=20, temperature=0)[0][0] == ids
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q6_K", "Q5_K", "Q4_0", "IQ4_XS", "IQ4_NL", "Q5_0", "Q4_1",
+                                  "Q5_1"])
+def test_every_native_format_gives_dequantized_weights_times_int8_activations(kind, tmp_path, monkeypatch):
+    path = write_block_gguf(tmp_path / f"{kind}.gguf", PARAMS, need(STORIES / "tokenizer.model"), kind, tied=True)
+    gen = build(path)
+    assert gguf_quants.summary(gen.model) == {kind: 9}  # wqkv, wo, w13, w2 in 2 layers, and the tied output
+    assert gen.model.output.weight.data_ptr() == gen.model.tok_embeddings.weight.data_ptr()
+    check_exact(gen, monkeypatch, PROMPT + list(range(50, 60)))
+
+
+def test_a_rows_tokens_do_not_depend_on_its_batch(q4km):
+    gen = build(q4km)
+    prompts = [PROMPT, [1, 99, 7, 300, 12, 5]]
+    batch = [r[0] if isinstance(r, tuple) else r for r in gen.generate(prompts, max_gen_len=12, temperature=0)[0]]
+    for prompt, ids in zip(prompts, batch):
+        assert gen.generate([prompt], max_gen_len=12, temperature=0)[0][0] == ids
+
+
+def test_quantize_on_a_block_file_requantizes_its_dequantized_weights(q4km):
+    gen = build(q4km, quantize="int8")
+    assert gguf_quants.summary(gen.model) == {}
+    assert all(m.method.scheme == "int8" for m in gen.model.modules() if hasattr(m, "method"))
+
+
+def test_types_our_kernels_do_not_run_load_dequantized_with_a_note(tmp_path, capfd):
+    kinds = {"attention.wq.weight": "Q3_K", "feed_forward.w1.weight": "Q2_K"}
+    path = write_block_gguf(tmp_path / "mixed.gguf", PARAMS, need(STORIES / "tokenizer.model"),
+                            lambda n: kinds.get(n, "Q4_K"))
+    gen = build(path)
+    err = capfd.readouterr().err
+    assert "mixed.gguf: Q3_K tensors are dequantized at load" in err and "Q2_K" in err and "Q4_K tensors" not in err
+    assert gen.model.layers[0].attention.wq.weight.dtype == torch.float32
+    assert gguf_quants.summary(gen.model)["Q4_K"] > 0
+    assert len(gen.generate([PROMPT], max_gen_len=4, temperature=0)[0][0]) == 4
+
+
+def test_the_gpu_path_dequantizes_instead():
+    class Reader:
+        tensors = []
+
+    assert not gguf_quants.runs_natively(Reader(), None, "cuda")
+    assert not gguf_quants.runs_natively(Reader(), "int8", "cpu")
+
+
+PEAK_PROBE = """
+import json, sys
+from llama import Llama
+hwm = lambda: int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1]) * 1024
+peaks = []
+for path in sys.argv[1:]:  # a tiny file first: what any load costs besides the weights is then in the base
+    base = hwm()
+    g = Llama.build(path, None, max_seq_len=16, max_batch_size=1, compile=False, dtype="bfloat16", preload=True)
+    out = g.generate([[1, 5, 6]], max_gen_len=2, temperature=0)
+    peaks.append(hwm() - base)
+    del g
+print(json.dumps({"peak": peaks[-1]}))
+"""
+
+
+def test_loading_a_q4_k_m_file_peaks_within_1_15x_its_size(q4km, tmp_path):
+    """The weights are the file's pages (or copies of them, their pages released): a dequantizing load would
+    take 3.5x (bf16) the file."""
+    params = {**PARAMS, "dim": 2048, "n_layers": 6, "n_heads": 16, "n_kv_heads": 16, "vocab_size": 512}
+    path = write_block_gguf(tmp_path / "big.gguf", params, need(STORIES / "tokenizer.model"), q4_k_m)
+    size = path.stat().st_size
+    out = subprocess.run([sys.executable, "-c", PEAK_PROBE, str(q4km), str(path)], capture_output=True, text=True,
+                         env=rank_env(1), cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    peak = json.loads(out.stdout.strip().splitlines()[-1])["peak"]
+    assert peak <= 1.15 * size, (peak, size)
+
+
+def test_a_row_parallel_split_off_block_boundaries_is_refused_naming_the_tensor(q4km):
+    from llama.formats import gguf_file
+
+    reader = gguf_file.open_reader(q4km)
+    t = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")  # 768 inputs: 3 super-blocks
+    b = gguf_quants.blocks(t)
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_down\.weight \(Q6_K\) has 768 inputs in blocks of 256: "
+                                         r"model parallel size 2 would give each rank 384 inputs"):
+        gguf_quants.shard("layers.0.feed_forward.w2.weight", t, b, 0, 2, q4km)
+    halves = [gguf_quants.shard("layers.0.attention.wo.weight", t, b, r, 3, q4km) for r in range(3)]
+    assert torch.equal(torch.cat(halves, dim=1), b)  # 3 ranks: one super-block each
+
+
+MP_SCRIPT = """
+import json, sys
+import torch
+import torch.distributed as dist
+from llama import Llama
+from llama.formats import gguf_quants
+torch.set_num_threads(1)
+path, out = sys.argv[1:]
+g = Llama.build(path, None, max_seq_len=64, max_batch_size=2, device="cpu", compile=False)
+ids = g.generate([[1, 20, 30, 40], [1, 99, 7]], max_gen_len=12, temperature=0)[0]
+json.dump({"ids": ids, "kinds": gguf_quants.summary(g.model)}, open(f"{out}.{dist.get_rank()}.json", "w"))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_two_ranks_each_take_their_blocks_and_give_the_greedy_ids_of_one(tmp_path):
+    params = {**PARAMS, "dim": 512, "n_heads": 8, "n_kv_heads": 4, "multiple_of": 512}  # FFN 1536: 3 blocks a rank
+    path = write_block_gguf(tmp_path / "mp.gguf", params, need(STORIES / "tokenizer.model"), q4_k_m)
+    one = build(path).generate([[1, 20, 30, 40], [1, 99, 7]], max_gen_len=12, temperature=0)[0]
+    (tmp_path / "run.py").write_text(MP_SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(tmp_path / "run.py"), str(path), str(tmp_path / "out")],
+                          env=rank_env(2), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in range(2):
+        got = json.loads((tmp_path / f"out.{rank}.json").read_text())
+        assert got["kinds"] == {"Q4_K": 8, "Q6_K": 5} and got["ids"] == one, (rank, got)
+
+
+def test_a_split_file_loads_as_one_model(q4km, tmp_path):
+    path = write_block_gguf(tmp_path / "split.gguf", PARAMS, need(STORIES / "tokenizer.model"), q4_k_m, split=7)
+    parts = sorted(tmp_path.glob("split-*-of-*.gguf"))
+    assert len(parts) == 3 and not path.exists()
+    whole = build(q4km).generate([PROMPT], max_gen_len=12, temperature=0)[0][0]
+    for given in (parts[0], tmp_path):  # the first part, or the folder holding the parts
+        gen = build(given)
+        assert gguf_quants.summary(gen.model) == {"Q4_K": 8, "Q6_K": 5}
+        assert gen.generate([PROMPT], max_gen_len=12, temperature=0)[0][0] == whole
+    with pytest.raises(ValueError, match="pass its first part"):
+        build(parts[1])
+    parts[2].unlink()
+    with pytest.raises(ValueError, match=r"part 3 of 3 \(split-00003-of-00003.gguf\) is missing"):
+        build(parts[0])
+
+
+def test_a_compiled_step_calls_the_block_kernels_to_the_eager_ids(q4km, capfd):
+    """torch.compile traces the block products and the embedding lookup through their fake registrations
+    (llama/kernels/cpu.py) and calls our kernels on the layers' own bytes."""
+    eager = build(q4km).generate([PROMPT], max_gen_len=12, temperature=0)[0][0]
+    compiled = Llama.build(str(q4km), None, max_seq_len=64, max_batch_size=2, compile=True)
+    capfd.readouterr()
+    assert compiled.generate([PROMPT], max_gen_len=12, temperature=0)[0][0] == eager
+    out = capfd.readouterr()
+    assert "Compiling the decode step" in out.out + out.err
