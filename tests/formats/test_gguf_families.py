@@ -119,3 +119,26 @@ def test_an_unknown_architecture_is_refused_naming_the_supported_ones(converted,
     w.close()
     with pytest.raises(ValueError, match=r"architecture 'gemma' is not supported \(supported: llama, qwen2, phi3, granite\)"):
         Llama.build(str(tmp_path / "x.gguf"), None, max_seq_len=32, max_batch_size=1)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_each_family_s_gguf_serves_what_the_python_api_gives(converted, name):
+    """python -m llama.serve on the converted file: a greedy completion and a streamed one, equal to the Python
+    API's with the same load options."""
+    pytest.importorskip("openai")
+    pytest.importorskip("uvicorn", reason="the server needs the serve extra")
+    from serve_util import Server
+
+    path, _, _ = converted(name)
+    local = Llama.build(str(path), None, max_seq_len=128, max_batch_size=2)
+    prompt = "the quick brown fox"
+    ref = local.text_completion([prompt], temperature=0, max_gen_len=24)[0]["generation"]
+    s = Server(path, "--max_seq_len", "128", "--max_batch_size", "2")
+    try:
+        c = s.client()
+        out = c.completions.create(model=path.name, prompt=prompt, max_tokens=24, temperature=0)
+        assert out.choices[0].text == ref and out.usage.completion_tokens > 0
+        streamed = c.completions.create(model=path.name, prompt=prompt, max_tokens=24, temperature=0, stream=True)
+        assert "".join(ch.choices[0].text for ch in streamed) == ref
+    finally:
+        s.close()
