@@ -53,7 +53,14 @@ def hf_model(name: str, seed: int = 0):
     model_type, extra = FAMILIES[name]
     config = transformers.AutoConfig.for_model(model_type, **{**COMMON, **extra})
     torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # transformers starts biases at 0 and norms at 1: random ones, so the tests see them
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.5)
+            elif "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    return model
 
 
 def write_hf(name: str, out: Path, sp_model: bytes, seed: int = 0, **save_kwargs):
