@@ -4,7 +4,8 @@ linear position interpolation, YaRN, and Phi-3's su/long-rope.
 ModelArgs.rope_scaling holds one of them as a resolved dict (every value the tables need, none derived later from
 a config): {"rope_type": "linear", "factor"}, {"rope_type": "yarn", "factor", "original_context", "beta_fast",
 "beta_slow", "truncate", "attention_factor"} or {"rope_type": "longrope", "short_factor", "long_factor",
-"original_context", "attention_factor"}. The formulas are transformers' (modeling_rope_utils), so the tables match
+"original_context", "attention_factor"}, or {"rope_type": "factors", "factors"}: one divisor per frequency, as
+llama.cpp's `rope_freqs.weight` holds Llama 3.1's scaling. The formulas are transformers' (modeling_rope_utils), so the tables match
 theirs; YaRN's and long-rope's attention factor multiplies cos and sin, as there.
 """
 
@@ -13,10 +14,11 @@ from typing import Optional, Tuple
 
 import torch
 
-TYPES = ("linear", "yarn", "longrope")
+TYPES = ("linear", "yarn", "longrope", "factors")
 _KEYS = {"linear": ("factor",),
          "yarn": ("factor", "original_context", "beta_fast", "beta_slow", "truncate", "attention_factor"),
-         "longrope": ("short_factor", "long_factor", "original_context", "attention_factor")}
+         "longrope": ("short_factor", "long_factor", "original_context", "attention_factor"),
+         "factors": ("factors",)}
 
 
 def _number(v) -> bool:
@@ -42,8 +44,8 @@ def check(scaling: Optional[dict], head_dim: int) -> None:
         if not _number(scaling["attention_factor"]) or scaling["attention_factor"] <= 0:
             raise ValueError(f"rope_scaling attention_factor must be a positive number, got "
                              f"{scaling['attention_factor']!r}")
-    if kind == "longrope":
-        for key in ("short_factor", "long_factor"):
+    if kind in ("longrope", "factors"):
+        for key in ("short_factor", "long_factor") if kind == "longrope" else ("factors",):
             values = scaling[key]
             if not isinstance(values, (list, tuple)) or len(values) != head_dim // 2 or \
                     not all(_number(v) and v > 0 for v in values):
@@ -81,6 +83,8 @@ def frequencies(head_dim: int, theta: float, scaling: Optional[dict], max_seq_le
         return freqs, 1.0
     if scaling["rope_type"] == "linear":
         return freqs / scaling["factor"], 1.0
+    if scaling["rope_type"] == "factors":
+        return freqs / torch.tensor(scaling["factors"], dtype=torch.float32), 1.0
     return _yarn(freqs, head_dim, theta, scaling), float(scaling["attention_factor"])
 
 

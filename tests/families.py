@@ -26,6 +26,9 @@ FAMILIES = {
         "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": _SHORT, "long_factor": _LONG}}),
     "granite": ("granite", {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
                             "attention_multiplier": 0.015625, "logits_scaling": 8.0}),
+    "llama3": ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                             "original_max_position_embeddings": 64}}),
     "llama-yarn": ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                  "original_max_position_embeddings": 128}}),
 }

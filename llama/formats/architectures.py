@@ -1,7 +1,7 @@
 """What each GGUF `general.architecture` of the LLaMA-style families changes, as llama.cpp's converter writes it:
 hyperparameters into ModelArgs fields, and the tensor layout into Meta's.
 
-- llama (Llama 2/3, SmolLM2, Mistral's files, which carry no window), granite (its four scales): q/k rows are in
+- llama (Llama 2/3 (3.1's scaling as `rope_freqs.weight`), SmolLM2, Mistral's files, which carry no window), granite (its four scales): q/k rows are in
   Meta's interleaved rotary order already (the converter permutes them).
 - qwen2 (q/k/v biases) and phi3 (fused attn_qkv, ffn_up holding gate and up, long-rope factor tensors): NeoX
   rotary with q/k rows as Hugging Face stores them, so they are permuted here into Meta's order.
@@ -83,6 +83,9 @@ def rope_scaling(reader, arch: str, path, head_dim: int):
     """ModelArgs.rope_scaling from the metadata: linear, YaRN, or Phi-3's long-rope factor tensors."""
     g = lambda key, default=None: field(reader, f"{arch}.{key}", default, path)  # noqa: E731
     tensors = {t.name: t for t in reader.tensors}
+    if "rope_freqs.weight" in tensors:  # Llama 3.1's scaling, as one divisor per frequency
+        return {"rope_type": "factors",
+                "factors": np.asarray(tensors["rope_freqs.weight"].data, dtype=np.float32).tolist()}
     if "rope_factors_long.weight" in tensors:
         original = int(g("rope.scaling.original_context_length"))
         factor = int(g("context_length")) / original
@@ -132,7 +135,7 @@ def adapt(reader, path, params: dict) -> None:
     for t in reader.tensors:
         parts = t.name.split(".", 2)
         prefix, local = (f"{parts[0]}.{parts[1]}.", parts[2]) if parts[0] == "blk" and len(parts) == 3 else ("", t.name)
-        if t.name.startswith("rope_factors_"):
+        if t.name.startswith("rope_factors_") or t.name == "rope_freqs.weight":
             continue  # read into params["rope_scaling"]
         if arch == "phi3" and local == "attn_qkv.weight":
             out += [_part(t, prefix + "attn_q.weight", slice(0, q)), _part(t, prefix + "attn_k.weight", slice(q, q + kv)),
