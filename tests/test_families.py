@@ -114,3 +114,26 @@ def test_pipeline_stages_and_tensor_parallel_from_a_hf_directory(dirs, name, T, 
     want = [hf_greedy(model, p, 20) for p in PROMPTS]
     for rank in range(2):
         assert json.loads((tmp_path / f"out.{rank}.json").read_text()) == want
+
+
+def test_a_stored_int8_checkpoint_of_qwen2_keeps_its_biases(dirs, tmp_path):
+    """`convert hf` then `python -m llama.quantize --scheme int8`: the stored checkpoint (biases in full precision)
+    loads to logits close to fp32's, as a quantized load does."""
+    from llama.cli.convert import main
+
+    d, _ = dirs("qwen2")
+    assert main(["hf", str(d), str(tmp_path / "meta")]) == 0
+    proc = subprocess.run([sys.executable, "-m", "llama.quantize", str(tmp_path / "meta"), str(tmp_path / "q"),
+                           "--scheme", "int8", "--no-progress"], env=rank_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, error_lines(proc.stderr)
+    seq = sequence(120)
+    tok = str(tmp_path / "meta" / "tokenizer.model")
+    ref_g = Llama.build(str(d), None, max_seq_len=128, max_batch_size=1, compile=False, dtype=torch.float32)
+    g = Llama.build(str(tmp_path / "q"), tok, max_seq_len=128, max_batch_size=1, compile=False)
+    with ref_g.cache.hold():
+        ref = ref_g.runner.logits([seq])[0].cpu()
+    with g.cache.hold():
+        got = g.runner.logits([seq])[0].float().cpu()
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+    assert (got - ref).abs().max() < 0.1 * float(ref.abs().max())
