@@ -93,7 +93,8 @@ class MethodLinear:
 
 
 class ColumnLinear(MethodLinear, ColumnParallelLinear):
-    """fairscale's column-parallel linear (output features split across ranks), without bias.
+    """fairscale's column-parallel linear (output features split across ranks), with a bias where asked (Qwen2's
+    q/k/v: each rank holds its rows' bias, added after the method's product, so any method takes it).
 
     Skips fairscale's master-weight initialisation: weights come from the checkpoint, so the layer can be built on
     the meta device and loaded with no second copy. The local product is the layer's method, so quantized weights
@@ -101,15 +102,19 @@ class ColumnLinear(MethodLinear, ColumnParallelLinear):
     """
 
     def __init__(self, in_features: int, out_features: int, gather_output: bool = False,
-                 method: Optional[LinearMethod] = None):
+                 method: Optional[LinearMethod] = None, bias: bool = False):
         nn.Module.__init__(self)
         self.mp = get_model_parallel_world_size()
         self.in_features, self.out_features, self.gather_output = in_features, out_features, gather_output
         self.output_size_per_partition = out_features // self.mp
         self._init_tensors((self.output_size_per_partition, in_features), method)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.output_size_per_partition))
 
     def forward(self, x):
         y = self.method.apply(self, x)  # fairscale's copy_to_model_parallel_region is the identity going forward
+        if self.bias is not None:
+            y = y + self.bias
         return gather_last_dim(y) if self.mp != 1 and self.gather_output else y
 
 
@@ -176,10 +181,15 @@ def fuse_columns(layers) -> nn.Module:
     method = layers[0].method
     if not method.concatenates or any(type(layer.method) is not type(method) for layer in layers):
         raise ValueError(f"cannot fuse layers held as {[layer.method for layer in layers]}: fuse before quantizing")
+    biased = [layer.bias is not None for layer in layers]
+    if any(biased) and not all(biased):
+        raise ValueError("cannot fuse layers of which only some have a bias")
     with torch.device("meta"):
-        fused = type(layers[0])(layers[0].in_features, sum(layer.out_features for layer in layers))
+        fused = type(layers[0])(layers[0].in_features, sum(layer.out_features for layer in layers), bias=all(biased))
     scales = None if layers[0].scales is None else torch.cat([layer.scales for layer in layers])
     fused.take(method, torch.cat([layer.weight for layer in layers]), scales)
+    if all(biased):
+        fused.bias = nn.Parameter(torch.cat([layer.bias for layer in layers]), requires_grad=False)
     return fused
 
 
@@ -218,7 +228,7 @@ def _split_fused(module, state_dict, prefix, local_metadata):
         layer = getattr(module, fused_name, None)
         if layer is not None and not layer.method.splits_state:
             continue  # int4's packed layout cannot be cut into rows: kept fused (quant_checkpoint writes Meta names)
-        for kind in ("weight", "scales"):
+        for kind in ("weight", "scales", "bias"):
             key = f"{prefix}{fused_name}.{kind}"
             if key in state_dict:
                 for name, part in zip(names, state_dict.pop(key).split(module.split_sizes(fused_name))):
@@ -229,7 +239,7 @@ def _join_fused(module, state_dict, prefix, *args):
     if not module.fused:
         return
     for fused_name, names in module.FUSED.items():
-        for kind in ("weight", "scales"):
+        for kind in ("weight", "scales", "bias"):
             keys = [f"{prefix}{name}.{kind}" for name in names]
             if all(k in state_dict for k in keys):
                 state_dict[f"{prefix}{fused_name}.{kind}"] = torch.cat([state_dict.pop(k) for k in keys])

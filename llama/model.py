@@ -10,13 +10,17 @@ import json
 import math
 import warnings
 from dataclasses import dataclass, fields
-from typing import Optional, Tuple, Union
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 from fairscale.nn.model_parallel.initialize import get_model_parallel_world_size
 from torch import nn
 
+from llama import rope
+from llama.sizes import derive_ffn, ffn_hidden_dim  # noqa: F401 (Meta's path; formats import them here)
+from llama.rope import apply_rotary_emb, precompute_freqs_cis, reshape_for_broadcast  # noqa: F401 (Meta's path)
+from llama.rope import rope_tables, scale_rope_frequencies  # noqa: F401
 from llama.kernels import cpu as cpu_kernels
 from llama.kernels import fused_decode, paged
 from llama.layers import ColumnLinear, Embedding, Fusable, RowLinear  # noqa: F401 (Meta's path for the layers)
@@ -42,21 +46,53 @@ class ModelArgs:
     rope_original_context: int = 8192
     max_batch_size: int = 32
     max_seq_len: int = 2048
+    # What the LLaMA-style families change (llama/formats/architectures.py reads them from their files); the
+    # defaults are Meta's architecture. Shapes are explicit where a family breaks the params.json conventions.
+    head_dim: Optional[int] = None  # None: dim // n_heads
+    hidden_dim: Optional[int] = None  # SwiGLU hidden size; None: the rule of multiple_of and ffn_dim_multiplier
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
+    sliding_window: Optional[int] = None  # each query sees this many newest keys, itself included (Mistral v0.1)
+    rope_scaling: Optional[dict] = None  # linear, YaRN or long-rope (llama/rope.py); Llama 3.1's is use_scaled_rope
+    embedding_multiplier: float = 1.0  # Granite's multipliers: of the embeddings,
+    residual_multiplier: float = 1.0  # of each block's attention and FFN outputs before the residual add,
+    attention_multiplier: Optional[float] = None  # the attention scale (None: head_dim ** -0.5),
+    logits_scaling: float = 1.0  # and the divisor of the logits
 
     def __post_init__(self):
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of", "max_batch_size", "max_seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"model argument {name} must be a positive integer, got {value!r}")
-        if self.dim % self.n_heads:
-            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+            positive("model argument", name, getattr(self, name))
+        if self.head_dim is None:
+            if self.dim % self.n_heads:
+                raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+            self.head_dim = self.dim // self.n_heads
+        if self.hidden_dim is None:
+            self.hidden_dim = ffn_hidden_dim(self.dim, self.multiple_of, self.ffn_dim_multiplier)
+        for name in ("head_dim", "hidden_dim"):
+            positive("model argument", name, getattr(self, name))
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})")
-        if (self.dim // self.n_heads) % 2:
-            raise ValueError(f"head dimension dim/n_heads = {self.dim // self.n_heads} must be even for rotary embeddings")
+        if self.head_dim % 2:
+            raise ValueError(f"head dimension {self.head_dim} must be even for rotary embeddings")
         self.check_rope()
+        self.check_family()
+
+    def check_family(self) -> None:
+        """ValueError naming the field for a family setting out of range."""
+        if not isinstance(self.qkv_bias, bool):
+            raise ValueError(f"qkv_bias must be true or false, got {self.qkv_bias!r}")
+        if self.sliding_window is not None:
+            positive("model argument", "sliding_window", self.sliding_window)
+        for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
+            value = getattr(self, name)
+            if value is None and name == "attention_multiplier":
+                continue
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        rope.check(self.rope_scaling, self.head_dim)
+        if self.rope_scaling is not None and self.use_scaled_rope:
+            raise ValueError("use_scaled_rope (Llama 3.1's scaling) and rope_scaling cannot both be set")
 
     def check_rope(self) -> None:
         """ValueError naming the field for rotary settings that would silently give NaN or unscaled tables."""
@@ -76,13 +112,21 @@ class ModelArgs:
         if not isinstance(ctx, int) or isinstance(ctx, bool) or ctx < 1:
             raise ValueError(f"rope_original_context must be a positive integer, got {ctx!r}")
 
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def kernel_attends(self, kv_len: int) -> bool:
+        """Whether our one-token CPU attention (causal over every key, scale head_dim ** -0.5) is this
+        architecture's over kv_len keys: no other scale, and no window that kv_len passes."""
+        return self.attention_multiplier is None and (self.sliding_window is None or kv_len <= self.sliding_window)
 
-    @property
-    def hidden_dim(self) -> int:
-        return ffn_hidden_dim(self.dim, self.multiple_of, self.ffn_dim_multiplier)
+    def kernel_decodes(self, kv_len: int) -> bool:
+        """Whether the one-call fused step (llama/kernels/fused_decode.py) computes these layers: our attention,
+        no biases, no residual multiplier. Otherwise the layers run one by one, with our product kernels."""
+        return self.kernel_attends(kv_len) and not self.qkv_bias and self.residual_multiplier == 1
+
+    def mask_window(self, mask: torch.Tensor, key_pos: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The causal mask with the sliding window's term: a query at p sees keys p - window + 1 .. p."""
+        if self.sliding_window is None:
+            return mask
+        return mask & (key_pos > positions - self.sliding_window)
 
     @classmethod
     def from_params(cls, params: dict, **overrides) -> "ModelArgs":
@@ -102,45 +146,17 @@ class ModelArgs:
             return cls.from_params(json.load(f), **overrides)
 
 
+def positive(what: str, name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{what} {name} must be a positive integer, got {value!r}")
+
+
 def check_model_parallel(args: ModelArgs, mp: int) -> None:
     """Raise ValueError unless every split dimension divides evenly across mp ranks."""
     for name, value in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads), ("dim", args.dim),
                         ("FFN hidden dim", args.hidden_dim), ("vocab_size", args.vocab_size)):
         if value % mp:
             raise ValueError(f"model parallel size {mp} does not divide {name} ({value}): use a size that does")
-
-
-def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[float] = None,
-                   hidden_dim: Optional[int] = None) -> int:
-    """The reference's SwiGLU sizing rule: 2/3 of hidden_dim (4*dim), scaled, rounded up to multiple_of."""
-    hidden = int(2 * (4 * dim if hidden_dim is None else hidden_dim) / 3)
-    if ffn_dim_multiplier is not None:
-        hidden = int(ffn_dim_multiplier * hidden)
-    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
-
-
-_MULTIPLES = (4096, 2048, 1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1)
-
-
-def derive_ffn(dim: int, hidden_dim: int) -> Tuple[int, Optional[float]]:
-    """(multiple_of, ffn_dim_multiplier) whose ffn_hidden_dim(dim, ...) is exactly hidden_dim.
-
-    Prefers no multiplier and the largest multiple_of (stories260K: 4; Llama 2 7B: 256), then round multipliers
-    (Llama 2 70B: 1.3 with 4096).
-    """
-    if dim < 1 or hidden_dim < 1:
-        raise ValueError(f"dim ({dim}) and FFN hidden dim ({hidden_dim}) must be positive")
-    for m in _MULTIPLES:
-        if ffn_hidden_dim(dim, m) == hidden_dim:
-            return m, None
-    base = int(2 * (4 * dim) / 3)
-    ratio = hidden_dim / base
-    candidates = [round(ratio, k) for k in range(1, 7)] + [ratio, (hidden_dim + 0.5) / base]
-    for mult in dict.fromkeys(candidates):  # ordered, without repeats
-        for m in _MULTIPLES:
-            if mult > 0 and ffn_hidden_dim(dim, m, mult) == hidden_dim:
-                return m, mult
-    raise ValueError(f"no multiple_of/ffn_dim_multiplier reproduces FFN hidden dim {hidden_dim} for dim {dim}")
 
 
 class RMSNorm(nn.Module):
@@ -156,27 +172,6 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).type_as(x) * self.weight
 
 
-def scale_rope_frequencies(freqs: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
-                           original_context: int) -> torch.Tensor:
-    """Llama 3.1's long-context rotary scaling: frequencies whose wavelength is short against the original context
-    stay, long ones are divided by `factor`, and those in between are blended linearly in context / wavelength."""
-    wavelen = 2 * math.pi / freqs
-    smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    blended = (1 - smooth) * freqs / factor + smooth * freqs
-    out = torch.where(wavelen > original_context / low_freq_factor, freqs / factor, blended)
-    return torch.where(wavelen < original_context / high_freq_factor, freqs, out)
-
-
-def rope_tables(head_dim: int, end: int, theta: float = 10000.0, scaling: Optional[dict] = None):
-    """cos/sin of the reference's rotary frequencies, shape (end, head_dim // 2), fp32; scaling: the keyword
-    arguments of scale_rope_frequencies (Llama 3.1+), or None."""
-    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
-    if scaling is not None:
-        freqs = scale_rope_frequencies(freqs, **scaling)
-    angles = torch.outer(torch.arange(end, dtype=torch.float32), freqs)
-    return torch.cos(angles), torch.sin(angles)
-
-
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved pairs (x[2i], x[2i+1]) as the reference's complex multiply does.
 
@@ -187,47 +182,23 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).flatten(-2).type_as(x)
 
 
-# Meta's rotary functions (llama, llama3, llama-models), for code written against them; the model uses the above.
-def precompute_freqs_cis(dim: int, end: int, theta: float = 10000.0, use_scaled: bool = False) -> torch.Tensor:
-    """Meta's complex64 table (end, dim // 2); use_scaled: llama-models' Llama 3.1 scaling (factor 8, 8192)."""
-    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: (dim // 2)].float() / dim))
-    if use_scaled:
-        freqs = scale_rope_frequencies(freqs, 8.0, 1.0, 4.0, 8192)
-    angles = torch.outer(torch.arange(end, device=freqs.device, dtype=torch.float32), freqs)
-    return torch.polar(torch.ones_like(angles), angles)
-
-
-def reshape_for_broadcast(freqs_cis: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    if x.ndim < 2 or tuple(freqs_cis.shape) != (x.shape[1], x.shape[-1]):
-        raise ValueError(f"freqs_cis of shape {tuple(freqs_cis.shape)} must be (x.shape[1], x.shape[-1]) for x of "
-                         f"shape {tuple(x.shape)}")
-    return freqs_cis.view(*[d if i in (1, x.ndim - 1) else 1 for i, d in enumerate(x.shape)])
-
-
-def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Meta's rotation of (B, T, heads, head_dim) queries and keys by a complex multiply."""
-    def rotate(x):
-        xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-        return torch.view_as_real(xc * reshape_for_broadcast(freqs_cis, xc)).flatten(3).type_as(x)
-    return rotate(xq), rotate(xk)
-
-
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     """torch.repeat_interleave(x, dim=2, repeats=n_rep) for x (B, T, kv_heads, head_dim), as Meta's."""
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=2)
 
 
 
-def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                     scale: Optional[float] = None) -> torch.Tensor:
     """Attention of one query per row, written out so Inductor fuses it (SDPA is an opaque ~50 us call per layer).
 
     q (B, 1, H, D); keys/values (B, Hkv, S, D); mask (B, 1, 1, S) bool. Query heads that share a KV head are
-    grouped instead of repeating keys. Scores and softmax in fp32. Returns (B, H, 1, D).
+    grouped instead of repeating keys. Scores and softmax in fp32; scale None is D ** -0.5. Returns (B, H, 1, D).
     """
     B, _, H, D = q.shape
     kv_heads = keys.shape[1]
     qg = q.view(B, kv_heads, H // kv_heads, D).float()  # head h uses KV head h // (H / Hkv), as enable_gqa does
-    scores = (qg @ keys.float().transpose(-1, -2)) * D**-0.5  # (B, Hkv, G, S)
+    scores = (qg @ keys.float().transpose(-1, -2)) * (D**-0.5 if scale is None else scale)  # (B, Hkv, G, S)
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
     return (probs @ values.float()).to(q.dtype).view(B, H, 1, D)
 
@@ -241,9 +212,10 @@ class Attention(Fusable):
         self.n_local_heads = args.n_heads // mp
         self.n_local_kv_heads = args.n_kv_heads // mp
         self.head_dim = hd = args.head_dim
-        self.wq = ColumnLinear(args.dim, args.n_heads * hd)
-        self.wk = ColumnLinear(args.dim, args.n_kv_heads * hd)
-        self.wv = ColumnLinear(args.dim, args.n_kv_heads * hd)
+        self.args = args
+        self.wq = ColumnLinear(args.dim, args.n_heads * hd, bias=args.qkv_bias)
+        self.wk = ColumnLinear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
+        self.wv = ColumnLinear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
         self.wo = RowLinear(args.n_heads * hd, args.dim)
         self.wqkv: Optional[ColumnLinear] = None
         self.local_sizes = {"wq": self.n_local_heads * hd, "wk": self.n_local_kv_heads * hd,
@@ -314,7 +286,8 @@ class Attention(Fusable):
         B, T, _ = x.shape
         if self.block_table is not None and not torch.compiler.is_compiling():
             getattr(self.block_table, "direct", int)()  # outside the runner: the slot layout (core/kv_cache.py)
-        if T == 1 and self.cache_k is not None and cpu_kernels.attends(x, self.cache_k):
+        if T == 1 and self.cache_k is not None and cpu_kernels.attends(x, self.cache_k) \
+                and self.args.kernel_attends(kv_len):
             return self.wo(self.decode(x, cos, sin, positions, rows, kv_len).view(B, 1, -1))
         q, k, v = self.qkv(x, cos, sin)
         self.store(k, v, start, positions, rows)
@@ -327,11 +300,11 @@ class Attention(Fusable):
         else:
             keys, values = ck[rows, :, :kv_len], cv[rows, :, :kv_len]
         if T == 1 and torch.compiler.is_compiling():
-            out = decode_attention(q, keys, values, mask)
+            out = decode_attention(q, keys, values, mask, self.args.attention_multiplier)
         else:
             out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=self.n_local_kv_heads != self.n_local_heads
-            )
+                q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=self.n_local_kv_heads != self.n_local_heads,
+                scale=self.args.attention_multiplier)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -368,10 +341,14 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args)
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.residual_multiplier = args.residual_multiplier
 
     def forward(self, x, cos, sin, start, positions, rows, kv_len, mask):
-        h = x + self.attention(self.attention_norm(x), cos, sin, start, positions, rows, kv_len, mask)
-        return h + self.feed_forward(self.ffn_norm(h))
+        m = self.residual_multiplier
+        a = self.attention(self.attention_norm(x), cos, sin, start, positions, rows, kv_len, mask)
+        h = x + (a if m == 1 else a * m)
+        f = self.feed_forward(self.ffn_norm(h))
+        return h + (f if m == 1 else f * m)
 
 
 class Transformer(nn.Module):
@@ -410,7 +387,7 @@ class Transformer(nn.Module):
         if a.use_scaled_rope:
             scaling = dict(factor=a.rope_scaling_factor, low_freq_factor=a.rope_low_freq_factor,
                            high_freq_factor=a.rope_high_freq_factor, original_context=a.rope_original_context)
-        cos, sin = rope_tables(a.head_dim, max_seq_len * 2, a.rope_theta, scaling)
+        cos, sin = rope_tables(a.head_dim, max_seq_len * 2, a.rope_theta, scaling, a.rope_scaling, max_seq_len)
         device = device or self.norm.weight.device
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
         fused_decode.forget()  # a new KV cache: the one-call step's kept arguments name the old one
@@ -442,13 +419,19 @@ class Transformer(nn.Module):
         logits, shape (B, 1, V). kv_len: how many cache positions attention reads (default: just enough).
         """
         layer_args = self.layer_inputs(tokens, start_pos, rows, kv_len)
-        h = self.tok_embeddings(tokens).to(self.norm.weight.dtype)  # a quantized model's table may be narrower
-        return self.logits(self.run_layers(h, *layer_args), logit_index)
+        return self.logits(self.run_layers(self.embed(tokens), *layer_args), logit_index)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The embeddings of tokens in the model's dtype (a quantized model's table may be narrower), times the
+        embedding multiplier."""
+        h = self.tok_embeddings(tokens).to(self.norm.weight.dtype)
+        m = self.params.embedding_multiplier
+        return h if m == 1 else h * m
 
     def run_layers(self, h, cos, sin, start, positions, rows, kv_len, mask) -> torch.Tensor:
         """Every layer over h (B, T, dim): one token per row on CPU in one call of our kernel where it takes every
         layer (llama/kernels/fused_decode.py; the same result), else layer by layer."""
-        if h.shape[1] == 1:
+        if h.shape[1] == 1 and self.params.kernel_decodes(kv_len):
             out = fused_decode.run(self.layers, h, cos, sin, positions, rows, kv_len)
             if out is not None:
                 return out
@@ -471,18 +454,20 @@ class Transformer(nn.Module):
             kv_len = last if last is not None else int(positions.max()) + 1
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
 
-        if T == 1 and kv_len == last:
+        if T == 1 and kv_len == last and self.params.kernel_attends(kv_len):
             mask = None  # a single query at the newest position sees every cached key
         else:
-            key_pos = torch.arange(kv_len, device=device)
-            mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # (B|1, 1, T, kv_len)
+            key_pos = torch.arange(kv_len, device=device)[None, None, :]
+            mask = self.params.mask_window(key_pos <= positions[:, :, None], key_pos, positions[:, :, None])
+            mask = mask[:, None]  # (B|1, 1, T, kv_len)
         return cos, sin, start, positions, rows, kv_len, mask
 
     def logits(self, h: torch.Tensor, logit_index: Optional[torch.Tensor] = None) -> torch.Tensor:
         """fp32 logits of the last layer's output h (B, T, dim): every position, or one per row at logit_index."""
         if logit_index is not None:
             h = h[torch.arange(h.shape[0], device=h.device), logit_index.to(h.device)][:, None]
-        return self.output(self.norm(h)).float()
+        out = self.output(self.norm(h))
+        return (out if self.params.logits_scaling == 1 else out / self.params.logits_scaling).float()
 
     def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor, rows: Optional[torch.Tensor] = None):
         """One token per row, with shapes that depend only on the batch size (gpt-fast's static decode step).
@@ -494,7 +479,7 @@ class Transformer(nn.Module):
         positions = pos[:, None]  # (B, 1)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         key_pos = torch.arange(self.max_seq_len, device=tokens.device)
-        mask = (key_pos[None, :] <= pos[:, None])[:, None, None, :]  # (B, 1, 1, max_seq_len)
-        h = self.tok_embeddings(tokens).to(self.norm.weight.dtype)  # a quantized model's table may be narrower
-        h = self.run_layers(h, cos, sin, None, positions, rows, self.max_seq_len, mask)
-        return self.output(self.norm(h)).float()
+        mask = self.params.mask_window(key_pos[None, :] <= pos[:, None], key_pos[None, :], pos[:, None])
+        h = self.run_layers(self.embed(tokens), cos, sin, None, positions, rows, self.max_seq_len,
+                            mask[:, None, None, :])  # (B, 1, 1, max_seq_len)
+        return self.logits(h)

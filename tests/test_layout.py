@@ -27,7 +27,7 @@ LEAVES = ("llama.quantize", "llama.reshard", "llama.convert", "llama.batch", "ll
 LAYERS: List[tuple] = [
     ("llama.settings",),  # the environment, read once
     ("llama.kernels", "llama.distributed.parallel"),  # our C++ kernels and products; devices, process groups
-    ("llama.layers",),  # parallel linear layers holding a linear method; fusion
+    ("llama.layers", "llama.rope", "llama.sizes"),  # parallel linear layers holding a linear method; fusion
     ("llama.quantization", "llama.model"),  # the linear methods; the transformer (which imports neither way)
     ("llama.formats", "llama.tokenizers", "llama.tokenizer", "llama.sample", "llama.compilation",
      "llama.kernels.int4_pack_store"),  # files, text, tokens, compiled steps

@@ -4,13 +4,12 @@
     python -m llama.convert hf HF_DIR OUT_DIR [--shards N] [--dtype bfloat16]
 
 llama2.c files (Karpathy's tinyllamas and its export.py: legacy v0 header or the v1 "ak42" header) hold fp32
-weights with the same rotary convention as Meta's, so values are copied unchanged. Hugging Face checkpoints
-permute the rows of q_proj/k_proj for their rotate-half rotary; that permutation is undone here. Safetensors files
-are read by a small built-in reader, so the `safetensors` package is not needed.
+weights with the same rotary convention as Meta's, so values are copied unchanged. Hugging Face directories of the
+LLaMA-style families (Llama, Mistral, Qwen2, Phi-3, Granite) are read by llama/formats/hf_checkpoint.py, which
+undoes their rotate-half q/k row order; they also load directly with Llama.build(HF_DIR, None).
 """
 
 import argparse
-import json
 import math
 import mmap
 import struct
@@ -21,7 +20,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from llama.formats import gguf_file as gguf_checkpoint
-from llama.formats.meta_checkpoint import load_shard, save_checkpoint
+from llama.formats import hf_checkpoint
+from llama.formats.hf_checkpoint import read_safetensors  # noqa: F401 (tests and tools import it from here)
+from llama.formats.meta_checkpoint import save_checkpoint
 from llama.model import ModelArgs, derive_ffn
 
 LLAMA2C_MAGIC = 0x616B3432  # "ak42"
@@ -37,6 +38,12 @@ def meta_params(args: ModelArgs) -> dict:
         p["ffn_dim_multiplier"] = args.ffn_dim_multiplier
     if args.rope_theta != 10000.0:
         p["rope_theta"] = args.rope_theta
+    defaults = ModelArgs(dim=args.dim, n_heads=args.n_heads, multiple_of=args.multiple_of,
+                         ffn_dim_multiplier=args.ffn_dim_multiplier)
+    for name in ("head_dim", "hidden_dim", "qkv_bias", "sliding_window", "rope_scaling", "embedding_multiplier",
+                 "residual_multiplier", "attention_multiplier", "logits_scaling"):
+        if getattr(args, name) != getattr(defaults, name):
+            p[name] = getattr(args, name)
     if args.use_scaled_rope:
         p["use_scaled_rope"] = True
         defaults = ModelArgs()
@@ -157,145 +164,22 @@ def convert_llama2c(model_bin, out_dir, tokenizer=None, shards: int = 1) -> List
 # ---------------------------------------------------------------------------------------------------------------
 # Hugging Face
 
-def read_safetensors(path) -> Dict[str, torch.Tensor]:
-    """Tensors of a .safetensors file, memory-mapped by the safetensors package (as Hugging Face reads them)."""
-    from safetensors import SafetensorError, safe_open
-
-    path = Path(path)
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return {name: f.get_tensor(name) for name in f.keys()}
-    except (SafetensorError, OSError, ValueError) as e:
-        raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupt?): {e}") from None
-
-
-def read_hf_weights(hf_dir: Path) -> Dict[str, torch.Tensor]:
-    """All tensors of a HF model directory: (sharded) safetensors, else (sharded) pytorch_model*.bin."""
-    for index_name, reader in (("model.safetensors.index.json", read_safetensors),
-                               ("pytorch_model.bin.index.json", load_shard)):
-        index = hf_dir / index_name
-        if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            break
-    else:
-        files = [p.name for p in sorted(hf_dir.glob("*.safetensors"))] or \
-                [p.name for p in sorted(hf_dir.glob("pytorch_model*.bin"))]
-        if not files:
-            raise FileNotFoundError(f"no model.safetensors or pytorch_model*.bin in {hf_dir}")
-    state = {}
-    for name in files:
-        path = hf_dir / name
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} is listed in the index but missing")
-        state.update(read_safetensors(path) if name.endswith(".safetensors") else load_shard(path))
-    return state
-
-
-def hf_args(config: dict, source) -> ModelArgs:
-    """ModelArgs from a Llama config.json; refuses features this architecture does not implement."""
-    if config.get("model_type", "llama") != "llama":
-        raise ValueError(f"{source}: model_type {config.get('model_type')!r} is not 'llama'")
-    for key, ok in (("attention_bias", False), ("mlp_bias", False)):
-        if config.get(key, ok) not in (ok, None):
-            raise ValueError(f"{source}: {key}={config[key]!r} is not supported by this Llama implementation")
-    rope = hf_rope(config, source)
-    if config.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{source}: hidden_act {config['hidden_act']!r} is not silu")
-    try:
-        dim, n_heads = config["hidden_size"], config["num_attention_heads"]
-        hidden, layers, vocab = config["intermediate_size"], config["num_hidden_layers"], config["vocab_size"]
-    except KeyError as e:
-        raise ValueError(f"{source} lacks {e.args[0]!r}") from None
-    if config.get("head_dim") not in (None, dim // n_heads):
-        raise ValueError(f"{source}: head_dim {config['head_dim']} differs from hidden_size/num_attention_heads")
-    multiple_of, mult = derive_ffn(dim, hidden)
-    return ModelArgs(dim=dim, n_layers=layers, n_heads=n_heads,
-                     n_kv_heads=config.get("num_key_value_heads") or n_heads, vocab_size=vocab,
-                     multiple_of=multiple_of, ffn_dim_multiplier=mult, norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                     **rope)
-
-
-def hf_rope(config: dict, source) -> dict:
-    """ModelArgs' rotary fields from config.json: rope_theta, and Llama 3.1's scaling from `rope_scaling` (older
-    transformers) or `rope_parameters` (newer, which also holds rope_theta). Other scaling types are refused."""
-    params = dict(config.get("rope_parameters") or {})
-    scaling = config.get("rope_scaling") or params
-    out = {"rope_theta": float(params.get("rope_theta", config.get("rope_theta", 10000.0)))}
-    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-    if kind == "default":
-        return out
-    key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
-    if kind != "llama3":
-        raise ValueError(f"{source}: {key} of type {kind!r} is not supported by this Llama implementation "
-                         "(only Llama 3.1's 'llama3' scaling is)")
-    try:
-        return {**out, "use_scaled_rope": True, "rope_scaling_factor": float(scaling["factor"]),
-                "rope_low_freq_factor": float(scaling["low_freq_factor"]),
-                "rope_high_freq_factor": float(scaling["high_freq_factor"]),
-                "rope_original_context": int(scaling["original_max_position_embeddings"])}
-    except KeyError as e:
-        raise ValueError(f"{source}: {key} of type 'llama3' lacks {e.args[0]!r}") from None
-
-
-def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo HF's q/k row permutation (rotate-half order back to Meta's interleaved pairs)."""
-    rows, cols = w.shape
-    return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-_HF_LAYER = {
-    "self_attn.q_proj.weight": "attention.wq.weight", "self_attn.k_proj.weight": "attention.wk.weight",
-    "self_attn.v_proj.weight": "attention.wv.weight", "self_attn.o_proj.weight": "attention.wo.weight",
-    "mlp.gate_proj.weight": "feed_forward.w1.weight", "mlp.down_proj.weight": "feed_forward.w2.weight",
-    "mlp.up_proj.weight": "feed_forward.w3.weight", "input_layernorm.weight": "attention_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-}
-_HF_GLOBAL = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
-              "lm_head.weight": "output.weight"}
-
-
-def hf_to_meta(hf: Dict[str, torch.Tensor], args: ModelArgs, dtype: Optional[torch.dtype] = None) -> Dict[str, torch.Tensor]:
-    """Rename HF tensors to Meta's names and undo the q/k permutation; a missing lm_head means tied embeddings."""
-    out = {}
-    for name, t in hf.items():
-        if name.endswith("rotary_emb.inv_freq"):
-            continue  # a buffer older HF checkpoints save; recomputed from rope_theta
-        parts = name.split(".")
-        if name in _HF_GLOBAL:
-            meta = _HF_GLOBAL[name]
-        elif parts[:2] == ["model", "layers"] and len(parts) > 3 and ".".join(parts[3:]) in _HF_LAYER:
-            meta = f"layers.{parts[2]}.{_HF_LAYER['.'.join(parts[3:])]}"
-        else:
-            raise ValueError(f"unexpected tensor {name!r} in the Hugging Face checkpoint: not a Llama parameter")
-        if meta.endswith("wq.weight"):
-            t = unpermute(t, args.n_heads)
-        elif meta.endswith("wk.weight"):
-            t = unpermute(t, args.n_kv_heads)
-        out[meta] = t.to(dtype) if dtype is not None else t
-    if "output.weight" not in out and "tok_embeddings.weight" in out:
-        out["output.weight"] = out["tok_embeddings.weight"]  # tie_word_embeddings
-    return out
-
-
 def convert_hf(hf_dir, out_dir, shards: int = 1, dtype: Optional[torch.dtype] = None) -> List[Path]:
+    """A Meta-layout copy of a Hugging Face directory of any family hf_checkpoint reads (params.json names what the
+    family changes: head_dim, hidden_dim, qkv_bias, sliding_window, rope_scaling, Granite's multipliers)."""
     hf_dir = Path(hf_dir)
-    config_path = hf_dir / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{config_path} not found: not a Hugging Face model directory")
-    try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{config_path} is not valid JSON: {e}") from None
-    args = hf_args(config, config_path)
-    state = hf_to_meta(read_hf_weights(hf_dir), args, dtype)
-    # Llama 3 repositories keep Meta's tiktoken file under original/; tokenizer.json alone is not Meta's format.
+    params, state = hf_checkpoint.load(hf_dir, dtype)
+    args = ModelArgs(**params)
+    # Llama 3 repositories keep Meta's tiktoken file under original/; a tokenizer.json (with its
+    # tokenizer_config.json) loads as tokenizer_path=OUT_DIR/tokenizer.json
     found = [p for p in (hf_dir / "tokenizer.model", hf_dir / "original" / "tokenizer.model") if p.is_file()]
-    extra = {"tokenizer.model": found[0]} if found else None
-    if not found and (hf_dir / "tokenizer.json").is_file():
-        print(f"note: {hf_dir} has tokenizer.json but no tokenizer.model: the converted checkpoint has no tokenizer; "
-              "pass Meta's tokenizer.model (for Llama 3, original/tokenizer.model of the same repository) as "
-              "--tokenizer_path", file=sys.stderr)
-    return save_checkpoint(state, meta_params(args), out_dir, shards, extra_files=extra)
+    extra = {"tokenizer.model": found[0]} if found else {}
+    extra.update({name: hf_dir / name for name in ("tokenizer.json", "tokenizer_config.json")
+                  if (hf_dir / name).is_file()})
+    if not extra:
+        print(f"note: {hf_dir} has no tokenizer.model or tokenizer.json: the converted checkpoint has no tokenizer",
+              file=sys.stderr)
+    return save_checkpoint(state, meta_params(args), out_dir, shards, extra_files=extra or None)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -309,7 +193,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("out_dir")
     p.add_argument("--tokenizer", help="sentencepiece tokenizer.model to copy alongside")
     p.add_argument("--shards", type=int, default=1)
-    h = sub.add_parser("hf", help="Hugging Face Llama directory (config.json + safetensors or pytorch_model*.bin)")
+    h = sub.add_parser("hf", help="Hugging Face directory of Llama, Mistral, Qwen2, Phi-3 or Granite (config.json + safetensors or *.bin)")
     h.add_argument("hf_dir")
     h.add_argument("out_dir")
     h.add_argument("--shards", type=int, default=1)

@@ -215,7 +215,7 @@ class PipelineTransformer(Transformer):
                     None if mask is None else mask[:, :, a:b, :seen])
             if self.stage.first:
                 tic = time.perf_counter()
-                h = self.tok_embeddings(tokens[:, a:b])
+                h = self.embed(tokens[:, a:b])
             else:
                 h = self._receive((B, b - a, self.params.dim), self.norm.weight.dtype,
                                   self.stage.ranks[self.stage.index - 1])

@@ -1,12 +1,13 @@
 """GGUF files (llama.cpp's format: weights, hyperparameters, tokenizer and chat template in one file), read with
 the `gguf` package and turned into this package's parameters, Meta-named weights and tokenizer.
 
-Only the `llama` architecture is accepted. Quantized tensors of any type gguf's numpy code dequantizes are, where
-they do not run in their own blocks (llama/formats/gguf_quants.py), dequantized at load, tensor by tensor, to the
-requested dtype; F32/F16/BF16 are cast, or, already in the requested dtype, used in place: the
+The architectures of llama/formats/architectures.py are accepted (llama, qwen2, phi3, granite). Quantized tensors
+of any type gguf's numpy code dequantizes are, where they do not run in their own blocks
+(llama/formats/gguf_quants.py), dequantized at load, tensor by tensor, to the requested dtype; F32/F16/BF16 are
+cast, or, already in the requested dtype, used in place: the
 tensor maps the file's bytes (read-only, as Meta checkpoints are memory-mapped), so a bf16 file loads without a
-copy. llama.cpp's converter stores q/k rows in Meta's interleaved rotary order already (it undoes Hugging Face's
-permutation), so they are used as they are.
+copy. llama.cpp's converter stores llama's q/k rows in Meta's interleaved rotary order already (it undoes Hugging
+Face's permutation); qwen2's and phi3's it leaves in Hugging Face's order, and architectures.adapt permutes them.
 """
 
 import json
@@ -25,8 +26,8 @@ import torch
 from gguf.quants import dequantize
 from tqdm import tqdm
 
+from llama.formats import architectures
 from llama.formats.meta_checkpoint import save_checkpoint
-from llama.model import derive_ffn
 from llama.tokenizers import huggingface as tokenizer_hf
 
 _GLOBAL = {"token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight",
@@ -35,7 +36,8 @@ _LAYER = {"attn_q.weight": "attention.wq.weight", "attn_k.weight": "attention.wk
           "attn_v.weight": "attention.wv.weight", "attn_output.weight": "attention.wo.weight",
           "ffn_gate.weight": "feed_forward.w1.weight", "ffn_down.weight": "feed_forward.w2.weight",
           "ffn_up.weight": "feed_forward.w3.weight", "attn_norm.weight": "attention_norm.weight",
-          "ffn_norm.weight": "ffn_norm.weight"}
+          "ffn_norm.weight": "ffn_norm.weight", "attn_q.bias": "attention.wq.bias",
+          "attn_k.bias": "attention.wk.bias", "attn_v.bias": "attention.wv.bias"}
 
 
 def find_gguf(path) -> Optional[Path]:
@@ -125,27 +127,10 @@ def field(reader, key: str, default=None, path=None):
 
 
 def read_params(reader, path: Path) -> dict:
-    """params.json-style hyperparameters from the metadata; refuses architectures and rotary schemes it cannot run."""
-    arch = field(reader, "general.architecture", path=path)
-    if arch != "llama":
-        raise ValueError(f"{path}: architecture {arch!r} is not supported (only 'llama')")
-    g = lambda key, default=None: field(reader, f"llama.{key}", default, path)  # noqa: E731
-    dim, n_heads = int(g("embedding_length")), int(g("attention.head_count"))
-    rot = int(g("rope.dimension_count", dim // n_heads))
-    if rot != dim // n_heads:
-        raise ValueError(f"{path}: llama.rope.dimension_count {rot} differs from the head dimension {dim // n_heads}")
-    scaling = reader.fields.get("llama.rope.scaling.type")
-    if scaling is not None and scaling.contents() not in ("none", ""):
-        raise ValueError(f"{path}: llama.rope.scaling.type {scaling.contents()!r} is not supported")
-    multiple_of, mult = derive_ffn(dim, int(g("feed_forward_length")))
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = int(g("vocab_size", len(tokens.data) if tokens is not None else 0))
-    params = {"dim": dim, "n_layers": int(g("block_count")), "n_heads": n_heads,
-              "n_kv_heads": int(g("attention.head_count_kv", n_heads)), "vocab_size": vocab,
-              "multiple_of": multiple_of, "norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-5)),
-              "rope_theta": float(g("rope.freq_base", 10000.0))}
-    if mult is not None:
-        params["ffn_dim_multiplier"] = mult
+    """params.json-style hyperparameters from the metadata (llama/formats/architectures.py: the architectures
+    and what each changes), the reader's tensors put into the llama layout; refuses what the model cannot run."""
+    params = architectures.read_params(reader, path)
+    architectures.adapt(reader, path, params)
     return params
 
 

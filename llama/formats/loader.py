@@ -16,6 +16,7 @@ from llama.distributed import parallel, pipeline
 from llama.formats import checklist
 from llama.formats import gguf_file as gguf_checkpoint
 from llama.formats import gguf_quants
+from llama.formats import hf_checkpoint
 from llama.formats import memory
 from llama.formats import meta_checkpoint as checkpoint
 from llama.formats import preload as residency
@@ -187,7 +188,7 @@ def load(
     if staged or reader is None or not gguf_quants.runs_natively(reader, quantize, device):
         memory.check_fits(args, dtype, quantize, group_size, compile, mp_size * pipeline_parallel_size, device)
     fuse = fuses(args, dtype, device, quantize, compile, mp_size * pipeline_parallel_size)
-    if verify and gguf_path is None:
+    if verify and gguf_path is None and hf_checkpoint.find_hf(ckpt_dir) is None:
         checklist.verify_checklist(ckpt_dir)
     rank = parallel.model_parallel_rank()
     if stored is not None:
@@ -221,7 +222,12 @@ def resolve_scheme(ckpt_dir, gguf_path, pipeline_parallel_size: int, quantize: O
 
 def read_parts(ckpt_dir, tokenizer_path: Optional[str], gguf_path):
     """(GGUF reader or None, params dict, tokenizer): a GGUF file carries its hyperparameters and (unless one is
-    given) its tokenizer; a Meta-layout directory has params.json and needs tokenizer_path."""
+    given) its tokenizer; a Hugging Face directory its config.json and tokenizer.json (or tokenizer.model); a
+    Meta-layout directory has params.json and needs tokenizer_path."""
+    hf_dir = None if gguf_path is not None else hf_checkpoint.find_hf(ckpt_dir)
+    if hf_dir is not None:
+        params = hf_checkpoint.hf_params(hf_checkpoint.read_config(hf_dir), hf_dir / "config.json")
+        return None, params, load_tokenizer(tokenizer_path or hf_checkpoint.tokenizer_file(hf_dir))
     if gguf_path is not None:
         reader = gguf_checkpoint.open_reader(gguf_path)
         params = gguf_checkpoint.read_params(reader, gguf_path)
@@ -280,11 +286,15 @@ def float_model(ckpt_dir, args: ModelArgs, rank: int, mp_size: int, reader, gguf
         if gguf_path is not None:
             with memory.freed_memory_returned():
                 model = gguf_stage(reader, gguf_path, args, stage, rank, mp_size, dtype)
+        elif hf_checkpoint.find_hf(ckpt_dir) is not None:
+            model = hf_model(ckpt_dir, args, rank, mp_size, stage)
         else:
             model = pipeline.load_stage(ckpt_dir, args, stage, rank, mp_size)
     elif gguf_path is not None:
         with memory.freed_memory_returned():
             model = gguf_model(reader, gguf_path, args, rank, mp_size, device, dtype, quantize, group_size, fuse)
+    elif hf_checkpoint.find_hf(ckpt_dir) is not None:
+        model = hf_model(ckpt_dir, args, rank, mp_size)
     else:
         state = checkpoint.load_state_dict(ckpt_dir, args, rank, mp_size)
         with torch.device("meta"):
@@ -304,4 +314,30 @@ def float_model(ckpt_dir, args: ModelArgs, rank: int, mp_size: int, reader, gguf
     prepare(model, device, dtype, quantize, group_size, fuse and not native)
     if tied and not model.output.method.quantized:  # casting copied each: share the embedding again
         model.output.weight = model.tok_embeddings.weight
+    return model
+
+
+def hf_model(hf_dir, args: ModelArgs, rank: int, mp_size: int, stage=None):
+    """This rank's model (or pipeline stage) from a Hugging Face directory: its tensors renamed and permuted into
+    Meta's layout (llama/formats/hf_checkpoint.py), this rank's slice of each."""
+    check_model_parallel(args, mp_size)
+    if stage is not None:
+        pipeline.check_layout(args, mp_size, stage.count)
+    state = hf_checkpoint.hf_to_meta(hf_checkpoint.read_hf_weights(hf_dir), args,
+                                     tied=bool(hf_checkpoint.read_config(hf_dir).get("tie_word_embeddings")))
+    checkpoint.check_shapes({name: tuple(t.shape) for name, t in state.items()}, args, str(hf_dir))
+    tied = state.get("output.weight") is state.get("tok_embeddings.weight")
+    local = {}
+    for name, t in state.items():
+        target = name if stage is None else pipeline.local_name(name, stage)
+        if target is not None and not (stage is None and tied and name == "output.weight" and mp_size == 1):
+            local[target] = checkpoint.split_tensor(name, t, rank, mp_size)
+    if stage is None and tied and mp_size == 1:
+        local["output.weight"] = local["tok_embeddings.weight"]  # one tensor: float_model shares the Parameter
+    with torch.device("meta"):
+        model = Transformer(args) if stage is None else pipeline.PipelineTransformer(args, stage)
+    try:
+        model.load_state_dict(local, strict=True, assign=True)
+    except RuntimeError as e:
+        raise ValueError(f"{hf_dir} does not match its config.json: {e}") from None
     return model

@@ -34,6 +34,9 @@ LAYER_DIMS: Dict[str, Optional[int]] = {  # layers.N.<name>
     "attention.wq.weight": 0,  # column parallel: output features (whole heads per rank)
     "attention.wk.weight": 0,
     "attention.wv.weight": 0,
+    "attention.wq.bias": 0,  # a bias goes with its rows (Qwen2)
+    "attention.wk.bias": 0,
+    "attention.wv.bias": 0,
     "attention.wo.weight": 1,  # row parallel: input features
     "feed_forward.w1.weight": 0,
     "feed_forward.w2.weight": 1,
@@ -159,6 +162,9 @@ def expected_shapes(args: ModelArgs) -> Dict[str, Tuple[int, ...]]:
             p + "attention_norm.weight": (d,),
             p + "ffn_norm.weight": (d,),
         })
+        if args.qkv_bias:
+            shapes.update({p + "attention.wq.bias": (args.n_heads * hd,), p + "attention.wk.bias": (args.n_kv_heads * hd,),
+                           p + "attention.wv.bias": (args.n_kv_heads * hd,)})
     return shapes
 
 

@@ -185,6 +185,9 @@ def load_model(ckpt_dir, args: ModelArgs, rank: int, world_size: int, stored: di
             _assign(layer, f"layers.{i}.{local}", names, state, scheme, group_size, packs, device)
         for norm in ("attention_norm", "ffn_norm"):
             getattr(block, norm).weight = nn.Parameter(state.pop(f"layers.{i}.{norm}.weight"), requires_grad=False)
+        if args.qkv_bias:  # kept in full precision, fused as the weights are
+            biases = [state.pop(f"layers.{i}.attention.{n}.bias") for n in ("wq", "wk", "wv")]
+            block.attention.wqkv.bias = nn.Parameter(torch.cat(biases), requires_grad=False)
     _assign(model.output, "output", ["output"], state, scheme, group_size, packs, device)
     if packs is not None and packs.fresh:
         pack_cache.save(packs.path, {**packs.cached, **packs.fresh})

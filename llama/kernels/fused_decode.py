@@ -29,7 +29,7 @@ FLOAT, INT4, INT8 = 0, 1, 2  # the op's schemes: a bf16 or fp32 weight, group-wi
 def route(linear, rows: int, dtype: torch.dtype) -> Optional[Tuple[int, int, Tuple[torch.Tensor, ...]]]:
     """(scheme, group size, tensors) when linear's product of `rows` rows of `dtype` runs in our CPU kernel, else
     None: its method's answer (llama/layers.py LinearMethod.route, the rule its apply() follows)."""
-    if linear.mp != 1:
+    if linear.mp != 1 or linear.bias is not None:  # a bias is added outside the op's products
         return None
     return linear.method.route(linear, rows, dtype)
 

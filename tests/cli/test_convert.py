@@ -265,7 +265,7 @@ def test_hf_bf16_kept_or_cast(tmp_path):
 
 def test_hf_refusals(tmp_path, capsys):
     write_hf_dir(tmp_path / "hf", CONFIG, random_meta(CONFIG, seed=5))
-    (tmp_path / "hf" / "config.json").write_text(json.dumps({**CONFIG, "rope_scaling": {"type": "linear", "factor": 2}}))
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**CONFIG, "rope_scaling": {"type": "dynamic", "factor": 2}}))
     assert main(["hf", str(tmp_path / "hf"), str(tmp_path / "o1")]) == 1
     assert "rope_scaling" in capsys.readouterr().err
     (tmp_path / "hf" / "config.json").write_text(json.dumps(CONFIG))

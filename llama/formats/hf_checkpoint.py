@@ -1,0 +1,260 @@
+"""Hugging Face model directories (config.json + safetensors, sharded with an index, or pytorch_model*.bin) of the
+LLaMA-style families: Llama, Mistral, Qwen2/2.5, Phi-3 and Granite, read into ModelArgs and Meta-named weights.
+
+What each family changes is read from its config into ModelArgs fields (llama/model.py); nothing in the decode path
+knows a family. Hugging Face stores q/k rows in rotate-half (NeoX) order; the model rotates interleaved pairs
+(Meta's order), so q/k rows (and Qwen2's q/k biases) are permuted at load, as Meta's and llama.cpp's converters do.
+Phi-3's fused qkv_proj and gate_up_proj are split into Meta's q/k/v and w1/w3 (the loader fuses them again).
+"""
+
+import json
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+
+from llama import rope
+from llama.formats.meta_checkpoint import load_shard
+from llama.model import ModelArgs, derive_ffn
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                 "Phi3ForCausalLM": "phi3", "GraniteForCausalLM": "granite"}
+
+
+def find_hf(path) -> Optional[Path]:
+    """The directory, when `path` is a Hugging Face model directory (config.json and weights, no params.json)."""
+    path = Path(path)
+    if not path.is_dir() or (path / "params.json").exists() or not (path / "config.json").is_file():
+        return None
+    has_weights = any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin"))
+    return path if has_weights else None
+
+
+def tokenizer_file(hf_dir) -> Path:
+    """The directory's tokenizer: tokenizer.json (Hugging Face tokenizers), else a sentencepiece tokenizer.model."""
+    for name in ("tokenizer.json", "tokenizer.model", "original/tokenizer.model"):
+        if (Path(hf_dir) / name).is_file():
+            return Path(hf_dir) / name
+    raise FileNotFoundError(f"{hf_dir} has no tokenizer.json or tokenizer.model: pass tokenizer_path")
+
+
+def read_config(hf_dir) -> dict:
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: not a Hugging Face model directory")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(config).__name__}")
+    return config
+
+
+def family(config: dict, source) -> str:
+    """The family of a config.json: its architectures entry, else its model_type; others refused by name."""
+    names = config.get("architectures") or []
+    for name in names:
+        if name in ARCHITECTURES:
+            return ARCHITECTURES[name]
+    model_type = config.get("model_type", "llama")
+    if not names and model_type in ARCHITECTURES.values():
+        return model_type
+    raise ValueError(f"{source}: architecture {names or model_type!r} is not supported (supported: "
+                     f"{', '.join(ARCHITECTURES)})")
+
+
+def hf_params(config: dict, source) -> dict:
+    """ModelArgs keyword arguments from a config.json; refuses what these architectures do not compute."""
+    fam = family(config, source)
+    try:
+        dim, n_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        hidden, layers, vocab = int(config["intermediate_size"]), int(config["num_hidden_layers"]), int(config["vocab_size"])
+    except KeyError as e:
+        raise ValueError(f"{source} lacks {e.args[0]!r}") from None
+    act = config.get("hidden_act", config.get("hidden_activation", "silu"))
+    if act != "silu":
+        raise ValueError(f"{source}: hidden_act {act!r} is not silu")
+    if config.get("mlp_bias"):
+        raise ValueError(f"{source}: mlp_bias is not supported (no family here has biases in its MLP)")
+    if fam != "qwen2" and config.get("attention_bias"):
+        raise ValueError(f"{source}: attention_bias (a bias on o_proj too) is not supported")
+    if fam == "qwen2" and config.get("use_sliding_window"):
+        raise ValueError(f"{source}: use_sliding_window (Qwen2's per-layer windows) is not supported")
+    head_dim = config.get("head_dim") or dim // n_heads
+    params = {"dim": dim, "n_layers": layers, "n_heads": n_heads, "vocab_size": vocab,
+              "n_kv_heads": int(config.get("num_key_value_heads") or n_heads), "head_dim": int(head_dim),
+              "hidden_dim": hidden, "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+              "qkv_bias": fam == "qwen2"}
+    try:
+        params["multiple_of"], mult = derive_ffn(dim, hidden)  # params.json's own rule, where one reproduces it
+        if mult is not None:
+            params["ffn_dim_multiplier"] = mult
+    except ValueError:
+        pass
+    if fam in ("mistral", "phi3") and config.get("sliding_window"):
+        params["sliding_window"] = int(config["sliding_window"])
+    if fam == "granite":
+        params.update(embedding_multiplier=float(config.get("embedding_multiplier", 1.0)),
+                      residual_multiplier=float(config.get("residual_multiplier", 1.0)),
+                      attention_multiplier=float(config.get("attention_multiplier", head_dim ** -0.5)),
+                      logits_scaling=float(config.get("logits_scaling", 1.0)))
+    params.update(hf_rope(config, source, int(head_dim)))
+    return params
+
+
+def hf_args(config: dict, source, **overrides) -> ModelArgs:
+    return ModelArgs(**{**hf_params(config, source), **overrides})
+
+
+def hf_rope(config: dict, source, head_dim: Optional[int] = None) -> dict:
+    """ModelArgs' rotary fields from config.json's `rope_scaling` (older transformers) or `rope_parameters` (newer,
+    which also holds rope_theta): Llama 3.1's scaling, linear, YaRN and long-rope (Phi-3's "su" too)."""
+    params = dict(config.get("rope_parameters") or {})
+    scaling = config.get("rope_scaling") or params
+    key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+    out = {"rope_theta": float(params.get("rope_theta", config.get("rope_theta", 10000.0)))}
+    if float(scaling.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise ValueError(f"{source}: partial_rotary_factor (rotary on part of each head) is not supported")
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    original = scaling.get("original_max_position_embeddings", config.get("original_max_position_embeddings"))
+    try:
+        if kind == "default":
+            return out
+        if kind == "llama3":
+            return {**out, "use_scaled_rope": True, "rope_scaling_factor": float(scaling["factor"]),
+                    "rope_low_freq_factor": float(scaling["low_freq_factor"]),
+                    "rope_high_freq_factor": float(scaling["high_freq_factor"]),
+                    "rope_original_context": int(scaling["original_max_position_embeddings"])}
+        if kind == "linear":
+            return {**out, "rope_scaling": {"rope_type": "linear", "factor": float(scaling["factor"])}}
+        if kind == "yarn":
+            original = int(original if original is not None else config["max_position_embeddings"])
+            factor = scaling.get("factor") or config["max_position_embeddings"] / original
+            attention = scaling.get("attention_factor") or rope.yarn_attention_factor(
+                factor, scaling.get("mscale"), scaling.get("mscale_all_dim"))
+            return {**out, "rope_scaling": {
+                "rope_type": "yarn", "factor": float(factor), "original_context": original,
+                "beta_fast": float(scaling.get("beta_fast") or 32), "beta_slow": float(scaling.get("beta_slow") or 1),
+                "truncate": bool(scaling.get("truncate", True)), "attention_factor": float(attention)}}
+        if kind in ("longrope", "su"):
+            original = int(original)
+            factor = scaling.get("factor") or config["max_position_embeddings"] / original
+            attention = scaling.get("attention_factor") or rope.longrope_attention_factor(factor, original)
+            return {**out, "rope_scaling": {
+                "rope_type": "longrope", "short_factor": [float(v) for v in scaling["short_factor"]],
+                "long_factor": [float(v) for v in scaling["long_factor"]], "original_context": original,
+                "attention_factor": float(attention)}}
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{source}: {key} of type {kind!r} lacks {e.args[0]!r}") from None
+    raise ValueError(f"{source}: {key} of type {kind!r} is not supported (supported: default, llama3, linear, yarn, "
+                     "longrope)")
+
+
+def read_safetensors(path) -> Dict[str, torch.Tensor]:
+    """Tensors of a .safetensors file, memory-mapped by the safetensors package (as Hugging Face reads them)."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupt?): {e}") from None
+
+
+def read_hf_weights(hf_dir) -> Dict[str, torch.Tensor]:
+    """All tensors of a HF model directory: (sharded) safetensors, else (sharded) pytorch_model*.bin."""
+    hf_dir = Path(hf_dir)
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = hf_dir / index_name
+        if index.is_file():
+            try:
+                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError, AttributeError) as e:
+                raise ValueError(f"{index} is not a valid index (a JSON object with weight_map): {e}") from None
+            break
+    else:
+        files = [p.name for p in sorted(hf_dir.glob("*.safetensors"))] or \
+                [p.name for p in sorted(hf_dir.glob("pytorch_model*.bin"))]
+        if not files:
+            raise FileNotFoundError(f"no model.safetensors or pytorch_model*.bin in {hf_dir}")
+    state = {}
+    for name in files:
+        path = hf_dir / name
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is listed in the index but missing")
+        state.update(read_safetensors(path) if name.endswith(".safetensors") else load_shard(path))
+    return state
+
+
+def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of q or k (a weight, or a bias) from rotate-half order within each head to Meta's interleaved pairs."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """unpermute's inverse: Meta's interleaved pairs back to rotate-half order."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+_LAYER = {
+    "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
+    "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.down_proj": "feed_forward.w2",
+    "mlp.up_proj": "feed_forward.w3", "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm",
+}
+_GLOBAL = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
+           "lm_head.weight": "output.weight"}
+
+
+def split_fused(name: str, t: torch.Tensor, args: ModelArgs) -> Dict[str, torch.Tensor]:
+    """Phi-3's fused tensors as their parts: qkv_proj -> q/k/v projections, gate_up_proj -> gate and up."""
+    if name.endswith("self_attn.qkv_proj.weight"):
+        q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+        parts = zip(("q_proj", "k_proj", "v_proj"), t.split([q, kv, kv]))
+        return {name.replace("qkv_proj", p): w for p, w in parts}
+    if name.endswith("mlp.gate_up_proj.weight"):
+        gate, up = t.chunk(2)
+        return {name.replace("gate_up_proj", "gate_proj"): gate, name.replace("gate_up_proj", "up_proj"): up}
+    return {name: t}
+
+
+def hf_to_meta(hf: Dict[str, torch.Tensor], args: ModelArgs, dtype: Optional[torch.dtype] = None,
+               tied: bool = False) -> Dict[str, torch.Tensor]:
+    """Rename HF tensors to Meta's names, split Phi-3's fused ones and permute q/k rows into Meta's rotary order;
+    a missing lm_head (or tie_word_embeddings) means tied embeddings."""
+    out = {}
+    for full_name, full in hf.items():
+        if full_name.endswith("rotary_emb.inv_freq"):
+            continue  # a buffer older HF checkpoints save; recomputed from the config
+        for name, t in split_fused(full_name, full, args).items():
+            parts = name.split(".")
+            local, kind = ".".join(parts[3:-1]), parts[-1]
+            if name in _GLOBAL:
+                meta = _GLOBAL[name]
+            elif parts[:2] == ["model", "layers"] and len(parts) > 4 and local in _LAYER and kind in ("weight", "bias"):
+                meta = f"layers.{parts[2]}.{_LAYER[local]}.{kind}"
+            else:
+                meta = None
+            if meta is None or (kind == "bias" and not args.qkv_bias):
+                raise ValueError(f"unexpected tensor {full_name!r} in the Hugging Face checkpoint: not a parameter "
+                                 "of this architecture")
+            if ".wq." in meta:
+                t = unpermute(t, args.n_heads)
+            elif ".wk." in meta:
+                t = unpermute(t, args.n_kv_heads)
+            out[meta] = t.to(dtype) if dtype is not None else t
+    if "tok_embeddings.weight" in out and (tied or "output.weight" not in out):
+        out["output.weight"] = out["tok_embeddings.weight"]
+    return out
+
+
+def load(hf_dir, dtype: Optional[torch.dtype] = None, **overrides):
+    """(ModelArgs keyword arguments, full Meta-named state dict) of a Hugging Face directory."""
+    hf_dir = Path(hf_dir)
+    config = read_config(hf_dir)
+    params = hf_params(config, hf_dir / "config.json")
+    args = ModelArgs(**{**params, **overrides, "vocab_size": params["vocab_size"]})
+    return params, hf_to_meta(read_hf_weights(hf_dir), args, dtype, bool(config.get("tie_word_embeddings")))

@@ -1,0 +1,92 @@
+"""Small random-weight Hugging Face directories of the LLaMA-style families, written by transformers itself
+(`AutoModelForCausalLM.from_config(...).save_pretrained`), with a small sentencepiece tokenizer.model trained here
+(llama.cpp's converter reads it for every family). fp32, 2 layers, head_dim 16 (our kernels take it)."""
+
+import io
+import random
+import shutil
+from pathlib import Path
+
+import torch
+
+VOCAB = 128
+EOS = 2
+COMMON = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              vocab_size=VOCAB, max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
+              initializer_range=0.1, bos_token_id=1, eos_token_id=EOS, pad_token_id=0)
+_SHORT = [1.0 + 0.1 * i for i in range(8)]
+_LONG = [1.0 + 0.9 * i for i in range(8)]
+# name -> (model_type, config overrides): each family's differences, at sizes the tests pass beyond
+FAMILIES = {
+    "llama": ("llama", {}),
+    "mistral": ("mistral", {"sliding_window": 24}),
+    "qwen2": ("qwen2", {"tie_word_embeddings": True}),
+    "phi3": ("phi3", {}),
+    "phi3-longrope": ("phi3", {"original_max_position_embeddings": 128, "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": _SHORT, "long_factor": _LONG}}),
+    "granite": ("granite", {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                            "attention_multiplier": 0.015625, "logits_scaling": 8.0}),
+    "llama3": ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                             "original_max_position_embeddings": 64}}),
+    "llama-yarn": ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                 "original_max_position_embeddings": 128}}),
+}
+
+
+def sentencepiece_model() -> bytes:
+    """A 128-piece BPE sentencepiece model trained on a few hundred lines of made-up text."""
+    import sentencepiece as spm
+
+    words = ("the a cat dog runs jumps over lazy quick brown fox hello world once upon time little girl named lily "
+             "sun moon star tree").split()
+    r = random.Random(0)
+    text = [" ".join(r.choice(words) for _ in range(12)) for _ in range(400)]
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(text), model_writer=buf, vocab_size=VOCAB, model_type="bpe",
+                                   character_coverage=1.0, bos_id=1, eos_id=EOS, unk_id=0, pad_id=-1,
+                                   minloglevel=2)
+    return buf.getvalue()
+
+
+def hf_model(name: str, seed: int = 0):
+    """transformers' model of family `name` with seeded random weights, fp32, in eval mode."""
+    import transformers
+
+    model_type, extra = FAMILIES[name]
+    config = transformers.AutoConfig.for_model(model_type, **{**COMMON, **extra})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # transformers starts biases at 0 and norms at 1: random ones, so the tests see them
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.5)
+            elif "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+def write_hf(name: str, out: Path, sp_model: bytes, seed: int = 0, **save_kwargs):
+    """(directory, transformers model): family `name` saved by transformers, with tokenizer.model beside it."""
+    model = hf_model(name, seed)
+    out = Path(out)
+    shutil.rmtree(out, ignore_errors=True)
+    model.save_pretrained(out, **save_kwargs)
+    (out / "tokenizer.model").write_bytes(sp_model)
+    return out, model
+
+
+def hf_greedy(model, prompt, n: int) -> list:
+    """transformers' greedy ids after prompt, without a cache (each step a full forward), cut before EOS."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = int(model(torch.tensor([seq])).logits[0, -1].argmax())
+            if nxt == EOS:
+                break
+            seq.append(nxt)
+    return seq[len(prompt):]
+
+
+def sequence(length: int, seed: int = 1) -> list:
+    return torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()

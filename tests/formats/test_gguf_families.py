@@ -1,0 +1,144 @@
+"""Each family's Hugging Face directory (tests/families.py) converted to GGUF by llama.cpp's own
+convert_hf_to_gguf.py (from llama-cpp-python's source distribution, fetched with pip into the cache once): the
+file loads with Llama.build(path, None) to transformers' logits on the original directory, alone and at world size
+2; and it serves. qwen2 and phi3 files keep Hugging Face's NeoX q/k order, so this is what proves the permutation."""
+
+import json
+import subprocess
+import sys
+import tarfile
+
+import pytest
+import torch
+from conftest import error_lines, rank_env
+from families import FAMILIES, sentencepiece_model, sequence, write_hf
+
+from llama import Llama
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("sentencepiece")
+VERSION = "0.3.36"
+ROOT = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
+
+
+@pytest.fixture(scope="session")
+def converter():
+    """Path of llama.cpp's convert_hf_to_gguf.py (with its conversion package and gguf-py), extracted from
+    llama-cpp-python's sdist, which pip fetches from the registry into the cache once; skips when it cannot."""
+    from llama import settings
+
+    target = settings.cache_dir() / f"llama.cpp-convert-{VERSION}"
+    script = target / ROOT / "convert_hf_to_gguf.py"
+    if not script.is_file():
+        target.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+                               f"llama-cpp-python=={VERSION}", "-d", str(target)], capture_output=True, text=True,
+                              timeout=600)
+        sdist = target / f"llama_cpp_python-{VERSION}.tar.gz"
+        if proc.returncode != 0 or not sdist.is_file():
+            pytest.skip(f"could not fetch llama-cpp-python=={VERSION}'s sdist with pip: {proc.stderr[-300:]}")
+        with tarfile.open(sdist) as tar:
+            members = [m for m in tar.getmembers() if m.name == ROOT + "convert_hf_to_gguf.py"
+                       or m.name.startswith((ROOT + "conversion/", ROOT + "gguf-py/"))]
+            tar.extractall(target, members=members, filter="data")
+        sdist.unlink()
+    return script
+
+
+@pytest.fixture(scope="module")
+def converted(converter, tmp_path_factory):
+    """converted(name) -> (gguf path, transformers model, HF dir), converted once per module."""
+    sp, done = sentencepiece_model(), {}
+
+    def get(name):
+        if name not in done:
+            d, model = write_hf(name, tmp_path_factory.mktemp(name) / "hf", sp)
+            out = d.parent / f"{name}.gguf"
+            proc = subprocess.run([sys.executable, str(converter), str(d), "--outtype", "f32", "--outfile", str(out)],
+                                  capture_output=True, text=True, timeout=600)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            done[name] = (out, model, d)
+        return done[name]
+
+    return get
+
+
+def logits(g, seq):
+    with g.cache.hold():
+        return g.runner.logits([seq])[0].cpu()
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_llama_cpp_s_gguf_gives_transformers_logits(converted, name):
+    """300 positions; Mistral's GGUF says `llama` and carries no window, so it agrees up to the window (24) only."""
+    path, model, _ = converted(name)
+    g = Llama.build(str(path), None, max_seq_len=320, max_batch_size=1, compile=False, dtype=torch.float32)
+    seq = sequence(24 if name == "mistral" else 300)
+    with torch.no_grad():
+        ref = model(torch.tensor([seq])).logits[0]
+    assert (logits(g, seq) - ref).abs().max() < 1e-4 * max(1.0, float(ref.abs().max()))
+
+
+MP_SCRIPT = """
+import json, sys, torch
+from llama import Llama
+g = Llama.build(sys.argv[1], None, max_seq_len=320, max_batch_size=1, compile=False, dtype=torch.float32)
+seq = json.loads(sys.argv[2])
+with g.cache.hold():
+    out = g.runner.logits([seq])[0].cpu()
+torch.save(out, sys.argv[3] + "." + str(torch.distributed.get_rank()) + ".pt")
+"""
+
+
+@pytest.mark.parametrize("name", ["qwen2", "phi3-longrope", "granite"])
+def test_world_size_2_gives_the_same_logits(converted, name, tmp_path):
+    """torchrun with 2 gloo ranks: each rank cuts its slice (Qwen2's biases with their rows)."""
+    path, model, _ = converted(name)
+    seq = sequence(200)
+    (tmp_path / "run.py").write_text(MP_SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(tmp_path / "run.py"), str(path), json.dumps(seq), str(tmp_path / "out")],
+                          env=rank_env(2), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, error_lines(proc.stderr)
+    with torch.no_grad():
+        ref = model(torch.tensor([seq])).logits[0]
+    for rank in range(2):
+        got = torch.load(tmp_path / f"out.{rank}.pt")
+        assert (got - ref).abs().max() < 1e-4 * max(1.0, float(ref.abs().max()))
+
+
+def test_an_unknown_architecture_is_refused_naming_the_supported_ones(converted, tmp_path):
+    import gguf
+
+    path, _, _ = converted("llama")
+    w = gguf.GGUFWriter(str(tmp_path / "x.gguf"), "gemma")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"architecture 'gemma' is not supported \(supported: llama, qwen2, phi3, granite\)"):
+        Llama.build(str(tmp_path / "x.gguf"), None, max_seq_len=32, max_batch_size=1)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_each_family_s_gguf_serves_what_the_python_api_gives(converted, name):
+    """python -m llama.serve on the converted file: a greedy completion and a streamed one, equal to the Python
+    API's with the same load options."""
+    pytest.importorskip("openai")
+    pytest.importorskip("uvicorn", reason="the server needs the serve extra")
+    from serve_util import Server
+
+    path, _, _ = converted(name)
+    local = Llama.build(str(path), None, max_seq_len=128, max_batch_size=2)
+    prompt = "the quick brown fox"
+    ref = local.text_completion([prompt], temperature=0, max_gen_len=24)[0]["generation"]
+    s = Server(path, "--max_seq_len", "128", "--max_batch_size", "2")
+    try:
+        c = s.client()
+        out = c.completions.create(model=path.name, prompt=prompt, max_tokens=24, temperature=0)
+        assert out.choices[0].text == ref and out.usage.completion_tokens > 0
+        streamed = c.completions.create(model=path.name, prompt=prompt, max_tokens=24, temperature=0, stream=True)
+        assert "".join(ch.choices[0].text for ch in streamed) == ref
+    finally:
+        s.close()
