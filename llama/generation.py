@@ -72,6 +72,7 @@ class Llama:
         kv_cache_memory: Union[int, str, None] = None,
         prefix_cache: Union[bool, str] = "on",
         kv_cache_dtype: Optional[str] = None,
+        tool_style: Optional[str] = None,
     ) -> "Llama":
         """Load a checkpoint: a Meta-layout directory, or a GGUF file (or a directory holding one; its embedded
         tokenizer and chat template are used unless tokenizer_path is given). Works in plain python and under
@@ -102,23 +103,25 @@ class Llama:
         cached prefix of every prompt, "exact" only positions a prefill computed, "off" none (llama/core/paging.py).
         kv_cache_dtype="int8": keys and values as int8 with an fp32 scale per position and head (about half of
         bf16; read by the torch paths, eager: docs/architecture.md).
+        tool_style: Meta Llama 3 checkpoints' tool-call syntax, "llama3_json" (3.1) or "pythonic" (3.2, 3.3);
+        default by the checkpoint's shape (3.2's 1B/3B pythonic; 3.3 70B cannot be told from 3.1 70B).
         """
         model, tokenizer, compiled = loader.load(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size,
                                                  model_parallel_size, seed, device, dtype, verify, compile, quantize,
                                                  rope_scaling_factor, pipeline_parallel_size=pipeline_parallel_size,
                                                  group_size=group_size, preload=preload)
         return Llama(model, tokenizer, max_batch_size, max_seq_len, compiled, kv_cache_memory=kv_cache_memory,
-                     prefix_cache=prefix_cache, kv_cache_dtype=kv_cache_dtype)
+                     prefix_cache=prefix_cache, kv_cache_dtype=kv_cache_dtype, tool_style=tool_style)
 
     def __init__(self, model, tokenizer, max_batch_size: Optional[int] = None, max_seq_len: Optional[int] = None,
                  compiled=None, kv_cache_memory: Union[int, str, None] = None, prefix_cache: Union[bool, str] = "on",
-                 kv_cache_dtype: Optional[str] = None):
+                 kv_cache_dtype: Optional[str] = None, tool_style: Optional[str] = None):
         """Meta's Llama(model, tokenizer) sizes the KV cache from model.params, as here when the sizes are None."""
         max_batch_size = model.params.max_batch_size if max_batch_size is None else max_batch_size
         max_seq_len = model.params.max_seq_len if max_seq_len is None else max_seq_len
         self.model = model
         self.tokenizer = tokenizer
-        self.formatter = chat_format_for(tokenizer)
+        self.formatter = chat_format_for(tokenizer, model.params, tool_style)
         self.cache = build_cache(model, max_batch_size, max_seq_len, kv_cache_memory, prefix_cache,
                                  place=(parallel.model_parallel_rank(), parallel.pipeline_parallel_rank()),
                                  replicated=parallel.model_parallel_size() * parallel.pipeline_parallel_size() > 1,

@@ -52,6 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="int8 keys/values with a scale per position and head (default: the model's dtype)")
     p.add_argument("--share-prefix-cache", action="store_true", dest="share_prefix_cache",
                    help="API keys share cached prefixes (default: each key its own, as timing leaks between them)")
+    p.add_argument("--tool-style", "--tool_style", default=None, choices=["llama3_json", "pythonic"], dest="tool_style",
+                   help="Meta Llama 3 checkpoints' tool-call syntax (default by shape: 3.2 1B/3B pythonic, else JSON; "
+                        "pass pythonic for 3.3)")
     args = p.parse_args(argv)
     if args.max_queue < 0:
         p.error("--max-queue must be >= 0")
@@ -82,7 +85,7 @@ def main(argv=None) -> None:
                            model_parallel_size=args.model_parallel_size,
                            pipeline_parallel_size=args.pipeline_parallel_size,
                            kv_cache_memory=args.kv_cache_memory, prefix_cache=args.prefix_cache,
-                           kv_cache_dtype=args.kv_cache_dtype)
+                           kv_cache_dtype=args.kv_cache_dtype, tool_style=args.tool_style)
 
     if int(os.environ.get("RANK", "0")) != 0:  # a model-parallel follower: replay rank 0's steps
         load().engine(prefill_chunk=args.prefill_chunk).serve_forever()

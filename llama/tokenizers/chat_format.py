@@ -248,11 +248,25 @@ class TemplateChatFormat:
         return self.tokenizer.encode(self.render(dialog), bos=False, eos=False)
 
 
-def chat_format_for(tokenizer):
+TOOL_STYLES = ("llama3_json", "pythonic")
+
+
+def meta_tool_style(params) -> str:
+    """The tool-call syntax Meta's stack uses for a Llama 3 checkpoint of this shape: the pythonic call list for the
+    3.2 text models (1B: dim 2048, 3B: dim 3072, both with scaled rope), JSON for 3.1. Llama 3.3 70B has 3.1 70B's
+    shape, so it gets JSON unless told (Llama(..., tool_style="pythonic"), --tool-style)."""
+    small = getattr(params, "dim", None) in (2048, 3072) and getattr(params, "use_scaled_rope", False)
+    return "pythonic" if small and getattr(params, "vocab_size", None) == 128256 else "llama3_json"
+
+
+def chat_format_for(tokenizer, params=None, tool_style: Optional[str] = None):
     """The chat format that belongs to a tokenizer (the family is decided by the tokenizer, not by a flag): the
-    model's own Jinja template when it carries one, else Meta's Llama 3 or Llama 2 format."""
+    model's own Jinja template when it carries one, else Meta's Llama 3 (tool syntax by `params`' shape unless
+    tool_style names one) or Llama 2 format."""
+    if tool_style is not None and tool_style not in TOOL_STYLES:
+        raise ValueError(f"tool_style must be one of {TOOL_STYLES} or None, got {tool_style!r}")
     if getattr(tokenizer, "chat_template", None):
         return TemplateChatFormat(tokenizer, tokenizer.chat_template)
     if "<|start_header_id|>" in getattr(tokenizer, "special_tokens", {}):
-        return Llama3ChatFormat(tokenizer)
+        return Llama3ChatFormat(tokenizer, tool_style or meta_tool_style(params))
     return ChatFormat(tokenizer)

@@ -186,3 +186,20 @@ def test_pythonic_parse_agrees_with_llama_models():
 
     text = '[get_weather(city="Paris", days=3), get_time(city="Oslo")]'
     assert parse("pythonic", text)[1] == parse_python_list_for_function_calls(text)
+
+
+def test_meta_checkpoints_pick_their_versions_tool_syntax():
+    """3.2's 1B/3B shapes call tools as a pythonic list (as Meta's stack renders them), 3.1's as JSON; tool_style
+    overrides (3.3 70B has 3.1 70B's shape)."""
+    from llama.model import ModelArgs
+    from llama.tokenizers.chat_format import chat_format_for
+
+    ours_tok, _ = meta()
+    llama32_3b = ModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=128256, use_scaled_rope=True)
+    llama31_8b = ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, use_scaled_rope=True)
+    assert family_of(chat_format_for(ours_tok, llama32_3b)) == "pythonic"
+    assert family_of(chat_format_for(ours_tok, llama31_8b)) == "llama3_json"
+    assert family_of(chat_format_for(ours_tok, None)) == "llama3_json"
+    assert family_of(chat_format_for(ours_tok, llama31_8b, "pythonic")) == "pythonic"
+    with pytest.raises(ValueError, match="tool_style must be one of"):
+        chat_format_for(ours_tok, None, "xml")
