@@ -108,29 +108,33 @@ class ToolGrammar(Grammar):
     parallel: bool = True
     lazy: bool = False
     think: bool = False  # the model may reason in <think>...</think> first
+    opened: bool = False  # the prompt opened the block (DeepSeek-R1's template): the reply starts inside it
 
     @staticmethod
     def build(family: str, functions: Sequence[Dict], parallel: bool = True, lazy: bool = False,
-              think: bool = False) -> "ToolGrammar":
+              think: bool = False, opened: bool = False) -> "ToolGrammar":
         fns = json.dumps(list(functions))
         text = calls_lark(family, functions, parallel, {}, think and not lazy)
         return ToolGrammar("lark", text, family=family, functions_json=fns, parallel=parallel, lazy=lazy,
-                           think=think).checked()
+                           think=think, opened=think and opened).checked()
 
     def matcher(self, tokenizer, stop_tokens) -> "ToolMatcher":
         text = calls_lark(self.family, json.loads(self.functions_json), self.parallel, special_ids(tokenizer),
                           self.think and not self.lazy)
-        return ToolMatcher(Grammar("lark", text), tokenizer, stop_tokens, self.family, self.lazy, self.think)
+        return ToolMatcher(Grammar("lark", text), tokenizer, stop_tokens, self.family, self.lazy, self.think,
+                           self.opened)
 
 
 class ToolMatcher:
     """The grammar's state for one request, switched on when the call starts: at once (forced) or at the
     trigger (lazy), and in either case only outside a <think> block. Before that it masks nothing."""
 
-    def __init__(self, grammar: Grammar, tokenizer, stop_tokens, family: str, lazy: bool, think: bool):
+    def __init__(self, grammar: Grammar, tokenizer, stop_tokens, family: str, lazy: bool, think: bool,
+                 opened: bool = False):
         self.grammar, self.tokenizer, self.stop_tokens = grammar, tokenizer, stop_tokens
         self.trigger, self.anchored = TRIGGERS[family]
         self.lazy, self.think = lazy, think
+        self.prefix = "<think>" if opened else ""  # read the reply as if it had opened the block itself
         self.tokens: List[int] = []
         self.start = 0  # where the text after any reasoning block begins
         self.free = False  # an anchored trigger can no longer come: the reply is plain text
@@ -149,7 +153,7 @@ class ToolMatcher:
         self.tokens.append(token)
         if self.free:
             return False
-        text = self.tokenizer.decode(self.tokens)
+        text = self.prefix + self.tokenizer.decode(self.tokens)
         if self.think:
             head = text.lstrip()
             if head.startswith("<think>"):
@@ -179,6 +183,7 @@ class ToolMatcher:
         they start there (a special-token trigger must stay one token), else that text re-tokenized (llguidance
         matches bytes, so any spelling of them is accepted)."""
         self.active = self._matcher()
+        text, at = text[len(self.prefix):], at - len(self.prefix)  # the reply's own text
         tail = None
         for k in range(len(self.tokens), -1, -1):
             n = len(self.tokenizer.decode(self.tokens[:k]))

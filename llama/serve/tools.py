@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from llama.serve.protocol import bad
+from llama.tokenizers import reasoning
 from llama.tokenizers.tool_format import TRIGGERS, ToolDialog, family_of, parse
 
 ID_CHARS = string.ascii_letters + string.digits
@@ -166,9 +167,11 @@ def prepare(spec, formatter) -> None:
         raise bad("response_format", "response_format cannot be combined with tools (the calls have their grammar)")
     fns = [f["function"] for f in t.tools if t.choice in ("auto", "required") or f["function"]["name"] == t.choice]
     think = "<think>" in (getattr(formatter, "source", None) or "")
+    prompt = formatter.encode_dialog_prompt(spec.prompts[0]) if think else []
+    opened = think and reasoning.prompt_opens_think(formatter.tokenizer, prompt)  # R1's template opens the block
     try:
         spec.params["grammar"] = ToolGrammar.build(t.family, fns, parallel=t.parallel, lazy=t.choice == "auto",
-                                                   think=think)
+                                                   think=think, opened=opened)
     except ValueError as e:
         raise bad("tools", f"the tools' parameter schemas do not make a grammar: {e}") from None
 

@@ -69,6 +69,23 @@ def test_lazy_grammar_waits_for_the_trigger_and_skips_think(gen):
     assert allowed and all(a.strip() in ("", "\n") or "\n".startswith(a) for a in allowed), allowed
 
 
+def test_lazy_grammar_after_a_prompt_that_opened_think(gen):
+    """DeepSeek-R1's template opens <think> in the prompt: the reply starts inside the block, so a trigger there
+    does not count until </think>; one after it does."""
+    tok = gen.tokenizer
+    m = ToolGrammar.build("hermes", FNS, lazy=True, think=True, opened=True).matcher(tok, {tok.eos_id: "eos"})
+    for t in tok.encode("I could write <tool_call> here. </think> Now", bos=False, eos=False):
+        assert m.consume(t) is False
+    assert m.active is None
+    for t in tok.encode(" <tool_call>", bos=False, eos=False):
+        m.consume(t)
+    assert m.active is not None
+    closed = ToolGrammar.build("hermes", FNS, lazy=True, think=True).matcher(tok, {tok.eos_id: "eos"})
+    for t in tok.encode("I could write <tool_call>", bos=False, eos=False):
+        closed.consume(t)
+    assert closed.active is not None  # without the opened block the same text triggers
+
+
 def test_lazy_generation_free_until_triggered(gen):
     """A model steered to the trigger by a logits processor for its first tokens writes a valid call after it."""
     tok = gen.tokenizer
