@@ -58,6 +58,7 @@ _RANGE_OFFSETS = (-0.3, 0.0, 0.3, 0.6)
 # loading gives each allocation its own mapping (memory.freed_memory_returned): at 1 MB every temporary was
 # page-faulted in afresh, 4x slower.
 _CHUNK_ELEMENTS = 1 << 17
+_GPU_CHUNK_ELEMENTS = 1 << 24  # on a GPU small chunks are launch-bound: a 7B model took minutes at 1 << 17
 
 
 def quantize_codes(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
@@ -75,7 +76,7 @@ def quantize_codes(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
     full, tail = divmod(k, group_size)
     codes = torch.empty(n, k // 2, dtype=torch.uint8, device=weight.device)
     scales = torch.empty(n, full + (tail > 0), 2, dtype=scale_dtype, device=weight.device)
-    chunk = max(1, _CHUNK_ELEMENTS // k)
+    chunk = max(1, (_CHUNK_ELEMENTS if weight.device.type == "cpu" else _GPU_CHUNK_ELEMENTS) // k)
     for r0 in range(0, n, chunk):
         rows = weight[r0 : r0 + chunk].float()
         parts = [rows[:, : full * group_size].reshape(rows.shape[0], full, group_size)]
