@@ -67,6 +67,7 @@ def write_block_gguf(path, params: dict, sp_model_path, kinds, seed: int = 0, ti
     blocks: kinds(meta name) -> a GGUF type name (e.g. "Q4_K"), or a str for every matrix. Norms are F32."""
     import gguf
     import sentencepiece as spm
+    from helpers import add_sentencepiece_vocab
 
     from llama.model import ModelArgs
 
@@ -88,14 +89,7 @@ def write_block_gguf(path, params: dict, sp_model_path, kinds, seed: int = 0, ti
     w.add_head_count_kv(args.n_kv_heads or args.n_heads)
     w.add_layer_norm_rms_eps(args.norm_eps)
     w.add_rope_dimension_count(hd)
-    n = sp.vocab_size()
-    w.add_tokenizer_model("llama")
-    w.add_token_list([sp.id_to_piece(i) for i in range(n)])
-    w.add_token_scores([sp.get_score(i) for i in range(n)])
-    w.add_token_types([3 if sp.is_control(i) else 2 if sp.is_unknown(i) else 6 if sp.is_byte(i) else 1
-                       for i in range(n)])
-    w.add_bos_token_id(sp.bos_id())
-    w.add_eos_token_id(sp.eos_id())
+    add_sentencepiece_vocab(w, sp, unk=False)
     rng = np.random.default_rng(seed)
 
     def add(gname, meta, i):

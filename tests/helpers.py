@@ -73,6 +73,20 @@ GGUF_NAMES = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "outp
               "attention_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_norm.weight"}
 
 
+def add_sentencepiece_vocab(w, sp, unk: bool = True) -> None:
+    """A sentencepiece model's vocabulary as llama.cpp's converter writes it ('llama': pieces, scores, types)."""
+    n = sp.vocab_size()
+    w.add_tokenizer_model("llama")
+    w.add_token_list([sp.id_to_piece(i) for i in range(n)])
+    w.add_token_scores([sp.get_score(i) for i in range(n)])
+    w.add_token_types([3 if sp.is_control(i) else 2 if sp.is_unknown(i) else 6 if sp.is_byte(i) else 1
+                       for i in range(n)])
+    w.add_bos_token_id(sp.bos_id())
+    w.add_eos_token_id(sp.eos_id())
+    if unk:
+        w.add_unk_token_id(sp.unk_id())
+
+
 def write_meta_gguf(path, state, params, sp_model_path, quant=None, vocab_only=False):
     """A GGUF file as llama.cpp's converter writes a Meta checkpoint: Meta's q/k row order, a sentencepiece
     ('llama') vocabulary with scores and token types, 2-D weights optionally quantized (e.g. "Q8_0") where their
@@ -94,15 +108,7 @@ def write_meta_gguf(path, state, params, sp_model_path, quant=None, vocab_only=F
         w.add_layer_norm_rms_eps(params["norm_eps"])
         w.add_rope_freq_base(params.get("rope_theta", 10000.0))
         w.add_rope_dimension_count(dim // heads)
-    n = sp.vocab_size()
-    w.add_tokenizer_model("llama")
-    w.add_token_list([sp.id_to_piece(i) for i in range(n)])
-    w.add_token_scores([sp.get_score(i) for i in range(n)])
-    w.add_token_types([3 if sp.is_control(i) else 2 if sp.is_unknown(i) else 6 if sp.is_byte(i) else 1
-                       for i in range(n)])
-    w.add_bos_token_id(sp.bos_id())
-    w.add_eos_token_id(sp.eos_id())
-    w.add_unk_token_id(sp.unk_id())
+    add_sentencepiece_vocab(w, sp)
     for name, t in ({} if vocab_only else state).items():
         parts = name.split(".")
         gname = (GGUF_NAMES[name] if parts[0] != "layers"

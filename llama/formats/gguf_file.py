@@ -117,15 +117,6 @@ def open_reader(path: Path):
     return split
 
 
-def field(reader, key: str, default=None, path=None):
-    f = reader.fields.get(key)
-    if f is None:
-        if default is not None:
-            return default
-        raise ValueError(f"{path}: GGUF metadata lacks {key!r}")
-    return f.contents()
-
-
 def read_params(reader, path: Path) -> dict:
     """params.json-style hyperparameters from the metadata (llama/formats/architectures.py: the architectures
     and what each changes), the reader's tensors put into the llama layout; refuses what the model cannot run."""

@@ -14,7 +14,7 @@ from typing import Dict, Optional
 import torch
 
 from llama import rope
-from llama.formats.meta_checkpoint import load_shard
+from llama.formats.meta_checkpoint import load_shard, read_json_object
 from llama.model import ModelArgs, derive_ffn
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
@@ -42,13 +42,7 @@ def read_config(hf_dir) -> dict:
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: not a Hugging Face model directory")
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(config).__name__}")
-    return config
+    return read_json_object(path)
 
 
 def family(config: dict, source) -> str:

@@ -47,6 +47,17 @@ LAYER_DIMS: Dict[str, Optional[int]] = {  # layers.N.<name>
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 
+def read_json_object(path: Path) -> dict:
+    """A JSON file holding an object (params.json, config.json), or ValueError naming the file."""
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}")
+    return value
+
+
 def read_params(ckpt_dir) -> dict:
     """params.json of a checkpoint directory, with clear errors for a missing directory or a bad file."""
     ckpt_dir = Path(ckpt_dir)
@@ -55,12 +66,7 @@ def read_params(ckpt_dir) -> dict:
     path = ckpt_dir / "params.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: a Meta-layout checkpoint needs params.json beside its *.pth")
-    try:
-        params = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(params, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(params).__name__}")
+    params = read_json_object(path)
     for key, what in UNSUPPORTED_PARAMS.items():
         if key in params:
             raise ValueError(f"{path} has {key!r}: {what}, which this Llama implementation cannot compute")
