@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness import print_results, prompt_tokens, run_requests, step_times
+from harness import greedy_decoders, print_results, prompt_tokens
 
 HEAD = ["file", "ours tok/s, median", "llama.cpp tok/s, median", "ours / llama.cpp, median of blocks", "range",
         "load s (ours, warm cache)"]
@@ -36,17 +36,12 @@ def quantize(src: Path, out: Path) -> None:
     tmp.rename(out)
 
 
-def rate(times) -> float:
-    return 1 / statistics.median(b - a for a, b in zip(times[2:], times[3:]))
-
-
 def measure(cfg: dict) -> dict:
     """In a child process: both engines on the file, decoded in alternating blocks."""
     import llama_cpp
     import torch
 
     from llama import Llama
-    from llama.core.params import SamplingParams
     from llama.formats import gguf_quants
 
     n, ctx = cfg["tokens"], 64
@@ -56,17 +51,7 @@ def measure(cfg: dict) -> dict:
     kinds = gguf_quants.summary(ours.model)
     ours.tokenizer.stop_tokens = {}
     peer = llama_cpp.Llama(cfg["file"], n_ctx=ctx, n_threads=torch.get_num_threads(), verbose=False)
-    prompt = prompt_tokens(ours.model.vocab_size, 16)
-    params = SamplingParams(temperature=0, max_gen_len=n)
-
-    def run_ours():
-        return rate(run_requests(ours, [prompt], params))
-
-    def run_peer():
-        peer.reset()
-        tokens = peer.generate(prompt, top_k=1, temp=0.0, reset=True)
-        return rate(step_times(next(tokens) for _ in range(n)))
-
+    run_ours, run_peer = greedy_decoders(ours, peer, prompt_tokens(ours.model.vocab_size, 16), n)
     run_ours(), run_peer()
     blocks = []
     for b in range(cfg["blocks"]):

@@ -173,6 +173,29 @@ def run_requests(llm, prompts: List[List[int]], params) -> List[float]:
 
 
 # --------------------------------------------------------------------------------------------- workdir and rounds
+
+def decode_rate(times) -> float:
+    """tok/s from step timestamps: the median decode step (the first interval is the prefill)."""
+    return 1 / statistics.median(b - a for a, b in zip(times[2:], times[3:]))
+
+
+def greedy_decoders(ours, peer, prompt: List[int], n: int):
+    """(ours, llama.cpp's) batch-1 greedy decode of n tokens after prompt, each a call returning its tok/s: what
+    the paired benchmarks alternate. ours: a Llama whose stop tokens are cleared; peer: a llama_cpp.Llama."""
+    from llama.core.params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_gen_len=n)
+
+    def run_ours():
+        return decode_rate(run_requests(ours, [prompt], params))
+
+    def run_peer():
+        peer.reset()
+        tokens = peer.generate(prompt, top_k=1, temp=0.0, reset=True)
+        return decode_rate(step_times(next(tokens) for _ in range(n)))
+
+    return run_ours, run_peer
+
 def workdir(path: Optional[str], tmp: str) -> Path:
     """--workdir (made if missing; weights written there are reused by later runs naming it) or `tmp`."""
     d = Path(path) if path else Path(tmp)

@@ -26,19 +26,14 @@ from pathlib import Path
 
 import torch
 from bench import prequantize
-from harness import (LLAMA2_TOKENIZER, machine, print_results, prompt_tokens, read_bandwidth, run_requests,
-                     shape_checkpoint, step_times)
+from harness import (LLAMA2_TOKENIZER, greedy_decoders, machine, print_results, prompt_tokens, read_bandwidth, run_requests,
+                     shape_checkpoint)
 from peers import gguf_file
 
 from llama import settings
 
 # int4-g64: our int4 with groups of 64, q4_0's 4.5 bits per weight (group 32 is q4_1's size)
 GGUF_TYPE = {"bf16": "bf16", "int8-dynamic": "q8_0", "int4": "q4_0", "int4-g64": "q4_0"}
-
-
-def rate(times) -> float:
-    """tok/s from step timestamps: the median decode step (the first interval is the prefill)."""
-    return 1 / statistics.median(b - a for a, b in zip(times[2:], times[3:]))
 
 
 def measure(cfg: dict) -> dict:
@@ -56,16 +51,7 @@ def measure(cfg: dict) -> dict:
     ours.tokenizer.stop_tokens = {}  # random weights: every block decodes n tokens
     peer = llama_cpp.Llama(cfg["gguf"], n_ctx=ctx, n_batch=512, n_threads=torch.get_num_threads(),
                            n_threads_batch=torch.get_num_threads(), verbose=False)
-    prompt = prompt_tokens(ours.model.vocab_size, prompt_len)
-    params = SamplingParams(temperature=0, max_gen_len=n)
-
-    def run_ours():
-        return rate(run_requests(ours, [prompt], params))
-
-    def run_peer():
-        peer.reset()
-        tokens = peer.generate(prompt, top_k=1, temp=0.0, reset=True)
-        return rate(step_times(next(tokens) for _ in range(n)))
+    run_ours, run_peer = greedy_decoders(ours, peer, prompt_tokens(ours.model.vocab_size, prompt_len), n)
 
     def run_layer_by_layer():
         os.environ["LLAMA_FUSED_DECODE"] = "0"
