@@ -6,7 +6,8 @@ import torch
 
 # ggml type name -> byte offsets of the block's fp16 fields (scales, and mins where the format has them)
 HALF_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "IQ4_NL": (0,),
-               "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,), "Q2_K": (80, 82), "Q3_K": (108,)}
+               "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,), "Q2_K": (80, 82), "Q3_K": (108,),
+               "IQ2_XXS": (0,), "IQ3_XXS": (0,)}
 
 
 def random_blocks(kind: str, rows: int, cols: int, seed: int = 0, std=None) -> np.ndarray:

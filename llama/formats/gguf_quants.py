@@ -4,7 +4,8 @@ where it is sliced for model parallel or fused), so loading a Q4_K_M file takes 
 
 Used on CPU where our kernels are built and no quantize= scheme is asked for (quantize= on a quantized file
 re-quantizes: its blocks are dequantized layer by layer and quantized to the scheme, as before). Tensors of types
-our kernels do not run (Q2_K, Q3_K, the other i-quants, F16/F32 norms) are dequantized as gguf_file reads them.
+our kernels do not run (the i-quants other than IQ4_NL/IQ4_XS, F16/F32 norms) are dequantized as gguf_file reads
+them.
 """
 
 from typing import Dict, List, Optional

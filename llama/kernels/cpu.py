@@ -35,7 +35,7 @@ from llama.settings import cache_dir
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "decode_ops.cpp", CSRC / "decode_layers.cpp",
            CSRC / "gguf_blocks.cpp")  # one library
-HEADERS = (CSRC / "simd.h", CSRC / "ops.h")
+HEADERS = (CSRC / "simd.h", CSRC / "ops.h", CSRC / "gguf_dot.h")
 FLAGS = ("-O3", "-std=c++20", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp", "-w")
 BLOCK = 32  # activation block of the quantized kernels: inputs must be a multiple of it
 
@@ -209,7 +209,7 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> 
 
 # GGUF block formats our kernels run (llama/kernels/csrc/gguf_blocks.cpp): ggml type id -> (values, bytes) per block
 GGUF_BLOCKS = {8: (32, 34), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 20: (32, 18), 12: (256, 144),
-               13: (256, 176), 14: (256, 210), 23: (256, 136)}
+               13: (256, 176), 14: (256, 210), 23: (256, 136), 10: (256, 84), 11: (256, 110)}
 
 
 def gguf_values(qtype: int, row_bytes: int) -> int:

@@ -21,7 +21,7 @@ from llama.layers import LinearMethod
 
 # ggml type ids our kernels run (gguf.GGMLQuantizationType) -> their names
 NAMES = {8: "Q8_0", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 20: "IQ4_NL", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K",
-         23: "IQ4_XS"}
+         23: "IQ4_XS", 10: "Q2_K", 11: "Q3_K"}
 
 
 class GGUFBlocks(LinearMethod):

@@ -11,7 +11,7 @@ from llama.kernels import cpu as cpu_kernels
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="our CPU kernels are not built here")
 
-NATIVE = ["Q8_0", "Q4_K", "Q6_K", "Q5_K", "Q4_0", "IQ4_XS", "IQ4_NL", "Q5_0", "Q4_1", "Q5_1"]
+NATIVE = ["Q8_0", "Q4_K", "Q6_K", "Q5_K", "Q4_0", "IQ4_XS", "IQ4_NL", "Q5_0", "Q4_1", "Q5_1", "Q2_K", "Q3_K"]
 
 
 def qtype(kind):
@@ -61,11 +61,29 @@ def test_a_rows_result_does_not_depend_on_its_batch(kind):
                        cpu_kernels.gguf_linear(x.to(torch.bfloat16).float(), w, qtype(kind)).to(torch.bfloat16).float())
 
 
+VNNI = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu_kernels.cpu_flags()
+
+
+@pytest.mark.skipif(not VNNI, reason="this CPU lacks AVX-512 VNNI: only the AVX2 path runs here")
+@pytest.mark.parametrize("kind", NATIVE)
+def test_the_avx512_path_gives_the_avx2_paths_results_bitwise(kind, monkeypatch):
+    """The AVX-512 VNNI copy (gguf_dot.h) sums the same integers in the same lanes and the same fp32 operations in
+    the same order: any difference is a bug, not rounding."""
+    K, N = 1280, 67
+    w = torch.from_numpy(random_blocks(kind, N, K, seed=6))
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(7))
+    x[1] *= 1e3
+    fast = cpu_kernels.gguf_linear(x, w, qtype(kind))
+    monkeypatch.setenv("LLAMA_CPU_AVX512", "0")  # read by the kernel on every call
+    slow = cpu_kernels.gguf_linear(x, w, qtype(kind))
+    assert torch.equal(fast, slow), (kind, (fast - slow).abs().max().item())
+
+
 def test_bad_shapes_are_refused_naming_the_sizes():
     w = torch.from_numpy(random_blocks("Q4_K", 4, 512))
     with pytest.raises(RuntimeError, match="inputs"):
         cpu_kernels.gguf_linear(torch.randn(1, 256), w, qtype("Q4_K"))
     with pytest.raises(RuntimeError, match="not run natively"):
-        cpu_kernels.gguf_linear(torch.randn(1, 512), w, qtype("Q2_K"))
+        cpu_kernels.gguf_linear(torch.randn(1, 512), w, qtype("IQ2_XXS"))
     with pytest.raises(RuntimeError, match="row 9 of 4"):
         cpu_kernels.gguf_rows(w, torch.tensor([9]), qtype("Q4_K"))

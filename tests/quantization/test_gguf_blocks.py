@@ -86,7 +86,7 @@ def test_a_q4_k_m_file_runs_in_its_blocks_exactly_and_greedy_ids_equal_the_dequa
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q6_K", "Q5_K", "Q4_0", "IQ4_XS", "IQ4_NL", "Q5_0", "Q4_1",
-                                  "Q5_1"])
+                                  "Q5_1", "Q2_K", "Q3_K"])
 def test_every_native_format_gives_dequantized_weights_times_int8_activations(kind, tmp_path, monkeypatch):
     path = write_block_gguf(tmp_path / f"{kind}.gguf", PARAMS, need(STORIES / "tokenizer.model"), kind, tied=True)
     gen = build(path)
@@ -110,12 +110,13 @@ def test_quantize_on_a_block_file_requantizes_its_dequantized_weights(q4km):
 
 
 def test_types_our_kernels_do_not_run_load_dequantized_with_a_note(tmp_path, capfd):
-    kinds = {"attention.wq.weight": "Q3_K", "feed_forward.w1.weight": "Q2_K"}
+    kinds = {"attention.wq.weight": "IQ3_XXS", "feed_forward.w1.weight": "IQ2_XXS"}
     path = write_block_gguf(tmp_path / "mixed.gguf", PARAMS, need(STORIES / "tokenizer.model"),
                             lambda n: kinds.get(n, "Q4_K"))
     gen = build(path)
     err = capfd.readouterr().err
-    assert "mixed.gguf: Q3_K tensors are dequantized at load" in err and "Q2_K" in err and "Q4_K tensors" not in err
+    assert "mixed.gguf: IQ3_XXS tensors are dequantized at load" in err and "IQ2_XXS" in err
+    assert "Q4_K tensors" not in err
     assert gen.model.layers[0].attention.wq.weight.dtype == torch.float32
     assert gguf_quants.summary(gen.model)["Q4_K"] > 0
     assert len(gen.generate([PROMPT], max_gen_len=4, temperature=0)[0][0]) == 4

@@ -1,5 +1,5 @@
 // Products with weights in GGUF's own block formats (llama.cpp's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, and the
-// 256-value super-blocks Q4_K, Q5_K, Q6_K, IQ4_XS), read as the file holds them: a weight matrix is (N, row bytes)
+// 256-value super-blocks Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS), read as the file holds them: a weight matrix is (N, row bytes)
 // of the file's blocks, each row the blocks of one output row (llama/quantization/gguf_blocks.py).
 //
 // Activations are quantized to int8 as llama.cpp's own CPU kernels do it: blocks of 32 for the 32-value formats
@@ -7,14 +7,17 @@
 // round to nearest even. Every integer sum is exact, and the fp32 products of the scales follow, so a product equals
 // (the weights as gguf's dequantize gives them) x (the dequantized activation codes) to fp32 rounding. A row's result
 // never depends on the other rows of its batch: each (row, output) is summed by the same code in the same order.
-// AVX2 everywhere; on CPUs with AVX-512 VNNI (and LLAMA_CPU_AVX512 not "0") the integer sums of the main formats use
-// vpdpbusd (the same integers, so the same results).
+// AVX2 everywhere; on CPUs with AVX-512 VNNI (and LLAMA_CPU_AVX512 not "0") a second copy of the inner loops runs
+// (gguf_dot.h): vpdpbusd for the unit-weight int8 sums, 512-bit vectors for Q4_K's and Q6_K's, F16C for the
+// scales. It computes the same int32 lanes and the same fp32 operations in the same order, so its results are
+// bitwise the AVX2 copy's.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -44,6 +47,8 @@ bool format_of(int64_t type, Format& f) {
     case Q4_K: f = {256, 144, 256}; return true;
     case Q5_K: f = {256, 176, 256}; return true;
     case Q6_K: f = {256, 210, 256}; return true;
+    case Q2_K: f = {256, 84, 256}; return true;
+    case Q3_K: f = {256, 110, 256}; return true;
     case IQ4_XS: f = {256, 136, 256}; return true;
     default: return false;
   }
@@ -81,6 +86,15 @@ inline int iq4xs_scale(const uint8_t* b, int j) {
   std::memcpy(&h, b + 2, 2);
   const int lo = (b[4 + j / 2] >> (4 * (j % 2))) & 0x0F, hi = (h >> (2 * j)) & 3;
   return (lo | (hi << 4)) - 32;
+}
+
+// Q3_K: the 16 groups' 6-bit scales (minus 32) from their 12 bytes (gguf's Q3_K: low 4 bits in bytes 0-7, two
+// high bits in bytes 8-11).
+inline void q3k_scales(const uint8_t* s, int16_t* sc) {
+  for (int j = 0; j < 16; ++j) {
+    const int low = (j < 8 ? s[j] : s[j - 8] >> 4) & 0x0F, high = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+    sc[j] = int16_t((low | (high << 4)) - 32);
+  }
 }
 
 // ---- dequantization: one block into out, with the operations (and roundings) of gguf's numpy code ----
@@ -146,6 +160,24 @@ void dequantize_block(int64_t type, const uint8_t* b, float* out) {
       }
       return;
     }
+    case Q2_K: case Q3_K: {  // value i: 2-bit code of byte 32 (i / 128) + i % 32, bits 2 ((i / 32) % 4); group i / 16
+      const bool two = type == Q2_K;
+      const float d = half_to_float(b + (two ? 80 : 108)), dmin = two ? half_to_float(b + 82) : 0.f;
+      int16_t sc[16];
+      if (!two) q3k_scales(b + 96, sc);
+      const uint8_t* qs = b + (two ? 16 : 32);
+      for (int i = 0; i < 256; ++i) {
+        const int g = i / 16, l = i % 32;
+        int q = (qs[32 * (i / 128) + l] >> (2 * ((i / 32) % 4))) & 3;
+        if (two) {
+          out[i] = (d * float(b[g] & 0x0F)) * float(q) - dmin * float(b[g] >> 4);
+        } else {
+          q -= ((b[l] >> (i / 32)) & 1) ? 0 : 4;  // hmask bit i / 32 of byte i % 32: clear means -4
+          out[i] = (d * float(sc[g])) * float(q);
+        }
+      }
+      return;
+    }
     case IQ4_XS: {
       const float d = half_to_float(b);
       for (int j = 0; j < 8; ++j) {
@@ -190,138 +222,36 @@ Act quantize_act(const float* x, int64_t M, int64_t K, int64_t block) {
   return a;
 }
 
-// ---- AVX2 integer dot products ----
+// ---- the products' inner loops, twice: AVX2, and AVX-512 VNNI (the same sums; gguf_dot.h) ----
 
-inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+namespace avx2 {
+#include "gguf_dot.h"
+}  // namespace avx2
 
-// 32 unsigned codes (at most 127) times 32 signed codes, summed in pairs then fours with the 16-bit weights in
-// `scale` (one int16 per pair of products' lane): 8 int32 lanes.
-inline __m256i dot_scaled(__m256i u, __m256i s, __m256i scale) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), scale);
-}
-inline __m256i dot_us(__m256i u, __m256i s) { return dot_scaled(u, s, _mm256_set1_epi16(1)); }
-// signed weights w (|w| <= 127, or -128) times signed codes x: |w| * (x with w's sign)
-inline __m256i dot_ss(__m256i w, __m256i x) { return dot_us(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)); }
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")
+#endif
+namespace vnni {
+#define GGUF_VNNI 1
+#include "gguf_dot.h"
+#undef GGUF_VNNI
+}  // namespace vnni
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
 
-// 16 bytes of nibbles as 32 bytes: low nibbles (elements 0..15), then high (16..31)
-inline __m256i nibbles_split(const uint8_t* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
-}
-// 32 bits as 32 bytes, 0x10 where the bit is set (llama.cpp's bytes_from_bits_32)
-inline __m256i bits_to_16(const uint8_t* p) {
-  uint32_t x;
-  std::memcpy(&x, p, 4);
-  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
-  __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(int32_t(x)), shuf);
-  bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
-  return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
-}
-inline __m256i iq4_lookup(__m256i codes) {
-  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4));
-  return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), codes);
-}
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// One weight block (b) times activation codes xq with scale dx (and 16-sums s16): adds the product into acc (vector
-// part) and acc1 (scalar part: the offsets and mins, exact integers times one scale).
-template <int64_t TYPE>
-inline void block_dot(const uint8_t* b, const int8_t* xq, float dx, const int32_t* s16, __m256& acc, float& acc1) {
-  if constexpr (TYPE == Q8_0) {
-    const __m256i p = dot_ss(load32(b + 2), load32(xq));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(half_to_float(b) * dx), acc);
-  } else if constexpr (TYPE == IQ4_NL) {
-    const __m256i p = dot_ss(iq4_lookup(nibbles_split(b + 2)), load32(xq));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(half_to_float(b) * dx), acc);
-  } else if constexpr (TYPE == Q4_0 || TYPE == Q4_1) {
-    const __m256i p = dot_us(nibbles_split(b + (TYPE == Q4_0 ? 2 : 4)), load32(xq));
-    const float dd = half_to_float(b) * dx;
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dd), acc);
-    const int32_t xs = s16[0] + s16[1];
-    acc1 += TYPE == Q4_0 ? float(-8 * xs) * dd : float(xs) * (half_to_float(b + 2) * dx);
-  } else if constexpr (TYPE == Q5_0 || TYPE == Q5_1) {
-    const int64_t h = TYPE == Q5_0 ? 2 : 4;
-    const __m256i w = _mm256_or_si256(nibbles_split(b + h + 4), bits_to_16(b + h));
-    const __m256i p = dot_us(w, load32(xq));
-    const float dd = half_to_float(b) * dx;
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dd), acc);
-    const int32_t xs = s16[0] + s16[1];
-    acc1 += TYPE == Q5_0 ? float(-16 * xs) * dd : float(xs) * (half_to_float(b + 2) * dx);
-  } else if constexpr (TYPE == Q4_K || TYPE == Q5_K) {
-    uint8_t sc[8], m[8];
-    scale_min_k4(b + 4, sc, m);
-    const uint8_t* qs = b + (TYPE == Q4_K ? 16 : 48);
-    const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-    const __m256i qh = TYPE == Q5_K ? load32(b + 16) : _mm256_setzero_si256();
-    __m256i isum = _mm256_setzero_si256();
-    for (int j = 0; j < 4; ++j) {
-      const __m256i raw = load32(qs + 32 * j);
-      __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-      if constexpr (TYPE == Q5_K) {
-        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), one), 4));
-        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), one), 4));
-      }
-      isum = _mm256_add_epi32(isum, dot_scaled(lo, load32(xq + 64 * j), _mm256_set1_epi16(sc[2 * j])));
-      isum = _mm256_add_epi32(isum, dot_scaled(hi, load32(xq + 64 * j + 32), _mm256_set1_epi16(sc[2 * j + 1])));
-    }
-    int32_t msum = 0;
-    for (int j = 0; j < 8; ++j) msum += int32_t(m[j]) * (s16[2 * j] + s16[2 * j + 1]);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(half_to_float(b) * dx), acc);
-    acc1 -= float(msum) * (half_to_float(b + 2) * dx);
-  } else if constexpr (TYPE == Q6_K) {
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-    const __m256i low4 = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
-    __m256i isum = _mm256_setzero_si256();
-    for (int h = 0; h < 2; ++h) {
-      const __m256i l0 = load32(b + 64 * h), l1 = load32(b + 64 * h + 32), hb = load32(b + 128 + 32 * h);
-      __m256i q[4] = {_mm256_and_si256(l0, low4), _mm256_and_si256(l1, low4),
-                      _mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(_mm256_srli_epi16(l1, 4), low4)};
-      for (int i = 0; i < 4; ++i) {
-        const __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * i), three), 4);
-        const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * i + 1]), _mm_set1_epi16(sc[8 * h + 2 * i]));
-        isum = _mm256_add_epi32(isum, dot_scaled(_mm256_or_si256(q[i], high), load32(xq + 128 * h + 32 * i), scale));
-      }
-    }
-    int32_t corr = 0;
-    for (int i = 0; i < 16; ++i) corr += int32_t(sc[i]) * s16[i];
-    const float dd = half_to_float(b + 208) * dx;
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dd), acc);
-    acc1 += float(-32 * corr) * dd;
-  } else if constexpr (TYPE == IQ4_XS) {
-    __m256i isum = _mm256_setzero_si256();
-    for (int j = 0; j < 8; ++j) {
-      const __m256i p = dot_ss(iq4_lookup(nibbles_split(b + 8 + 16 * j)), load32(xq + 32 * j));
-      isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(p, _mm256_set1_epi32(iq4xs_scale(b, j))));
-    }
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(half_to_float(b) * dx), acc);
-  }
-}
-
-template <int64_t TYPE>
-void linear_rows(const Act& a, const uint8_t* w, const Format& f, int64_t M, int64_t K, int64_t N, float* y) {
-  const int64_t nblocks = K / f.values, row_bytes = nblocks * f.bytes;
-  const int64_t grain = std::max<int64_t>(1, 64 / std::max<int64_t>(M, 1));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* wr = w + n * row_bytes;
-      for (int64_t m = 0; m < M; ++m) {
-        __m256 acc = _mm256_setzero_ps();
-        float acc1 = 0.f;
-        for (int64_t i = 0; i < nblocks; ++i) {
-          _mm_prefetch(reinterpret_cast<const char*>(wr + i * f.bytes) + 1024, _MM_HINT_T0);
-          const int64_t k = i * f.values;
-          block_dot<TYPE>(wr + i * f.bytes, a.q.data() + m * K + k, a.d[(m * K + k) / f.act_block],
-                          a.s16.data() + (m * K + k) / 16, acc, acc1);
-        }
-        y[m * N + n] = hsum(acc) + acc1;
-      }
-    }
-  });
+// Whether the VNNI copy runs: the CPU has AVX-512 (F, BW, VL) and VNNI, and LLAMA_CPU_AVX512 is not "0" (read on
+// every call, so a test can compare both copies in one process).
+bool use_vnni() {
+  static const bool cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  const char* env = std::getenv("LLAMA_CPU_AVX512");
+  return cpu && !(env && std::strcmp(env, "0") == 0);
 }
 
 }  // namespace
@@ -344,11 +274,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t type) {
   const Act a = quantize_act(x.data_ptr<float>(), M, K, f.act_block);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  switch (type) {
-#define CASE(T) case T: linear_rows<T>(a, wp, f, M, K, N, yp); break;
-    CASE(Q8_0) CASE(Q4_0) CASE(Q4_1) CASE(Q5_0) CASE(Q5_1) CASE(IQ4_NL) CASE(Q4_K) CASE(Q5_K) CASE(Q6_K) CASE(IQ4_XS)
-#undef CASE
-  }
+  (use_vnni() ? vnni::linear : avx2::linear)(type, a, wp, f, M, K, N, yp);
   return y;
 }
 

@@ -1,0 +1,86 @@
+"""GGUF block products (llama/kernels/csrc/gguf_blocks.cpp) per format on 7B-shaped layers: the AVX2 copy of the
+inner loops against the AVX-512 VNNI copy, in one process, alternating rounds (LLAMA_CPU_AVX512, which the kernel
+reads on every call), so the machine's drift falls on both.
+
+    python -m benchmarks gguf-kernels [--formats Q4_0 Q8_0 ...] [--shapes 4096x4096 11008x4096] [--batch 1]
+
+Each round multiplies by enough distinct random-block matrices (tests/gguf_blocks_data.py) to total --stream-mb, so
+the weights come from memory as in decoding, and reports ms per matrix; GB/s counts the weight bytes.
+"""
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+from harness import REPO, print_results
+
+sys.path.insert(0, str(REPO / "tests"))
+
+from gguf_blocks_data import random_blocks  # noqa: E402
+
+from llama.kernels import cpu as cpu_kernels  # noqa: E402
+
+FORMATS = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q5_0", "IQ4_NL", "Q3_K", "Q2_K"]
+
+
+def one_pass(x, weights, qtype) -> float:
+    start = time.perf_counter()
+    for w in weights:
+        cpu_kernels.gguf_linear(x, w, qtype)
+    return (time.perf_counter() - start) / len(weights)
+
+
+def measure(kind: str, n: int, k: int, batch: int, rounds: int, stream_mb: int) -> dict:
+    import gguf
+
+    qtype = int(gguf.GGMLQuantizationType[kind])
+    first = torch.from_numpy(random_blocks(kind, n, k, seed=0))
+    copies = max(2, math.ceil(stream_mb * 2**20 / first.numel()))
+    weights = [first] + [torch.from_numpy(random_blocks(kind, n, k, seed=i)) for i in range(1, copies)]
+    x = torch.randn(batch, k)
+    times = {"avx2": [], "avx512": []}
+    for r in range(rounds):
+        for path in (("avx2", "avx512") if r % 2 == 0 else ("avx512", "avx2")):
+            os.environ["LLAMA_CPU_AVX512"] = "1" if path == "avx512" else "0"
+            one_pass(x, weights[:2], qtype)  # warm the path's code
+            times[path].append(one_pass(x, weights, qtype))
+    os.environ.pop("LLAMA_CPU_AVX512", None)
+    ratios = [a / b for a, b in zip(times["avx2"], times["avx512"])]
+    ms = {p: statistics.median(t) * 1e3 for p, t in times.items()}
+    return {"format": kind, "shape": f"{n}x{k}", "batch": batch, "MB": f"{first.numel() / 2**20:.1f}",
+            "AVX2 ms": f"{ms['avx2']:.3f}", "AVX-512 ms": f"{ms['avx512']:.3f}",
+            "AVX2 GB/s": f"{first.numel() / ms['avx2'] / 1e6:.1f}",
+            "AVX-512 GB/s": f"{first.numel() / ms['avx512'] / 1e6:.1f}",
+            "AVX2 / AVX-512 time, median": f"{statistics.median(ratios):.2f}x",
+            "range": f"{min(ratios):.2f}–{max(ratios):.2f}x"}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--formats", nargs="+", default=FORMATS)
+    ap.add_argument("--shapes", nargs="+", default=["4096x4096", "11008x4096"], help="OUTxIN")
+    ap.add_argument("--batch", nargs="+", type=int, default=[1])
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--stream-mb", type=int, default=512, help="weight bytes per round (more than the caches)")
+    a = ap.parse_args()
+    if not cpu_kernels.available():
+        sys.exit("our CPU kernels are not built here")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, AVX-512 VNNI: "
+          f"{ {'avx512f', 'avx512bw', 'avx512vl', 'avx512_vnni'} <= cpu_kernels.cpu_flags()}")
+    rows = []
+    for shape in a.shapes:
+        n, k = map(int, shape.split("x"))
+        for kind in a.formats:
+            for b in a.batch:
+                row = measure(kind, n, k, b, a.rounds, a.stream_mb)
+                print(" ".join(f"{key}={v}" for key, v in row.items()), flush=True)
+                rows.append(row)
+    print_results("gguf-kernels", rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,268 @@
+// The GGUF block products' inner loops (gguf_blocks.cpp), included twice (no include guard): once as namespace `avx2`, once as
+// namespace `vnni` under `#pragma GCC target` for AVX-512 VNNI with GGUF_VNNI defined. Both compile the same
+// sums in the same order; the VNNI copy only computes some of the int32 lanes with other instructions
+// (vpdpbusd; 512-bit vectors whose two halves are added as integers) that give the same integers in the same
+// lanes, so the two copies' results are bitwise equal (tests/kernels/test_gguf_block_kernels.py).
+
+inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// 32 unsigned codes (at most 127) times 32 signed codes, summed in pairs then fours with the 16-bit weights in
+// `scale` (one int16 per pair of products' lane): 8 int32 lanes.
+inline __m256i dot_scaled(__m256i u, __m256i s, __m256i scale) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), scale);
+}
+// The same with unit weights: lane i is the sum of the products of bytes 4i .. 4i + 3 (no int16 pair sum
+// saturates: |u| * |s| * 2 <= 128 * 127 * 2), which is what vpdpbusd computes in one instruction.
+inline __m256i dot_us(__m256i u, __m256i s) {
+#ifdef GGUF_VNNI
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return dot_scaled(u, s, _mm256_set1_epi16(1));
+#endif
+}
+// signed weights w (|w| <= 127, or -128) times signed codes x: |w| * (x with w's sign)
+inline __m256i dot_ss(__m256i w, __m256i x) { return dot_us(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)); }
+
+inline float half(const uint8_t* p) {
+#ifdef GGUF_VNNI
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);  // F16C (every AVX-512 CPU): the same exact conversion
+#else
+  return half_to_float(p);
+#endif
+}
+
+// 16 bytes of nibbles as 32 bytes: low nibbles (elements 0..15), then high (16..31)
+inline __m256i nibbles_split(const uint8_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+}
+// 32 bits as 32 bytes, 0x10 where the bit is set (llama.cpp's bytes_from_bits_32)
+inline __m256i bits_to_16(const uint8_t* p) {
+  uint32_t x;
+  std::memcpy(&x, p, 4);
+  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(int32_t(x)), shuf);
+  bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
+}
+inline __m256i iq4_lookup(__m256i codes) {
+  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4));
+  return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), codes);
+}
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+// Two 16-value groups' int16 weights for dot_scaled: a in lanes 0-7 (values 0..15), b in lanes 8-15
+inline __m256i pair_scale(int a, int b) { return _mm256_set_m128i(_mm_set1_epi16(int16_t(b)), _mm_set1_epi16(int16_t(a))); }
+
+// The 8 int32 lanes of a K-quant super-block's scaled integer sum (Q4_K, Q5_K, Q6_K), lane by lane as the AVX2 code
+// sums them. GGUF_VNNI: two 32-byte steps per 512-bit vector, the halves added at the end (integer sums: the same).
+#ifdef GGUF_VNNI
+inline __m512i dot_scaled2(__m512i u, __m512i s, __m512i scale) {
+  return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), scale);
+}
+inline __m512i join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+inline __m256i fold(__m512i v) {
+  return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
+#endif
+
+template <int64_t TYPE>
+inline __m256i k_quant_sum(const uint8_t* b, const int8_t* xq, const uint8_t* sc) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  if constexpr (TYPE == Q4_K || TYPE == Q5_K) {
+    const uint8_t* qs = b + (TYPE == Q4_K ? 16 : 48);
+    const __m256i one = _mm256_set1_epi8(1);
+    const __m256i qh = TYPE == Q5_K ? load32(b + 16) : _mm256_setzero_si256();
+#ifdef GGUF_VNNI
+    if constexpr (TYPE == Q4_K) {  // steps j, j + 1 in one vector: lanes 0-7 step j's, 8-15 step j + 1's
+      const __m512i low4x = _mm512_set1_epi8(0x0F);
+      __m512i isum = _mm512_setzero_si512();
+      for (int j = 0; j < 4; j += 2) {
+        const __m512i raw = _mm512_loadu_si512(qs + 32 * j);
+        const __m512i lo = _mm512_and_si512(raw, low4x), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4x);
+        const __m512i xlo = join(load32(xq + 64 * j), load32(xq + 64 * j + 64));
+        const __m512i xhi = join(load32(xq + 64 * j + 32), load32(xq + 64 * j + 96));
+        const __m512i slo = join(_mm256_set1_epi16(sc[2 * j]), _mm256_set1_epi16(sc[2 * j + 2]));
+        const __m512i shi = join(_mm256_set1_epi16(sc[2 * j + 1]), _mm256_set1_epi16(sc[2 * j + 3]));
+        isum = _mm512_add_epi32(isum, dot_scaled2(lo, xlo, slo));
+        isum = _mm512_add_epi32(isum, dot_scaled2(hi, xhi, shi));
+      }
+      return fold(isum);
+    }
+#endif
+    __m256i isum = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      const __m256i raw = load32(qs + 32 * j);
+      __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+      if constexpr (TYPE == Q5_K) {
+        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), one), 4));
+        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), one), 4));
+      }
+      isum = _mm256_add_epi32(isum, dot_scaled(lo, load32(xq + 64 * j), _mm256_set1_epi16(sc[2 * j])));
+      isum = _mm256_add_epi32(isum, dot_scaled(hi, load32(xq + 64 * j + 32), _mm256_set1_epi16(sc[2 * j + 1])));
+    }
+    return isum;
+  } else {  // Q6_K: sc are the 16 signed scales
+    const int8_t* s = reinterpret_cast<const int8_t*>(sc);
+#ifdef GGUF_VNNI
+    // half h's four 32-value steps as two vectors: (step 0, step 1) and (step 2, step 3)
+    const __m512i low4x = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(3);
+    __m512i isum = _mm512_setzero_si512();
+    for (int h = 0; h < 2; ++h) {
+      const __m512i l01 = _mm512_loadu_si512(b + 64 * h);  // ql: steps 0, 1 low nibbles; steps 2, 3 high
+      const __m256i hb = load32(b + 128 + 32 * h);
+      const __m512i hb2 = join(hb, _mm256_srli_epi16(hb, 2));
+      const __m512i q01 = _mm512_or_si512(_mm512_and_si512(l01, low4x),
+                                          _mm512_slli_epi16(_mm512_and_si512(hb2, three), 4));
+      const __m512i q23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l01, 4), low4x),
+                                          _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb2, 4), three), 4));
+      const int8_t* sh = s + 8 * h;
+      const __m512i s01 = join(pair_scale(sh[0], sh[1]), pair_scale(sh[2], sh[3]));
+      const __m512i s23 = join(pair_scale(sh[4], sh[5]), pair_scale(sh[6], sh[7]));
+      isum = _mm512_add_epi32(isum, dot_scaled2(q01, _mm512_loadu_si512(xq + 128 * h), s01));
+      isum = _mm512_add_epi32(isum, dot_scaled2(q23, _mm512_loadu_si512(xq + 128 * h + 64), s23));
+    }
+    return fold(isum);
+#else
+    const __m256i three = _mm256_set1_epi8(3);
+    __m256i isum = _mm256_setzero_si256();
+    for (int h = 0; h < 2; ++h) {
+      const __m256i l0 = load32(b + 64 * h), l1 = load32(b + 64 * h + 32), hb = load32(b + 128 + 32 * h);
+      __m256i q[4] = {_mm256_and_si256(l0, low4), _mm256_and_si256(l1, low4),
+                      _mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(_mm256_srli_epi16(l1, 4), low4)};
+      for (int i = 0; i < 4; ++i) {
+        const __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * i), three), 4);
+        isum = _mm256_add_epi32(isum, dot_scaled(_mm256_or_si256(q[i], high), load32(xq + 128 * h + 32 * i),
+                                                 pair_scale(s[8 * h + 2 * i], s[8 * h + 2 * i + 1])));
+      }
+    }
+    return isum;
+#endif
+  }
+}
+
+// Q2_K / Q3_K: 2-bit codes (Q3_K: and a third bit from hmask), 16 groups of 16 with their own scales (Q2_K: 4-bit
+// scale and min per group; Q3_K: 6-bit signed scales), as 8 int32 lanes of sum(scale * code * x), codes unsigned.
+template <int64_t TYPE>
+inline __m256i low_bit_sum(const uint8_t* b, const int8_t* xq, const int16_t* sc) {
+  const uint8_t* qs = b + (TYPE == Q2_K ? 16 : 32);
+  const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+  const __m256i hm = TYPE == Q3_K ? load32(b) : _mm256_setzero_si256();
+  __m256i isum = _mm256_setzero_si256();
+  for (int h = 0; h < 2; ++h) {
+    const __m256i raw = load32(qs + 32 * h);
+    for (int s = 0; s < 4; ++s) {
+      __m256i q = _mm256_and_si256(_mm256_srli_epi16(raw, 2 * s), three);
+      if constexpr (TYPE == Q3_K)  // code + 4 * hbit, 0..7 (the value is that minus 4)
+        q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hm, 4 * h + s), one), 2));
+      const int g = 8 * h + 2 * s;
+      isum = _mm256_add_epi32(isum, dot_scaled(q, load32(xq + 128 * h + 32 * s), pair_scale(sc[g], sc[g + 1])));
+    }
+  }
+  return isum;
+}
+
+// One weight block (b) times activation codes xq with scale dx (and 16-sums s16): adds the product into acc (vector
+// part) and acc1 (scalar part: the offsets and mins, exact integers times one scale).
+template <int64_t TYPE>
+inline void block_dot(const uint8_t* b, const int8_t* xq, float dx, const int32_t* s16, __m256& acc, float& acc1) {
+  if constexpr (TYPE == Q8_0) {
+    const __m256i p = dot_ss(load32(b + 2), load32(xq));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(half(b) * dx), acc);
+  } else if constexpr (TYPE == IQ4_NL) {
+    const __m256i p = dot_ss(iq4_lookup(nibbles_split(b + 2)), load32(xq));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(half(b) * dx), acc);
+  } else if constexpr (TYPE == Q4_0 || TYPE == Q4_1) {
+    const __m256i p = dot_us(nibbles_split(b + (TYPE == Q4_0 ? 2 : 4)), load32(xq));
+    const float dd = half(b) * dx;
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dd), acc);
+    const int32_t xs = s16[0] + s16[1];
+    acc1 += TYPE == Q4_0 ? float(-8 * xs) * dd : float(xs) * (half(b + 2) * dx);
+  } else if constexpr (TYPE == Q5_0 || TYPE == Q5_1) {
+    const int64_t h = TYPE == Q5_0 ? 2 : 4;
+    const __m256i w = _mm256_or_si256(nibbles_split(b + h + 4), bits_to_16(b + h));
+    const __m256i p = dot_us(w, load32(xq));
+    const float dd = half(b) * dx;
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dd), acc);
+    const int32_t xs = s16[0] + s16[1];
+    acc1 += TYPE == Q5_0 ? float(-16 * xs) * dd : float(xs) * (half(b + 2) * dx);
+  } else if constexpr (TYPE == Q4_K || TYPE == Q5_K) {
+    uint8_t sc[8], m[8];
+    scale_min_k4(b + 4, sc, m);
+    const __m256i isum = k_quant_sum<TYPE>(b, xq, sc);
+    int32_t msum = 0;
+    for (int j = 0; j < 8; ++j) msum += int32_t(m[j]) * (s16[2 * j] + s16[2 * j + 1]);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(half(b) * dx), acc);
+    acc1 -= float(msum) * (half(b + 2) * dx);
+  } else if constexpr (TYPE == Q6_K) {
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const __m256i isum = k_quant_sum<TYPE>(b, xq, b + 192);
+    int32_t corr = 0;
+    for (int i = 0; i < 16; ++i) corr += int32_t(sc[i]) * s16[i];
+    const float dd = half(b + 208) * dx;
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dd), acc);
+    acc1 += float(-32 * corr) * dd;
+  } else if constexpr (TYPE == Q2_K) {  // w = d * sc * q - dmin * m
+    int16_t sc[16];
+    int32_t msum = 0;
+    for (int g = 0; g < 16; ++g) sc[g] = b[g] & 0x0F, msum += int32_t(b[g] >> 4) * s16[g];
+    const __m256i isum = low_bit_sum<TYPE>(b, xq, sc);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(half(b + 80) * dx), acc);
+    acc1 -= float(msum) * (half(b + 82) * dx);
+  } else if constexpr (TYPE == Q3_K) {  // w = d * sc * (q + 4 * hbit - 4)
+    int16_t sc[16];
+    q3k_scales(b + 96, sc);
+    int32_t corr = 0;
+    for (int g = 0; g < 16; ++g) corr += int32_t(sc[g]) * s16[g];
+    const __m256i isum = low_bit_sum<TYPE>(b, xq, sc);
+    const float dd = half(b + 108) * dx;
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dd), acc);
+    acc1 += float(-4 * corr) * dd;
+  } else if constexpr (TYPE == IQ4_XS) {
+    __m256i isum = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      const __m256i p = dot_ss(iq4_lookup(nibbles_split(b + 8 + 16 * j)), load32(xq + 32 * j));
+      isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(p, _mm256_set1_epi32(iq4xs_scale(b, j))));
+    }
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(half(b) * dx), acc);
+  }
+}
+
+template <int64_t TYPE>
+void linear_rows(const Act& a, const uint8_t* w, const Format& f, int64_t M, int64_t K, int64_t N, float* y) {
+  const int64_t nblocks = K / f.values, row_bytes = nblocks * f.bytes;
+  const int64_t grain = std::max<int64_t>(1, 64 / std::max<int64_t>(M, 1));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* wr = w + n * row_bytes;
+      for (int64_t m = 0; m < M; ++m) {
+        __m256 acc = _mm256_setzero_ps();
+        float acc1 = 0.f;
+        for (int64_t i = 0; i < nblocks; ++i) {
+          _mm_prefetch(reinterpret_cast<const char*>(wr + i * f.bytes) + 1024, _MM_HINT_T0);
+          const int64_t k = i * f.values;
+          block_dot<TYPE>(wr + i * f.bytes, a.q.data() + m * K + k, a.d[(m * K + k) / f.act_block],
+                          a.s16.data() + (m * K + k) / 16, acc, acc1);
+        }
+        y[m * N + n] = hsum(acc) + acc1;
+      }
+    }
+  });
+}
+
+// y (M, N) = the activations a times the weight w of ggml type `type` (one of the formats format_of knows).
+inline void linear(int64_t type, const Act& a, const uint8_t* w, const Format& f, int64_t M, int64_t K, int64_t N,
+                   float* y) {
+  switch (type) {
+#define CASE(T) case T: linear_rows<T>(a, w, f, M, K, N, y); break;
+    CASE(Q8_0) CASE(Q4_0) CASE(Q4_1) CASE(Q5_0) CASE(Q5_1) CASE(IQ4_NL) CASE(Q4_K) CASE(Q5_K) CASE(Q6_K) CASE(IQ4_XS)
+    CASE(Q2_K) CASE(Q3_K)
+#undef CASE
+  }
+}
