@@ -71,13 +71,19 @@ inline float half_to_float(const uint8_t* p) {
   return f;
 }
 
-// Q4_K / Q5_K: the 8 sub-blocks' 6-bit scales and mins from their 12 bytes (gguf's Q4_K.get_scale_min).
+// Q4_K / Q5_K: the 8 sub-blocks' 6-bit scales and mins from their 12 bytes (gguf's Q4_K.get_scale_min), four at a
+// time in 32-bit words as llama.cpp unpacks them: sc = bytes 0-7 of u after, m = bytes 8-15.
 inline void scale_min_k4(const uint8_t* s, uint8_t* sc, uint8_t* m) {
-  for (int j = 0; j < 4; ++j) {
-    sc[j] = s[j] & 63, m[j] = s[j + 4] & 63;
-    sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 6) << 4);
-    m[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
-  }
+  uint32_t u[4];
+  std::memcpy(u, s, 12);
+  const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
+  u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);  // m 4-7
+  const uint32_t m03 = u[1] & low6;
+  u[1] = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);  // sc 4-7
+  u[2] = m03;
+  u[0] &= low6;  // sc 0-3
+  std::memcpy(sc, u, 8);
+  std::memcpy(m, u + 2, 8);
 }
 
 // IQ4_XS: sub-block j's scale (6 bits, minus 32).
