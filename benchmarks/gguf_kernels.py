@@ -3,6 +3,7 @@ inner loops against the AVX-512 VNNI copy, in one process, alternating rounds (L
 reads on every call), so the machine's drift falls on both.
 
     python -m benchmarks gguf-kernels [--formats Q4_0 Q8_0 ...] [--shapes 4096x4096 11008x4096] [--batch 1]
+    python -m benchmarks gguf-kernels --decode FILE.gguf [--tokens 8] [--rounds 6]   # batch-1 decode of a file
 
 Each round multiplies by enough distinct random-block matrices (tests/gguf_blocks_data.py) to total --stream-mb, so
 the weights come from memory as in decoding, and reports ms per matrix; GB/s counts the weight bytes.
@@ -14,9 +15,10 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
-from harness import REPO, print_results
+from harness import REPO, greedy_decoders, print_results, prompt_tokens
 
 sys.path.insert(0, str(REPO / "tests"))
 
@@ -59,6 +61,28 @@ def measure(kind: str, n: int, k: int, batch: int, rounds: int, stream_mb: int) 
             "range": f"{min(ratios):.2f}–{max(ratios):.2f}x"}
 
 
+def decode(path: str, tokens: int, rounds: int) -> dict:
+    """Ours decoding a GGUF file at batch 1 (its blocks run natively), the two paths in alternating rounds."""
+    from llama import Llama
+    from llama.formats import gguf_quants
+
+    gen = Llama.build(path, None, max_seq_len=64, max_batch_size=1, dtype="bfloat16", compile=False)
+    gen.tokenizer.stop_tokens = {}
+    run, _ = greedy_decoders(gen, None, prompt_tokens(gen.model.vocab_size, 16), tokens)
+    rates = {"avx2": [], "avx512": []}
+    for r in range(rounds):
+        for path_ in (("avx2", "avx512") if r % 2 == 0 else ("avx512", "avx2")):
+            os.environ["LLAMA_CPU_AVX512"] = "1" if path_ == "avx512" else "0"
+            rates[path_].append(run())
+    os.environ.pop("LLAMA_CPU_AVX512", None)
+    ratios = [b / a for a, b in zip(rates["avx2"], rates["avx512"])]
+    return {"file": Path(path).name, "kinds": str(gguf_quants.summary(gen.model)),
+            "AVX2 tok/s": f"{statistics.median(rates['avx2']):.2f}",
+            "AVX-512 tok/s": f"{statistics.median(rates['avx512']):.2f}",
+            "AVX-512 / AVX2 rate, median": f"{statistics.median(ratios):.2f}x",
+            "range": f"{min(ratios):.2f}–{max(ratios):.2f}x"}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--formats", nargs="+", default=FORMATS)
@@ -66,9 +90,19 @@ def main():
     ap.add_argument("--batch", nargs="+", type=int, default=[1])
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--stream-mb", type=int, default=512, help="weight bytes per round (more than the caches)")
+    ap.add_argument("--threads", type=int, help="torch's threads (default: its own choice)")
+    ap.add_argument("--decode", metavar="FILE", help="time ours decoding this GGUF file instead")
+    ap.add_argument("--tokens", type=int, default=8, help="--decode: tokens per round")
     a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     if not cpu_kernels.available():
         sys.exit("our CPU kernels are not built here")
+    if a.decode:
+        row = decode(a.decode, a.tokens, a.rounds)
+        print(" ".join(f"{key}={v}" for key, v in row.items()), flush=True)
+        print_results("gguf-kernels", [row])
+        return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, AVX-512 VNNI: "
           f"{ {'avx512f', 'avx512bw', 'avx512vl', 'avx512_vnni'} <= cpu_kernels.cpu_flags()}")
     rows = []

@@ -70,6 +70,23 @@ inline __m512i join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_c
 inline __m256i fold(__m512i v) {
   return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
 }
+// The int16 weight vectors of the 512-bit steps, spread from the super-block's scales by one vpermw each (the AVX2
+// code broadcasts each scale on its own, and those shuffles limited the 512-bit loops): word i of vector v takes
+// scale kSpread.q4k[v][i] (Q4_K: 16 words a sub-block) or kSpread.q6k[v][i] (Q6_K: 8 words a group of 16).
+// Computed at compile time (constexpr): no code of this AVX-512 copy runs when the library loads, so an AVX2 CPU can
+// load it.
+struct Spread {
+  alignas(64) int16_t q4k[4][32]{};
+  alignas(64) int16_t q6k[4][32]{};
+  constexpr Spread() {
+    for (int v = 0; v < 4; ++v)
+      for (int i = 0; i < 32; ++i) {
+        q4k[v][i] = int16_t((v / 2) * 4 + v % 2 + 2 * (i / 16));  // j = 0: (lo: 0, 2), (hi: 1, 3); j = 2: 4 ...
+        q6k[v][i] = int16_t(4 * v + i / 8);  // half h = v / 2, steps 2 (v % 2) .. + 1
+      }
+  }
+};
+constexpr Spread kSpread;
 #endif
 
 template <int64_t TYPE>
@@ -82,14 +99,15 @@ inline __m256i k_quant_sum(const uint8_t* b, const int8_t* xq, const uint8_t* sc
 #ifdef GGUF_VNNI
     if constexpr (TYPE == Q4_K) {  // steps j, j + 1 in one vector: lanes 0-7 step j's, 8-15 step j + 1's
       const __m512i low4x = _mm512_set1_epi8(0x0F);
+      const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
       __m512i isum = _mm512_setzero_si512();
       for (int j = 0; j < 4; j += 2) {
         const __m512i raw = _mm512_loadu_si512(qs + 32 * j);
         const __m512i lo = _mm512_and_si512(raw, low4x), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4x);
         const __m512i xlo = join(load32(xq + 64 * j), load32(xq + 64 * j + 64));
         const __m512i xhi = join(load32(xq + 64 * j + 32), load32(xq + 64 * j + 96));
-        const __m512i slo = join(_mm256_set1_epi16(sc[2 * j]), _mm256_set1_epi16(sc[2 * j + 2]));
-        const __m512i shi = join(_mm256_set1_epi16(sc[2 * j + 1]), _mm256_set1_epi16(sc[2 * j + 3]));
+        const __m512i slo = _mm512_permutexvar_epi16(_mm512_load_si512(kSpread.q4k[j]), sc16);
+        const __m512i shi = _mm512_permutexvar_epi16(_mm512_load_si512(kSpread.q4k[j + 1]), sc16);
         isum = _mm512_add_epi32(isum, dot_scaled2(lo, xlo, slo));
         isum = _mm512_add_epi32(isum, dot_scaled2(hi, xhi, shi));
       }
@@ -113,6 +131,7 @@ inline __m256i k_quant_sum(const uint8_t* b, const int8_t* xq, const uint8_t* sc
 #ifdef GGUF_VNNI
     // half h's four 32-value steps as two vectors: (step 0, step 1) and (step 2, step 3)
     const __m512i low4x = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(3);
+    const __m512i s16x = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s))));
     __m512i isum = _mm512_setzero_si512();
     for (int h = 0; h < 2; ++h) {
       const __m512i l01 = _mm512_loadu_si512(b + 64 * h);  // ql: steps 0, 1 low nibbles; steps 2, 3 high
@@ -122,9 +141,8 @@ inline __m256i k_quant_sum(const uint8_t* b, const int8_t* xq, const uint8_t* sc
                                           _mm512_slli_epi16(_mm512_and_si512(hb2, three), 4));
       const __m512i q23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l01, 4), low4x),
                                           _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb2, 4), three), 4));
-      const int8_t* sh = s + 8 * h;
-      const __m512i s01 = join(pair_scale(sh[0], sh[1]), pair_scale(sh[2], sh[3]));
-      const __m512i s23 = join(pair_scale(sh[4], sh[5]), pair_scale(sh[6], sh[7]));
+      const __m512i s01 = _mm512_permutexvar_epi16(_mm512_load_si512(kSpread.q6k[2 * h]), s16x);
+      const __m512i s23 = _mm512_permutexvar_epi16(_mm512_load_si512(kSpread.q6k[2 * h + 1]), s16x);
       isum = _mm512_add_epi32(isum, dot_scaled2(q01, _mm512_loadu_si512(xq + 128 * h), s01));
       isum = _mm512_add_epi32(isum, dot_scaled2(q23, _mm512_loadu_si512(xq + 128 * h + 64), s23));
     }
