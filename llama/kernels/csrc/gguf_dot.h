@@ -186,6 +186,27 @@ inline __m256i low_bit_sum(const uint8_t* b, const int8_t* xq, const int16_t* sc
   return isum;
 }
 
+// sum_i w[i] * s16[i] over 16 groups, w[i] = ws[i] (Q6_K's signed scales, Q3_K's) or, with pairs, ws[i / 2] (Q4_K's
+// mins, one per two groups of 16): an exact integer, summed in one vector by the AVX-512 copy.
+template <bool PAIRS, typename T>
+inline int32_t weighted_sum16(const T* ws, const int32_t* s16) {
+#ifdef GGUF_VNNI
+  __m128i w8;
+  if constexpr (PAIRS) {
+    w8 = _mm_shuffle_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ws)),
+                          _mm_set_epi8(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0));
+  } else {
+    w8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ws));
+  }
+  const __m512i w = std::is_signed_v<T> ? _mm512_cvtepi8_epi32(w8) : _mm512_cvtepu8_epi32(w8);
+  return _mm512_reduce_add_epi32(_mm512_mullo_epi32(w, _mm512_loadu_si512(s16)));
+#else
+  int32_t sum = 0;
+  for (int i = 0; i < 16; ++i) sum += int32_t(ws[PAIRS ? i / 2 : i]) * s16[i];
+  return sum;
+#endif
+}
+
 // One weight block (b) times activation codes xq with scale dx (and 16-sums s16): adds the product into acc (vector
 // part) and acc1 (scalar part: the offsets and mins, exact integers times one scale).
 template <int64_t TYPE>
@@ -214,15 +235,13 @@ inline void block_dot(const uint8_t* b, const int8_t* xq, float dx, const int32_
     uint8_t sc[8], m[8];
     scale_min_k4(b + 4, sc, m);
     const __m256i isum = k_quant_sum<TYPE>(b, xq, sc);
-    int32_t msum = 0;
-    for (int j = 0; j < 8; ++j) msum += int32_t(m[j]) * (s16[2 * j] + s16[2 * j + 1]);
+    const int32_t msum = weighted_sum16<true>(m, s16);
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(half(b) * dx), acc);
     acc1 -= float(msum) * (half(b + 2) * dx);
   } else if constexpr (TYPE == Q6_K) {
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     const __m256i isum = k_quant_sum<TYPE>(b, xq, b + 192);
-    int32_t corr = 0;
-    for (int i = 0; i < 16; ++i) corr += int32_t(sc[i]) * s16[i];
+    const int32_t corr = weighted_sum16<false>(sc, s16);
     const float dd = half(b + 208) * dx;
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dd), acc);
     acc1 += float(-32 * corr) * dd;
