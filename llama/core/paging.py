@@ -181,5 +181,5 @@ class Paging:
             r.prompt_logprobs, r.prompt_top_logprobs = [], []
         r.prefilled = 0
         self.pool.stats["preemptions"] += 1
-        sched.stats["preemptions"] = sched.stats.get("preemptions", 0) + 1
+        sched.stats["preemptions"] += 1
         return SetBlocks(rows=[row], blocks=[[]])

@@ -115,6 +115,7 @@ def roomy():
 
 GREEDY = dict(temperature=0.0, max_gen_len=60, logprobs=True)
 SEEDED = dict(temperature=0.9, top_p=0.95, seed=7, max_gen_len=60, logprobs=True, n=2, stop=["park", "ball"])
+ECHO = dict(temperature=0.0, max_gen_len=60, logprobs=True, echo=True, top_logprobs=2)
 
 
 def same(got, want):
@@ -122,11 +123,15 @@ def same(got, want):
     assert [g["generation"] for g in got] == [w["generation"] for w in want]
     assert [g["tokens"] for g in got] == [w["tokens"] for w in want]
     for g, w in zip(got, want):
+        assert len(g["logprobs"]) == len(w["logprobs"])
         assert max((abs(x - y) for x, y in zip(g["logprobs"], w["logprobs"])), default=0) < 1e-4
+        if "top_logprobs" in w:
+            assert [[t["id"] for t in top] for top in g["top_logprobs"]] == [[t["id"] for t in top] for top in
+                                                                             w["top_logprobs"]]
 
 
 @pytest.mark.parametrize("mode", ["on", "exact", "off"])
-@pytest.mark.parametrize("opts", [GREEDY, SEEDED], ids=["greedy", "seeded-n2-stop"])
+@pytest.mark.parametrize("opts", [GREEDY, SEEDED, ECHO], ids=["greedy", "seeded-n2-stop", "echo"])
 def test_text_completion_in_a_dry_pool_equals_a_roomy_one(roomy, mode, opts):
     tight = build(mode, blocks=9)  # 6 slots, 6-12 prompts of up to 60 new tokens: they need 30-60 blocks
     want = roomy.text_completion(PROMPTS, **opts)
