@@ -5,6 +5,8 @@
               model) until the sequences reach their length
   divergence  greedy tokens that differ per 10,000 between prefix_cache="on" and "off" (or "exact") on a chat's
               second turn, whose prompt holds a reply that decode steps wrote (bf16 / quantized kernels)
+  preemption  greedy tokens that differ per 10,000 between a pool too small for its requests (preempted and
+              recomputed) and a roomy one, per mode
   shared      N users sharing one long system prompt through the engine, all at once, then a follow-up each:
               time to first token p50/p99 and tokens/s, caching on against off
   chat        a 10-turn chat on one GGUF, time to first token per turn: ours through the engine with the prefix
@@ -85,11 +87,39 @@ def memory(args) -> None:
     print_results("kv-memory", rows)
 
 
-def build(ckpt: Path, tok, mode: str, dtype: str, slots: int, seq: int, quantize=None):
+def build(ckpt: Path, tok, mode: str, dtype: str, slots: int, seq: int, quantize=None, **kw):
     from llama import Llama
 
     return Llama.build(str(ckpt), tok, max_seq_len=seq, max_batch_size=slots, dtype=dtype, prefix_cache=mode,
-                       quantize=quantize, compile=False)
+                       quantize=quantize, compile=False, **kw)
+
+
+def preemption(args) -> None:
+    """Greedy tokens that differ between a pool of --blocks blocks (requests preempted and recomputed) and a roomy
+    pool, per mode: what recomputing decode-written positions by prefill changes in this dtype."""
+    ckpt = Path(args.model)
+    tok = None if ckpt.suffix == ".gguf" else str(ckpt / "tokenizer.model")
+    starts = ["Once upon a time", "Lily and Ben went to the park", "The little dog", "Tom had a red ball",
+              "One day, a cat", "The sun was hot", "A bird sang", "Sue went to the shop", "The big tree",
+              "Max and his mom", "It was raining", "The girl had a doll", "A frog sat", "The boat was old",
+              "Mia found a box", "The king was sad"]
+    opts = dict(temperature=0.0, max_gen_len=args.gen, logprobs=True)
+    rows = []
+    for mode in ("on", "exact"):
+        roomy = build(ckpt, tok, mode, args.dtype, args.slots, args.seq, args.quantize)
+        per = roomy.cache.bytes // roomy.cache.num_blocks
+        tight = build(ckpt, tok, mode, args.dtype, args.slots, args.seq, args.quantize,
+                      kv_cache_memory=args.blocks * per)
+        want, got = roomy.text_completion(starts, **opts), tight.text_completion(starts, **opts)
+        total = sum(len(w["tokens"]) for w in want)
+        diff = sum(sum(a != b for a, b in zip(g["tokens"], w["tokens"])) + abs(len(g["tokens"]) - len(w["tokens"]))
+                   for g, w in zip(got, want))
+        rows.append({"mode": mode, "preemptions": tight.cache.pool.stats["preemptions"], "greedy tokens": total,
+                     "differing": diff, "per 10,000": round(1e4 * diff / max(total, 1), 1),
+                     "sequences differing": f"{sum(g['tokens'] != w['tokens'] for g, w in zip(got, want))} of "
+                                            f"{len(starts)}"})
+    print(f"Preempted against un-preempted greedy text, {args.model}, {args.dtype}, {args.blocks} blocks:")
+    print_results("prefix-cache-preemption", rows)
 
 
 def divergence(args) -> None:
@@ -265,6 +295,14 @@ def main(argv=None):
     d.add_argument("--dialogs", type=int, default=40)
     d.add_argument("--gen", type=int, default=64)
     d.add_argument("--seq", type=int, default=512)
+    p = sub.add_parser("preemption")
+    p.add_argument("--model", required=True, help="a Meta checkpoint directory or a GGUF file")
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--quantize", default=None)
+    p.add_argument("--blocks", type=int, default=9)
+    p.add_argument("--slots", type=int, default=6)
+    p.add_argument("--gen", type=int, default=100)
+    p.add_argument("--seq", type=int, default=128)
     s = sub.add_parser("shared")
     s.add_argument("--workdir", default="/tmp/llama-bench")
     s.add_argument("--users", type=int, default=32)
@@ -283,7 +321,8 @@ def main(argv=None):
     c.add_argument("--seq", type=int, default=2048)
     c.add_argument("--system", default="You are a helpful assistant who answers in a few sentences.")
     args = ap.parse_args(argv)
-    {"memory": memory, "divergence": divergence, "shared": shared, "int8-kv": int8_kv, "chat": chat}[args.what](args)
+    {"memory": memory, "divergence": divergence, "preemption": preemption, "shared": shared, "int8-kv": int8_kv,
+     "chat": chat}[args.what](args)
 
 
 if __name__ == "__main__":

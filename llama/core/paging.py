@@ -23,8 +23,8 @@ What a preempted request recomputes is prefill arithmetic where the un-preempted
 "on" its reply's full blocks come back from the cache as the decode steps wrote them and only its last, partial
 block is recomputed; under "exact", "off" (or an opted-out request) its whole reply is. In fp32 the two differ in
 their last bits only, and the tokens are the un-preempted run's (tests/core/test_preemption.py); in bf16 or with
-quantized kernels a recomputed position can change a later token, as a cached reply can under "on"
-(docs/performance.md measures that rate).
+quantized kernels a recomputed position can change a later token, under "exact" too (its reference wrote them by
+decode): docs/performance.md, "Preemption", measures the rate.
 """
 
 from typing import List, Optional, Sequence, Tuple

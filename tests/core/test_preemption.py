@@ -85,8 +85,10 @@ def test_a_request_preempted_before_its_first_token_starts_over():
     a, b = request(7, max_new=9, first=10), request(9, max_new=4, first=30)
     sched.add([a, b])
     while not sched.stats["preemptions"]:
+        b.prompt_logprobs = [-1.0] * b.prefilled  # as an echoing request's chunks score its prompt
         step(sched)
     assert list(sched.waiting) == [b] and b.generated == [] and b.resumed == 0 and b.prefilled == 0
+    assert b.prompt_logprobs == []  # its prompt is scored again from the start
     while sched.has_work():
         step(sched)
     assert a.generated == [1000 + i for i in range(9)] and b.generated == [1000 + i for i in range(4)]
@@ -140,14 +142,15 @@ def test_text_completion_in_a_dry_pool_equals_a_roomy_one(roomy, mode, opts):
 
 
 def test_engine_streams_and_samples_in_a_dry_pool_as_in_a_roomy_one(roomy):
-    """Concurrent engine requests (greedy, seeded n=3, a stop string, a grammar): the same results, and each
+    """Concurrent engine requests (greedy, seeded n=3, a stop string, a grammar, echo): the same results, and each
     request's streamed deltas add up to its text (a preempted request repeats none)."""
     pytest.importorskip("llguidance", reason="grammars need llguidance: pip install -e '.[serve]'")
     from helpers import check_stream
 
     grammar = {"regex": "[A-Za-z ,.]{20,200}"}
     jobs = [(PROMPTS[0], 1, dict(GREEDY)), (PROMPTS[1], 3, dict(SEEDED, n=None)), (PROMPTS[2], 1, dict(GREEDY)),
-            (PROMPTS[3], 2, dict(SEEDED, n=None, seed=3, grammar=grammar)), (PROMPTS[4], 1, dict(GREEDY))]
+            (PROMPTS[3], 2, dict(SEEDED, n=None, seed=3, grammar=grammar)), (PROMPTS[4], 1, dict(GREEDY)),
+            (" ".join(PROMPTS), 1, dict(ECHO))]
 
     def run(gen):
         with gen.engine(prefill_chunk=16) as engine:
@@ -155,14 +158,15 @@ def test_engine_streams_and_samples_in_a_dry_pool_as_in_a_roomy_one(roomy):
                                                                                     if k != "n"})]
             deltas = [list(r) for r in reqs]
             out = [r.result() for r in reqs]
-            return out, deltas, dict(engine.stats)
+            return out, deltas, [r.stream.text for r in reqs], dict(engine.stats)
 
-    want, _, _ = run(roomy)
+    want, _, _, _ = run(roomy)
     tight = build("on", blocks=9)
-    got, deltas, stats = run(tight)
+    got, deltas, texts, stats = run(tight)
     same(got, want)
-    for d, g in zip(deltas, got):
-        check_stream(d, g["generation"])
+    for d, text, g in zip(deltas, texts, got):
+        check_stream(d, text)
+        assert g["generation"].endswith(text) and text  # (with echo the generation starts with the prompt)
     assert stats["preemptions"] > 0 and tight.cache.pool.stats["preemptions"] == stats["preemptions"]
     assert tight.cache.pool.used() == 0
 
