@@ -14,8 +14,9 @@ rows.
 With a paged KV pool (`pool`, llama/core/paging.py) a request is admitted when its prompt's blocks are free, starts
 after the longest cached prefix of its prompt, gets blocks as it writes, moves by a table edit instead of a copy,
 and shares its twins' prompt blocks; when the pool runs dry the most recently admitted request is preempted (back
-to the front of the queue, recomputed when re-admitted, and no newcomer is admitted in that step). Admission is first come, first served, not cache-aware: preferring cached prompts would reorder the queue
-by what else ran, and a request's wait (unlike its text) would then depend on other tenants' traffic.
+to the front of the queue, recomputed when re-admitted, and no newcomer is admitted in that step). Admission is
+first come, first served, not cache-aware: preferring cached prompts would reorder the queue by what else ran, and
+a request's wait (unlike its text) would then depend on other tenants' traffic.
 """
 
 import itertools

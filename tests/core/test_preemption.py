@@ -121,7 +121,8 @@ ECHO = dict(temperature=0.0, max_gen_len=60, logprobs=True, echo=True, top_logpr
 
 
 def same(got, want):
-    """The same text and tokens; logprobs equal up to the last bits (the batch's shape alone changes those)."""
+    """The same text and tokens; logprobs up to the last bits (a recomputed position's keys are prefill's, not
+    decode's, and the batches differ)."""
     assert [g["generation"] for g in got] == [w["generation"] for w in want]
     assert [g["tokens"] for g in got] == [w["tokens"] for w in want]
     for g, w in zip(got, want):
