@@ -1,9 +1,12 @@
 """The paged KV pool and automatic prefix caching (llama/core/kv_cache.py, llama/core/paging.py).
 
-  memory      how many concurrent sequences fit in a KV budget at 7B shapes, from the pool's own accounting: the
-              slots' reservation (max_batch_size x max_seq_len) against blocks that hold what sequences write
+  memory      how many concurrent sequences fit in a KV budget at 7B shapes: the slots' reservation (max_batch_size x
+              max_seq_len) against the pool, counted from the pool's own accounting by running the scheduler (no
+              model) until the sequences reach their length
   divergence  greedy tokens that differ per 10,000 between prefix_cache="on" and "off" (or "exact") on a chat's
               second turn, whose prompt holds a reply that decode steps wrote (bf16 / quantized kernels)
+  preemption  greedy tokens that differ per 10,000 between a pool too small for its requests (preempted and
+              recomputed) and a roomy one, per mode
   shared      N users sharing one long system prompt through the engine, all at once, then a follow-up each:
               time to first token p50/p99 and tokens/s, caching on against off
   chat        a 10-turn chat on one GGUF, time to first token per turn: ours through the engine with the prefix
@@ -18,6 +21,7 @@ import time
 from pathlib import Path
 
 from benchmarks.harness import LLAMA2_TOKENIZER, print_results, prompt_tokens, random_checkpoint
+from llama.core.kv_cache import BLOCK_SIZE
 
 SHAPES = {  # (n_layers, n_kv_heads, head_dim)
     "Llama 2 7B (32 KV heads)": (32, 32, 128),
@@ -25,30 +29,97 @@ SHAPES = {  # (n_layers, n_kv_heads, head_dim)
 }
 
 
-def memory(args) -> None:
-    from llama.core.kv_cache import BLOCK_SIZE
+class _Silent:
+    """A request's text stream without a tokenizer (the scheduler run below has no model)."""
 
+    stopped = False
+
+    def add(self, tok):
+        return ""
+
+    def finish(self):
+        return ""
+
+
+def pool_run(blocks: int, seq: int, max_seq_len: int, prompt: int = 16) -> dict:
+    """The scheduler and a BlockPool of `blocks`, no model: more sequences than fit, each a `prompt`-token prompt
+    generating up to `seq` positions, all arriving at once; every step 'samples' token 1. Counts, from the pool's
+    own accounting: the most sequences holding `seq` positions at once, the most blocks a running sequence held
+    beyond the positions it had written, and the preemptions."""
+    from llama.core.block_pool import BlockPool
+    from llama.core.params import SamplingParams
+    from llama.core.request import Request
+    from llama.core.scheduler import Scheduler
+
+    pool = BlockPool(blocks, BLOCK_SIZE)
+    pool.mode = "off"  # distinct prompts: nothing to share
+    n = blocks // pool.blocks_for(seq) + 2
+    sched = Scheduler(max_batch_size=n, max_seq_len=max_seq_len, prefill_chunk=n * prompt, pool=pool)
+    sched.add([Request(prompt=[i + 2] * prompt, params=SamplingParams(), max_new=seq - prompt, stream=_Silent(),
+                       stop_tokens={}) for i in range(n)])
+    full, slack = 0, 0
+    while sched.has_work():
+        plan = sched.plan()
+        for r in [r for r, s, c in plan.prefill if s + c == len(r.prompt) and not r.generated] + plan.decoding:
+            r.advance(1)
+        running = sched.running()
+        full = max(full, sum(len(r.prompt) + len(r.generated) == seq for r in running))
+        slack = max([slack] + [len(r.blocks) - pool.blocks_for(len(r.cached)) for r in running])
+        for r in running:
+            if r.finished:
+                sched.retire(r)
+    return {"full": full, "slack": slack, "preemptions": sched.stats["preemptions"]}
+
+
+def memory(args) -> None:
     budget = int(args.budget_gb * 2**30)
     rows = []
     for name, (layers, kv, hd) in SHAPES.items():
         for kv_dtype, per in (("bf16", 2 * hd), ("int8 + fp32 scale per position and head", hd + 4)):
             per_pos = 2 * layers * kv * per  # K and V over every layer
-            block = BLOCK_SIZE * per_pos
-            blocks = budget // block
-            seq_blocks = -(-args.seq // BLOCK_SIZE)
+            blocks = budget // (BLOCK_SIZE * per_pos)
+            run = pool_run(blocks, args.seq, args.max_seq_len)
             rows.append({"shape": name, "KV dtype": kv_dtype, "bytes / position": per_pos,
                          f"slots (max_seq_len={args.max_seq_len})": budget // (per_pos * args.max_seq_len),
-                         "pool": blocks // seq_blocks,
-                         "pool slack / sequence (positions)": seq_blocks * BLOCK_SIZE - args.seq})
+                         "pool": run["full"], "most blocks / sequence beyond its written positions": run["slack"],
+                         "preemptions": run["preemptions"]})
     print(f"Concurrent {args.seq}-token sequences in {args.budget_gb:g} GiB of KV cache:")
     print_results("kv-memory", rows)
 
 
-def build(ckpt: Path, tok, mode: str, dtype: str, slots: int, seq: int, quantize=None):
+def build(ckpt: Path, tok, mode: str, dtype: str, slots: int, seq: int, quantize=None, **kw):
     from llama import Llama
 
     return Llama.build(str(ckpt), tok, max_seq_len=seq, max_batch_size=slots, dtype=dtype, prefix_cache=mode,
-                       quantize=quantize, compile=False)
+                       quantize=quantize, compile=False, **kw)
+
+
+def preemption(args) -> None:
+    """Greedy tokens that differ between a pool of --blocks blocks (requests preempted and recomputed) and a roomy
+    pool, per mode: what recomputing decode-written positions by prefill changes in this dtype."""
+    ckpt = Path(args.model)
+    tok = None if ckpt.suffix == ".gguf" else str(ckpt / "tokenizer.model")
+    starts = ["Once upon a time", "Lily and Ben went to the park", "The little dog", "Tom had a red ball",
+              "One day, a cat", "The sun was hot", "A bird sang", "Sue went to the shop", "The big tree",
+              "Max and his mom", "It was raining", "The girl had a doll", "A frog sat", "The boat was old",
+              "Mia found a box", "The king was sad"]
+    opts = dict(temperature=0.0, max_gen_len=args.gen, logprobs=True)
+    rows = []
+    for mode in ("on", "exact"):
+        roomy = build(ckpt, tok, mode, args.dtype, args.slots, args.seq, args.quantize)
+        per = roomy.cache.bytes // roomy.cache.num_blocks
+        tight = build(ckpt, tok, mode, args.dtype, args.slots, args.seq, args.quantize,
+                      kv_cache_memory=args.blocks * per)
+        want, got = roomy.text_completion(starts, **opts), tight.text_completion(starts, **opts)
+        total = sum(len(w["tokens"]) for w in want)
+        diff = sum(sum(a != b for a, b in zip(g["tokens"], w["tokens"])) + abs(len(g["tokens"]) - len(w["tokens"]))
+                   for g, w in zip(got, want))
+        rows.append({"mode": mode, "preemptions": tight.cache.pool.stats["preemptions"], "greedy tokens": total,
+                     "differing": diff, "per 10,000": round(1e4 * diff / max(total, 1), 1),
+                     "sequences differing": f"{sum(g['tokens'] != w['tokens'] for g, w in zip(got, want))} of "
+                                            f"{len(starts)}"})
+    print(f"Preempted against un-preempted greedy text, {args.model}, {args.dtype}, {args.blocks} blocks:")
+    print_results("prefix-cache-preemption", rows)
 
 
 def divergence(args) -> None:
@@ -224,6 +295,14 @@ def main(argv=None):
     d.add_argument("--dialogs", type=int, default=40)
     d.add_argument("--gen", type=int, default=64)
     d.add_argument("--seq", type=int, default=512)
+    p = sub.add_parser("preemption")
+    p.add_argument("--model", required=True, help="a Meta checkpoint directory or a GGUF file")
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--quantize", default=None)
+    p.add_argument("--blocks", type=int, default=9)
+    p.add_argument("--slots", type=int, default=6)
+    p.add_argument("--gen", type=int, default=100)
+    p.add_argument("--seq", type=int, default=128)
     s = sub.add_parser("shared")
     s.add_argument("--workdir", default="/tmp/llama-bench")
     s.add_argument("--users", type=int, default=32)
@@ -242,7 +321,8 @@ def main(argv=None):
     c.add_argument("--seq", type=int, default=2048)
     c.add_argument("--system", default="You are a helpful assistant who answers in a few sentences.")
     args = ap.parse_args(argv)
-    {"memory": memory, "divergence": divergence, "shared": shared, "int8-kv": int8_kv, "chat": chat}[args.what](args)
+    {"memory": memory, "divergence": divergence, "preemption": preemption, "shared": shared, "int8-kv": int8_kv,
+     "chat": chat}[args.what](args)
 
 
 if __name__ == "__main__":

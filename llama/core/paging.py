@@ -1,14 +1,30 @@
-"""The scheduler's side of the paged KV pool: a request's blocks from admission to retirement.
+"""The scheduler's side of the paged KV pool: a request's blocks from admission to retirement, and preemption.
 
-Admission reserves every block a request can write (prompt plus max_new, at most max_seq_len), minus the full
-blocks of the longest cached prefix of its prompt, which it shares. Reserving up front means a running request
-never waits for a block, so nothing is preempted mid-decode; a pool sized below the slots' footprint
-(kv_cache_memory) then admits fewer requests at once, each as soon as its blocks are free. Retirement keys the
-request's full blocks for later prompts (only tokens it accepted) and drops its references.
+Blocks grow with use (vLLM's policy), so the pool holds what sequences have written, within one block per sequence:
+admission reserves the blocks of the prompt and of the first token the request decodes, minus the full blocks of
+the longest cached prefix of its prompt, which it shares; before each step, every request about to decode past
+its last block gets the next one (oldest requests first). A pool sized below the slots' footprint
+(kv_cache_memory) admits a request as soon as its prompt's blocks are free, first come, first served.
+
+When a decoding request needs a block and the pool has none (none free, none cached and unreferenced), the most
+recently admitted running request is preempted (recompute, as vLLM): its accepted blocks are keyed for the prefix
+cache (as at retirement, when its salt allows), its references dropped, and it goes back to the front of the
+queue with everything it generated. Re-admitted, it prefills its prompt and its generated tokens but the last
+(`Request.context`), mostly from the blocks it just keyed, and feeds the last one to the next decode step: nothing
+is sampled twice, so seeded draws (a function of the token's index), logprobs, stop strings, grammars and the
+text stream go on where they were. The oldest request can always grow (the pool holds at least one max_seq_len
+sequence), so every request finishes.
 
 Modes (Llama(prefix_cache=...)): "on" keys prompt blocks and the blocks of a reply the decode steps wrote; "exact"
 keys only blocks that a prefill wrote, so a cached position holds what a fresh prefill computes on every path (a
 reply's positions are recomputed by the next turn's prefill, then cached); "off" keys nothing.
+
+What a preempted request recomputes is prefill arithmetic where the un-preempted run had decode arithmetic: under
+"on" its reply's full blocks come back from the cache as the decode steps wrote them and only its last, partial
+block is recomputed; under "exact", "off" (or an opted-out request) its whole reply is. In fp32 the two differ in
+their last bits only, and the tokens are the un-preempted run's (tests/core/test_preemption.py); in bf16 or with
+quantized kernels a recomputed position can change a later token, under "exact" too (its reference wrote them by
+decode): docs/performance.md, "Preemption", measures the rate.
 """
 
 from typing import List, Optional, Sequence, Tuple
@@ -33,6 +49,7 @@ def check_mode(mode) -> str:
 class Paging:
     def __init__(self, pool: BlockPool, base: int, max_seq_len: int):
         self.pool, self.base, self.max_seq_len = pool, base, max_seq_len
+        self.stale: set = set()  # rows whose requests left: their tables still name blocks others may get
 
     @property
     def mode(self) -> str:
@@ -46,12 +63,14 @@ class Paging:
         return str(r.cache_salt).encode()
 
     def hits(self, r: Request) -> List[int]:
-        """Cached blocks of r's prompt, leaving at least its last token to compute (its logits are needed)."""
-        salt = self._salt(r)
-        return [] if salt is None else self.pool.lookup(r.prompt, salt, limit=len(r.prompt) - 1)
+        """Cached blocks of r's context, leaving at least its last token to compute (its logits are needed) unless
+        it resumes after a preemption (its next token is known)."""
+        salt, tokens = self._salt(r), r.context
+        return [] if salt is None else self.pool.lookup(tokens, salt, limit=len(tokens) - (not r.generated))
 
     def need(self, r: Request) -> int:
-        return self.pool.blocks_for(min(len(r.prompt) + r.max_new, self.max_seq_len))
+        """Blocks for r's context and the first token it decodes."""
+        return self.pool.blocks_for(min(len(r.context) + 1, self.max_seq_len))
 
     def reserve(self, group: Sequence[Request], nothing_runs: bool) -> List[Tuple[Request, List[int], int]]:
         """(request, blocks, cached positions) for the longest start of group whose blocks the pool has now: the
@@ -73,14 +92,18 @@ class Paging:
         return out
 
     def admitted(self, r: Request, row: int, blocks: List[int], cached: int) -> SetBlocks:
-        r.blocks = blocks
-        if self._salt(r) is not None:
-            self.pool.stats["prompt_tokens"] += len(r.prompt)
-            self.pool.stats["cached_tokens"] += cached
+        r.blocks, r.prefilled = blocks, cached
+        self.stale.discard(row)
+        if not r.generated:  # a resumed request's recompute is neither prompt nor hit in the counts
+            r.reused = cached
+            if self._salt(r) is not None:
+                self.pool.stats["prompt_tokens"] += len(r.prompt)
+                self.pool.stats["cached_tokens"] += cached
         return SetBlocks(rows=[row], blocks=[blocks])
 
     def moved(self, r: Request, src_row: int, dst_row: int) -> SetBlocks:
         """A compaction move: the row's table moves, its blocks stay."""
+        self.stale.discard(dst_row)
         return SetBlocks(rows=[dst_row, src_row], blocks=[r.blocks, []])
 
     def share(self, r: Request, src: Request, row: int) -> list:
@@ -95,16 +118,68 @@ class Paging:
         return ops
 
     def prefilled(self, r: Request) -> None:
-        """Key the full prompt blocks a planned prefill chunk covers: later steps' prompts may share them (a
-        failed step clears every key, DecodeCore._fail)."""
+        """Key the full blocks a planned prefill chunk covers: later steps' prompts may share them (a failed step
+        clears every key, DecodeCore._fail)."""
         salt = self._salt(r)
         if salt is not None:
-            self.pool.publish(r.prompt[: r.prefilled], r.blocks, salt)
+            self.pool.publish(r.context[: r.prefilled], r.blocks, salt)
+
+    def _written(self, r: Request) -> List[int]:
+        """The accepted tokens whose keys and values r's blocks hold, as far as the mode keys them."""
+        if r.prefilled == len(r.context) and self.mode == "on":
+            return r.cached
+        return r.context[: r.prefilled]
 
     def retired(self, r: Request) -> None:
         salt = self._salt(r)
         if salt is not None and r.error is None and r.blocks:
-            written = r.cached if r.prefilled == len(r.prompt) and self.mode == "on" else r.prompt[: r.prefilled]
-            self.pool.publish(written, r.blocks, salt)
+            self.pool.publish(self._written(r), r.blocks, salt)
         self.pool.release(r.blocks)
         r.blocks = []
+        self.stale.add(self.base + r.slot)
+
+    # ------------------------------------------------------------------------------------------ growth, preemption
+    def grow(self, sched) -> List[SetBlocks]:
+        """Before a step's prefill and decode: clear the tables of rows that were left (a free row inside the decode
+        batch writes a dummy token through its table), let resumed requests whose recompute is done decode again,
+        and give every decoding request the block its token writes, oldest first, preempting the most recently
+        admitted when the pool is dry."""
+        ops = [SetBlocks(rows=[row], blocks=[[]]) for row in sorted(self.stale)]
+        self.stale.clear()
+        for r in sorted(sched.running(), key=lambda r: r.order):
+            if r.slot < 0:  # preempted below
+                continue
+            if r.feed is None and r.generated and r.prefilled == len(r.context):  # resumed, recomputed
+                r.feed = r.generated[-1]
+            if r.feed is None:
+                continue
+            more = self.pool.blocks_for(r.next_pos + 1) - len(r.blocks)
+            while more > 0:
+                got = self.pool.allocate(more)
+                if got is not None:
+                    r.blocks = r.blocks + got
+                    ops.append(SetBlocks(rows=[self.base + r.slot], blocks=[r.blocks]))
+                    break
+                victim = max(sched.running(), key=lambda v: v.order)
+                ops.append(self.preempt(victim, sched))
+                if victim is r:
+                    break
+        return ops
+
+    def preempt(self, r: Request, sched) -> SetBlocks:
+        """Free r's blocks (keying its accepted ones first) and queue it at the front, to be recomputed."""
+        salt = self._salt(r)
+        if salt is not None and r.blocks:
+            self.pool.publish(self._written(r), r.blocks, salt)
+        self.pool.release(r.blocks)
+        row = self.base + r.slot
+        sched.slots[r.slot], r.slot, r.blocks = None, -1, []
+        sched.waiting.appendleft(r)
+        if r.generated:  # it goes on from its tokens, no longer from a twin's prompt
+            r.resumed, r.feed, r.twin = r.fed, None, None
+        else:  # nothing sampled yet: it starts over
+            r.prompt_logprobs, r.prompt_top_logprobs = [], []
+        r.prefilled = 0
+        self.pool.stats["preemptions"] += 1
+        sched.stats["preemptions"] += 1
+        return SetBlocks(rows=[row], blocks=[[]])

@@ -5,8 +5,8 @@ with torch.distributed.broadcast_object_list, and the pipelined engine pickles t
 replay them on their own runner. Cache rows are named as rows of the KVCache (a scheduler's base already added).
 
 With the paged KV pool (llama/core/kv_cache.py) the scheduler names blocks: SetBlocks gives rows their block
-tables (admission, a compaction move, a twin sharing its source's prompt blocks), CopyBlocks copies a block on
-write. CopyRows (whole sequences) is what a scheduler without a pool emits.
+tables (admission, growth, preemption, a compaction move, a twin sharing its source's prompt blocks), CopyBlocks
+copies a block on write. CopyRows (whole sequences) is what a scheduler without a pool emits.
 """
 
 from dataclasses import dataclass, field

@@ -55,6 +55,7 @@ class Request:
     cancelled: bool = False
     matcher: Optional[object] = None  # the grammar's state (llama.sample.grammar.Matcher) when the request has one
     blocks: List[int] = field(default_factory=list)  # its KV pool blocks, position p in blocks[p // block_size]
+    resumed: int = 0  # after a preemption: the generated tokens its prefill recomputes after the prompt
     cache_salt: str = ""  # prefix-cache isolation (the server's per-API-key salt); None: no prefix cache
 
     def __post_init__(self):
@@ -107,6 +108,11 @@ class Request:
     def next_pos(self) -> int:
         """The position of the token fed next."""
         return len(self.prompt) + len(self.generated) - 1
+
+    @property
+    def context(self) -> List[int]:
+        """The tokens its prefill covers: the prompt, and after a preemption the tokens it had fed back."""
+        return self.prompt + self.generated[: self.resumed] if self.resumed else self.prompt
 
     @property
     def cached(self) -> List[int]:

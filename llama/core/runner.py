@@ -164,6 +164,8 @@ class Runner:
                 continue
             for i in range(len(op.rows)):
                 r, s, c = next(jobs)
+                if r.generated:  # a preempted request's recompute (llama/core/paging.py): its tokens are known
+                    continue
                 if op.last is None:  # every position's logits: some request echoes its prompt's scores
                     if r.params.scores_prompt:
                         end = min(s + c + 1, len(r.prompt))

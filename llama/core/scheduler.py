@@ -11,10 +11,12 @@ A scheduler may own a range of the cache's slots that starts past 0 (`base`): th
 scheduler per group of slots. Requests keep slot numbers local to their scheduler; the ops name the cache's
 rows.
 
-With a paged KV pool (`pool`, llama/core/paging.py) a request is admitted when its blocks are free, starts after
-the longest cached prefix of its prompt, moves by a table edit instead of a copy, and shares its twins' prompt
-blocks. Admission is first come, first served, not cache-aware: preferring cached prompts would reorder the queue
-by what else ran, and a request's wait (unlike its text) would then depend on other tenants' traffic.
+With a paged KV pool (`pool`, llama/core/paging.py) a request is admitted when its prompt's blocks are free, starts
+after the longest cached prefix of its prompt, gets blocks as it writes, moves by a table edit instead of a copy,
+and shares its twins' prompt blocks; when the pool runs dry the most recently admitted request is preempted (back
+to the front of the queue, recomputed when re-admitted, and no newcomer is admitted in that step). Admission is
+first come, first served, not cache-aware: preferring cached prompts would reorder the queue by what else ran, and
+a request's wait (unlike its text) would then depend on other tenants' traffic.
 """
 
 import itertools
@@ -34,7 +36,7 @@ class Scheduler:
         self.max_seq_len, self.prefill_chunk = max_seq_len, prefill_chunk
         self.waiting: deque = deque()
         self.stats = {"steps": 0, "forwards": 0, "admitted": 0, "finished": 0, "generated_tokens": 0,
-                      "prefill_tokens": 0, "peak_active": 0, "moves": 0}
+                      "prefill_tokens": 0, "peak_active": 0, "moves": 0, "preemptions": 0}
         self._order = itertools.count()
 
     def add(self, requests: Iterable[Request], longest_first: bool = False) -> None:
@@ -72,7 +74,11 @@ class Scheduler:
     # ------------------------------------------------------------------------------------------ planning
     def plan(self) -> Plan:
         plan = Plan()
-        self._admit(plan)
+        preempted = self.stats["preemptions"]
+        if self.paging is not None:  # blocks for this step's decoding, preempting if the pool is dry
+            plan.ops += self.paging.grow(self)
+        if self.stats["preemptions"] == preempted:  # a step that had to preempt has no room for newcomers
+            self._admit(plan)
         self._compact(plan)
         self._plan_prefill(plan)
         plan.decoding = [r for r in self.slots if r is not None and r.feed is not None]
@@ -105,7 +111,6 @@ class Scheduler:
                 self.waiting.popleft()
                 s = free.pop(0)
                 plan.ops.append(self.paging.admitted(r, self.base + s, blocks, cached))
-                r.prefilled = r.reused = cached
                 self._place(r, s, plan)
         self.stats["peak_active"] = max(self.stats["peak_active"], len(self.running()))
 
@@ -162,12 +167,12 @@ class Scheduler:
         its whole prompt cached get a copy of it (after the prefill ops) instead."""
         budget, twins = self.prefill_chunk, []
         for r in sorted(self.running(), key=lambda r: r.order):
-            n = len(r.prompt) - r.prefilled
+            n = len(r.context) - r.prefilled
             if n <= 0:
                 continue
             src = self._source(r)
             if src is not None:
-                if src.prefilled == len(src.prompt):  # done, or done by a chunk planned above in this step
+                if src.prefilled >= len(src.prompt):  # done, or done by a chunk planned above in this step
                     twins.append((r, src))
                     r.prefilled = len(r.prompt)
                 continue  # else wait for it: it is older, so it gets the budget first
@@ -206,7 +211,7 @@ class Scheduler:
             starts = [s for _, s, _ in g]
             full = any(r.params.scores_prompt for r, _, _ in g)
             ops.append(Prefill(
-                tokens=[r.prompt[s : s + c] + [0] * (width - c) for r, s, c in g],
+                tokens=[r.context[s : s + c] + [0] * (width - c) for r, s, c in g],
                 start=starts[0] if len(set(starts)) == 1 else starts,
                 rows=self._rows([r.slot for r, _, _ in g]),
                 last=None if full else [c - 1 for _, _, c in g],

@@ -1,6 +1,7 @@
 """Prefix caching under model parallel (torchrun, 2 ranks, gloo): rank 0 plans with its block pool and the other
 rank applies the same block tables from the broadcast ops, so Llama calls and the engine reuse cached prompt blocks
-on both ranks and give the text of a single process with the cache off."""
+on both ranks and give the text of a single process with the cache off; in a pool too small for its requests rank
+0 grows and preempts, and the other rank follows the block tables."""
 
 import json
 import subprocess
@@ -23,6 +24,7 @@ SCRIPT = textwrap.dedent("""
     from llama.generation import Llama
 
     ckpt, tokenizer, out, prompts = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+    MORE = ["Once upon a time", "Lily and Ben went to the park", "The little dog"]
     llama = Llama.build(ckpt, tokenizer, max_seq_len=256, max_batch_size=4, device="cpu", dtype="float32")
     opts = dict(temperature=0.0, max_gen_len=20)
     calls = [llama.text_completion([p], **opts)[0]["generation"] for p in prompts]  # each after the last: hits
@@ -33,7 +35,18 @@ SCRIPT = textwrap.dedent("""
         served = [r.result()["generation"] for r in reqs]
         reused = [r.reused for r in reqs]
         engine.close()
-        json.dump({"calls": calls, "served": served, "reused": reused, "hits_calls": hits_calls}, open(out, "w"))
+    else:
+        engine.serve_forever()
+    # a pool of 10 blocks (one 128-position sequence takes 8), too small for these requests: growth, preemption
+    tight = Llama.build(ckpt, tokenizer, max_seq_len=128, max_batch_size=4, device="cpu", dtype="float32",
+                        kv_cache_memory=10 * (llama.cache.bytes // llama.cache.num_blocks))
+    engine = tight.engine(prefill_chunk=16)
+    if os.environ["RANK"] == "0":
+        reqs = [engine.submit(p, temperature=0.0, max_gen_len=60) for p in prompts + MORE]
+        dry = [r.result()["generation"] for r in reqs]
+        engine.close()
+        json.dump({"calls": calls, "served": served, "reused": reused, "hits_calls": hits_calls, "dry": dry,
+                   "preemptions": tight.cache.pool.stats["preemptions"]}, open(out, "w"))
     else:
         engine.serve_forever()
     dist.barrier()
@@ -59,3 +72,10 @@ def test_model_parallel_reuses_the_cache_with_the_cache_off_text(tmp_path):
     want = [r["generation"] for r in ref.text_completion(PROMPTS, **GREEDY)]
     assert got["calls"] == want and got["served"] == want
     assert got["hits_calls"] >= 2 * 32 and all(n >= 32 for n in got["reused"])
+    # a dry pool: rank 0 grows and preempts, rank 1 replays the block tables; the roomy single process's text
+    more = ["Once upon a time", "Lily and Ben went to the park", "The little dog"]
+    roomy = Llama.build(str(STORIES), str(STORIES / "tokenizer.model"), max_seq_len=128, max_batch_size=4,
+                        device="cpu", dtype="float32", prefix_cache="off")
+    assert got["dry"] == [r["generation"] for r in roomy.text_completion(PROMPTS + more, temperature=0.0,
+                                                                         max_gen_len=60)]
+    assert got["preemptions"] > 0
