@@ -36,6 +36,8 @@ class DecodeCore:
         for r in sched.drop_cancelled():
             r.fail(CancelledError(f"request {r.id} was cancelled"), "cancelled")
             self.settle(r)
+        if sched.paging is not None:
+            self.runner.cache.drain()  # blocks of prefixes dropped since the last step go back to the pool
         plan = sched.plan()
         outs: Optional[list] = []
         if plan.ops:
@@ -85,4 +87,20 @@ class DecodeCore:
         sched = self.scheduler()
         sched.add(requests, longest_first=len(requests) > self.max_batch_size)
         while sched.has_work():
+            idle, admitted = not sched.running(), sched.stats["admitted"]
             yield self.step(sched)
+            stalled = idle and sched.waiting and not sched.running() and sched.stats["admitted"] == admitted
+            if stalled and sched.paging is not None:
+                self._unfit(sched)
+
+    def _unfit(self, sched: Scheduler) -> None:
+        """Nothing runs and the next request still was not admitted: its blocks will never be free, because live
+        prefixes (Llama.prefill, chat sessions) hold the rest of the pool. Fail what waits rather than spin."""
+        pool = sched.paging.pool
+        for r in list(sched.waiting):
+            r.fail(ValueError(
+                f"request {r.id} needs {sched.paging.need(r)} KV blocks and the pool has {pool.available()} of "
+                f"{pool.num_blocks} available; live prefixes and chat sessions hold {pool.used()}: close() or drop "
+                "some, or build the Llama with a larger kv_cache_memory"))
+            self.settle(r)
+        sched.waiting.clear()

@@ -47,6 +47,8 @@ class Paging:
 
     def hits(self, r: Request) -> List[int]:
         """Cached blocks of r's prompt, leaving at least its last token to compute (its logits are needed)."""
+        if r.prefix is not None:  # it continues a Prefix: share that prefix's full blocks (llama/core/prefix.py)
+            return r.prefix.full_blocks(r.prompt)
         salt = self._salt(r)
         return [] if salt is None else self.pool.lookup(r.prompt, salt, limit=len(r.prompt) - 1)
 
