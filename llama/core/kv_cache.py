@@ -6,8 +6,9 @@ cache_k/cache_v (blocks, kv_heads, block_size, head_dim) and one block table (ro
 every layer; the model writes new keys/values during its forward pass and reads them through the table. Everything
 else that touches them goes through KVCache: the runner applies the scheduler's table edits and block copies (the
 n samples of a prompt share its full blocks and copy the last, partial one), a Prefix (Llama.prefill, a chat
-session's last turn) keeps the blocks of a row that ran and lends them to the rows that continue it the same way. Which blocks are free, shared or cached is the BlockPool's (llama/core/block_pool.py),
-kept on the planning rank only.
+session's last turn) keeps the blocks of a row that ran and lends them to the rows that continue it the same way.
+Which blocks are free, shared or cached is the BlockPool's (llama/core/block_pool.py), kept on the planning rank
+only.
 
 Default size: max_batch_size rows of max_seq_len positions, as many blocks as the slots held before paging, so
 nothing grows unless asked (kv_cache_memory / kv_cache_tokens size it otherwise).
