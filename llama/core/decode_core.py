@@ -28,7 +28,11 @@ class DecodeCore:
              publish: bool = False) -> List[Tuple[Request, str]]:
         """One step; returns the text deltas it produced. broadcast(ops) reaches model-parallel followers first;
         publish puts deltas on the requests' own streams (for callers iterating a request)."""
-        return self.finish(sched, *self.launch(sched, broadcast), publish=publish)
+        idle, admitted = not sched.running(), sched.stats["admitted"]
+        deltas = self.finish(sched, *self.launch(sched, broadcast), publish=publish)
+        if idle and sched.waiting and not sched.running() and sched.stats["admitted"] == admitted:
+            self._unfit(sched)
+        return deltas
 
     def launch(self, sched: Scheduler, broadcast: Optional[Callable] = None) -> Tuple[Plan, Optional[list]]:
         """The first half of a step: plan it and start its forward passes; (plan, their outputs, or None if they
@@ -87,15 +91,14 @@ class DecodeCore:
         sched = self.scheduler()
         sched.add(requests, longest_first=len(requests) > self.max_batch_size)
         while sched.has_work():
-            idle, admitted = not sched.running(), sched.stats["admitted"]
             yield self.step(sched)
-            stalled = idle and sched.waiting and not sched.running() and sched.stats["admitted"] == admitted
-            if stalled and sched.paging is not None:
-                self._unfit(sched)
 
     def _unfit(self, sched: Scheduler) -> None:
         """Nothing runs and the next request still was not admitted: its blocks will never be free, because live
-        prefixes (Llama.prefill, chat sessions) hold the rest of the pool. Fail what waits rather than spin."""
+        prefixes (Llama.prefill, chat sessions) hold the rest of the pool. Fail what waits rather than spin (the
+        pipelined engine's groups share the pool, so one idle group may wait for another's: not checked there)."""
+        if sched.paging is None:
+            return
         pool = sched.paging.pool
         for r in list(sched.waiting):
             r.fail(ValueError(

@@ -111,6 +111,11 @@ def test_prefixes_that_fill_the_pool_fail_requests_clearly_and_a_direct_call_mak
     try:
         with pytest.raises(ValueError, match="live prefixes and chat sessions hold 64"):
             stories.text_completion(["Hello"], temperature=0, max_gen_len=4)
+        with stories.engine() as engine:  # the engine fails it too, and keeps serving
+            with pytest.raises(ValueError, match="live prefixes and chat sessions hold 64"):
+                engine.submit("Hello", temperature=0, max_gen_len=4).result(timeout=60)
+            prefixes[3].close()
+            engine.submit("Hello", temperature=0, max_gen_len=4).result(timeout=60)  # it fits now
     finally:
         for p in prefixes[1:]:
             p.close()
