@@ -11,6 +11,8 @@
               time to first token p50/p99 and tokens/s, caching on against off
   chat        a 10-turn chat on one GGUF, time to first token per turn: ours through the engine with the prefix
               cache on and off, and llama-cpp-python's Llama (which reuses its last prompt's common prefix) in-process
+  chat-http   the same over HTTP, the issue's side by side: our server (cache on, off) and llama-cpp-python's server
+              on one GGUF (a file, or --model 1b: the random 1.38B written as bf16 GGUF), benchmarks/chat_http.py
   int8-kv     kv_cache_dtype="int8" against the model's dtype: logit error and perplexity of real text
               (llama/data/demo_corpus.txt, windows of 256, stride 128, as benchmarks/quant_accuracy.py)
 """
@@ -20,6 +22,8 @@ import statistics
 import time
 from pathlib import Path
 
+from benchmarks import chat_http
+from benchmarks.harness import SHAPES as MODEL_SHAPES
 from benchmarks.harness import LLAMA2_TOKENIZER, print_results, prompt_tokens, random_checkpoint
 from llama.core.kv_cache import BLOCK_SIZE
 
@@ -156,9 +160,17 @@ def shared(args) -> None:
     import threading
 
     work = Path(args.workdir)
-    params = {"dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.n_heads,
-              "multiple_of": 256, "norm_eps": 1e-5, "vocab_size": 32000}
-    ckpt = random_checkpoint(work / f"shared-{args.dim}-{args.n_layers}", params, tokenizer=LLAMA2_TOKENIZER)
+    if args.shape:  # a named shape ("1b": the 1.38B), bf16 weights of std 0.02 as the other benchmarks' shapes
+        import torch
+
+        params, name = MODEL_SHAPES[args.shape], f"shared-{args.shape}"
+        ckpt = work / name
+        if not (ckpt / "params.json").is_file():
+            random_checkpoint(ckpt, params, tokenizer=LLAMA2_TOKENIZER, dtype=torch.bfloat16, std=0.02)
+    else:
+        params = {"dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.n_heads,
+                  "multiple_of": 256, "norm_eps": 1e-5, "vocab_size": 32000}
+        ckpt = random_checkpoint(work / f"shared-{args.dim}-{args.n_layers}", params, tokenizer=LLAMA2_TOKENIZER)
     system = prompt_tokens(32000, args.system, seed=1)
     rows = []
     for mode in ("off", "on"):
@@ -196,7 +208,8 @@ def shared(args) -> None:
                          "tok/s": round(tokens[0] / wall, 1),
                          "cached prompt tokens": gen.cache.pool.stats["cached_tokens"]})
         engine.close()
-    print(f"{args.users} users sharing a {args.system}-token system prompt (random {args.dim}x{args.n_layers} "
+    what = args.shape or f"{args.dim}x{args.n_layers}"
+    print(f"{args.users} users sharing a {args.system}-token system prompt (random {what} "
           f"{args.dtype}, {args.gen} tokens each):")
     print_results("prefix-cache-shared-system", rows)
 
@@ -311,6 +324,8 @@ def main(argv=None):
     s.add_argument("--dim", type=int, default=768)
     s.add_argument("--n_layers", type=int, default=8)
     s.add_argument("--n_heads", type=int, default=12)
+    s.add_argument("--shape", default=None, choices=sorted(MODEL_SHAPES),
+                   help="a named shape instead of --dim/--n_layers/--n_heads (1b: the 1.38B)")
     s.add_argument("--dtype", default="bf16")
     q = sub.add_parser("int8-kv")
     q.add_argument("--model", required=True, help="a Meta checkpoint directory or a GGUF file")
@@ -320,9 +335,10 @@ def main(argv=None):
     c.add_argument("--gen", type=int, default=32)
     c.add_argument("--seq", type=int, default=2048)
     c.add_argument("--system", default="You are a helpful assistant who answers in a few sentences.")
+    chat_http.add_parser(sub)
     args = ap.parse_args(argv)
     {"memory": memory, "divergence": divergence, "preemption": preemption, "shared": shared, "int8-kv": int8_kv,
-     "chat": chat}[args.what](args)
+     "chat": chat, "chat-http": chat_http.run}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -243,7 +243,7 @@ class Llama:
 
     def stream_request(self, req: Request, finish: Optional[Callable[[Request], None]] = None) -> Iterator[str]:
         """Run one built request, yielding its text deltas; the stream holds the cache until it ends. finish(req)
-        runs before the cache is released (a chat session snapshots the request's slot there)."""
+        runs before the cache is released (a chat session keeps the request's blocks there)."""
         with self.cache.hold(streaming=True):
             for deltas in self.core.run([req]):
                 for _, text in deltas:

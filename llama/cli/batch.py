@@ -114,6 +114,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max_gen_len", type=int, default=None, help="default: up to the end of the cache")
     ap.add_argument("--seed", type=int, default=0, help="base of the per-row seeds of rows without their own")
     ap.add_argument("--prefill_chunk", type=int, default=128, help="prompt tokens prefilled per engine step")
+    ap.add_argument("--prefix_cache", choices=("on", "exact", "off"), default="on",
+                    help="reuse the cached blocks of prompts' shared starts (llama/core/paging.py)")
     ap.add_argument("--pipeline_parallel_size", type=int, default=1,
                     help="pipeline stages under torchrun (world size = stages x tensor-parallel ranks)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -195,7 +197,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
         ap.error(f"the directory of --output {args.output!r} does not exist")
     generator = Llama.build(args.ckpt_dir, args.tokenizer_path, max_seq_len=args.max_seq_len,
-                            max_batch_size=args.max_batch_size, pipeline_parallel_size=args.pipeline_parallel_size)
+                            max_batch_size=args.max_batch_size, pipeline_parallel_size=args.pipeline_parallel_size,
+                            prefix_cache=args.prefix_cache)
     if parallel.model_parallel_rank() != 0 or parallel.pipeline_parallel_rank() != 0:  # under torchrun: replay rank 0's steps; rank 0 does all the I/O
         generator.engine(prefill_chunk=args.prefill_chunk).serve_forever()
         return 0
@@ -214,7 +217,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             else:
                 results.finished(rid, n, h)
     bar.close()
+    stats = generator.cache.pool.stats
     print(f"{len(raw_lines) - results.skipped} new result rows ({results.errors} errors, {results.skipped} already "
-          f"done), {results.new_tokens} tokens in {time.time() - results.start:.1f} s -> {args.output}",
-          file=sys.stderr)
+          f"done), {results.new_tokens} tokens in {time.time() - results.start:.1f} s -> {args.output}; prefix cache: "
+          f"{stats['cached_tokens']} of {stats['prompt_tokens']} prompt tokens reused", file=sys.stderr)
     return 0

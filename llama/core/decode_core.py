@@ -28,7 +28,11 @@ class DecodeCore:
              publish: bool = False) -> List[Tuple[Request, str]]:
         """One step; returns the text deltas it produced. broadcast(ops) reaches model-parallel followers first;
         publish puts deltas on the requests' own streams (for callers iterating a request)."""
-        return self.finish(sched, *self.launch(sched, broadcast), publish=publish)
+        idle, admitted = not sched.running(), sched.stats["admitted"]
+        deltas = self.finish(sched, *self.launch(sched, broadcast), publish=publish)
+        if idle and sched.waiting and not sched.running() and sched.stats["admitted"] == admitted:
+            self._unfit(sched)
+        return deltas
 
     def launch(self, sched: Scheduler, broadcast: Optional[Callable] = None) -> Tuple[Plan, Optional[list]]:
         """The first half of a step: plan it and start its forward passes; (plan, their outputs, or None if they
@@ -36,6 +40,8 @@ class DecodeCore:
         for r in sched.drop_cancelled():
             r.fail(CancelledError(f"request {r.id} was cancelled"), "cancelled")
             self.settle(r)
+        if sched.paging is not None:
+            self.runner.cache.drain()  # blocks of prefixes dropped since the last step go back to the pool
         plan = sched.plan()
         outs: Optional[list] = []
         if plan.ops:
@@ -86,3 +92,18 @@ class DecodeCore:
         sched.add(requests, longest_first=len(requests) > self.max_batch_size)
         while sched.has_work():
             yield self.step(sched)
+
+    def _unfit(self, sched: Scheduler) -> None:
+        """Nothing runs and the next request still was not admitted: its blocks will never be free, because live
+        prefixes (Llama.prefill, chat sessions) hold the rest of the pool. Fail what waits rather than spin (the
+        pipelined engine's groups share the pool, so one idle group may wait for another's: not checked there)."""
+        if sched.paging is None:
+            return
+        pool = sched.paging.pool
+        for r in list(sched.waiting):
+            r.fail(ValueError(
+                f"request {r.id} needs {sched.paging.need(r)} KV blocks and the pool has {pool.available()} of "
+                f"{pool.num_blocks} available; live prefixes and chat sessions hold {pool.used()}: close() or drop "
+                "some, or build the Llama with a larger kv_cache_memory"))
+            self.settle(r)
+        sched.waiting.clear()

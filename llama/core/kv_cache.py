@@ -1,13 +1,14 @@
-"""The KV cache and its one owner: a paged pool of blocks, the block table of every cache row, prefix snapshots,
-and the lock that says who holds it.
+"""The KV cache and its one owner: a paged pool of blocks, the block table of every cache row, the blocks that
+prefixes hold, and the lock that says who holds it.
 
 The tensors live in each attention layer as buffers (so torch.compile sees them as the model's mutable state):
 cache_k/cache_v (blocks, kv_heads, block_size, head_dim) and one block table (rows, blocks per row) shared by
 every layer; the model writes new keys/values during its forward pass and reads them through the table. Everything
 else that touches them goes through KVCache: the runner applies the scheduler's table edits and block copies (the
-n samples of a prompt share its full blocks and copy the last, partial one), a Prefix is a snapshot of a row that
-later loads into another. Which blocks are free, shared or cached is the BlockPool's (llama/core/block_pool.py),
-kept on the planning rank only.
+n samples of a prompt share its full blocks and copy the last, partial one), a Prefix (Llama.prefill, a chat
+session's last turn) keeps the blocks of a row that ran and lends them to the rows that continue it the same way.
+Which blocks are free, shared or cached is the BlockPool's (llama/core/block_pool.py), kept on the planning rank
+only.
 
 Default size: max_batch_size rows of max_seq_len positions, as many blocks as the slots held before paging, so
 nothing grows unless asked (kv_cache_memory / kv_cache_tokens size it otherwise).
@@ -22,10 +23,8 @@ import torch
 
 from llama.core.block_pool import SCRATCH, BlockPool
 from llama.core.paging import check_mode
-from llama.kernels import paged
 from llama.settings import parse_bytes
 
-Snapshot = List[Tuple[torch.Tensor, torch.Tensor]]  # per layer: keys and values (kv_heads, length, head_dim)
 BLOCK_SIZE = 16
 
 
@@ -131,12 +130,14 @@ class KVCache:
         self._stream_thread: Optional[int] = None  # the thread whose unfinished stream holds the cache
         self._prefixes: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
         self._next_prefix = 0
+        self._dropped: list = []  # pins of prefixes closed or collected (any thread), released by drain()
 
     @contextmanager
     def hold(self, streaming: bool = False):
         """Hold the cache for one call. Other threads wait; in the thread of an unfinished stream (which holds the
         cache between its deltas) any other call would corrupt that stream, so it raises instead."""
         with self.lock:
+            self.drain()
             if self._stream_thread == threading.get_ident():
                 raise RuntimeError("an unfinished stream of this Llama is open in this thread: "
                                    "consume it or close() it before another call")
@@ -172,6 +173,8 @@ class KVCache:
             self._resting = True
         if self.pool.by_key:
             self.pool.clear()
+        for prefix in list(self._prefixes.values()):  # their blocks may be in that layout: compute them afresh
+            prefix.stale = True
 
     def set_blocks(self, rows: Sequence[int], blocks: Sequence[Sequence[int]]) -> None:
         """Row rows[i]'s table: blocks[i], then the scratch block."""
@@ -184,7 +187,7 @@ class KVCache:
     def borrow(self, rows: int, length: int):
         """Blocks for rows 0..rows-1 up to `length` positions during a pass outside the scheduler (scoring, a
         prefix), given back after it. Their table entries stay until the next table edit, so the caller (holding
-        the cache) may still snapshot the rows. On model-parallel ranks every rank borrows alike."""
+        the cache) may still keep() their blocks. On model-parallel ranks every rank borrows alike."""
         per = self.pool.blocks_for(length)
         if self.replicated:
             self.pool.clear()  # the other ranks' pools do not know which blocks rank 0 keyed: forget them all
@@ -220,36 +223,57 @@ class KVCache:
             for cache in self._tensors():
                 cache[db, :, do] = cache[sb, :, so]
 
-    @torch.inference_mode()
-    def snapshot(self, slot: int, length: int) -> Snapshot:
-        """A copy of positions [0, length) of one row, for every layer."""
-        b, o = self._where(slot, length)
-        return [tuple(self._values(c, b, o).transpose(0, 1).clone() for c in (a.cache_k, a.cache_v))
-                for a in self.layers]
-
     def _tensors(self) -> List[torch.Tensor]:
         """Every tensor a block spans: keys, values (and an int8 pool's scales)."""
         out = [t for a in self.layers for t in (a.cache_k, a.cache_v)]
         return out + [t.scales for t in out if hasattr(t, "scales")]
 
-    @staticmethod
-    def _values(cache: torch.Tensor, b, o) -> torch.Tensor:
-        """Positions (b, o) of a cache, dequantized if int8: (positions, kv_heads, head_dim)."""
-        if cache.dtype == torch.int8:
-            return cache[b, :, o].float() * cache.scales[b, :, o][..., None]
-        return cache[b, :, o]
-
+    # ------------------------------------------------------------------------------------------ prefixes
     @torch.inference_mode()
-    def load(self, kv: Snapshot, slot: int, length: int) -> None:
-        """Write the first `length` positions of a snapshot into a row (blocks it owns)."""
-        b, o = self._where(slot, length)
-        for attn, (k, v) in zip(self.layers, kv):
-            paged.write(attn.cache_k, b, o, k[:, :length].transpose(0, 1))
-            paged.write(attn.cache_v, b, o, v[:, :length].transpose(0, 1))
+    def continue_prefix(self, blocks: Sequence[int], row: int, length: int) -> None:
+        """Give row the prefix's positions [0, length): the row already shares the prefix's full blocks (the
+        scheduler reserved them), so this copies the blocks it does not share, the partial last one (copy on
+        write: the row writes its own positions after it)."""
+        k = self.pool.blocks_for(length)
+        src = torch.tensor(list(blocks[:k]), dtype=torch.int64, device=self.device)
+        dst = self.table[row, :k]
+        differ = src != dst
+        if bool(differ.any()):
+            for cache in self._tensors():
+                cache[dst[differ]] = cache[src[differ]]
+
+    def keep(self, row: int, length: int) -> List[int]:
+        """The blocks of a row that just ran, positions [0, length), taken back with one reference each for a
+        Prefix. Its request has retired and released them, but nothing has reused them yet (the caller holds the
+        cache and no table edit came since): keyed ones wait in the pool's LRU, the others are on its free list."""
+        pool = self.pool
+        blocks = [int(b) for b in self.table[row, : pool.blocks_for(length)].tolist()]
+        lost = [b for b in blocks if b == SCRATCH or not (b in pool.refs or b in pool.lru or b in pool.free)]
+        if lost:
+            raise RuntimeError(f"row {row}'s block {lost[0]} is no longer the row's own: it cannot be kept")
+        for b in blocks:
+            if b not in pool.refs and b not in pool.lru:
+                pool.free.remove(b)
+                pool.refs[b] = 0  # acquire below gives it its one reference
+        pool.acquire(blocks)
+        return blocks
+
+    def drop(self, pin) -> None:
+        """A prefix's blocks are no longer needed (its close() or its finalizer, from any thread): release them at
+        the next drain(), in the thread that plans."""
+        self._dropped.append(pin)
+
+    def drain(self) -> None:
+        """Release the blocks of dropped prefixes (the planning thread, holding the cache, before it plans)."""
+        while self._dropped:
+            pin = self._dropped.pop()
+            if not pin.released:
+                pin.released = True
+                self.pool.release(pin.blocks)
 
     def register(self, prefix) -> int:
-        """An id for a prefix snapshot, the same on every model-parallel rank when they take snapshots in the
-        same order (as they do), so a scheduled 'load' op can name it."""
+        """An id for a prefix, the same on every model-parallel rank when they make prefixes in the same order
+        (as they do), so a scheduled LoadPrefix op can name it."""
         pid = self._next_prefix
         self._next_prefix += 1
         self._prefixes[pid] = prefix

@@ -65,6 +65,8 @@ class Paging:
     def hits(self, r: Request) -> List[int]:
         """Cached blocks of r's context, leaving at least its last token to compute (its logits are needed) unless
         it resumes after a preemption (its next token is known)."""
+        if r.prefix is not None:  # it continues a Prefix: share that prefix's full blocks (llama/core/prefix.py)
+            return r.prefix.full_blocks(r.prompt)
         salt, tokens = self._salt(r), r.context
         return [] if salt is None else self.pool.lookup(tokens, salt, limit=len(tokens) - (not r.generated))
 

@@ -19,7 +19,8 @@ Positions = Union[int, List[int]]
 
 @dataclass(frozen=True)
 class LoadPrefix:
-    """Copy the first `length` positions of a Llama.prefill() prefix (by its id) into cache row `row`."""
+    """Cache row `row` continues a prefix (Llama.prefill, a chat session's last turn; by its id) for `length`
+    positions: it shares the prefix's full blocks (its table names them) and gets a copy of the partial last one."""
 
     prefix: int
     row: int

@@ -1,13 +1,16 @@
-"""Reusable KV-cache prefixes: the keys/values of some tokens, taken out of a cache slot once and loaded into
-others. Loading reuses the longest common start of its tokens and a new prompt, so only the rest is prefilled:
-a few-shot block shared by many prompts, or a conversation whose earlier turns were already computed.
+"""Reusable KV-cache prefixes: the pool blocks (llama/core/block_pool.py) that hold the keys/values of some tokens,
+kept referenced while the Prefix lives. A prompt that continues one shares its full blocks and copies the partial
+last one (copy on write), so only the rest is prefilled: a few-shot block shared by many prompts, or a conversation
+whose earlier turns were already computed (llama/core/session.py).
 """
 
+import weakref
+from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
 
-from llama.core.kv_cache import KVCache, Snapshot
+from llama.core.kv_cache import KVCache
 
 
 def common_prefix_len(a: List[int], b: List[int]) -> int:
@@ -19,21 +22,45 @@ def common_prefix_len(a: List[int], b: List[int]) -> int:
     return n
 
 
-class Prefix:
-    """Keys/values of `tokens` for every layer (on the model's device), plus what scoring them gave."""
+@dataclass
+class Pin:
+    """A prefix's references to its blocks, released once (KVCache.drain) after close() or collection."""
 
-    def __init__(self, cache: KVCache, tokens: List[int], kv: Snapshot, logprobs: Optional[List[float]] = None,
+    blocks: List[int]
+    released: bool = False
+
+
+class Prefix:
+    """Keys/values of `tokens` in pool blocks of `cache` (positions p in blocks[p // block_size]), plus what scoring
+    them gave. The blocks stay referenced, so nothing evicts or overwrites them, until close() or until the Prefix
+    is garbage collected; a closed prefix still works, its continuations just compute every position."""
+
+    def __init__(self, cache: KVCache, tokens: List[int], blocks: List[int], logprobs: Optional[List[float]] = None,
                  next_logprobs: Optional[torch.Tensor] = None):
         self.tokens = list(tokens)
-        self.kv = kv
+        self.blocks = list(blocks)
         self.logprobs = logprobs or []  # log p(tokens[i+1] | tokens[:i+1])
         self.next_logprobs = next_logprobs  # log-softmax over the token after the prefix, if known
         self.cache = cache
+        self.stale = False  # a direct model call (outside the runner) may have overwritten the blocks
+        self._pin = Pin(self.blocks)
+        self._finalizer = weakref.finalize(self, cache.drop, self._pin)
         self.id = cache.register(self)
 
     @classmethod
     def from_slot(cls, cache: KVCache, slot: int, tokens: List[int], **scores) -> "Prefix":
-        return cls(cache, tokens, cache.snapshot(slot, len(tokens)), **scores)
+        """The prefix of cache row `slot`, which has just computed `tokens` (the caller still holds the cache)."""
+        return cls(cache, tokens, cache.keep(slot, len(tokens)), **scores)
+
+    def close(self) -> None:
+        """Give the blocks back to the pool (at the cache's next step); continuations then compute everything."""
+        self._finalizer()
+
+    def __enter__(self) -> "Prefix":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -43,8 +70,14 @@ class Prefix:
 
     def reusable(self, prompt: List[int]) -> int:
         """Positions of `prompt` this prefix covers; at least the prompt's last token is left to compute, since
-        its logits are needed."""
+        its logits are needed. 0 once its blocks are released or may have been overwritten."""
+        if self._pin.released or self.stale:
+            return 0
         return min(common_prefix_len(self.tokens, prompt), len(prompt) - 1)
+
+    def full_blocks(self, prompt: List[int]) -> List[int]:
+        """The blocks a continuation of `prompt` shares: those its reusable positions fill."""
+        return self.blocks[: self.reusable(prompt) // self.cache.block_size]
 
     def prompt_logprobs(self, prompt: List[int], n: int) -> List[float]:
         """Log-probabilities of prompt tokens 1..n that this prefix already knows (n = reusable(prompt))."""

@@ -102,7 +102,7 @@ class Runner:
         self.cache.copy_rows(op.src, op.dst, op.length)
 
     def _load(self, op: LoadPrefix) -> None:
-        self.cache.load(self.cache.prefix(op.prefix).kv, op.row, op.length)
+        self.cache.continue_prefix(self.cache.prefix(op.prefix).blocks, op.row, op.length)
 
     def _prefill(self, op: Prefill) -> torch.Tensor:
         dev = self.device

@@ -1,4 +1,5 @@
-"""Multi-turn chat sessions that keep their KV cache between turns, so a turn prefills only its new tokens."""
+"""Multi-turn chat sessions that keep their KV cache between turns, so a turn prefills only its new tokens: each
+turn's blocks stay in the pool as a Prefix (llama/core/prefix.py) that the next turn continues."""
 
 from typing import Iterator, Optional
 
@@ -17,6 +18,11 @@ class ChatSession:
         self.dialog = [{"role": "system", "content": system}] if system else []
         self.cache: Optional[Prefix] = None
         self.last_prefilled = 0  # tokens the last turn actually computed (its prompt minus the reused start)
+
+    def close(self) -> None:
+        """Give the conversation's KV blocks back to the pool (the next turn, if any, computes everything)."""
+        if self.cache is not None:
+            self.cache.close()
 
     def send(self, message: str, **params) -> str:
         """Add a user message and return the assistant's reply."""
@@ -44,9 +50,13 @@ class ChatSession:
         return self._turn(dialog, req)
 
     def _turn(self, dialog, req) -> Iterator[str]:
-        def keep_cache(req):  # the slot still holds this turn: snapshot it before the cache is released
+        def keep_cache(req):  # the row's blocks still hold this turn: keep them before the cache is released
             self.last_prefilled = len(req.prompt) - req.reused
-            self.cache = Prefix.from_slot(self.llama.cache, req.slot, req.cached)
+            # prefix_cache="exact": only positions a prefill wrote, so the reply is recomputed as a fresh prompt would
+            tokens = req.prompt if self.llama.cache.pool.mode == "exact" else req.cached
+            if self.cache is not None:
+                self.cache.close()
+            self.cache = Prefix.from_slot(self.llama.cache, req.slot, tokens)
 
         yield from self.llama.stream_request(req, keep_cache)
         self.dialog = dialog + [{"role": "assistant", "content": req.stream.text}]

@@ -4,6 +4,7 @@ duplicates), including a truncated last line left by the kill."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -142,3 +143,24 @@ def test_model_parallel_run_matches_single_process(tmp_path):
     mp = sorted(read_rows(tmp_path / "mp.jsonl"), key=lambda r: r["id"])
     assert [r["id"] for r in mp] == list(range(len(STARTS)))  # only rank 0 wrote, once per id
     assert [r["generation"] for r in mp] == [r["generation"] for r in single]
+
+
+SYSTEM = ("You are a storyteller who tells short, happy stories about animals in a park, with a cat, a dog and a "
+          "little bird who are friends.")
+
+
+def test_prefix_cache_on_and_off_write_the_same_rows_and_on_reuses_the_shared_start(tmp_path, capsys):
+    """Prompts sharing a 2-block start, greedy and seeded: the same rows with --prefix_cache on and off, and the run
+    with it on took part of the later prompts from the cache (the summary line counts the reused tokens)."""
+    write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": f"{SYSTEM} {s}", **({"temperature": 0} if i % 2 else {})}
+                                        for i, s in enumerate(STARTS)])
+    rows, reused = {}, {}
+    for mode in ("on", "off"):
+        run_main("--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / f"{mode}.jsonl"),
+                 "--max_gen_len", "24", "--temperature", "0.8", "--prefix_cache", mode)
+        found = re.search(r"prefix cache: (\d+) of (\d+) prompt tokens reused", capsys.readouterr().err)
+        reused[mode] = (int(found[1]), int(found[2]))
+        rows[mode] = sorted(read_rows(tmp_path / f"{mode}.jsonl"), key=lambda r: r["id"])
+    assert [r["id"] for r in rows["on"]] == list(range(len(STARTS))) and all("error" not in r for r in rows["on"])
+    assert rows["on"] == rows["off"]
+    assert reused["on"][0] >= 32 and reused["off"] == (0, 0)

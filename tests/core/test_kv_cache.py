@@ -124,15 +124,20 @@ def test_model_on_a_scattered_table_equals_the_slot_layout():
     assert cache.table[0, 2] == SCRATCH  # unallocated entries name the scratch block
 
 
-def test_snapshot_and_load_go_through_the_table():
+def test_a_kept_row_lends_its_blocks_and_copies_only_the_partial_one():
     model = random_model(seed=1, max_batch=2, max_seq=64)
     cache = KVCache(model, 2, 64)
+    k = cache.layers[0].cache_k
     with cache.manage():
-        cache.set_blocks([0, 1], [[3, 1], [6, 4]])
+        cache.set_blocks([0, 1], [[3, 1], [3, 4]])  # row 1 shares row 0's full block 3
         model(torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(2)), 0)
-        snap = cache.snapshot(0, 20)
-        cache.load(snap, 1, 20)
-        assert all(torch.equal(a[0], b[0]) for a, b in zip(snap, cache.snapshot(1, 20)))
+        assert cache.keep(0, 20) == [3, 1] and cache.pool.used() == 2 and 3 not in cache.pool.free
+        with pytest.raises(RuntimeError, match="no longer the row's own"):
+            cache.keep(1, 40)  # its third entry is the scratch block
+        full = k[3].clone()
+        k[4].fill_(7.0)
+        cache.continue_prefix([3, 1], 1, 20)
+        assert torch.equal(k[4], k[1]) and torch.equal(k[3], full)
         cache.copy_rows([1], [0], 20)
         cache.copy_blocks([3], [5])
         assert torch.equal(cache.layers[0].cache_k[5], cache.layers[0].cache_k[3])

@@ -1,7 +1,10 @@
 """Reusable prefixes: continuing a Llama.prefill() prefix gives what computing from scratch gives."""
 
 
+import gc
+
 import pytest
+import torch
 from helpers import ONCE, SAMPLED, check_stream, continuation
 
 
@@ -60,3 +63,64 @@ def test_prefix_prompt_logprobs_never_scores_the_wrong_token(stories):
     assert other[4] != prefix.tokens[4]
     with pytest.raises(ValueError, match="leaves this prefix"):
         prefix.prompt_logprobs(other, 4)
+
+
+# --------------------------------------------------------------------------------------------- prefixes on the pool
+def settle(g) -> None:
+    """Let earlier tests' prefixes go: some sit in reference cycles (a caught exception's frames), and the runner
+    keeps its last sampled requests (which name their prefix) until it samples others; any call then releases
+    what they held."""
+    g.text_completion(["a"], temperature=0, max_gen_len=1)
+    gc.collect()
+    g.clear_prefix_cache()
+
+
+def test_a_prefix_pins_pool_blocks_that_continuations_share(stories):
+    """A prefix holds its pool blocks while it lives; a continuation's table names its full blocks (shared, not
+    copied) and only the partial last block is the row's own; close() or dropping it gives the blocks back."""
+    pool, table = stories.cache.pool, stories.cache.table
+    settle(stories)
+    before = pool.used()
+    prefix = stories.prefill("Once upon a time there was a dog named Max. Max liked bones. He had a red ball too.")
+    full = len(prefix) // stories.cache.block_size
+    assert full >= 1 and len(prefix) % stories.cache.block_size and pool.used() == before + len(prefix.blocks)
+    rows = []
+    hook = stories.model.register_forward_pre_hook(lambda m, a: rows.append(table[0].tolist()))
+    try:
+        got = stories.text_completion([" One day"], prefix=prefix, temperature=0, max_gen_len=10)
+    finally:
+        hook.remove()
+    assert rows[0][:full] == prefix.blocks[:full] and rows[0][full] != prefix.blocks[full]
+    full_text = stories.tokenizer.decode(prefix.tokens[1:]) + " One day"
+    assert got == stories.text_completion([full_text], temperature=0, max_gen_len=10)
+    assert pool.used() == before + len(prefix.blocks)  # the request's references went, the prefix's stay
+    prefix.close()
+    stories.clear_prefix_cache()  # the next call releases them
+    assert pool.used() == before and prefix.reusable(prefix.tokens + [5]) == 0
+    assert stories.text_completion([" One day"], prefix=prefix, temperature=0, max_gen_len=10) == got  # recomputed
+    again = stories.prefill(prefix.tokens)
+    del again
+    stories.clear_prefix_cache()
+    assert pool.used() == before
+
+
+def test_prefixes_that_fill_the_pool_fail_requests_clearly_and_a_direct_call_makes_them_stale(stories):
+    settle(stories)
+    assert stories.cache.pool.used() == 0
+    prefixes = [stories.prefill([1] + [300 + i] * 250) for i in range(4)]  # 4 x 16 blocks: the whole pool
+    try:
+        with pytest.raises(ValueError, match="live prefixes and chat sessions hold 64"):
+            stories.text_completion(["Hello"], temperature=0, max_gen_len=4)
+        with stories.engine() as engine:  # the engine fails it too, and keeps serving
+            with pytest.raises(ValueError, match="live prefixes and chat sessions hold 64"):
+                engine.submit("Hello", temperature=0, max_gen_len=4).result(timeout=60)
+            prefixes[3].close()
+            engine.submit("Hello", temperature=0, max_gen_len=4).result(timeout=60)  # it fits now
+    finally:
+        for p in prefixes[1:]:
+            p.close()
+    tail = [7, 8, 9]
+    want = stories.generate([prefixes[0].tokens + tail], max_gen_len=5, temperature=0)[0]
+    stories.model(torch.tensor([[1, 2, 3]]), 0)  # Meta's direct call writes the slot layout, over the prefix
+    assert prefixes[0].stale and prefixes[0].reusable(prefixes[0].tokens + tail) == 0
+    assert stories.generate([prefixes[0].tokens + tail], max_gen_len=5, temperature=0)[0] == want

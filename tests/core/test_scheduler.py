@@ -163,10 +163,11 @@ def test_ops_are_small_plain_data_that_pickle():
 def test_the_runner_dispatches_on_the_op_type():
     calls = []
     cache = SimpleNamespace(device="cpu", copy_rows=lambda *a: calls.append(("copy", a)),
-                            prefix=lambda i: SimpleNamespace(kv=f"kv{i}"), load=lambda *a: calls.append(("load", a)))
+                            prefix=lambda i: SimpleNamespace(blocks=[i, i + 1]),
+                            continue_prefix=lambda *a: calls.append(("load", a)))
     runner = Runner(None, cache)
     assert runner.execute([CopyRows(src=[2], dst=[0], length=5), LoadPrefix(prefix=7, row=1, length=3)]) == [None, None]
-    assert calls == [("copy", ([2], [0], 5)), ("load", ("kv7", 1, 3))]
+    assert calls == [("copy", ([2], [0], 5)), ("load", ([7, 8], 1, 3))]
     with pytest.raises(TypeError, match="unknown op"):
         runner.execute([{"kind": "copy", "src": [2], "dst": [0], "length": 5}])
 

@@ -13,6 +13,7 @@ def test_chat_session_equals_chat_completion(stories):
     for turn, msg in enumerate(messages):
         before = list(session.dialog)
         cached = session.cache.tokens if session.cache else []
+        kept = session.cache.blocks if session.cache else []
         if turn % 2:
             reply = "".join(session.stream(msg, **kw))
         else:
@@ -29,6 +30,9 @@ def test_chat_session_equals_chat_completion(stories):
             # ...and exactly the tokens after the common start of the cached conversation and this prompt.
             common = next((i for i, (a, b) in enumerate(zip(cached, prompt)) if a != b), min(len(cached), len(prompt)))
             assert session.last_prefilled == len(prompt) - min(common, len(prompt) - 1)
+            # ...from the previous turn's own pool blocks: this turn's keeps the full ones it shared.
+            full = min(common, len(prompt) - 1) // stories.cache.block_size
+            assert full >= 1 and session.cache.blocks[:full] == kept[:full]
 
 
 def test_chat_session_sampled_and_stop(stories):

@@ -42,6 +42,12 @@ LATER = [
     ("The sun was", dict(temperature=0.0, max_gen_len=25)),
 ]
 
+# Prompts sharing a 2-block start (stories' tokenizer): the calls and the pipelined engine with the prefix cache on
+# (the default) must give the text of one process with it off.
+COMMON_START = "Tom and his friend Sam went to the big park to play with a red ball and a kite on a sunny day."
+SHARED_PROMPTS = [COMMON_START + t for t in (" One day", " Sam saw", " The ball", " Then")]
+SHARED_OPTS = dict(temperature=0.0, max_gen_len=12)
+
 
 def broken_after_3(ids, logits):
     """A logits processor that fails once its request has 3 tokens: that request fails mid-way, alone."""
@@ -85,6 +91,22 @@ def extras(g) -> dict:
     long = " ".join(["Once upon a time there was a little girl named Lily who liked to play in the park."] * 8)
     out["long"] = g.text_completion([long, "Tom and"], temperature=0.9, seed=[3, 4], max_gen_len=30)
     out["long_score"] = g.score([long])[0]["logprobs"]
+    return out
+
+
+def shared_prefix(g, rank: int) -> dict:
+    """SHARED_PROMPTS as Llama calls, each after the last (the later ones reuse cached blocks on every rank alike),
+    then all at once through the pipelined engine (rank 0 plans the hits, the other stage applies its tables)."""
+    out = {"calls": [g.text_completion([p], **SHARED_OPTS)[0]["generation"] for p in SHARED_PROMPTS]}
+    engine = g.engine()
+    if rank == 0:
+        reqs = [engine.submit(p, **SHARED_OPTS) for p in SHARED_PROMPTS]
+        out["served"] = [r.result(timeout=120)["generation"] for r in reqs]
+        out["reused"] = [r.reused for r in reqs]
+        engine.close()
+    else:
+        engine.serve_forever()
+    out["cached_tokens"] = g.cache.pool.stats["cached_tokens"]
     return out
 
 
@@ -179,6 +201,7 @@ def stories_main(T: int, P: int, mode: str, dirs, rank: int, result: dict) -> No
     if mode == "engine":
         result["extras"] = extras(g)
         result["alone"] = alone(g)
+        result["shared"] = shared_prefix(g, rank)
     # The engine: steps overlapping across the stages (the default), and (P=2 run) one step at a time
     for key, overlap in (("engine", None), ("one_step", False))[: 2 if mode == "engine" else 1]:
         engine = g.engine(overlap=overlap)
@@ -245,12 +268,16 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="module")
 def single():
     """The single process's outputs and weight bytes: what every layout must reproduce."""
+    from llama import Llama
     from llama.distributed.pipeline import weight_bytes
 
     g = build_stories(max_batch_size=MAX_BATCH, max_seq_len=MAX_SEQ_LEN)
     out = {**generations(g), "extras": extras(g), "alone": alone(g), "weight_bytes": weight_bytes(g.model),
            "staggered": [g.text_completion([p], **params)[0] for p, params in STAGGERED + LATER]}
-    return {**out, "unseeded": g.text_completion([ONCE], temperature=1.0, max_gen_len=20)}
+    out["unseeded"] = g.text_completion([ONCE], temperature=1.0, max_gen_len=20)
+    off = Llama.build(str(STORIES), str(STORIES / "tokenizer.model"), max_seq_len=MAX_SEQ_LEN, max_batch_size=MAX_BATCH,
+                      prefix_cache="off")
+    return {**out, "shared": [off.text_completion([p], **SHARED_OPTS)[0]["generation"] for p in SHARED_PROMPTS]}
 
 
 @pytest.fixture(scope="module")
@@ -332,6 +359,12 @@ def test_engine_under_two_stages_serves_concurrent_requests_as_each_alone(p2, si
     # The last stage's RNG drew the unseeded samples and reached rank 0 with them; rank 0's reached every rank
     # when the engine closed: a later unseeded call still matches the single process.
     assert r1["unseeded"] == r0["unseeded"] == single["unseeded"]
+
+
+def test_two_stages_reuse_cached_prompt_blocks_and_give_the_cache_off_text(p2, single):
+    r0, r1 = p2[0]["shared"], p2[1]["shared"]
+    assert r0["calls"] == r1["calls"] == r0["served"] == single["shared"]
+    assert min(r0["reused"]) >= 16 and r0["cached_tokens"] >= 16 * (len(SHARED_PROMPTS) - 1 + len(SHARED_PROMPTS))
 
 
 def test_pipelined_engine_with_staggered_arrivals_a_cancellation_and_failures_matches_each_alone(p2, single):
