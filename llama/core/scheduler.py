@@ -23,7 +23,7 @@ from typing import Iterable, List, Optional
 
 from llama.core.request import Request
 from llama.core.paging import Paging
-from llama.core.plan import CopyRows, Decode, LoadPrefix, Plan, Prefill
+from llama.core.plan import CopyRows, Decode, LoadPrefix, Plan, Prefill, SetBlocks
 
 
 class Scheduler:
@@ -36,6 +36,8 @@ class Scheduler:
         self.stats = {"steps": 0, "forwards": 0, "admitted": 0, "finished": 0, "generated_tokens": 0,
                       "prefill_tokens": 0, "peak_active": 0, "moves": 0}
         self._order = itertools.count()
+        self._freed: List[int] = []  # rows retired since the last plan, whose tables still name released blocks
+        self.speculator = None  # a Speculator (llama/core/speculative.py) turns the Decode op into a Verify op
 
     def add(self, requests: Iterable[Request], longest_first: bool = False) -> None:
         """Queue requests. longest_first (offline work, all known up front): admit the longest max_new first, so
@@ -67,17 +69,23 @@ class Scheduler:
             self.stats["generated_tokens"] += len(r.generated)
             if self.paging is not None:
                 self.paging.retired(r)
+                self._freed.append(self.base + r.slot)
         r.first_logits = None
 
     # ------------------------------------------------------------------------------------------ planning
     def plan(self) -> Plan:
         plan = Plan()
+        if self._freed:  # a decode step's dummy row in a free slot must not write into blocks others still use
+            plan.ops.append(SetBlocks(rows=self._freed, blocks=[[] for _ in self._freed]))
+            self._freed = []
         self._admit(plan)
         self._compact(plan)
         self._plan_prefill(plan)
         plan.decoding = [r for r in self.slots if r is not None and r.feed is not None]
         if plan.decoding:
             plan.ops.append(self._decode_op())
+            if self.speculator is not None:
+                self.speculator.plan(plan)
         return plan
 
     def _admit(self, plan: Plan) -> None:
