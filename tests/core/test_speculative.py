@@ -240,3 +240,26 @@ def test_unseeded_sampling_keeps_its_distribution():
     # the 0.1% point of chi-square with dof degrees of freedom (Wilson-Hilferty)
     limit = dof * (1 - 2 / (9 * dof) + 3.09 * math.sqrt(2 / (9 * dof))) ** 3
     assert len(cats) >= 2 and chi2 < limit, (chi2, limit, a.most_common(5), b.most_common(5))
+
+
+# ---------------------------------------------------------------------------------------------- the server
+def test_the_server_flag_and_metrics():
+    """`--speculative ngram`: the server's completions are the Python API's without speculation, and /metrics
+    counts the accepted tokens."""
+    httpx = pytest.importorskip("httpx")
+    from serve_util import Server
+
+    off, _ = both()
+    s = Server(need(STORIES), "--max_seq_len", "256", "--max_batch_size", "4", "--speculative", "ngram")
+    try:
+        for prompt, seed in ((PROMPTS[1], None), (PROMPTS[2], 3)):
+            got = s.client().completions.create(model="stories260K", prompt=prompt, max_tokens=80, seed=seed,
+                                                temperature=0 if seed is None else 0.8, top_p=1.0)
+            want = off.text_completion([prompt], max_gen_len=80, seed=seed, temperature=0 if seed is None else 0.8,
+                                       top_p=1.0)
+            assert got.choices[0].text == want[0]["generation"]
+        text = httpx.get(s.url + "/metrics").text
+    finally:
+        s.close()
+    accepted = [line for line in text.splitlines() if line.startswith("llama_speculative_accepted_tokens ")]
+    assert accepted and float(accepted[0].split()[1]) > 5, accepted
