@@ -26,7 +26,8 @@ class DecodeCore:
         chunk = prefill_chunk or len(slots) * self.max_seq_len
         sched = Scheduler(len(slots), self.max_seq_len, chunk, base=slots.start, pool=self.runner.cache.pool)
         if self.speculative is not None:
-            sched.speculator = Speculator(sched.stats, slots.start, self.max_seq_len)
+            block = sched.paging.pool.block_size if sched.paging is not None else 0
+            sched.speculator = Speculator(sched.stats, slots.start, self.max_seq_len, block)
         return sched
 
     def step(self, sched: Scheduler, broadcast: Optional[Callable] = None,

@@ -59,8 +59,8 @@ class Speculator:
     """Drafts for a scheduler's decoding requests and turns its step's Decode op into a Verify op (Scheduler.plan
     calls it last); told by the runner how many drafted tokens each request accepted."""
 
-    def __init__(self, stats: dict, base: int, max_seq_len: int):
-        self.stats, self.base, self.max_seq_len = stats, base, max_seq_len
+    def __init__(self, stats: dict, base: int, max_seq_len: int, block_size: int = 0):
+        self.stats, self.base, self.max_seq_len, self.block_size = stats, base, max_seq_len, block_size
         for key in ("verify_steps", "drafted_tokens", "accepted_tokens"):
             stats.setdefault(key, 0)
         self._states: "weakref.WeakKeyDictionary[Request, _State]" = weakref.WeakKeyDictionary()
@@ -76,8 +76,12 @@ class Speculator:
             if not st.pause:
                 st.k = 1
             return []
-        # room: the step emits at most k+1 tokens of max_new, and writes positions up to next_pos + k
-        k = min(st.k, budget, r.max_new - len(r.generated) - 1, self.max_seq_len - 1 - r.next_pos)
+        # room: the step emits at most k+1 tokens of max_new, and writes positions up to next_pos + k, within the
+        # cache and the blocks the request holds (a draft never takes a block of its own)
+        end = self.max_seq_len
+        if self.block_size and r.blocks:
+            end = min(end, len(r.blocks) * self.block_size)
+        k = min(st.k, budget, r.max_new - len(r.generated) - 1, end - 1 - r.next_pos)
         return st.index.draft(r.prompt + r.generated, k)
 
     def plan(self, plan: Plan) -> None:

@@ -263,3 +263,41 @@ def test_the_server_flag_and_metrics():
         s.close()
     accepted = [line for line in text.splitlines() if line.startswith("llama_speculative_accepted_tokens ")]
     assert accepted and float(accepted[0].split()[1]) > 5, accepted
+
+
+# ---------------------------------------------------------------------------------------------- the speculator's limits
+class _Req:
+    """What the Speculator reads of a decoding request."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _decoding(n, prompt, generated, max_new=100, blocks=8):
+    from llama.core.params import SamplingParams
+
+    return [_Req(params=SamplingParams(), feed=generated[-1], max_new=max_new, generated=list(generated),
+                            prompt=list(prompt), next_pos=len(prompt) + len(generated) - 1, blocks=list(range(blocks)),
+                            order=i, slot=i) for i in range(n)]
+
+
+def _plan(reqs, **kw):
+    from llama.core.plan import Plan
+
+    decode = Decode(tokens=[r.feed for r in reqs], pos=[r.next_pos for r in reqs], active=list(range(len(reqs))))
+    plan = Plan(ops=[decode], decoding=list(reqs))
+    speculative.Speculator({}, 0, kw.get("max_seq_len", 256), kw.get("block_size", 16)).plan(plan)
+    return plan
+
+
+def test_drafts_stay_within_the_rows_the_batch_the_tokens_and_the_blocks_left():
+    loop = [5, 6, 7, 8] * 6
+    plan = _plan(_decoding(4, loop[:12], loop[12:]))  # four requests that each could draft K_START tokens
+    (op,) = plan.ops
+    assert isinstance(op, Verify) and len(op.tokens) == speculative.MAX_ROWS and plan.decoding == []
+    assert [len(d) for _, d in plan.verifying] == [4, 0, 0, 0]  # the oldest first, within MAX_ROWS rows
+    assert isinstance(_plan(_decoding(speculative.MAX_BATCH + 1, loop[:12], loop[12:])).ops[0], Decode)
+    assert [len(d) for _, d in _plan(_decoding(1, loop[:12], loop[12:], max_new=14)).verifying] == [1]
+    # positions up to next_pos + k stay in the request's blocks (next_pos 23, 2 blocks of 16) and the cache
+    assert [len(d) for _, d in _plan(_decoding(1, loop[:12], loop[12:], blocks=2), block_size=13).verifying] == [2]
+    assert [len(d) for _, d in _plan(_decoding(1, loop[:12], loop[12:]), max_seq_len=26).verifying] == [2]
