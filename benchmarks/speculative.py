@@ -2,8 +2,9 @@
 
   python -m benchmarks.speculative cost [--dim 1024 --layers 8]   c(k) = t(k+1-row Verify) / t(1-row Decode),
                                                                    k = 1..7, a random bf16 model, eager
-  python -m benchmarks.speculative smollm2 [GGUF]                   greedy "repeat this paragraph" with speculation
-                                                                   on and off, interleaved: tok/s, ratio, acceptance
+  python -m benchmarks.speculative smollm2 [GGUF] [--open-ended]    greedy "repeat this paragraph" (or a story)
+                                                                   with speculation on and off, interleaved: tok/s,
+                                                                   ratio, acceptance
 
 Timings alternate the variants rep by rep and report medians, so a busy machine slows both alike.
 """
@@ -71,7 +72,9 @@ def smollm2(args) -> None:
     speculative.Speculator.accepted = accepted
     gens = {s: Llama.build(str(args.gguf), None, max_seq_len=512, max_batch_size=1, compile=False,
                            speculative=s) for s in (None, "ngram")}
-    dialog = [{"role": "user", "content": "Repeat this paragraph exactly: " + PARAGRAPH}]
+    ask = "Write a short story about a dragon who learns to cook." if args.open_ended else \
+        "Repeat this paragraph exactly: " + PARAGRAPH
+    dialog = [{"role": "user", "content": ask}]
     times, outs = {s: [] for s in gens}, {}
     for _ in tqdm(range(args.reps), desc="reps"):
         for s, g in gens.items():
@@ -98,6 +101,7 @@ def main(argv=None) -> None:
     s.add_argument("gguf", nargs="?", default=str(SMOLLM2))
     s.add_argument("--tokens", type=int, default=200)
     s.add_argument("--reps", type=int, default=5)
+    s.add_argument("--open-ended", action="store_true", help="a story instead (the adaptive floor)")
     args = p.parse_args(argv)
     (cost if args.what == "cost" else smollm2)(args)
 
