@@ -17,6 +17,7 @@ from llama.core.prefix import Prefix
 from llama.core.request import BatchError, Request
 from llama.core.runner import Execution, Runner
 from llama.core.session import ChatSession
+from llama.core.speculative import check_mode as check_speculative
 from llama.distributed import parallel, pipeline
 from llama.formats import loader
 from llama.sample.sampling import sample_top_p, token_logprobs
@@ -73,6 +74,7 @@ class Llama:
         prefix_cache: Union[bool, str] = "on",
         kv_cache_dtype: Optional[str] = None,
         tool_style: Optional[str] = None,
+        speculative: Optional[str] = None,
     ) -> "Llama":
         """Load a checkpoint: a Meta-layout directory, or a GGUF file (or a directory holding one; its embedded
         tokenizer and chat template are used unless tokenizer_path is given). Works in plain python and under
@@ -105,17 +107,27 @@ class Llama:
         bf16; read by the torch paths, eager: docs/architecture.md).
         tool_style: Meta Llama 3 checkpoints' tool-call syntax, "llama3_json" (3.1) or "pythonic" (3.2, 3.3);
         default by the checkpoint's shape (3.2's 1B/3B pythonic; 3.3 70B cannot be told from 3.1 70B).
+        speculative="ngram": prompt-lookup speculative decoding, outputs identical to plain decoding (greedy and
+        seeded); it decodes eagerly, so compile="auto" means False with it (llama/core/speculative.py).
         """
+        if check_speculative(speculative) is not None:
+            if compile not in ("auto", False, None):
+                raise ValueError(f"speculative={speculative!r} verifies drafts with the eager decode step, whose "
+                                 f"logits a compiled step does not match bit for bit: use compile=False, got "
+                                 f"compile={compile!r}")
+            compile = False
         model, tokenizer, compiled = loader.load(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size,
                                                  model_parallel_size, seed, device, dtype, verify, compile, quantize,
                                                  rope_scaling_factor, pipeline_parallel_size=pipeline_parallel_size,
                                                  group_size=group_size, preload=preload)
         return Llama(model, tokenizer, max_batch_size, max_seq_len, compiled, kv_cache_memory=kv_cache_memory,
-                     prefix_cache=prefix_cache, kv_cache_dtype=kv_cache_dtype, tool_style=tool_style)
+                     prefix_cache=prefix_cache, kv_cache_dtype=kv_cache_dtype, tool_style=tool_style,
+                     speculative=speculative)
 
     def __init__(self, model, tokenizer, max_batch_size: Optional[int] = None, max_seq_len: Optional[int] = None,
                  compiled=None, kv_cache_memory: Union[int, str, None] = None, prefix_cache: Union[bool, str] = "on",
-                 kv_cache_dtype: Optional[str] = None, tool_style: Optional[str] = None):
+                 kv_cache_dtype: Optional[str] = None, tool_style: Optional[str] = None,
+                 speculative: Optional[str] = None):
         """Meta's Llama(model, tokenizer) sizes the KV cache from model.params, as here when the sizes are None."""
         max_batch_size = model.params.max_batch_size if max_batch_size is None else max_batch_size
         max_seq_len = model.params.max_seq_len if max_seq_len is None else max_seq_len
@@ -130,6 +142,10 @@ class Llama:
         self.runner = Runner(model, self.cache, compiled, execution_for(model))
         self.inputs = RequestBuilder(tokenizer, self.formatter, max_seq_len, model.vocab_size)
         self.core = DecodeCore(self.runner, self.inputs.settle, max_batch_size, max_seq_len)
+        self.core.speculative = check_speculative(speculative)
+        if self.core.speculative is not None and (compiled is not None or isinstance(model, pipeline.PipelineTransformer)):
+            raise ValueError(f"speculative={speculative!r} needs the eager decode step of one pipeline stage "
+                             "(compile=False, pipeline_parallel_size=1)")
 
     @property
     def max_seq_len(self) -> int:

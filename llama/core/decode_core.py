@@ -10,19 +10,25 @@ from llama.core.request import Request
 from llama.core.plan import FORWARD, Plan
 from llama.core.runner import Runner
 from llama.core.scheduler import Scheduler
+from llama.core.speculative import Speculator
 
 
 class DecodeCore:
     def __init__(self, runner: Runner, settle: Callable[[Request], None], max_batch_size: int, max_seq_len: int):
         self.runner, self.settle = runner, settle
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.speculative: Optional[str] = None  # "ngram": schedulers draft by prompt lookup (llama/core/speculative.py)
 
     def scheduler(self, prefill_chunk: Optional[int] = None, slots: Optional[range] = None) -> Scheduler:
         """Fresh slot state; without a chunk limit every prompt is prefilled in the step that admits it. slots: the
         cache rows it owns (default all of them; the pipelined engine gives each of its groups a range)."""
         slots = range(self.max_batch_size) if slots is None else slots
         chunk = prefill_chunk or len(slots) * self.max_seq_len
-        return Scheduler(len(slots), self.max_seq_len, chunk, base=slots.start, pool=self.runner.cache.pool)
+        sched = Scheduler(len(slots), self.max_seq_len, chunk, base=slots.start, pool=self.runner.cache.pool)
+        if self.speculative is not None:
+            block = sched.paging.pool.block_size if sched.paging is not None else 0
+            sched.speculator = Speculator(sched.stats, slots.start, self.max_seq_len, block)
+        return sched
 
     def step(self, sched: Scheduler, broadcast: Optional[Callable] = None,
              publish: bool = False) -> List[Tuple[Request, str]]:

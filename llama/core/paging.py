@@ -21,10 +21,12 @@ reply's positions are recomputed by the next turn's prefill, then cached); "off"
 
 What a preempted request recomputes is prefill arithmetic where the un-preempted run had decode arithmetic: under
 "on" its reply's full blocks come back from the cache as the decode steps wrote them and only its last, partial
-block is recomputed; under "exact", "off" (or an opted-out request) its whole reply is. In fp32 the two differ in
-their last bits only, and the tokens are the un-preempted run's (tests/core/test_preemption.py); in bf16 or with
-quantized kernels a recomputed position can change a later token, under "exact" too (its reference wrote them by
-decode): docs/performance.md, "Preemption", measures the rate.
+block is recomputed; under "off" (or for an opted-out request) its whole reply is. In fp32 the two differ in their
+last bits only, and the tokens are the un-preempted run's (tests/core/test_preemption.py); in bf16 or with
+quantized kernels a recomputed position can change a later token: docs/performance.md, "Preemption", measures the
+rate. "exact" therefore reserves at admission every block a request can write (prompt plus max_new, as before
+growth): it is never preempted, so its output never depends on how full the pool is, and a small pool admits fewer
+requests at once instead.
 """
 
 from typing import List, Optional, Sequence, Tuple
@@ -71,7 +73,10 @@ class Paging:
         return [] if salt is None else self.pool.lookup(tokens, salt, limit=len(tokens) - (not r.generated))
 
     def need(self, r: Request) -> int:
-        """Blocks for r's context and the first token it decodes."""
+        """Blocks for r's context and the first token it decodes; under "exact", every block it can write, so it
+        never grows and is never preempted (a recompute would prefill what decode wrote)."""
+        if self.mode == "exact":
+            return self.pool.blocks_for(min(len(r.prompt) + r.max_new, self.max_seq_len))
         return self.pool.blocks_for(min(len(r.context) + 1, self.max_seq_len))
 
     def reserve(self, group: Sequence[Request], nothing_runs: bool) -> List[Tuple[Request, List[int], int]]:

@@ -32,6 +32,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI's: subtracted once from every token already generated
     frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence among the generated tokens
     repetition_penalty: float = 1.0  # transformers'/vLLM's: divides (or multiplies) the prompt's and output's logits
+    speculative: bool = True  # False: never drafted for, where the generator speculates (llama/core/speculative.py)
 
     def __post_init__(self):
         _number("temperature", self.temperature)
@@ -73,6 +74,8 @@ class SamplingParams:
         _number("repetition_penalty", self.repetition_penalty)
         if not 0 < self.repetition_penalty < math.inf:
             raise ValueError(f"repetition_penalty must be > 0 and finite (1 disables it), got {self.repetition_penalty}")
+        if not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be True or False, got {self.speculative!r}")
         if self.grammar is not None:
             from llama.sample.grammar import Grammar  # llguidance is needed only by requests that use a grammar
 

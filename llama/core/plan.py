@@ -64,6 +64,18 @@ class Decode:
 
 
 @dataclass(frozen=True)
+class Verify:
+    """Speculative decoding's pass (llama/core/speculative.py): one token per row, tokens[i] at position pos[i] in
+    cache row rows[i]. A request's rows are consecutive and share its cache row: its last token and its draft at
+    positions p, p+1, ...; every row's key and value is written before any row attends, and each row attends only
+    up to its own position, so row i's logits are those a one-token step would give at that position."""
+
+    tokens: List[int]
+    pos: List[int]
+    rows: List[int]
+
+
+@dataclass(frozen=True)
 class SetBlocks:
     """Set the block tables of cache rows: rows[i] reads and writes blocks[i] (then the scratch block)."""
 
@@ -79,8 +91,8 @@ class CopyBlocks:
     dst: List[int]
 
 
-Op = Union[SetBlocks, CopyBlocks, LoadPrefix, CopyRows, Prefill, Decode]
-FORWARD = (Prefill, Decode)  # the ops that run the model
+Op = Union[SetBlocks, CopyBlocks, LoadPrefix, CopyRows, Prefill, Decode, Verify]
+FORWARD = (Prefill, Decode, Verify)  # the ops that run the model
 
 
 @dataclass
@@ -92,3 +104,5 @@ class Plan:
     prefill: List[Tuple[Request, int, int]] = field(default_factory=list)  # (request, start, length), in op order
     twins: List[Tuple[Request, Request]] = field(default_factory=list)  # (request, the source it copies)
     decoding: List[Request] = field(default_factory=list)  # requests that get a token from the Decode op
+    verifying: List[Tuple[Request, List[int]]] = field(default_factory=list)  # (request, its draft), Verify op order
+    speculation: Optional[object] = None  # the Speculator that drafted them: told how many were accepted

@@ -15,7 +15,8 @@ import torch
 
 from llama.compilation.compiled_decode import CompiledDecode, bucket
 from llama.core.kv_cache import KVCache
-from llama.core.plan import CopyBlocks, CopyRows, Decode, LoadPrefix, Op, Plan, Prefill, SetBlocks
+from llama.core import speculative
+from llama.core.plan import CopyBlocks, CopyRows, Decode, LoadPrefix, Op, Plan, Prefill, SetBlocks, Verify
 from llama.core.request import Request
 from llama.sample.sampling import RowSampler, prompt_top_entries, token_logprobs
 
@@ -71,6 +72,7 @@ class Runner:
         self.device = cache.device
         self._sampler: Optional[Tuple[List[Request], RowSampler]] = None
         self._ops = {LoadPrefix: self._load, CopyRows: self._copy, Prefill: self._prefill, Decode: self._decode,
+                     Verify: lambda op: speculative.verify(self._sampling_pass, op, self.device),
                      SetBlocks: lambda op: self.cache.set_blocks(op.rows, op.blocks),
                      CopyBlocks: lambda op: self.cache.copy_blocks(op.src, op.dst)}
 
@@ -185,8 +187,11 @@ class Runner:
             r.prompt_top_logprobs = list(src.prompt_top_logprobs)
             ready.append((r, src.first_logits))
         if plan.decoding:
-            out = outs[-1]
+            out = next(o for op, o in zip(plan.ops, outs) if isinstance(op, Decode))
             ready += [(r, out[r.slot]) for r in plan.decoding]
+        if plan.verifying:  # each draft's first position samples with the rest; the others follow, in order
+            checked = next(o for op, o in zip(plan.ops, outs) if isinstance(op, Verify))
+            return speculative.accept(self.sample, plan, checked, ready)
         return self.sample(ready) if ready else []
 
     def sample(self, ready: List[Tuple[Request, torch.Tensor]]) -> List[Tuple[Request, str]]:

@@ -38,6 +38,7 @@ class Scheduler:
         self.stats = {"steps": 0, "forwards": 0, "admitted": 0, "finished": 0, "generated_tokens": 0,
                       "prefill_tokens": 0, "peak_active": 0, "moves": 0, "preemptions": 0}
         self._order = itertools.count()
+        self.speculator = None  # a Speculator (llama/core/speculative.py) turns the Decode op into a Verify op
 
     def add(self, requests: Iterable[Request], longest_first: bool = False) -> None:
         """Queue requests. longest_first (offline work, all known up front): admit the longest max_new first, so
@@ -84,6 +85,8 @@ class Scheduler:
         plan.decoding = [r for r in self.slots if r is not None and r.feed is not None]
         if plan.decoding:
             plan.ops.append(self._decode_op())
+            if self.speculator is not None:
+                self.speculator.plan(plan)
         return plan
 
     def _admit(self, plan: Plan) -> None:

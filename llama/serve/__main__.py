@@ -48,6 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="bytes of the paged KV pool, e.g. 4GiB (default: max_batch_size x max_seq_len positions)")
     p.add_argument("--prefix-cache", "--prefix_cache", default="on", choices=["on", "exact", "off"],
                    dest="prefix_cache", help="reuse cached prompt prefixes (exact: only prefill-computed positions)")
+    p.add_argument("--speculative", default="off", choices=["off", "ngram"],
+                   help="ngram: prompt-lookup speculative decoding, outputs unchanged (llama/core/speculative.py)")
     p.add_argument("--kv-cache-dtype", "--kv_cache_dtype", default=None, choices=["int8"], dest="kv_cache_dtype",
                    help="int8 keys/values with a scale per position and head (default: the model's dtype)")
     p.add_argument("--share-prefix-cache", action="store_true", dest="share_prefix_cache",
@@ -85,7 +87,8 @@ def main(argv=None) -> None:
                            model_parallel_size=args.model_parallel_size,
                            pipeline_parallel_size=args.pipeline_parallel_size,
                            kv_cache_memory=args.kv_cache_memory, prefix_cache=args.prefix_cache,
-                           kv_cache_dtype=args.kv_cache_dtype, tool_style=args.tool_style)
+                           kv_cache_dtype=args.kv_cache_dtype, tool_style=args.tool_style,
+                           speculative=None if args.speculative == "off" else args.speculative)
 
     if int(os.environ.get("RANK", "0")) != 0:  # a model-parallel follower: replay rank 0's steps
         load().engine(prefill_chunk=args.prefill_chunk).serve_forever()

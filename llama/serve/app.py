@@ -112,6 +112,7 @@ class State:
         self.metrics.waiting.set(max(0, self.active - running))
         if self.generator is not None:
             self.metrics.kv_pool(self.generator.cache.pool)
+        self.metrics.speculation(self.engine.stats)
 
 
 def error_response(e: APIError) -> JSONResponse:

@@ -28,6 +28,8 @@ class Metrics:
             ("prefix_cache_hit_tokens", "prompt tokens read from the prefix cache"),
             ("kv_preemptions", "requests preempted"), ("kv_evictions", "cached blocks evicted"))}
 
+        self.spec: dict = {}
+
     def kv_pool(self, pool) -> None:
         """The pool's own counts (totals since start; gauges, as the pool keeps them)."""
         values = {"kv_blocks_used": pool.used(), "kv_blocks_free": pool.available(), "kv_blocks_cached": pool.cached(),
@@ -36,6 +38,16 @@ class Metrics:
                   "kv_preemptions": pool.stats["preemptions"], "kv_evictions": pool.stats["evictions"]}
         for k, v in values.items():
             self.kv[k].set(v)
+
+    def speculation(self, stats: dict) -> None:
+        """Speculative decoding's counts from the engine's stats (totals since start; absent when it is off)."""
+        for k, what in (("verify_steps", "decode steps that verified drafts"), ("drafted_tokens", "tokens drafted"),
+                        ("accepted_tokens", "drafted tokens accepted")):
+            if k in stats:
+                if k not in self.spec:
+                    self.spec[k] = Gauge(f"llama_speculative_{k}", f"speculative decoding: {what}",
+                                         registry=self.registry)
+                self.spec[k].set(stats[k])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,110 @@
+"""Speculative decoding (llama/core/speculative.py): what a verify pass costs, and what prompt lookup gains.
+
+  python -m benchmarks.speculative cost [--dim 1024 --layers 8]   c(k) = t(k+1-row Verify) / t(1-row Decode),
+                                                                   k = 1..7, a random bf16 model, eager
+  python -m benchmarks.speculative smollm2 [GGUF] [--open-ended]    greedy "repeat this paragraph" (or a story)
+                                                                   with speculation on and off, interleaved: tok/s,
+                                                                   ratio, acceptance
+
+Timings alternate the variants rep by rep and report medians, so a busy machine slows both alike.
+"""
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parents[1]
+SMOLLM2 = REPO.parent / "shared/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
+PARAGRAPH = ("The old lighthouse stood at the edge of the cliff, its white paint peeling in long strips. Every night "
+             "the keeper climbed the spiral stairs, trimmed the wick and wound the clockwork that turned the great "
+             "lens, so that ships far out at sea could find their way past the rocks and into the harbour.")
+
+
+def cost(args) -> None:
+    from llama import Llama
+    from llama.core.plan import Decode, Prefill, SetBlocks, Verify
+    from llama.formats.demo import write_random_checkpoint
+
+    tok = REPO.parent / "shared/tokenizers/llama2/tokenizer.model"
+    params = {"dim": args.dim, "n_layers": args.layers, "n_heads": args.dim // 64, "n_kv_heads": args.dim // 128,
+              "multiple_of": 256, "norm_eps": 1e-5, "vocab_size": 32000}
+    with tempfile.TemporaryDirectory() as d:
+        write_random_checkpoint(d, params, tokenizer_path=tok, dtype=torch.bfloat16)
+        g = Llama.build(d, str(Path(d) / "tokenizer.model"), max_seq_len=256, max_batch_size=1, dtype="bfloat16",
+                        compile=False, prefix_cache="off")
+    start = 100
+    with g.cache.hold():
+        g.runner.execute([SetBlocks(rows=[0], blocks=[g.cache.pool.allocate(16)]),
+                          Prefill(tokens=[list(range(3, 3 + start))], start=0, rows=[0], last=[start - 1],
+                                  kv_len=start)])
+        ops = {0: Decode(tokens=[5], pos=[start], active=[0])}
+        ops.update({k: Verify(tokens=[5] * (k + 1), pos=list(range(start, start + k + 1)), rows=[0] * (k + 1))
+                    for k in range(1, 8)})
+        times = {k: [] for k in ops}
+        for _ in tqdm(range(args.reps), desc="reps"):
+            for k, op in ops.items():
+                t = time.perf_counter()
+                g.runner.execute([op])
+                times[k].append(time.perf_counter() - t)
+    base = statistics.median(times[0])
+    print(f"dim {args.dim}, {args.layers} layers, bf16, 1-token step {base * 1e3:.2f} ms (median of {args.reps})")
+    for k in range(1, 8):
+        print(f"c({k}) = {statistics.median(times[k]) / base:.2f}")
+
+
+def smollm2(args) -> None:
+    from llama import Llama
+    from llama.core import speculative
+
+    counts = {"drafted": 0, "accepted": 0}
+    orig = speculative.Speculator.accepted
+
+    def accepted(self, r, draft, n):
+        counts["drafted"] += len(draft)
+        counts["accepted"] += n
+        return orig(self, r, draft, n)
+    speculative.Speculator.accepted = accepted
+    gens = {s: Llama.build(str(args.gguf), None, max_seq_len=512, max_batch_size=1, compile=False,
+                           speculative=s) for s in (None, "ngram")}
+    ask = "Write a short story about a dragon who learns to cook." if args.open_ended else \
+        "Repeat this paragraph exactly: " + PARAGRAPH
+    dialog = [{"role": "user", "content": ask}]
+    times, outs = {s: [] for s in gens}, {}
+    for _ in tqdm(range(args.reps), desc="reps"):
+        for s, g in gens.items():
+            t = time.perf_counter()
+            outs[s] = g.chat_completion([dialog], temperature=0, max_gen_len=args.tokens, logprobs=True)[0]
+            times[s].append(time.perf_counter() - t)
+    if outs[None] != outs["ngram"]:
+        sys.exit("speculation changed the output")
+    n = len(outs[None]["logprobs"])
+    off, on = statistics.median(times[None]), statistics.median(times["ngram"])
+    print(f"{n} tokens, identical with and without speculation: {outs[None]['generation']['content'][:80]!r}...")
+    print(f"off {n / off:.1f} tok/s, on {n / on:.1f} tok/s, speedup {off / on:.2f}x (medians of {args.reps}, "
+          f"prefill included); accepted {counts['accepted']} of {counts['drafted']} drafted tokens")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="what", required=True)
+    c = sub.add_parser("cost")
+    c.add_argument("--dim", type=int, default=1024)
+    c.add_argument("--layers", type=int, default=8)
+    c.add_argument("--reps", type=int, default=30)
+    s = sub.add_parser("smollm2")
+    s.add_argument("gguf", nargs="?", default=str(SMOLLM2))
+    s.add_argument("--tokens", type=int, default=200)
+    s.add_argument("--reps", type=int, default=5)
+    s.add_argument("--open-ended", action="store_true", help="a story instead (the adaptive floor)")
+    args = p.parse_args(argv)
+    (cost if args.what == "cost" else smollm2)(args)
+
+
+if __name__ == "__main__":
+    main()
