@@ -139,10 +139,10 @@ def test_text_completion_in_a_dry_pool_equals_a_roomy_one(roomy, mode, opts):
     tight = build(mode, blocks=9)  # 6 slots, 6-12 prompts of up to 60 new tokens: they need 30-60 blocks
     want = roomy.text_completion(PROMPTS, **opts)
     got = tight.text_completion(PROMPTS, **opts)
-    if mode == "exact":  # it reserves every block a request can write: never preempted, bitwise the roomy run
-        assert got == want and tight.cache.pool.stats["preemptions"] == 0 and tight.cache.pool.used() == 0
-        return
     same(got, want)
+    if mode == "exact":  # it reserves every block a request can write: never preempted, fewer run at once
+        assert tight.cache.pool.stats["preemptions"] == 0 and tight.cache.pool.used() == 0
+        return
     assert tight.cache.pool.stats["preemptions"] > 0 and tight.cache.pool.used() == 0
 
 
