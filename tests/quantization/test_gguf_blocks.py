@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 from conftest import REPO, STORIES, need, rank_env
-from gguf_blocks_data import Q4_K_M, act_block, dequantized, quantized_activations, write_block_gguf
+from gguf_blocks_data import Q4_K_M, reference_product, write_block_gguf
 
 from llama import Llama
 from llama.formats import gguf_quants
@@ -34,10 +34,9 @@ def build(path, **kw):
 
 def reference_apply(self, layer, x):
     """A block layer's product as gguf's dequantized weights times our int8 activations, in fp64."""
-    kind = gguf_blocks.NAMES[self.qtype]
-    w = dequantized(layer.weight.numpy(), kind).double()
     rows = x.reshape(-1, x.shape[-1])
-    return (quantized_activations(rows, act_block(kind)) @ w.T).float().view(*x.shape[:-1], -1).to(x.dtype)
+    ref = reference_product(rows, layer.weight.numpy(), gguf_blocks.NAMES[self.qtype])
+    return ref.float().view(*x.shape[:-1], -1).to(x.dtype)
 
 
 def check_exact(gen, monkeypatch, seq):
