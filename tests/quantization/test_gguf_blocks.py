@@ -94,6 +94,20 @@ def test_every_native_format_gives_dequantized_weights_times_int8_activations(ki
     check_exact(gen, monkeypatch, PROMPT + list(range(50, 60)))
 
 
+def test_the_one_call_decode_step_takes_block_weights_and_gives_the_layer_by_layer_ids(q4km, monkeypatch):
+    from llama.kernels import fused_decode
+
+    gen = build(q4km)
+    ran = []
+    real_op = torch.ops.llama_cpu.decode_layers
+    monkeypatch.setattr(fused_decode.torch.ops.llama_cpu, "decode_layers", lambda *a: ran.append(1) or real_op(*a),
+                        raising=False)
+    one_call = gen.generate([PROMPT], max_gen_len=8, temperature=0, logprobs=True)
+    assert len(ran) == 7  # every decode step after the prompt's
+    monkeypatch.setattr(fused_decode, "run", lambda *a, **k: None)  # layer by layer
+    assert gen.generate([PROMPT], max_gen_len=8, temperature=0, logprobs=True) == one_call
+
+
 def test_a_rows_tokens_do_not_depend_on_its_batch(q4km):
     gen = build(q4km)
     prompts = [PROMPT, [1, 99, 7, 300, 12, 5]]
