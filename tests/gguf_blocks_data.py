@@ -45,12 +45,44 @@ def act_block(kind: str) -> int:
     return 256 if kind.endswith("_K") or kind == "IQ4_XS" else 32
 
 
-def quantized_activations(x: torch.Tensor, block: int) -> torch.Tensor:
-    """x (M, K) as our kernels see it: int8 codes per block (d = amax / 127, round half to even) times d, fp64."""
-    xb = x.float().reshape(x.shape[0], -1, block)
+def activation_codes(xb: torch.Tensor, block: int):
+    """(codes, d, s) of fp32 activation blocks xb (..., block) as our kernels and llama.cpp's CPU backend make
+    them. Blocks of 32 (its q8_0 / q8_1): d = amax / 127 rounded to fp16, codes round(x * (127 / amax)) half to even,
+    s = (amax / 127) * (sum of codes) rounded to fp16. Blocks of 256: d = amax / 127, codes round(x / d) half to
+    even; s unused (zero)."""
+    def over(num, t):  # num / t as one fp32 division (torch's `127.0 / t` multiplies by t's reciprocal)
+        return torch.full_like(t, num) / t
+
+    if block == 32:
+        amax = xb.abs().amax(-1, keepdim=True)
+        codes = torch.round(xb * torch.where(amax > 0, over(127.0, amax), 0.0))
+        d32 = amax / 127.0
+        return codes, d32.half().float(), (d32 * codes.sum(-1, keepdim=True)).half().float()
     d = xb.abs().amax(-1, keepdim=True) / 127.0
     codes = torch.where(d > 0, torch.round(xb / torch.where(d > 0, d, 1.0)), torch.zeros_like(xb))
+    return codes, d, torch.zeros_like(d)
+
+
+def quantized_activations(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x (M, K) as our kernels see it: int8 codes per block times their d (activation_codes), fp64."""
+    codes, d, _ = activation_codes(x.float().reshape(x.shape[0], -1, block), block)
     return (codes.double() * d.double()).reshape(x.shape)
+
+
+def reference_product(x: torch.Tensor, blocks: np.ndarray, kind: str) -> torch.Tensor:
+    """x (M, K) times the blocks' weights as gguf dequantizes them, with our (llama.cpp's) int8 activations, fp64.
+    Q4_1 and Q5_1 meet llama.cpp's q8_1: a block's min multiplies the fp16 sum s, not d x (the sum of codes)."""
+    w = dequantized(blocks, kind).double()
+    y = quantized_activations(x, act_block(kind)) @ w.T
+    if kind in ("Q4_1", "Q5_1"):
+        import gguf
+
+        codes, d, s = activation_codes(x.float().reshape(x.shape[0], -1, 32), 32)
+        nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][1]
+        mins = np.ascontiguousarray(blocks.reshape(blocks.shape[0], -1, nbytes)[:, :, 2:4]).view(np.float16)
+        gap = s.double() - d.double() * codes.double().sum(-1, keepdim=True)
+        y += gap.squeeze(-1) @ torch.from_numpy(mins.astype(np.float64)).squeeze(-1).T
+    return y
 
 
 MATRICES = {"tok_embeddings.weight": "token_embd.weight", "output.weight": "output.weight",

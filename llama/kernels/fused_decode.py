@@ -23,7 +23,9 @@ import torch
 from llama import settings
 from llama.kernels import cpu as cpu_kernels
 
-FLOAT, INT4, INT8 = 0, 1, 2  # the op's schemes: a bf16 or fp32 weight, group-wise int4, int8 with per-row scales
+# the op's schemes: a bf16 or fp32 weight, group-wise int4, int8 with per-row scales, GGUF blocks (group: the
+# ggml type)
+FLOAT, INT4, INT8, GGUF = 0, 1, 2, 3
 
 
 def route(linear, rows: int, dtype: torch.dtype) -> Optional[Tuple[int, int, Tuple[torch.Tensor, ...]]]:

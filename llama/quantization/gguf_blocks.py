@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from llama.kernels import cpu as cpu_kernels
+from llama.kernels import fused_decode
 from llama.layers import LinearMethod
 
 # ggml type ids our kernels run (gguf.GGMLQuantizationType) -> their names
@@ -32,6 +33,9 @@ class GGUFBlocks(LinearMethod):
 
     def apply(self, layer, x):
         return cpu_kernels.gguf_linear(x, layer.weight, self.qtype)
+
+    def route(self, layer, rows, dtype):
+        return (fused_decode.GGUF, self.qtype, (layer.weight,)) if layer.weight.device.type == "cpu" else None
 
     def in_our_kernels(self, layer):
         return layer.weight.device.type == "cpu"

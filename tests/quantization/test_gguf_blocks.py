@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 from conftest import REPO, STORIES, need, rank_env
-from gguf_blocks_data import Q4_K_M, act_block, dequantized, quantized_activations, write_block_gguf
+from gguf_blocks_data import Q4_K_M, reference_product, write_block_gguf
 
 from llama import Llama
 from llama.formats import gguf_quants
@@ -34,10 +34,9 @@ def build(path, **kw):
 
 def reference_apply(self, layer, x):
     """A block layer's product as gguf's dequantized weights times our int8 activations, in fp64."""
-    kind = gguf_blocks.NAMES[self.qtype]
-    w = dequantized(layer.weight.numpy(), kind).double()
     rows = x.reshape(-1, x.shape[-1])
-    return (quantized_activations(rows, act_block(kind)) @ w.T).float().view(*x.shape[:-1], -1).to(x.dtype)
+    ref = reference_product(rows, layer.weight.numpy(), gguf_blocks.NAMES[self.qtype])
+    return ref.float().view(*x.shape[:-1], -1).to(x.dtype)
 
 
 def check_exact(gen, monkeypatch, seq):
@@ -93,6 +92,20 @@ def test_every_native_format_gives_dequantized_weights_times_int8_activations(ki
     assert gguf_quants.summary(gen.model) == {kind: 9}  # wqkv, wo, w13, w2 in 2 layers, and the tied output
     assert gen.model.output.weight.data_ptr() == gen.model.tok_embeddings.weight.data_ptr()
     check_exact(gen, monkeypatch, PROMPT + list(range(50, 60)))
+
+
+def test_the_one_call_decode_step_takes_block_weights_and_gives_the_layer_by_layer_ids(q4km, monkeypatch):
+    from llama.kernels import fused_decode
+
+    gen = build(q4km)
+    ran = []
+    real_op = torch.ops.llama_cpu.decode_layers
+    monkeypatch.setattr(fused_decode.torch.ops.llama_cpu, "decode_layers", lambda *a: ran.append(1) or real_op(*a),
+                        raising=False)
+    one_call = gen.generate([PROMPT], max_gen_len=8, temperature=0, logprobs=True)
+    assert len(ran) == 7  # every decode step after the prompt's
+    monkeypatch.setattr(fused_decode, "run", lambda *a, **k: None)  # layer by layer
+    assert gen.generate([PROMPT], max_gen_len=8, temperature=0, logprobs=True) == one_call
 
 
 def test_a_rows_tokens_do_not_depend_on_its_batch(q4km):

@@ -18,8 +18,8 @@ namespace {
 using namespace llama_cpu;
 
 // How a product's weight is held, and the tensors it takes from the weight list.
-enum Scheme : int64_t { kFloat = 0, kInt4 = 1, kInt8 = 2 };
-int64_t tensors_of(int64_t scheme) { return scheme == kFloat ? 1 : 2; }
+enum Scheme : int64_t { kFloat = 0, kInt4 = 1, kInt8 = 2, kGGUF = 3 };  // kGGUF: group is the ggml type
+int64_t tensors_of(int64_t scheme) { return scheme == kFloat || scheme == kGGUF ? 1 : 2; }
 
 // 8 floats rounded to bf16 as PyTorch rounds (nearest even; NaN as 0x7FC0): store_f's rule, 8 lanes at a time.
 inline __m128i round_bf16(__m256 v) {
@@ -89,8 +89,10 @@ struct Products {
       y = float_linear(x, w[0]);
     else if (scheme == kInt4)
       y = int4_linear(x.to(at::kFloat), w[0], w[1], group);
-    else
+    else if (scheme == kInt8)
       y = int8_linear(x.to(at::kFloat), w[0], w[1]);
+    else
+      y = gguf_linear(x.to(at::kFloat).contiguous(), w[0], group);
     return rounded(y, x.scalar_type());
   }
 };
@@ -120,7 +122,7 @@ at::Tensor decode_layers(const at::Tensor& x, at::TensorList norms, double eps, 
               " group sizes");
   size_t tensors = 0;
   for (const int64_t scheme : schemes) {
-    TORCH_CHECK(scheme >= kFloat && scheme <= kInt8, "decode_layers: unknown scheme ", scheme);
+    TORCH_CHECK(scheme >= kFloat && scheme <= kGGUF, "decode_layers: unknown scheme ", scheme);
     tensors += tensors_of(scheme);
   }
   TORCH_CHECK(tensors == weights.size(), "decode_layers: the schemes take ", tensors, " weight tensors, got ",

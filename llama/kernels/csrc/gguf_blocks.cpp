@@ -2,10 +2,11 @@
 // 256-value super-blocks Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS), read as the file holds them: a weight matrix is (N, row bytes)
 // of the file's blocks, each row the blocks of one output row (llama/quantization/gguf_blocks.py).
 //
-// Activations are quantized to int8 as llama.cpp's own CPU kernels do it: blocks of 32 for the 32-value formats
-// (Q8_0's activation scheme) and blocks of 256 for the super-block formats (Q8_K's), symmetric, d = amax / 127,
-// round to nearest even. Every integer sum is exact, and the fp32 products of the scales follow, so a product equals
-// (the weights as gguf's dequantize gives them) x (the dequantized activation codes) to fp32 rounding. A row's result
+// Activations are quantized to int8 as llama.cpp's own CPU kernels do it, with its roundings (quantize_block):
+// blocks of 32 for the 32-value formats (its q8_0, and q8_1's fp16 sums for Q4_1 and Q5_1's mins), and blocks of 256
+// for the super-block formats (symmetric, d = amax / 127; not yet its q8_K). Every integer sum is exact, and the fp32
+// products of the scales follow, so a product equals (the weights as gguf's dequantize gives them) x (the
+// dequantized activation codes; for the mins, q8_1's sums) to fp32 rounding. A row's result
 // never depends on the other rows of its batch: each (row, output) is summed by the same code in the same order.
 // AVX2 everywhere; on CPUs with AVX-512 VNNI (and LLAMA_CPU_AVX512 not "0") a second copy of the inner loops runs
 // (gguf_dot.h): vpdpbusd for the unit-weight int8 sums, 512-bit vectors for Q4_K's and Q6_K's, F16C for the
@@ -21,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <algorithm>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -201,29 +203,71 @@ void dequantize_block(int64_t type, const uint8_t* b, float* out) {
 
 // ---- activations ----
 
+// fp32 to fp16 and back, rounding to nearest even (F16C's _cvtss_sh, which ggml's GGML_FP32_TO_FP16 uses)
+inline float round_to_half(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t sign = u & 0x80000000u, a = u & 0x7FFFFFFFu;
+  uint16_t h;
+  if (a >= 0x7F800000u) {
+    h = uint16_t(sign >> 16 | (a > 0x7F800000u ? 0x7E00u : 0x7C00u));
+  } else if (a >= 0x477FF000u) {  // rounds past the largest half
+    h = uint16_t(sign >> 16 | 0x7C00u);
+  } else if (a < 0x38800000u) {  // subnormal half (or zero): a multiple of 2^-24, rounded to even by nearbyint
+    float v;
+    std::memcpy(&v, &a, 4);
+    h = uint16_t(sign >> 16 | uint32_t(std::nearbyint(v * 16777216.f)));
+  } else {
+    const uint32_t m = a + 0xFFFu + ((a >> 13) & 1u);  // round to nearest even at bit 13
+    h = uint16_t(sign >> 16 | ((m - 0x38000000u) >> 13));
+  }
+  uint8_t b[2];
+  std::memcpy(b, &h, 2);
+  return half_to_float(b);
+}
+
 struct Act {
   std::vector<int8_t> q;     // (M, K) codes
   std::vector<float> d;      // (M, K / block) scales
   std::vector<int32_t> s16;  // (M, K / 16) sums of 16 codes
+  std::vector<float> s;      // (M, K / 32) llama.cpp's q8_1 sums: d * (sum of the block's codes), rounded to fp16
 };
+
+// One block as llama.cpp's CPU backend quantizes it. Blocks of 32 (its q8_0 and q8_1): d = amax / 127 kept as
+// fp16, codes round(x * (127 / amax)) to nearest even, s = d * sum rounded to fp16 (d before its rounding).
+// Blocks of 256: d = amax / 127 in fp32, codes round(x / d) (not yet llama.cpp's q8_K, whose d = 1 / (-127 / max)
+// moved a Q4_K_M SmolLM2's greedy answer off "Paris": tests/formats/test_gguf_blocks_real.py).
+inline void quantize_block(const float* v, int64_t block, int8_t* q, float& d, float& s) {
+  if (block == 32) {
+    float amax = 0.f;
+    for (int64_t j = 0; j < block; ++j) amax = std::fmax(amax, std::fabs(v[j]));
+    const float d32 = amax / 127.f, id = amax != 0.f ? 127.f / amax : 0.f;
+    int32_t sum = 0;
+    for (int64_t j = 0; j < block; ++j) q[j] = int8_t(int32_t(std::nearbyint(v[j] * id))), sum += q[j];
+    d = round_to_half(d32), s = round_to_half(d32 * float(sum));
+    return;
+  }
+  float amax = 0.f;  // blocks of 256: d = amax / 127, codes round(x / d) (llama.cpp's q8_K is not followed yet)
+  for (int64_t j = 0; j < block; ++j) amax = std::fmax(amax, std::fabs(v[j]));
+  d = amax / 127.f, s = 0.f;
+  for (int64_t j = 0; j < block; ++j) q[j] = int8_t(d > 0.f ? int32_t(std::nearbyint(v[j] / d)) : 0);
+}
 
 Act quantize_act(const float* x, int64_t M, int64_t K, int64_t block) {
   const int64_t nb = K / block;
-  Act a{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<int32_t>(M * K / 16)};
+  Act a{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<int32_t>(M * K / 16),
+        std::vector<float>(block == 32 ? M * nb : 0)};
   at::parallel_for(0, M * nb, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const float* v = x + i * block;
-      float amax = 0.f;
-      for (int64_t j = 0; j < block; ++j) amax = std::fmax(amax, std::fabs(v[j]));
-      const float d = amax / 127.f;
       int8_t* q = a.q.data() + i * block;
-      for (int64_t j = 0; j < block; ++j) q[j] = int8_t(d > 0.f ? int32_t(std::nearbyint(v[j] / d)) : 0);
+      float s;
+      quantize_block(x + i * block, block, q, a.d[i], s);
+      if (block == 32) a.s[i] = s;
       for (int64_t j = 0; j < block; j += 16) {
-        int32_t s = 0;
-        for (int k = 0; k < 16; ++k) s += q[j + k];
-        a.s16[(i * block + j) / 16] = s;
+        int32_t t = 0;
+        for (int k = 0; k < 16; ++k) t += q[j + k];
+        a.s16[(i * block + j) / 16] = t;
       }
-      a.d[i] = d;
     }
   });
   return a;

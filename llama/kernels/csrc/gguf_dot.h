@@ -210,7 +210,8 @@ inline int32_t weighted_sum16(const T* ws, const int32_t* s16) {
 // One weight block (b) times activation codes xq with scale dx (and 16-sums s16): adds the product into acc (vector
 // part) and acc1 (scalar part: the offsets and mins, exact integers times one scale).
 template <int64_t TYPE>
-inline void block_dot(const uint8_t* b, const int8_t* xq, float dx, const int32_t* s16, __m256& acc, float& acc1) {
+inline void block_dot(const uint8_t* b, const int8_t* xq, float dx, const int32_t* s16, float xsum, __m256& acc,
+                      float& acc1) {
   if constexpr (TYPE == Q8_0) {
     const __m256i p = dot_ss(load32(b + 2), load32(xq));
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(half(b) * dx), acc);
@@ -222,7 +223,7 @@ inline void block_dot(const uint8_t* b, const int8_t* xq, float dx, const int32_
     const float dd = half(b) * dx;
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dd), acc);
     const int32_t xs = s16[0] + s16[1];
-    acc1 += TYPE == Q4_0 ? float(-8 * xs) * dd : float(xs) * (half(b + 2) * dx);
+    acc1 += TYPE == Q4_0 ? float(-8 * xs) * dd : half(b + 2) * xsum;
   } else if constexpr (TYPE == Q5_0 || TYPE == Q5_1) {
     const int64_t h = TYPE == Q5_0 ? 2 : 4;
     const __m256i w = _mm256_or_si256(nibbles_split(b + h + 4), bits_to_16(b + h));
@@ -230,7 +231,7 @@ inline void block_dot(const uint8_t* b, const int8_t* xq, float dx, const int32_
     const float dd = half(b) * dx;
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dd), acc);
     const int32_t xs = s16[0] + s16[1];
-    acc1 += TYPE == Q5_0 ? float(-16 * xs) * dd : float(xs) * (half(b + 2) * dx);
+    acc1 += TYPE == Q5_0 ? float(-16 * xs) * dd : half(b + 2) * xsum;
   } else if constexpr (TYPE == Q4_K || TYPE == Q5_K) {
     uint8_t sc[8], m[8];
     scale_min_k4(b + 4, sc, m);
@@ -285,7 +286,7 @@ void linear_rows(const Act& a, const uint8_t* w, const Format& f, int64_t M, int
           _mm_prefetch(reinterpret_cast<const char*>(wr + i * f.bytes) + 1024, _MM_HINT_T0);
           const int64_t k = i * f.values;
           block_dot<TYPE>(wr + i * f.bytes, a.q.data() + m * K + k, a.d[(m * K + k) / f.act_block],
-                          a.s16.data() + (m * K + k) / 16, acc, acc1);
+                          a.s16.data() + (m * K + k) / 16, a.s.empty() ? 0.f : a.s[(m * K + k) / 32], acc, acc1);
         }
         y[m * N + n] = hsum(acc) + acc1;
       }
