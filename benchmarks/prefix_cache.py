@@ -26,23 +26,13 @@ from benchmarks import chat_http
 from benchmarks.harness import SHAPES as MODEL_SHAPES
 from benchmarks.harness import LLAMA2_TOKENIZER, print_results, prompt_tokens, random_checkpoint
 from llama.core.kv_cache import BLOCK_SIZE
+from llama.core.textstream import SilentStream
 
 SHAPES = {  # (n_layers, n_kv_heads, head_dim)
     "Llama 2 7B (32 KV heads)": (32, 32, 128),
     "Llama 3 8B (GQA, 8 KV heads)": (32, 8, 128),
 }
 
-
-class _Silent:
-    """A request's text stream without a tokenizer (the scheduler run below has no model)."""
-
-    stopped = False
-
-    def add(self, tok):
-        return ""
-
-    def finish(self):
-        return ""
 
 
 def pool_run(blocks: int, seq: int, max_seq_len: int, prompt: int = 16) -> dict:
@@ -59,7 +49,7 @@ def pool_run(blocks: int, seq: int, max_seq_len: int, prompt: int = 16) -> dict:
     pool.mode = "off"  # distinct prompts: nothing to share
     n = blocks // pool.blocks_for(seq) + 2
     sched = Scheduler(max_batch_size=n, max_seq_len=max_seq_len, prefill_chunk=n * prompt, pool=pool)
-    sched.add([Request(prompt=[i + 2] * prompt, params=SamplingParams(), max_new=seq - prompt, stream=_Silent(),
+    sched.add([Request(prompt=[i + 2] * prompt, params=SamplingParams(), max_new=seq - prompt, stream=SilentStream(),
                        stop_tokens={}) for i in range(n)])
     full, slack = 0, 0
     while sched.has_work():

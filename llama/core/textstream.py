@@ -102,3 +102,16 @@ class TextStream:
                     longest = k
                     break
         return longest
+
+
+class SilentStream:
+    """The text stream of a request that runs without a tokenizer (the scheduler driven without a model, in tests
+    and the pool's memory benchmark): no text, and it never stops a request."""
+
+    stopped = False
+
+    def add(self, token: int) -> str:
+        return ""
+
+    def finish(self) -> str:
+        return ""

@@ -12,26 +12,16 @@ from llama.core.params import SamplingParams
 from llama.core.plan import Decode, Prefill, SetBlocks
 from llama.core.request import Request
 from llama.core.scheduler import Scheduler
+from llama.core.textstream import SilentStream
 
 PROMPTS = ["Once upon a time", "Lily and Ben went to the park", "The little dog", "Tom had a red ball",
            "One day, a cat", "The sun was hot"]
 
 
-class Stream:
-    """A text stream without a tokenizer: no text, never stops."""
-
-    stopped = False
-
-    def add(self, tok):
-        return ""
-
-    def finish(self):
-        return ""
-
 
 def request(length: int, max_new: int, first: int) -> Request:
     return Request(prompt=list(range(first, first + length)), params=SamplingParams(), max_new=max_new,
-                   stream=Stream(), stop_tokens={})
+                   stream=SilentStream(), stop_tokens={})
 
 
 def step(sched: Scheduler) -> list:

@@ -15,25 +15,15 @@ from llama.core.plan import CopyRows, Decode, LoadPrefix, Prefill
 from llama.core.request import Request
 from llama.core.runner import Runner
 from llama.core.scheduler import Scheduler
+from llama.core.textstream import SilentStream
 
 TOKEN = 9  # what every step "samples"
 
 
-class Stream:
-    """The text stream a Request advances, without a tokenizer: no text, never stops."""
-
-    stopped = False
-
-    def add(self, tok):
-        return ""
-
-    def finish(self):
-        return ""
-
 
 def request(length: int, max_new: int, first: int = 1, prefix=None) -> Request:
     return Request(prompt=list(range(first, first + length)), params=SamplingParams(), max_new=max_new,
-                   stream=Stream(), stop_tokens={}, prefix=prefix)
+                   stream=SilentStream(), stop_tokens={}, prefix=prefix)
 
 
 def twins(length: int, max_new: int, n: int):
