@@ -284,6 +284,12 @@ def chat(args) -> None:
     print_results("prefix-cache-chat", rows)
 
 
+def add_model_args(p) -> None:
+    p.add_argument("--model", required=True, help="a Meta checkpoint directory or a GGUF file")
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--quantize", default=None)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="what", required=True)
@@ -292,16 +298,12 @@ def main(argv=None):
     m.add_argument("--seq", type=int, default=4096)
     m.add_argument("--max-seq-len", type=int, default=8192, dest="max_seq_len")
     d = sub.add_parser("divergence")
-    d.add_argument("--model", required=True, help="a Meta checkpoint directory or a GGUF file")
-    d.add_argument("--dtype", default="bf16")
-    d.add_argument("--quantize", default=None)
+    add_model_args(d)
     d.add_argument("--dialogs", type=int, default=40)
     d.add_argument("--gen", type=int, default=64)
     d.add_argument("--seq", type=int, default=512)
     p = sub.add_parser("preemption")
-    p.add_argument("--model", required=True, help="a Meta checkpoint directory or a GGUF file")
-    p.add_argument("--dtype", default="bf16")
-    p.add_argument("--quantize", default=None)
+    add_model_args(p)
     p.add_argument("--blocks", type=int, default=9)
     p.add_argument("--slots", type=int, default=6)
     p.add_argument("--gen", type=int, default=100)
