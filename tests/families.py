@@ -90,3 +90,9 @@ def hf_greedy(model, prompt, n: int) -> list:
 
 def sequence(length: int, seed: int = 1) -> list:
     return torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def our_logits(g, seq):
+    """Every position's logits of `seq` from Llama g (fp32 on the CPU), compared with transformers' in the tests."""
+    with g.cache.hold():
+        return g.runner.logits([seq])[0].cpu()

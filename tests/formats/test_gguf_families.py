@@ -11,7 +11,7 @@ import tarfile
 import pytest
 import torch
 from conftest import error_lines, rank_env
-from families import FAMILIES, sentencepiece_model, sequence, write_hf
+from families import FAMILIES, our_logits, sentencepiece_model, sequence, write_hf
 
 from llama import Llama
 
@@ -63,10 +63,6 @@ def converted(converter, tmp_path_factory):
     return get
 
 
-def logits(g, seq):
-    with g.cache.hold():
-        return g.runner.logits([seq])[0].cpu()
-
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_llama_cpp_s_gguf_gives_transformers_logits(converted, name):
@@ -76,7 +72,7 @@ def test_llama_cpp_s_gguf_gives_transformers_logits(converted, name):
     seq = sequence(24 if name == "mistral" else 300)
     with torch.no_grad():
         ref = model(torch.tensor([seq])).logits[0]
-    assert (logits(g, seq) - ref).abs().max() < 1e-4 * max(1.0, float(ref.abs().max()))
+    assert (our_logits(g, seq) - ref).abs().max() < 1e-4 * max(1.0, float(ref.abs().max()))
 
 
 MP_SCRIPT = """

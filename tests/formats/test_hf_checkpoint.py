@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from families import FAMILIES, hf_greedy, sentencepiece_model, sequence, write_hf
+from families import FAMILIES, hf_greedy, our_logits, sentencepiece_model, sequence, write_hf
 
 from llama import Llama
 
@@ -34,10 +34,6 @@ def family(sp_model, tmp_path_factory):
 
     return get
 
-
-def our_logits(g, seq):
-    with g.cache.hold():
-        return g.runner.logits([seq])[0].cpu()
 
 
 def ref_logits(model, seq):
