@@ -10,6 +10,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
+
+#include "check.h"
 #include <immintrin.h>
 
 #include <algorithm>
@@ -101,10 +103,10 @@ Blocks quantize_blocks(const float* x, int64_t M, int64_t K, bool interleave) {
 }
 
 void check_rows(const at::Tensor& x, int64_t K, const char* op) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), op,
+  LLAMA_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), op,
               ": x must be a contiguous 2-d float32 tensor");
-  TORCH_CHECK(x.size(1) == K, op, ": x has ", x.size(1), " inputs, the weight ", K);
-  TORCH_CHECK(K % kBlock == 0, op, ": the input size must be a multiple of 32, got ", K);
+  LLAMA_CHECK(x.size(1) == K, op, ": x has ", x.size(1), " inputs, the weight ", K);
+  LLAMA_CHECK(K % kBlock == 0, op, ": the input size must be a multiple of 32, got ", K);
 }
 
 // The (scale, zero) pairs of 8 consecutive blocks' groups, as 8 32-bit words (the bf16 scale in the low half),
@@ -496,10 +498,10 @@ namespace llama_cpu {
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t group_size) {
   const int64_t N = codes.size(0), K = codes.size(1) * 2;
   check_rows(x, K, "int4_linear");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous(), "int4_linear: codes must be contiguous uint8");
-  TORCH_CHECK(group_size % kBlock == 0, "int4_linear: group size must be a multiple of 32, got ", group_size);
+  LLAMA_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous(), "int4_linear: codes must be contiguous uint8");
+  LLAMA_CHECK(group_size % kBlock == 0, "int4_linear: group size must be a multiple of 32, got ", group_size);
   const int64_t groups = (K + group_size - 1) / group_size;
-  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() && scales.dim() == 3 &&
+  LLAMA_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() && scales.dim() == 3 &&
                   scales.size(0) == N && scales.size(1) == groups && scales.size(2) == 2,
               "int4_linear: scales must be contiguous bf16 of shape (", N, ", ", groups, ", 2)");
   const int64_t M = x.size(0);
@@ -526,8 +528,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
   const int64_t N = weight.size(0), K = weight.size(1);
   check_rows(x, K, "int8_linear");
-  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous(), "int8_linear: weight must be contiguous int8");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N,
+  LLAMA_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous(), "int8_linear: weight must be contiguous int8");
+  LLAMA_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N,
               "int8_linear: scales must be ", N, " contiguous float32 values");
   const int64_t M = x.size(0);
   const Blocks xb = quantize_blocks(x.data_ptr<float>(), M, K, false);
@@ -550,10 +552,10 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 // runs, else widened to fp32).
 at::Tensor float_linear(const at::Tensor& x_in, const at::Tensor& weight) {
   const int64_t N = weight.size(0), K = weight.size(1);
-  TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16) &&
+  LLAMA_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16) &&
                   x_in.is_contiguous() && x_in.size(1) == K,
               "float_linear: x must be contiguous float32 or bf16 of shape (M, ", K, ")");
-  TORCH_CHECK((weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat) && weight.is_contiguous(),
+  LLAMA_CHECK((weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat) && weight.is_contiguous(),
               "float_linear: weight must be contiguous bf16 or float32");
   if (x_in.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && use_bf16_dot()) {
     const uint16_t* xp = reinterpret_cast<const uint16_t*>(x_in.data_ptr<at::BFloat16>());
@@ -615,13 +617,13 @@ LLAMA_AVX512_BF16 void int4_rows_to_bf16(const uint8_t* codes, const uint16_t* s
 }
 
 at::Tensor int4_to_bf16(const at::Tensor& codes, const at::Tensor& scales, int64_t group_size) {
-  TORCH_CHECK(has_bf16_dot(), "int4_to_bf16: needs a CPU with AVX-512 BF16");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.is_contiguous(),
+  LLAMA_CHECK(has_bf16_dot(), "int4_to_bf16: needs a CPU with AVX-512 BF16");
+  LLAMA_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.is_contiguous(),
               "int4_to_bf16: codes must be contiguous uint8 of shape (N, K / 2)");
   const int64_t N = codes.size(0), K = codes.size(1) * 2;
-  TORCH_CHECK(K % kBlock == 0 && group_size % kBlock == 0, "int4_to_bf16: K and the group size must be multiples of 32");
+  LLAMA_CHECK(K % kBlock == 0 && group_size % kBlock == 0, "int4_to_bf16: K and the group size must be multiples of 32");
   const int64_t groups = (K + group_size - 1) / group_size;
-  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() && scales.dim() == 3 &&
+  LLAMA_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() && scales.dim() == 3 &&
                   scales.size(0) == N && scales.size(1) == groups && scales.size(2) == 2,
               "int4_to_bf16: scales must be contiguous bf16 of shape (", N, ", ", groups, ", 2)");
   at::Tensor out = at::empty({N, K}, codes.options().dtype(at::kBFloat16));
@@ -650,12 +652,12 @@ LLAMA_AVX512_BF16 void int8_rows_to_bf16(const int8_t* weight, const float* scal
 }
 
 at::Tensor int8_to_bf16(const at::Tensor& weight, const at::Tensor& scales) {
-  TORCH_CHECK(has_bf16_dot(), "int8_to_bf16: needs a CPU with AVX-512 BF16");
-  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.is_contiguous() &&
+  LLAMA_CHECK(has_bf16_dot(), "int8_to_bf16: needs a CPU with AVX-512 BF16");
+  LLAMA_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.is_contiguous() &&
                   weight.size(1) % kBlock == 0,
               "int8_to_bf16: weight must be contiguous int8 of shape (N, K), K a multiple of 32");
   const int64_t N = weight.size(0), K = weight.size(1);
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N,
+  LLAMA_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N,
               "int8_to_bf16: scales must be ", N, " contiguous float32 values");
   at::Tensor out = at::empty({N, K}, weight.options().dtype(at::kBFloat16));
   const int8_t* w = weight.data_ptr<int8_t>();

@@ -10,6 +10,8 @@
 #include <ATen/ops/silu.h>
 #include <torch/library.h>
 
+#include "check.h"
+
 #include "ops.h"
 #include "simd.h"
 
@@ -109,23 +111,23 @@ at::Tensor decode_layers(const at::Tensor& x, at::TensorList norms, double eps, 
                          int64_t ffn_products, const at::Tensor& cos, const at::Tensor& sin, at::TensorList caches,
                          const c10::optional<at::Tensor>& table, const c10::optional<at::Tensor>& rows,
                          int64_t row0, const at::Tensor& positions, int64_t kv_len) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+  LLAMA_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "decode_layers: x must be a contiguous 2-d float32 or bf16 tensor (rows, dim)");
-  TORCH_CHECK((qkv_products == 1 || qkv_products == 3) && (ffn_products == 1 || ffn_products == 2),
+  LLAMA_CHECK((qkv_products == 1 || qkv_products == 3) && (ffn_products == 1 || ffn_products == 2),
               "decode_layers: qkv_products must be 1 or 3 and ffn_products 1 or 2, got ", qkv_products, " and ",
               ffn_products);
   const int64_t L = int64_t(norms.size()) / 2, per_layer = qkv_products + ffn_products + 2;
-  TORCH_CHECK(norms.size() == size_t(2 * L) && caches.size() == size_t(2 * L),
+  LLAMA_CHECK(norms.size() == size_t(2 * L) && caches.size() == size_t(2 * L),
               "decode_layers: two norms and two caches per layer, got ", norms.size(), " and ", caches.size());
-  TORCH_CHECK(schemes.size() == size_t(L * per_layer) && groups.size() == schemes.size(), "decode_layers: ",
+  LLAMA_CHECK(schemes.size() == size_t(L * per_layer) && groups.size() == schemes.size(), "decode_layers: ",
               L * per_layer, " products for ", L, " layers, got ", schemes.size(), " schemes and ", groups.size(),
               " group sizes");
   size_t tensors = 0;
   for (const int64_t scheme : schemes) {
-    TORCH_CHECK(scheme >= kFloat && scheme <= kGGUF, "decode_layers: unknown scheme ", scheme);
+    LLAMA_CHECK(scheme >= kFloat && scheme <= kGGUF, "decode_layers: unknown scheme ", scheme);
     tensors += tensors_of(scheme);
   }
-  TORCH_CHECK(tensors == weights.size(), "decode_layers: the schemes take ", tensors, " weight tensors, got ",
+  LLAMA_CHECK(tensors == weights.size(), "decode_layers: the schemes take ", tensors, " weight tensors, got ",
               weights.size());
   Products product{weights, schemes, groups};
   at::Tensor h = x.clone();

@@ -8,6 +8,8 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#include "check.h"
+
 #include <algorithm>
 #include <vector>
 
@@ -46,11 +48,11 @@ void rms_rows(const S* x, const S* w, S* out, int64_t M, int64_t D, double eps) 
 namespace llama_cpu {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && x.scalar_type() == weight.scalar_type() &&
+  LLAMA_CHECK(x.is_contiguous() && weight.is_contiguous() && x.scalar_type() == weight.scalar_type() &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "rms_norm: x and weight must be contiguous float32 or bf16 of one dtype");
   const int64_t D = weight.numel();
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == D, "rms_norm: x's last dimension must be ", D, ", got ", x.size(-1));
+  LLAMA_CHECK(x.dim() >= 1 && x.size(-1) == D, "rms_norm: x's last dimension must be ", D, ", got ", x.size(-1));
   at::Tensor out = at::empty_like(x);
   const int64_t M = x.numel() / D;
   if (x.scalar_type() == at::kFloat)
@@ -161,7 +163,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const at::Tensor& sin, at::Tensor cache_k, at::Tensor cache_v,
                             const c10::optional<at::Tensor>& table, const c10::optional<at::Tensor>& rows,
                             int64_t row0, const at::Tensor& positions, int64_t kv_len) {
-  TORCH_CHECK(cache_k.dim() == 4 && cache_k.is_contiguous() && cache_v.is_contiguous() &&
+  LLAMA_CHECK(cache_k.dim() == 4 && cache_k.is_contiguous() && cache_v.is_contiguous() &&
                   cache_v.sizes() == cache_k.sizes() && cache_v.scalar_type() == cache_k.scalar_type() &&
                   (cache_k.scalar_type() == at::kFloat || cache_k.scalar_type() == at::kBFloat16),
               "decode_attention: cache_k and cache_v must be contiguous float32 or bf16 of one shape (rows, kv_heads, "
@@ -170,43 +172,43 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t Hkv = cache_k.size(1), D = cache_k.size(3);
   const int64_t* table_ids = nullptr;
   if (table.has_value()) {  // a paged pool: rows are the table's, positions M blocks' worth
-    TORCH_CHECK(table->scalar_type() == at::kLong && table->is_contiguous() && table->dim() == 2,
+    LLAMA_CHECK(table->scalar_type() == at::kLong && table->is_contiguous() && table->dim() == 2,
                 "decode_attention: table must be a contiguous 2-d int64 tensor (rows, blocks per row)");
     const int64_t blocks = R;
     R = table->size(0), M = table->size(1), S_ = M * cache_k.size(2);
     table_ids = table->data_ptr<int64_t>();
     for (int64_t i = 0; i < R * M; ++i)
-      TORCH_CHECK(table_ids[i] >= 0 && table_ids[i] < blocks, "decode_attention: table names block ", table_ids[i],
+      LLAMA_CHECK(table_ids[i] >= 0 && table_ids[i] < blocks, "decode_attention: table names block ", table_ids[i],
                   " outside the pool's ", blocks);
   }
-  TORCH_CHECK(D % 8 == 0, "decode_attention: head_dim must be a multiple of 8, got ", D);
+  LLAMA_CHECK(D % 8 == 0, "decode_attention: head_dim must be a multiple of 8, got ", D);
   const int64_t B = q.size(0);
   for (const at::Tensor* t : {&q, &k, &v})
-    TORCH_CHECK(t->dim() == 2 && t->size(0) == B && t->stride(1) == 1 && t->scalar_type() == cache_k.scalar_type(),
+    LLAMA_CHECK(t->dim() == 2 && t->size(0) == B && t->stride(1) == 1 && t->scalar_type() == cache_k.scalar_type(),
                 "decode_attention: q, k and v must be 2-d with contiguous rows, B rows each, in the cache's dtype");
-  TORCH_CHECK(k.size(1) == Hkv * D && v.size(1) == Hkv * D && q.size(1) % (Hkv * D) == 0,
+  LLAMA_CHECK(k.size(1) == Hkv * D && v.size(1) == Hkv * D && q.size(1) % (Hkv * D) == 0,
               "decode_attention: k and v need ", Hkv * D, " features and q a multiple of them, got ", k.size(1), ", ",
               v.size(1), " and ", q.size(1));
   const int64_t P = positions.numel();
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && (P == 1 || P == B),
+  LLAMA_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && (P == 1 || P == B),
               "decode_attention: positions must be 1 or ", B, " contiguous int64 values");
   for (const at::Tensor* t : {&cos, &sin})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == P &&
+    LLAMA_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == P &&
                     t->size(1) == D / 2,
                 "decode_attention: cos and sin must be contiguous float32 of shape (", P, ", ", D / 2, ")");
-  TORCH_CHECK(kv_len >= 1 && kv_len <= S_, "decode_attention: kv_len must be in [1, ", S_, "], got ", kv_len);
+  LLAMA_CHECK(kv_len >= 1 && kv_len <= S_, "decode_attention: kv_len must be in [1, ", S_, "], got ", kv_len);
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t i = 0; i < P; ++i)
-    TORCH_CHECK(pos[i] >= 0 && pos[i] < S_, "decode_attention: position ", pos[i], " outside the cache's ", S_);
+    LLAMA_CHECK(pos[i] >= 0 && pos[i] < S_, "decode_attention: position ", pos[i], " outside the cache's ", S_);
   const int64_t* row_ids = nullptr;
   if (rows.has_value()) {
-    TORCH_CHECK(rows->scalar_type() == at::kLong && rows->is_contiguous() && rows->numel() == B,
+    LLAMA_CHECK(rows->scalar_type() == at::kLong && rows->is_contiguous() && rows->numel() == B,
                 "decode_attention: rows must be ", B, " contiguous int64 values");
     row_ids = rows->data_ptr<int64_t>();
     for (int64_t b = 0; b < B; ++b)
-      TORCH_CHECK(row_ids[b] >= 0 && row_ids[b] < R, "decode_attention: row ", row_ids[b], " outside the cache's ", R);
+      LLAMA_CHECK(row_ids[b] >= 0 && row_ids[b] < R, "decode_attention: row ", row_ids[b], " outside the cache's ", R);
   } else {
-    TORCH_CHECK(row0 >= 0 && row0 + B <= R, "decode_attention: rows ", row0, "..", row0 + B, " outside the cache's ", R);
+    LLAMA_CHECK(row0 >= 0 && row0 + B <= R, "decode_attention: rows ", row0, "..", row0 + B, " outside the cache's ", R);
   }
   at::Tensor out = at::empty({B, q.size(1)}, q.options());
   const int64_t step = P == 1 ? 0 : 1;

@@ -16,6 +16,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
+
+#include "check.h"
 #include <immintrin.h>
 
 #include <algorithm>
@@ -312,13 +314,13 @@ namespace llama_cpu {
 // x (M, K) fp32 times the GGUF weight w (N, row bytes) of ggml type `type`: y (M, N) fp32.
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t type) {
   Format f;
-  TORCH_CHECK(format_of(type, f), "gguf_linear: ggml type ", type, " is not run natively");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+  LLAMA_CHECK(format_of(type, f), "gguf_linear: ggml type ", type, " is not run natively");
+  LLAMA_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "gguf_linear: x must be a contiguous 2-d float32 tensor");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
+  LLAMA_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
               "gguf_linear: the weight must be a contiguous 2-d uint8 tensor");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(K % f.values == 0 && w.size(1) == K / f.values * f.bytes, "gguf_linear: x has ", K,
+  LLAMA_CHECK(K % f.values == 0 && w.size(1) == K / f.values * f.bytes, "gguf_linear: x has ", K,
               " inputs, the weight rows ", w.size(1), " bytes of blocks of ", f.values);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
@@ -332,15 +334,15 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t type) {
 // Rows `ids` of the GGUF matrix w (N, row bytes), dequantized to fp32 (an embedding lookup reads only these rows).
 at::Tensor gguf_rows(const at::Tensor& w, const at::Tensor& ids, int64_t type) {
   Format f;
-  TORCH_CHECK(format_of(type, f), "gguf_rows: ggml type ", type, " is not run natively");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
+  LLAMA_CHECK(format_of(type, f), "gguf_rows: ggml type ", type, " is not run natively");
+  LLAMA_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
               "gguf_rows: the weight must be a contiguous 2-d uint8 tensor");
-  TORCH_CHECK(w.size(1) % f.bytes == 0, "gguf_rows: rows of ", w.size(1), " bytes are not whole blocks");
+  LLAMA_CHECK(w.size(1) % f.bytes == 0, "gguf_rows: rows of ", w.size(1), " bytes are not whole blocks");
   const at::Tensor idx = ids.to(at::kLong).contiguous();
   const int64_t R = idx.numel(), nb = w.size(1) / f.bytes, K = nb * f.values, N = w.size(0);
   at::Tensor out = at::empty({R, K}, w.options().dtype(at::kFloat));
   const int64_t* ip = idx.data_ptr<int64_t>();
-  for (int64_t r = 0; r < R; ++r) TORCH_CHECK(ip[r] >= 0 && ip[r] < N, "gguf_rows: row ", ip[r], " of ", N);
+  for (int64_t r = 0; r < R; ++r) LLAMA_CHECK(ip[r] >= 0 && ip[r] < N, "gguf_rows: row ", ip[r], " of ", N);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, R * nb, 64, [&](int64_t begin, int64_t end) {
