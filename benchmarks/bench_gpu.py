@@ -17,6 +17,7 @@ B * (N - 1) / (median run time - TTFT), i.e. aggregate tokens per second after t
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -307,6 +308,7 @@ ENGINES = {"llama": run_llama, "hf": run_hf, "gpt-fast": run_gpt_fast}
 
 
 def worker(cfg: dict) -> dict:
+    os.environ["LLAMA_ASYNC_DECODE"] = cfg.get("async_decode", "auto")  # read by llama.settings on first use
     torch.manual_seed(0)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -340,7 +342,8 @@ def table(rows, batches) -> list:
             + [f"decode b={b}" for b in batches] + ["b=1 GB/s"])
     out = []
     for cfg, r in rows:
-        name = [cfg["shape"], cfg["engine"], cfg["dtype"]]
+        engine = cfg["engine"] + (f" async={cfg['async_decode']}" if cfg.get("async_decode", "auto") != "auto" else "")
+        name = [cfg["shape"], engine, cfg["dtype"]]
         if "error" in r:
             out.append({**dict.fromkeys(head, ""), **dict(zip(head, name)), "load+warm s": f"failed: {r['error'][:150]}"})
             continue
@@ -369,6 +372,9 @@ def main(argv=None) -> int:
     ap.add_argument("--llama2-tokenizer", default=str(REPO.parent / "shared/tokenizers/llama2/tokenizer.model"))
     ap.add_argument("--llama3-tokenizer", default=str(REPO.parent / "shared/tokenizers/llama3/tokenizer.model"))
     ap.add_argument("--compare-batch", nargs="+", type=int, help="batch sizes for gpt-fast (default: --batch)")
+    ap.add_argument("--async-decode", nargs="+", default=["auto"], choices=["auto", "on", "off"],
+                    help="our LLAMA_ASYNC_DECODE (llama/core/ahead.py; auto = on for one CUDA process): one run of ours "
+                         "per value, e.g. 'off on' for both side by side")
     ap.add_argument("--profile", action="store_true", help="also print where our host time goes at the first batch")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: a smoke test of this script
@@ -391,7 +397,8 @@ def main(argv=None) -> int:
         tok = a.llama3_tokenizer if SHAPES[shape]["vocab_size"] > 32000 else a.llama2_tokenizer
         base = dict(device=a.device, shape=shape, prompt=a.prompt, gen=a.gen, batch=a.batch, repeat=a.repeat, tokenizer=tok, int4_group=a.int4_group,
                     gpt_fast=str(Path(a.gpt_fast).resolve()) if a.gpt_fast else None, compile=compile_flag)
-        cfgs = [dict(base, engine="llama", dtype=d, profile=a.profile) for d in a.dtypes]
+        cfgs = [dict(base, engine="llama", dtype=d, profile=a.profile, async_decode=v)
+                for d in a.dtypes for v in a.async_decode]
         cfgs += [dict(base, engine="gpt-fast", dtype=d, batch=a.compare_batch or a.batch)
                  for d in a.compare_dtypes if "gpt-fast" in a.compare]
         cfgs += [dict(base, engine="hf", dtype="bf16")] if "hf" in a.compare else []
@@ -399,7 +406,8 @@ def main(argv=None) -> int:
             r = spawn(cfg, a.timeout)
             rows.append((cfg, r))
             print(r.pop("profile", ""), flush=True)
-            print(json.dumps({"cfg": {k: cfg[k] for k in ("shape", "engine", "dtype")}, **r}), flush=True)
+            print(json.dumps({"cfg": {k: cfg.get(k) for k in ("shape", "engine", "dtype", "async_decode")}, **r}),
+                  flush=True)
     print()
     print_results("gpu", table(rows, a.batch),
                   extra={"bandwidth": bw, "device": name, "results": [[c, r] for c, r in rows]})

@@ -34,6 +34,7 @@ class Settings:
     compile_cache: bool  # LLAMA_COMPILE_CACHE
     offline: bool  # LLAMA_OFFLINE: never fetch the default model
     api_key: Optional[str]  # LLAMA_API_KEY: one more bearer key the server accepts
+    async_decode: Optional[bool]  # LLAMA_ASYNC_DECODE: None (auto) queues decode steps ahead on CUDA only
 
 
 def _text(name: str) -> str:
@@ -95,6 +96,7 @@ def read() -> Settings:
         compile_cache=flag("LLAMA_COMPILE_CACHE", True),
         offline=flag("LLAMA_OFFLINE", False),
         api_key=_text("LLAMA_API_KEY") or None,
+        async_decode=None if _text("LLAMA_ASYNC_DECODE").lower() in ("", "auto") else flag("LLAMA_ASYNC_DECODE", False),
     )
 
 

@@ -67,7 +67,7 @@ class DecodeCore:
         if plan.ops:
             if outs is not None:
                 try:
-                    deltas = self.runner.complete(plan, outs)
+                    deltas = self.runner.complete(plan, outs, ahead_ok=self._steady(sched))
                 except Exception as e:
                     self._fail(sched, e)
             sched.stats["steps"] += 1
@@ -80,6 +80,12 @@ class DecodeCore:
                 sched.retire(r)
                 self.settle(r)
         return deltas
+
+    @staticmethod
+    def _steady(sched: Scheduler) -> bool:
+        """Whether the next plan is likely this step's continuation: no speculation, and no one waiting for a slot
+        that is free (an admission would change the next step). Then the runner may queue it ahead."""
+        return sched.speculator is None and not (sched.waiting and None in sched.slots)
 
     @staticmethod
     def _fail(sched: Scheduler, e: Exception) -> None:
@@ -96,8 +102,19 @@ class DecodeCore:
         """
         sched = self.scheduler()
         sched.add(requests, longest_first=len(requests) > self.max_batch_size)
-        while sched.has_work():
-            yield self.step(sched)
+        try:
+            while sched.has_work():
+                yield self.step(sched)
+        finally:  # the caller stopped early (a stream closed or dropped): cancel the rest, give its blocks back
+            self._abandon(sched)
+
+    def _abandon(self, sched: Scheduler) -> None:
+        for r in list(sched.waiting) + sched.running():
+            if not r.finished:
+                r.fail(CancelledError(f"request {r.id} was cancelled: its caller stopped reading"), "cancelled")
+            sched.retire(r)
+            self.settle(r)
+        sched.waiting.clear()
 
     def _unfit(self, sched: Scheduler) -> None:
         """Nothing runs and the next request still was not admitted: its blocks will never be free, because live

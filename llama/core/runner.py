@@ -7,6 +7,7 @@ or tensor-parallel ranks that all get the logits and sample alike). Pipeline sta
 facade), so the core never imports them.
 """
 
+import math
 import time
 from contextlib import contextmanager, nullcontext
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
@@ -15,10 +16,10 @@ import torch
 
 from llama.compilation.compiled_decode import CompiledDecode, bucket
 from llama.core.kv_cache import KVCache
-from llama.core import speculative
+from llama.core import ahead, speculative
 from llama.core.plan import CopyBlocks, CopyRows, Decode, LoadPrefix, Op, Plan, Prefill, SetBlocks, Verify
 from llama.core.request import Request
-from llama.sample.sampling import RowSampler, prompt_top_entries, token_logprobs
+from llama.sample.sampling import RowSampler, index, prompt_top_entries, token_logprobs
 
 
 class Execution:
@@ -64,6 +65,13 @@ def _name(proc) -> str:
     return getattr(proc, "__qualname__", None) or type(proc).__name__
 
 
+def _unsampleable(r: Request, peak: float) -> str:
+    procs = r.params.logits_processors
+    after = f" after logits processor(s) {', '.join(map(_name, procs))}" if procs else ""
+    return (f"request {r.id}: its next-token logits{after} are all -inf or contain NaN or +inf (max {peak}), so "
+            "no token can be sampled")
+
+
 class Runner:
     def __init__(self, model, cache: KVCache, compiled: Optional[CompiledDecode] = None,
                  execution: Optional[Execution] = None):
@@ -71,6 +79,10 @@ class Runner:
         self.execution = Execution() if execution is None else execution
         self.device = cache.device
         self._sampler: Optional[Tuple[List[Request], RowSampler]] = None
+        alone = type(self.execution) is Execution and self.execution.lockstep is None
+        self.run_ahead = ahead.enabled(self.device, alone)  # queue decode steps ahead (llama/core/ahead.py)
+        self._queued: Optional[ahead.Queued] = None
+        self.ahead_stats = {"queued": 0, "used": 0}
         self._ops = {LoadPrefix: self._load, CopyRows: self._copy, Prefill: self._prefill, Decode: self._decode,
                      Verify: lambda op: speculative.verify(self._sampling_pass, op, self.device),
                      SetBlocks: lambda op: self.cache.set_blocks(op.rows, op.blocks),
@@ -91,7 +103,12 @@ class Runner:
     # ------------------------------------------------------------------------------------------ forward passes
     @torch.inference_mode()  # also what lets Inductor freeze the weights into the compiled graph
     def execute(self, ops: List[Op]) -> List[Optional[torch.Tensor]]:
+        queued, self._queued = self._queued, None
         with getattr(self.cache, "manage", nullcontext)():
+            found = None if queued is None else queued.take(ops, self._decode_shape)
+            if found is not None:  # the step queued ahead is this plan's Decode op
+                self.ahead_stats["used"] += 1
+                return [queued.logits if i == found else self._op(op) for i, op in enumerate(ops)]
             return [self._op(op) for op in ops]
 
     def _op(self, op: Op) -> Optional[torch.Tensor]:
@@ -114,29 +131,34 @@ class Runner:
         forward = self._full_pass if last is None else self._sampling_pass
         return forward(torch.tensor(op.tokens, device=dev), start, rows=rows, logit_index=last, kv_len=op.kv_len)
 
-    def _decode(self, op: Decode) -> torch.Tensor:
-        """Logits (rows, V) of one token per slot, rows indexed by slot (slot s in cache row base + s).
-
-        Eager, the step spans slots 0..highest active. Compiled on CPU too, rounded up to its graph's batch size (a
-        power of two, so a handful of graphs serve any mix of requests; each is subject to the memory check, as
-        graphs of float weights hold their own copy): there each row costs its products, and one request in a
-        cache of 8 rows must not pay for 8. Compiled on CUDA, the step spans every slot: a GPU decodes a few rows in
-        the time of one, and one graph (one compile, one CUDA graph) serves every step. Under compile="auto" an
-        eager step's time counts toward compiling the graph of its size.
-        """
-        dev, c = self.device, self.compiled
-        tokens, pos, base = op.tokens, op.pos, op.base
-        width = max(op.active) + 1
-        size = len(tokens)  # the graph's batch: slots 0..size-1
+    def _decode_shape(self, op: Decode) -> Tuple[bool, int, int]:
+        """(compiled, rows, the graph's batch size) of the pass that runs a Decode op. Eager, the step spans slots 0..highest active.
+        Compiled on CPU too, rounded up to its graph's batch size (a power of two, so a handful of graphs serve any
+        mix of requests; each is subject to the memory check, as graphs of float weights hold their own copy): there
+        each row costs its products, and one request in a cache of 8 rows must not pay for 8. Compiled on CUDA, the
+        step spans every slot: a GPU decodes a few rows in the time of one, and one graph (one compile, one CUDA
+        graph) serves every step."""
+        c, width, size = self.compiled, max(op.active) + 1, len(op.tokens)
         if not getattr(c, "cuda", False):
             size = min(bucket(width, self.model.max_batch_size), size)
-        if c is not None and not base and self.cache.dtype != torch.int8 and c.ready(c.key(size, None)):
-            return c(torch.tensor(tokens[:size], device=dev)[:, None], torch.tensor(pos[:size], device=dev))[:, 0]
-        x = torch.tensor(tokens[:width], device=dev)[:, None]
-        same = len(set(pos[:width])) == 1
+        if c is not None and not op.base and self.cache.dtype != torch.int8 and c.ready(c.key(size, None)):
+            return True, size, size
+        return False, width, size
+
+    def _decode(self, op: Decode, tokens: Optional[torch.Tensor] = None,
+                shape: Optional[Tuple[bool, int, int]] = None) -> torch.Tensor:
+        """Logits (rows, V) of one token per slot, rows indexed by slot (slot s in cache row base + s). tokens: the
+        op's tokens already on the device (a step queued ahead feeds the drawn ones). Under compile="auto" an eager
+        step's time counts toward compiling the graph of its size."""
+        dev, c = self.device, self.compiled
+        compiled, n, size = self._decode_shape(op) if shape is None else shape
+        tokens = index(op.tokens[:n], dev) if tokens is None else tokens[:n]
+        if compiled:
+            return c(tokens[:, None], index(op.pos[:n], dev))[:, 0]
+        same = len(set(op.pos[:n])) == 1
         start = time.perf_counter()
-        rows = {"rows": slice(base, base + width)} if base else {}  # an engine group's slots: rows in place
-        logits = self._sampling_pass(x, pos[0] if same else torch.tensor(pos[:width], device=dev), **rows)[:, 0]
+        rows = {"rows": slice(op.base, op.base + n)} if op.base else {}  # an engine group's slots: rows in place
+        logits = self._sampling_pass(tokens[:, None], op.pos[0] if same else index(op.pos[:n], dev), **rows)[:, 0]
         if c is not None and c.lazy:
             c.spent_eager(size, None, time.perf_counter() - start)
         return logits
@@ -146,6 +168,7 @@ class Runner:
         """Every position's logits (B, T, V) of token lists placed in slots 0..B-1 from position 0 (scoring and
         prefixes; right-padded, so only each list's own positions mean anything)."""
         width = max(map(len, batch))
+        self._queued = None  # a step queued ahead is never the next plan's after this
         with self.cache.manage(), self.cache.borrow(len(batch), width):
             return self._full_pass(torch.tensor([s + [0] * (width - len(s)) for s in batch], device=self.device), 0)
 
@@ -155,10 +178,13 @@ class Runner:
         for new text. A request that fails is marked (finish_reason "error") and the others go on."""
         return self.complete(plan, self.execute(plan.ops))
 
-    def complete(self, plan: Plan, outs: List) -> List[Tuple[Request, str]]:
+    def complete(self, plan: Plan, outs: List, ahead_ok: bool = False) -> List[Tuple[Request, str]]:
         """The second half of run(): wait for deferred logits (in op order, as the pipeline's other first-stage
-        ranks do), then sample and advance."""
+        ranks do), then sample and advance. ahead_ok: the caller's next plan is likely this step's continuation
+        (no one waits for a free slot), so queueing it ahead may pay (llama/core/ahead.py)."""
         outs = self.execution.resolve(outs)
+        if ahead_ok and self.run_ahead and ahead.eligible(plan):
+            return self._complete_ahead(plan, outs)
         ready: List[Tuple[Request, torch.Tensor]] = []
         jobs = iter(plan.prefill)
         for op, out in zip(plan.ops, outs):
@@ -208,6 +234,47 @@ class Runner:
                     deltas.append((r, text))
         return deltas
 
+    def _complete_ahead(self, plan: Plan, outs: List) -> List[Tuple[Request, str]]:
+        """complete() of a decode-only step, drawn on the device: queue the next step with the drawn tokens, then
+        copy them to the host and advance the requests while that step runs. Same draws as sample()."""
+        i = next(k for k, op in enumerate(plan.ops) if isinstance(op, Decode))
+        op, reqs = plan.ops[i], plan.decoding
+        logits = torch.stack([outs[i][r.slot] for r in reqs])
+        peak = logits.amax(dim=-1)
+        logits.masked_fill_(~torch.isfinite(peak)[:, None], 0.0)  # failing rows, as _draw: arithmetic stays finite
+        tokens, lsm = self._row_sampler(reqs).draw(logits)
+        lps = None if lsm is None else lsm.gather(1, tokens[:, None])[:, 0]
+        (tokens_h, peak_h, lps_h), wait = ahead.to_host([tokens, peak, lps])
+        nxt = ahead.next_step(op, reqs, self.cache.max_seq_len, self.cache.block_size)
+        if nxt is not None:
+            fed = index(nxt.tokens, self.device)
+            fed[index(op.active, self.device)] = tokens
+            shape = self._decode_shape(nxt)
+            with torch.inference_mode(), self.cache.manage():  # as execute(): the compiled step's guards see it
+                self._queued = ahead.Queued(nxt, self._decode(nxt, fed, shape), shape)
+            self.ahead_stats["queued"] += 1
+        wait()
+        drawn, peaks = tokens_h.tolist(), peak_h.tolist()
+        lps_l = None if lps_h is None else lps_h.tolist()
+        if self._queued is not None:
+            for s, tok in zip(op.active, drawn):
+                self._queued.op.tokens[s] = tok
+        deltas = []
+        for b, r in enumerate(reqs):
+            if not math.isfinite(peaks[b]):
+                r.fail(ValueError(_unsampleable(r, peaks[b])))
+                continue
+            text = r.advance(drawn[b], lps_l[b] if lps_l is not None else None, None)
+            if text:
+                deltas.append((r, text))
+        return deltas
+
+    def _row_sampler(self, reqs: List[Request]) -> RowSampler:
+        last = self._sampler[0] if self._sampler is not None else []
+        if len(last) != len(reqs) or any(a is not b for a, b in zip(last, reqs)):  # same rows: reuse the tensors
+            self._sampler = (reqs, RowSampler(reqs, self.device))
+        return self._sampler[1]
+
     def _draw(self, ready: List[Tuple[Request, torch.Tensor]]) -> Tuple[List[int], Optional[List[float]],
                                                                         Optional[List], Dict]:
         """(token per row, log-probabilities or None, top_logprobs alternatives or None, {row: error message} of the
@@ -219,17 +286,11 @@ class Runner:
         bad = (~torch.isfinite(peak)).tolist()
         for b, r in enumerate(reqs):
             if ok[b] and bad[b]:
-                procs = r.params.logits_processors
-                after = f" after logits processor(s) {', '.join(map(_name, procs))}" if procs else ""
-                r.fail(ValueError(f"request {r.id}: its next-token logits{after} are all -inf or contain NaN or "
-                                  f"+inf (max {float(peak[b])}), so no token can be sampled"))
+                r.fail(ValueError(_unsampleable(r, float(peak[b]))))
                 ok[b] = False
         if not all(ok):
             logits[torch.tensor([not k for k in ok])] = 0.0  # failed rows: keep the sampler's arithmetic finite
-        last = self._sampler[0] if self._sampler is not None else []
-        if len(last) != len(reqs) or any(a is not b for a, b in zip(last, reqs)):  # same rows: reuse the tensors
-            self._sampler = (reqs, RowSampler(reqs, self.device))
-        tokens, lps, tops = self._sampler[1](logits)
+        tokens, lps, tops = self._row_sampler(reqs)(logits)
         return tokens, lps, tops, {b: str(r.error) for b, r in enumerate(reqs) if not ok[b]}
 
     def _process(self, b: int, r: Request, logits: torch.Tensor) -> bool:

@@ -52,53 +52,68 @@ def sample_top_p(probs: torch.Tensor, p: float) -> torch.Tensor:
     return torch.gather(probs_idx, -1, torch.multinomial(probs_sort, num_samples=1))
 
 
+def index(values: Sequence[int], device) -> torch.Tensor:
+    """An index tensor on `device` without a host synchronisation: on CUDA a plain copy from pageable memory waits for
+    every kernel already queued, which would stall asynchronous decoding (llama/core/ahead.py)."""
+    t = torch.tensor(list(values), dtype=torch.long)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def sample(
     logits: torch.Tensor,
     temperature: torch.Tensor,
     top_p: torch.Tensor,
     top_k: Optional[torch.Tensor] = None,
     uniform: Optional[torch.Tensor] = None,
+    rows: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Next token per row of logits (B, V), with per-row parameters (tensors of shape (B,)).
 
     temperature 0 means greedy. top_k 0 means no top-k cut. uniform: the seeded draw per row, NaN for rows that
-    use the global RNG (torch.multinomial, the reference's behaviour).
+    use the global RNG (torch.multinomial, the reference's behaviour). rows: (sampled rows, those of them that draw
+    from the global RNG, those that are seeded) as index tensors, when the caller knows them (RowSampler): then
+    nothing here waits for the device; else they are read from temperature and uniform.
     """
     greedy = logits.argmax(dim=-1)
-    sampled = temperature > 0
-    if not bool(sampled.any()):
+    if rows is None:
+        sampled = temperature > 0
+        if not bool(sampled.any()):
+            return greedy
+        hot = sampled.nonzero().squeeze(1)
+        seeded = ~torch.isnan(uniform[hot]) if uniform is not None else torch.zeros_like(hot, dtype=torch.bool)
+        rows = (hot, (~seeded).nonzero().squeeze(1), seeded.nonzero().squeeze(1))
+    hot, free, seeded = rows
+    if not len(hot):
         return greedy
-    rows = sampled.nonzero().squeeze(1)
-    probs = torch.softmax(logits[rows].float() / temperature[rows, None].float(), dim=-1)
+    probs = torch.softmax(logits[hot].float() / temperature[hot, None].float(), dim=-1)
     probs_sort, probs_idx = torch.sort(probs, dim=-1, descending=True)
-    cut = probs_sort.cumsum(dim=-1) - probs_sort > top_p[rows, None]
+    cut = probs_sort.cumsum(dim=-1) - probs_sort > top_p[hot, None]
     if top_k is not None:
-        k = top_k[rows, None]
+        k = top_k[hot, None]
         cut |= (torch.arange(probs.shape[-1], device=probs.device)[None] >= k) & (k > 0)
-    probs_sort[cut] = 0.0
+    probs_sort.masked_fill_(cut, 0.0)
     probs_sort.div_(probs_sort.sum(dim=-1, keepdim=True))
 
-    token = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-    u = uniform[rows] if uniform is not None else None
-    seeded = ~torch.isnan(u) if u is not None else torch.zeros_like(token, dtype=torch.bool)
-    free = ~seeded
-    if bool(free.any()):
+    token = torch.empty(len(hot), dtype=torch.long, device=logits.device)
+    if len(free):
         choice = torch.multinomial(probs_sort[free], num_samples=1)
         token[free] = torch.gather(probs_idx[free], -1, choice).squeeze(1)
-    if bool(seeded.any()):
+    if len(seeded):
         # The draw inverts the filtered distribution in vocabulary order, not in sorted order: two tokens whose
         # probabilities differ only by float rounding (which the batch's shape changes) may sort either way, and
         # in sorted order a draw anywhere in their two bins would then pick the other token. In vocabulary order
         # only a draw within rounding of a bin boundary can change.
         kept = torch.zeros_like(probs_sort[seeded]).scatter_(-1, probs_idx[seeded], probs_sort[seeded])
         cdf = kept.double().cumsum(dim=-1)
-        target = u[seeded].to(cdf)[:, None] * cdf[:, -1:]
+        target = uniform[hot][seeded].to(cdf)[:, None] * cdf[:, -1:]
         picked = torch.searchsorted(cdf, target, right=True).squeeze(1)
         # Never pick a token the filters removed (guards the last bin against rounding).
         last_kept = kept.shape[-1] - 1 - (kept > 0).flip(-1).int().argmax(dim=-1)
         token[seeded] = torch.minimum(picked, last_kept)
     out = greedy.clone()
-    out[rows] = token
+    out[hot] = token
     return out
 
 
@@ -162,6 +177,10 @@ class RowSampler:
         self.top_ks = [r.params.top_logprobs for r in rows]
         self.want_top = any(self.top_ks)
         self.penalized = [b for b, r in enumerate(rows) if r.params.penalized]
+        hot = [b for b, r in enumerate(rows) if r.params.temperature > 0]
+        seeded = [k for k, b in enumerate(hot) if rows[b].params.seed is not None]
+        free = [k for k, b in enumerate(hot) if rows[b].params.seed is None]
+        self.index = tuple(index(x, device) for x in (hot, free, seeded))
 
     def __call__(self, logits: torch.Tensor) -> Tuple[List[int], Optional[List[float]], Optional[List]]:
         """(token per row, its log-probability under the raw logits or None when no row asked for them, each row's
@@ -170,15 +189,21 @@ class RowSampler:
             p = self.rows[b].params
             penalize(logits[b], self.rows[b].prompt, self.rows[b].generated, p.presence_penalty, p.frequency_penalty,
                      p.repetition_penalty)
-        uniform = None
-        if self.any_seeded:  # the draw of generated token t of sample j depends on (seed, j, t) only
-            u = seeded_uniform(self.seeds, self.samples, torch.tensor([len(r.generated) for r in self.rows]))
-            uniform = torch.where(self.seeded, u, torch.full_like(u, float("nan"))).to(self.device)
-        tokens = sample(logits, self.temperature, self.top_p, self.top_k, uniform)
+        tokens, lsm = self.draw(logits)
         logprobs = tops = None
-        if self.want_logprobs:
-            lsm = torch.log_softmax(logits, dim=-1)
+        if lsm is not None:
             logprobs = lsm.gather(1, tokens[:, None])[:, 0].tolist()
             if self.want_top:
                 tops = top_entries(lsm, self.top_ks)
         return tokens.tolist(), logprobs, tops
+
+    def draw(self, logits: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(token per row, the log-softmax of the logits or None when no row asked for log-probabilities), on the
+        device and without waiting for it (penalties, which read the host's token lists, are the caller's)."""
+        uniform = None
+        if self.any_seeded:  # the draw of generated token t of sample j depends on (seed, j, t) only
+            u = seeded_uniform(self.seeds, self.samples, torch.tensor([len(r.generated) for r in self.rows]))
+            u = torch.where(self.seeded, u, torch.full_like(u, float("nan")))
+            uniform = u.pin_memory().to(self.device, non_blocking=True) if self.index[0].is_cuda else u.to(self.device)
+        tokens = sample(logits, self.temperature, self.top_p, self.top_k, uniform, rows=self.index)
+        return tokens, torch.log_softmax(logits, dim=-1) if self.want_logprobs else None

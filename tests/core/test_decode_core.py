@@ -173,3 +173,16 @@ def test_one_module_calls_the_model_to_decode():
         if re.search(r"\bmodel\(|\.model\.forward\(|\bmodel\.decode_step\(", path.read_text()):
             callers.add(path.name)
     assert callers == {"runner.py"}, callers
+
+
+def test_a_stream_closed_early_gives_its_blocks_back(stories):
+    """Closing (or dropping) a stream mid-generation cancels its request and releases its KV pool blocks: before,
+    they stayed referenced for the generator's life, and every closed stream shrank the pool for good."""
+    pool = stories.cache.pool
+    before = pool.used()
+    stream = stories.stream_completion("Once upon a time", temperature=0, max_gen_len=40)
+    next(stream)
+    assert pool.used() > before
+    stream.close()
+    assert pool.used() == before
+    assert stories.text_completion(["Lily"], temperature=0, max_gen_len=4)  # the cache is free again
