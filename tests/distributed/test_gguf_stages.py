@@ -5,6 +5,8 @@ greedy ids and logits are the single process's: bitwise for stages (the same pro
 rounding for model parallel (the row-parallel partial sums are added in another order)."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -66,13 +68,25 @@ def launch(tmp_path, T: int, P: int, name: str, paths) -> subprocess.Popen:
     script.write_text(SCRIPT.format(tests=[str(TESTS), str(TESTS.parent)]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
            str(T), str(P), str(tmp_path / name), *map(str, paths)]
-    return subprocess.Popen(cmd, env=rank_env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, env=rank_env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
 
 
 def ranks(proc, tmp_path, name) -> list:
-    _, err = proc.communicate(timeout=300)
+    _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     return [json.loads((tmp_path / f"{name}.{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.fixture
+def procs():
+    """Launched jobs, killed (torchrun and its ranks) if the test ends before they do."""
+    started = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +95,11 @@ def kquant(tmp_path_factory):
                             need(STORIES / "tokenizer.model"), lambda n: Q4_K_M.get(n, "Q4_K"))
 
 
-def test_stages_and_uneven_model_parallel_keep_their_blocks_and_give_one_process_output(kquant, tmp_path):
+def test_stages_and_uneven_model_parallel_keep_their_blocks_and_give_one_process_output(kquant, tmp_path, procs):
     smol = need(Q4_1)
     staged = launch(tmp_path, 1, 2, "pp", [smol, kquant])
     split = launch(tmp_path, 2, 1, "mp", [kquant])
+    procs += [staged, split]
     want = {p: outputs(p) for p in (smol, kquant)}  # meanwhile: one process, blocks too
     assert want[smol]["kinds"] == {"Q4_1": 120, "Q8_0": 1} and want[kquant]["kinds"] == {"Q4_K": 8, "Q6_K": 5}
 
@@ -94,7 +109,7 @@ def test_stages_and_uneven_model_parallel_keep_their_blocks_and_give_one_process
         for r in (first, last):
             assert r["ids"] == one["ids"] and torch.equal(torch.tensor(r["logits"]), torch.tensor(one["logits"]))
         # each stage holds its own layers' blocks (the output on the last), and the first the block embedding
-        assert all(first["kinds"].values()) and all(last["kinds"].values())
+        assert first["kinds"] and last["kinds"] and all(first["kinds"].values()) and all(last["kinds"].values())
         total = {k: first["kinds"].get(k, 0) + last["kinds"].get(k, 0) for k in one["kinds"]}
         assert total == one["kinds"] and first["embedding"] == "BlockEmbedding" and last["embedding"] == "NoneType"
 
