@@ -194,36 +194,6 @@ def test_row_parallel_splits_fall_on_block_boundaries(q4km):
     assert [p.shape[1] for p in parts] == [2 * 210, 210] and torch.equal(torch.cat(parts, dim=1), b)
 
 
-MP_SCRIPT = """
-import json, sys
-import torch
-import torch.distributed as dist
-from llama import Llama
-from llama.formats import gguf_quants
-torch.set_num_threads(1)
-path, out = sys.argv[1:]
-g = Llama.build(path, None, max_seq_len=64, max_batch_size=2, device="cpu", compile=False)
-ids = g.generate([[1, 20, 30, 40], [1, 99, 7]], max_gen_len=12, temperature=0)[0]
-json.dump({"ids": ids, "kinds": gguf_quants.summary(g.model)}, open(f"{out}.{dist.get_rank()}.json", "w"))
-dist.barrier()
-dist.destroy_process_group()
-"""
-
-
-def test_two_ranks_each_take_their_blocks_and_give_the_greedy_ids_of_one(tmp_path):
-    params = {**PARAMS, "dim": 512, "n_heads": 8, "n_kv_heads": 4, "multiple_of": 512}  # FFN 1536: 3 blocks a rank
-    path = write_block_gguf(tmp_path / "mp.gguf", params, need(STORIES / "tokenizer.model"), q4_k_m)
-    one = build(path).generate([[1, 20, 30, 40], [1, 99, 7]], max_gen_len=12, temperature=0)[0]
-    (tmp_path / "run.py").write_text(MP_SCRIPT)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(tmp_path / "run.py"), str(path), str(tmp_path / "out")],
-                          env=rank_env(2), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for rank in range(2):
-        got = json.loads((tmp_path / f"out.{rank}.json").read_text())
-        assert got["kinds"] == {"Q4_K": 8, "Q6_K": 5} and got["ids"] == one, (rank, got)
-
-
 def test_a_split_file_loads_as_one_model(q4km, tmp_path):
     path = write_block_gguf(tmp_path / "split.gguf", PARAMS, need(STORIES / "tokenizer.model"), q4_k_m, split=7)
     parts = sorted(tmp_path.glob("split-*-of-*.gguf"))
