@@ -16,7 +16,7 @@ from llama import settings
 from llama.formats import gguf_file
 from llama.formats.meta_checkpoint import parallel_dim, split_tensor
 from llama.kernels import cpu as cpu_kernels
-from llama.layers import Fusable
+from llama.layers import UNQUANTIZED, Fusable
 from llama.model import Transformer
 from llama.quantization import gguf_blocks
 
@@ -39,55 +39,103 @@ def blocks(t) -> torch.Tensor:
     return gguf_file.mapped_tensor(data, torch.uint8).view(-1, data.shape[-1])
 
 
-def shard(name: str, t, b: torch.Tensor, rank: int, world: int, path) -> torch.Tensor:
+FFN = ("feed_forward.w1.weight", "feed_forward.w3.weight", "feed_forward.w2.weight")
+
+
+def ffn_bounds(tensors: List, path, hidden: int, world: int) -> List[int]:
+    """Where a layer's FFN hidden units split between ranks (world + 1 bounds). Row-parallel blocks cannot be
+    cut, so the split falls on w2's block boundaries: an even split where one does, else as even as whole blocks
+    allow, the larger parts first (Llama 2 7B's 11008 inputs are 43 super-blocks: 22 and 21 over 2 ranks). w1 and
+    w3 take the same rows, so each rank's gate/up outputs are exactly its w2 inputs and nothing else changes."""
+    w2 = next((t for t in tensors if gguf_file.meta_name(t.name, path).endswith(".feed_forward.w2.weight")), None)
+    qtype = None if w2 is None else native_type(w2)
+    values = 1 if qtype is None else cpu_kernels.GGUF_BLOCKS[qtype][0]
+    count = hidden // values
+    if count < world:
+        raise ValueError(f"{path}: tensor {w2.name} ({w2.tensor_type.name}) has {hidden} inputs, {count} blocks of "
+                         f"{values}: too few for model parallel size {world} (each rank needs a whole block)")
+    base, extra = divmod(count, world)
+    bounds = [0]
+    for r in range(world):
+        bounds.append(bounds[-1] + (base + (r < extra)) * values)
+    return bounds
+
+
+def shard(name: str, t, b: torch.Tensor, rank: int, world: int, path, bounds=None) -> torch.Tensor:
     """Rank `rank`'s part of blocks b (Meta name `name`): whole output rows for column-parallel weights, whole
-    blocks of every row for row-parallel ones (refused where the inputs do not split into whole blocks)."""
+    blocks of every row for row-parallel ones; the FFN's between `bounds` (ffn_bounds), attention's evenly (refused
+    where the heads' inputs do not split into whole blocks)."""
     dim = parallel_dim(name)
     if dim is None or world == 1:
         return b
+    if bounds is not None and name.endswith(FFN[:2]):
+        return b[bounds[rank] : bounds[rank + 1]].clone()
     if dim == 0:
         rows = b.shape[0] // world
         return b[rank * rows : (rank + 1) * rows].clone()
     values, nbytes = cpu_kernels.GGUF_BLOCKS[int(t.tensor_type)]
+    if bounds is not None and name.endswith(FFN[2]):
+        return b[:, bounds[rank] // values * nbytes : bounds[rank + 1] // values * nbytes].contiguous()
     inputs = gguf_blocks.values_per_row(int(t.tensor_type), b.shape[1])
     if (inputs // world) % values:
         raise ValueError(f"{path}: tensor {t.name} ({t.tensor_type.name}) has {inputs} inputs in blocks of {values}: "
                          f"model parallel size {world} would give each rank {inputs / world:g} inputs, not whole "
-                         "blocks (uneven splits are not supported: use another model parallel size, or "
+                         "blocks (the attention heads split evenly: use another model parallel size, or "
                          "quantize= to re-quantize)")
     width = b.shape[1] // world
     return b[:, rank * width : (rank + 1) * width].contiguous()
 
 
-def native_model(reader, path, args, rank: int, world: int, device, dtype: torch.dtype,
-                 fuse: bool) -> Transformer:
+def split_float(name: str, value: torch.Tensor, rank: int, world: int, bounds=None) -> torch.Tensor:
+    """Rank `rank`'s part of a dequantized tensor: the FFN's between `bounds` (ffn_bounds), the rest evenly."""
+    if bounds is None or world == 1 or not name.endswith(FFN):
+        return split_tensor(name, value, rank, world)
+    lo, hi = bounds[rank], bounds[rank + 1]
+    return (value[lo:hi] if name.endswith(FFN[:2]) else value[:, lo:hi]).contiguous()
+
+
+def native_model(reader, path, args, rank: int, world: int, device, dtype: torch.dtype, fuse: bool,
+                 model=None, layer_ids=None) -> Transformer:
     """This rank's model with the file's native-type tensors as blocks, layer by layer (gguf_file.layer_groups);
-    pages of tensors that were dequantized, sliced or fused are released as each layer is done."""
+    pages of tensors that were dequantized, sliced or fused are released as each layer is done. `model` (on the
+    meta device) and `layer_ids` give a pipeline stage (llama/distributed/pipeline.py): its layers, renumbered from
+    0, and the embedding or output only where the stage has them."""
     from tqdm import tqdm
 
     globals_, layers, shapes = gguf_file.layer_groups(reader, path)
-    with torch.device("meta"):
-        model = Transformer(args)
-    load_tensors(model, globals_, "", path, dtype, rank, world)
-    if "output.weight" not in shapes:
+    if model is None:
+        with torch.device("meta"):
+            model = Transformer(args)
+    layer_ids = range(args.n_layers) if layer_ids is None else layer_ids
+    held = {"tok_embeddings.weight": model.tok_embeddings is not None, "output.weight": model.output is not None}
+    mine = [t for t in globals_ if held.get(gguf_file.meta_name(t.name, path), True)]
+    load_tensors(model, mine, "", path, dtype, rank, world)
+    if "output.weight" not in shapes and model.output is not None:
         tie_output(model, globals_, path, dtype, rank, world)
-    finish(model.output, dtype, fuse)
-    finish(model.norm, dtype, fuse)
+    for m in (model.output, model.norm):
+        if m is not None:
+            finish(m, dtype, fuse)
     release_unused(reader, globals_, model)
     big = sum(int(t.n_bytes) for t in reader.tensors) > 1 << 30
-    for i in tqdm(range(args.n_layers), desc=f"loading {path.name}", unit="layer", disable=not big):
-        load_tensors(model.layers[i], layers.get(i, []), f"layers.{i}.", path, dtype, rank, world)
-        finish(model.layers[i], dtype, fuse)
-        release_unused(reader, layers.get(i, []), model.layers[i])
+    for local, i in enumerate(tqdm(layer_ids, desc=f"loading {path.name}", unit="layer", disable=not big)):
+        tensors = layers.get(i, [])
+        bounds = ffn_bounds(tensors, path, args.hidden_dim, world) if world > 1 else None
+        load_tensors(model.layers[local], tensors, f"layers.{i}.", path, dtype, rank, world, bounds)
+        if bounds is not None:
+            ff, width = model.layers[local].feed_forward, bounds[rank + 1] - bounds[rank]
+            ff.local_sizes = {"w1": width, "w3": width}
+            ff.w1.output_size_per_partition = ff.w3.output_size_per_partition = ff.w2.input_size_per_partition = width
+        finish(model.layers[local], dtype, fuse)
+        release_unused(reader, tensors, model.layers[local])
     empty = [n for n, p in model.named_parameters() if p.is_meta]
     if empty:
         raise ValueError(f"{path}: the file lacks {', '.join(empty[:4])}")
     return model.eval()
 
 
-def load_tensors(module, tensors: List, prefix: str, path, dtype, rank: int, world: int) -> None:
+def load_tensors(module, tensors: List, prefix: str, path, dtype, rank: int, world: int, bounds=None) -> None:
     """Put these reader tensors (Meta names starting with prefix) into module: native-type matrices as blocks,
-    the rest dequantized or cast by gguf_file.read_tensors."""
+    the rest dequantized or cast by gguf_file.read_tensors; the FFN's cut at `bounds` (ffn_bounds)."""
     plain, state = [], {}
     for t in tensors:
         name = gguf_file.meta_name(t.name, path)
@@ -99,25 +147,32 @@ def load_tensors(module, tensors: List, prefix: str, path, dtype, rank: int, wor
         if name == "tok_embeddings.weight":
             module.tok_embeddings = gguf_blocks.BlockEmbedding(b, qtype, world)
         else:
-            module.get_submodule(name[len(prefix) : -len(".weight")]).take(gguf_blocks.method(qtype),
-                                                                           shard(name, t, b, rank, world, path))
+            module.get_submodule(name[len(prefix) : -len(".weight")]).take(
+                gguf_blocks.method(qtype), shard(name, t, b, rank, world, path, bounds))
     for name, value in gguf_file.read_tensors(plain, path, dtype).items():
-        state[name[len(prefix):]] = split_tensor(name, value, rank, world)
+        part = split_float(name, value, rank, world, bounds)
+        layer = module.get_submodule(name[len(prefix) : -len(".weight")]) if name.endswith(FFN) else None
+        if layer is not None and layer.weight.shape != part.shape:  # an uneven FFN split (ffn_bounds)
+            layer.take(UNQUANTIZED, part)
+        else:
+            state[name[len(prefix):]] = part
     missing, unexpected = module.load_state_dict(state, strict=False, assign=True)
     if unexpected:
         raise ValueError(f"{path}: tensors {unexpected} do not belong to the model")
 
 
 def tie_output(model, globals_, path, dtype, rank: int, world: int) -> None:
-    """No output.weight: the output is the embedding table (blocks shared at world size 1, its rows cut above)."""
-    emb = model.tok_embeddings
-    if isinstance(emb, gguf_blocks.BlockEmbedding):
-        b = emb.weight.data
+    """No output.weight: the output is the embedding table (blocks shared at world size 1, its rows cut above;
+    on a last pipeline stage without the embedding, read from the file)."""
+    t = next(t for t in globals_ if gguf_file.meta_name(t.name, path) == "tok_embeddings.weight")
+    qtype = native_type(t)
+    if qtype is not None:
+        emb = model.tok_embeddings
+        b = emb.weight.data if isinstance(emb, gguf_blocks.BlockEmbedding) else blocks(t)
         rows = b.shape[0] // world
         part = b if world == 1 else b[rank * rows : (rank + 1) * rows].clone()
-        model.output.take(gguf_blocks.method(emb.qtype), part)
+        model.output.take(gguf_blocks.method(qtype), part)
         return
-    t = next(t for t in globals_ if gguf_file.meta_name(t.name, path) == "tok_embeddings.weight")
     full = gguf_file.read_tensors([t], path, dtype)["tok_embeddings.weight"]
     model.output.weight = torch.nn.Parameter(split_tensor("output.weight", full, rank, world), requires_grad=False)
 

@@ -115,13 +115,18 @@ def gguf_model(reader, path, args: ModelArgs, rank: int, world_size: int, device
 
 
 def gguf_stage(reader, path, args: ModelArgs, stage, rank: int, world_size: int,
-               dtype) -> pipeline.PipelineTransformer:
-    """This rank's pipeline stage from a GGUF file: only the stage's tensors are dequantized (its layers, plus the
+               dtype, native: bool = False, fuse: bool = True) -> pipeline.PipelineTransformer:
+    """This rank's pipeline stage from a GGUF file: only the stage's tensors are read (its layers, plus the
     embedding on the first stage and the output on the last: the embedding table when the file ties them), each
-    cut to tensor-parallel slice `rank` of `world_size`, layer by layer, their file pages released once read."""
+    cut to tensor-parallel slice `rank` of `world_size`, layer by layer, their file pages released once read;
+    dequantized, or with `native` kept in their own blocks (gguf_quants.native_model)."""
     pipeline.check_layout(args, world_size, stage.count)
     globals_, layers, shapes = gguf_checkpoint.layer_groups(reader, path)
     checkpoint.check_shapes(shapes, args, str(path))  # before any weight is dequantized
+    if native:
+        with torch.device("meta"):
+            model = pipeline.PipelineTransformer(args, stage)
+        return gguf_quants.native_model(reader, path, args, rank, world_size, "cpu", dtype, fuse, model, stage.layers)
     tied = "output.weight" not in shapes
     keep = dtype if world_size == 1 else None  # tensor-parallel slices are copies: release what they came from
     state = {}
@@ -185,7 +190,7 @@ def load(
                       f"{ckpt_dir}/params.json" if gguf_path is None else str(gguf_path), tokenizer_path or gguf_path)
     # each rank holds about 1/(T x P) of the weights; a GGUF file run in its blocks holds about the file's size
     # (mapped), which the estimate at dtype would overstate several times, so it is not checked (issue 36)
-    if staged or reader is None or not gguf_quants.runs_natively(reader, quantize, device):
+    if reader is None or not gguf_quants.runs_natively(reader, quantize, device):
         memory.check_fits(args, dtype, quantize, group_size, compile, mp_size * pipeline_parallel_size, device)
     fuse = fuses(args, dtype, device, quantize, compile, mp_size * pipeline_parallel_size)
     if verify and gguf_path is None and hf_checkpoint.find_hf(ckpt_dir) is None:
@@ -285,7 +290,8 @@ def float_model(ckpt_dir, args: ModelArgs, rank: int, mp_size: int, reader, gguf
         stage = pipeline.current_stage(args.n_layers)
         if gguf_path is not None:
             with memory.freed_memory_returned():
-                model = gguf_stage(reader, gguf_path, args, stage, rank, mp_size, dtype)
+                model = gguf_stage(reader, gguf_path, args, stage, rank, mp_size, dtype,
+                                   gguf_quants.runs_natively(reader, quantize, device), fuse)
         elif hf_checkpoint.find_hf(ckpt_dir) is not None:
             model = hf_model(ckpt_dir, args, rank, mp_size, stage)
         else:

@@ -404,15 +404,15 @@ def test_tp2_x_pp2_on_two_simulated_nodes(two_nodes, single, goldens):
 
 
 def test_two_stages_from_a_gguf_file_match_one_process(tmp_path, monkeypatch):
-    """Each rank dequantizes only its stage's tensors of a Q4_1 GGUF file (tied embeddings: the table is the first
-    stage's embedding and the last stage's output) and the greedy text is the single process's, dequantized too
-    (stages do not run a file's blocks natively yet: docs/formats.md)."""
+    """With LLAMA_GGUF_BLOCKS=0 (the GPU's path), each rank dequantizes only its stage's tensors of a Q4_1 GGUF file
+    (tied embeddings: the table is the first stage's embedding and the last stage's output) and the greedy text is
+    the single process's, dequantized too (stages in the file's blocks: tests/distributed/test_gguf_stages.py)."""
     if not GGUF.is_file():
         pytest.skip(f"{GGUF} not found")
     from llama import Llama
 
-    procs = [launch(tmp_path, ["--standalone", "--nproc_per_node", "2"], 1, 2, "gguf", "gguf", [GGUF])]
     monkeypatch.setenv("LLAMA_GGUF_BLOCKS", "0")
+    procs = [launch(tmp_path, ["--standalone", "--nproc_per_node", "2"], 1, 2, "gguf", "gguf", [GGUF])]
     want = gguf_outputs(Llama.build(str(GGUF), None, max_seq_len=64, max_batch_size=2, dtype="float32"))  # meanwhile
     finish(procs)
     ranks = outputs(tmp_path, "gguf", 2)
