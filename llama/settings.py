@@ -51,6 +51,16 @@ def flag(name: str, default: bool) -> bool:
     raise ValueError(f"{name} must be one of {TRUE + FALSE} (or unset), got {os.environ[name]!r}")
 
 
+def auto_flag(name: str) -> Optional[bool]:
+    """An on/off variable whose unset, empty or 'auto' value (None) lets the package decide."""
+    text = _text(name).lower()
+    if text in ("", "auto"):
+        return None
+    if text in TRUE or text in FALSE:
+        return text in TRUE
+    raise ValueError(f"{name} must be auto or one of {TRUE + FALSE} (or unset), got {os.environ[name]!r}")
+
+
 def parse_bytes(text: str, name: str = "LLAMA_MEMORY_LIMIT") -> int:
     """'12G', '512M', '1000000' -> bytes; ValueError naming the variable otherwise."""
     t = text.strip().upper().removesuffix("B").removesuffix("I")
@@ -96,7 +106,7 @@ def read() -> Settings:
         compile_cache=flag("LLAMA_COMPILE_CACHE", True),
         offline=flag("LLAMA_OFFLINE", False),
         api_key=_text("LLAMA_API_KEY") or None,
-        async_decode=None if _text("LLAMA_ASYNC_DECODE").lower() in ("", "auto") else flag("LLAMA_ASYNC_DECODE", False),
+        async_decode=auto_flag("LLAMA_ASYNC_DECODE"),
     )
 
 

@@ -49,6 +49,12 @@ for _change in ("setenv", "delenv", "undo"):
 
 
 CPU_ONLY = pytest.mark.skipif(ON_CUDA, reason="int8-dynamic runs on the CPU only (oneDNN); CUDA uses int8")
+# GGUF block formats and the one-call decode step run in our CPU kernels; on CUDA a GGUF file is dequantized at load
+# and the step is the model's (tests/quantization/test_gguf_blocks.py::test_the_gpu_path_dequantizes_instead).
+CPU_KERNELS_ONLY = pytest.mark.skipif(ON_CUDA, reason="runs in our CPU kernels; CUDA dequantizes GGUF blocks and "
+                                                       "decodes with the model's own step")
+# Where the host's memory is measured (a load's peak RSS), a CUDA load puts the weights on the GPU instead.
+HOST_MEMORY = pytest.mark.skipif(ON_CUDA, reason="measures host memory of a CPU load; on CUDA the weights go to the GPU")
 
 
 def pytest_collection_modifyitems(config, items):

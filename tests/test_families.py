@@ -56,7 +56,7 @@ def test_the_fused_step_runs_where_it_computes_the_family_and_declines_otherwise
 
     monkeypatch.setattr(fused_decode, "run", spy)
     assert greedy(g) == [hf_greedy(model, p, 20) for p in PROMPTS]
-    assert any(calls) == fused
+    assert any(calls) == (fused and g.device.type == "cpu")  # the one-call step is our CPU kernels'
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])

@@ -11,7 +11,8 @@ from conftest import REPO
 from llama import settings
 
 VARIABLES = ("LLAMA_CACHE", "LLAMA_DEVICE", "LLAMA_DTYPE", "LLAMA_MEMORY_LIMIT", "LLAMA_CPU_KERNELS",
-             "LLAMA_FUSED_DECODE", "LLAMA_GGUF_BLOCKS", "LLAMA_INT4_CACHE", "LLAMA_COMPILE_CACHE", "LLAMA_OFFLINE", "LLAMA_API_KEY")
+             "LLAMA_FUSED_DECODE", "LLAMA_GGUF_BLOCKS", "LLAMA_INT4_CACHE", "LLAMA_COMPILE_CACHE", "LLAMA_OFFLINE", "LLAMA_API_KEY",
+             "LLAMA_ASYNC_DECODE")
 FLAGS = {"LLAMA_CPU_KERNELS": ("cpu_kernels", True), "LLAMA_FUSED_DECODE": ("fused_decode", True),
          "LLAMA_GGUF_BLOCKS": ("gguf_blocks", True),
          "LLAMA_INT4_CACHE": ("int4_cache", True), "LLAMA_COMPILE_CACHE": ("compile_cache", True),
@@ -30,7 +31,7 @@ def test_defaults(clean):
     s = settings.reload()
     assert s == settings.Settings(cache=Path.home() / ".cache" / "llama", device=None, dtype=None, memory_limit=None,
                                   cpu_kernels=True, fused_decode=True, gguf_blocks=True, int4_cache=True, compile_cache=True,
-                                  offline=False, api_key=None)
+                                  offline=False, api_key=None, async_decode=None)
     assert settings.cache_dir() == Path.home() / ".cache" / "llama"
 
 
@@ -62,7 +63,16 @@ def test_flags_take_the_usual_spellings(clean, name):
     assert getattr(settings.get(), field) is default
 
 
+def test_async_decode_is_auto_unless_set(clean):
+    assert settings.get().async_decode is None
+    for text, want in (("auto", None), (" AUTO ", None), ("on", True), ("1", True), ("off", False), ("no", False)):
+        clean.setenv("LLAMA_ASYNC_DECODE", text)
+        assert settings.get().async_decode is want, text
+
+
 @pytest.mark.parametrize("name, value, message", [
+    ("LLAMA_ASYNC_DECODE", "maybe", "LLAMA_ASYNC_DECODE must be auto or one of ('1', 'true', 'yes', 'on', '0', "
+                                    "'false', 'no', 'off') (or unset), got 'maybe'"),
     *[(name, "maybe", f"{name} must be one of ('1', 'true', 'yes', 'on', '0', 'false', 'no', 'off') (or unset), "
                       "got 'maybe'") for name in sorted(FLAGS)],
     ("LLAMA_DEVICE", "gpu", "LLAMA_DEVICE must name a device such as cpu, cuda or cuda:1, got 'gpu'"),

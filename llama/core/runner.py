@@ -247,10 +247,12 @@ class Runner:
         (tokens_h, peak_h, lps_h), wait = ahead.to_host([tokens, peak, lps])
         nxt = ahead.next_step(op, reqs, self.cache.max_seq_len, self.cache.block_size)
         if nxt is not None:
-            fed = index(nxt.tokens, self.device)
-            fed[index(op.active, self.device)] = tokens
             shape = self._decode_shape(nxt)
-            with torch.inference_mode(), self.cache.manage():  # as execute(): the compiled step's guards see it
+            # As in execute(): the step's inputs are inference tensors, or a compiled step's guards would fail and
+            # compile a second graph, which may round differently.
+            with torch.inference_mode(), self.cache.manage():
+                fed = index(nxt.tokens, self.device)
+                fed[index(op.active, self.device)] = tokens
                 self._queued = ahead.Queued(nxt, self._decode(nxt, fed, shape), shape)
             self.ahead_stats["queued"] += 1
         wait()

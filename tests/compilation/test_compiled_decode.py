@@ -58,9 +58,9 @@ def test_compiled_int8_follows_eager_int8_with_a_padded_batch(stories_dir, golde
     assert compiled.shape == eager.shape
     assert step.seen.keys() == {(4, True)}
     # int8: bf16 activations, and Inductor keeps fused intermediates in fp32, so logits differ by bf16 rounding
-    # (max 0.11 measured, logit std ~7), not more; int8-dynamic: an activation code can round the other way.
-    # The greedy choice is the same.
-    torch.testing.assert_close(compiled, eager, rtol=0, atol=0.3)
+    # (max 0.11 measured on CPU, 0.31 on an H200 (2026-11-26), logit std ~7), not more; int8-dynamic: an
+    # activation code can round the other way. The greedy choice is the same.
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0.3 if dev.type == "cpu" else 0.4)
     assert torch.equal(compiled.argmax(-1), eager.argmax(-1))
 
 

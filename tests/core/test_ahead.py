@@ -157,3 +157,18 @@ def test_the_setting(monkeypatch):
     monkeypatch.setenv("LLAMA_ASYNC_DECODE", "sometimes")
     with pytest.raises(ValueError, match="LLAMA_ASYNC_DECODE"):
         ahead.enabled(torch.device("cuda"), alone=True)
+
+
+def test_a_compiled_step_queued_ahead_is_the_same_graph(monkeypatch):
+    """The queued step calls the compiled decode step with inputs made like execute()'s (inference tensors): a guard
+    failure would compile a second graph, whose kernels may round differently (seen on an H200: greedy ids parted
+    at the 8th token). Dynamo's own path (no stored package), so its guards are checked."""
+    monkeypatch.setenv("LLAMA_COMPILE_CACHE", "off")
+    from llama import Llama
+
+    d = str(need(STORIES))
+    g = Llama.build(d, d + "/tokenizer.model", max_seq_len=64, max_batch_size=1, compile=True)
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    sync, fast, stats = both(g, lambda: g.text_completion(PROMPTS[:1], temperature=0.0, max_gen_len=24,
+                                                          logprobs=True))
+    assert strip(fast) == strip(sync) and stats["used"] > 10

@@ -121,6 +121,6 @@ def test_prefixes_that_fill_the_pool_fail_requests_clearly_and_a_direct_call_mak
             p.close()
     tail = [7, 8, 9]
     want = stories.generate([prefixes[0].tokens + tail], max_gen_len=5, temperature=0)[0]
-    stories.model(torch.tensor([[1, 2, 3]]), 0)  # Meta's direct call writes the slot layout, over the prefix
+    stories.model(torch.tensor([[1, 2, 3]], device=stories.device), 0)  # Meta's direct call writes the slot layout, over the prefix
     assert prefixes[0].stale and prefixes[0].reusable(prefixes[0].tokens + tail) == 0
     assert stories.generate([prefixes[0].tokens + tail], max_gen_len=5, temperature=0)[0] == want

@@ -130,7 +130,7 @@ def test_clear_prefix_cache_and_direct_model_calls_forget_keys(on):
     on.clear_prefix_cache()
     assert not on.cache.pool.by_key
     on.text_completion(PROMPTS[:1], max_gen_len=2)
-    on.model(torch.tensor([[1, 2, 3]]), 0)  # a pass outside the runner writes the slot layout's blocks
+    on.model(torch.tensor([[1, 2, 3]], device=on.device), 0)  # a pass outside the runner writes the slot layout's blocks
     assert not on.cache.pool.by_key
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, SHARED, need, rank_env
+from conftest import HOST_MEMORY, REPO, SHARED, need, rank_env
 
 from llama import Llama
 
@@ -280,6 +280,7 @@ def test_stories260k_written_as_gguf_gives_the_goldens_in_f32_and_close_in_q8_0(
 
 
 
+@HOST_MEMORY
 def test_a_bf16_gguf_loads_in_place_to_the_logits_of_the_same_weights_from_meta(goldens, tmp_path):
     """BF16 tensors loaded as bf16 are the file's own bytes (memory-mapped, no copy: a 7B bf16 file loads in
     seconds), and give the logits of the Meta checkpoint cast to bf16, exactly."""
@@ -351,6 +352,7 @@ print(json.dumps({"peak": hwm() - base}))
 """
 
 
+@HOST_MEMORY
 def test_a_quantized_load_of_a_q8_0_file_peaks_below_a_bf16_load(stories_dir, tmp_path):
     """Reading layer by layer (file pages and temporaries released as it goes) keeps an int8 load's peak RSS well
     under a bf16 load of the same file: a whole-model bf16 detour would put it above the bf16 load (bf16 weights plus

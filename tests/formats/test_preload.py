@@ -7,10 +7,13 @@ import threading
 import numpy as np
 import pytest
 import torch
+from conftest import HOST_MEMORY
 
 from llama import Llama
 from llama.formats import loader, preload
 from llama.formats.demo import train_demo_tokenizer, write_random_checkpoint
+
+pytestmark = HOST_MEMORY  # the page cache behind memory-mapped weights; a CUDA load copies them to the GPU
 
 PARAMS = {"dim": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 64, "norm_eps": 1e-5,
           "vocab_size": 2048}

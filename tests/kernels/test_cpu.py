@@ -268,7 +268,8 @@ def test_built_once_and_turned_off_by_env(tmp_path):
             "from test_model import random_model;"
             "m = quantize_int4(random_model().fuse(), 32); m(torch.randint(0, 96, (1, 4)), 0);"
             "print(cpu_kernels.available(), m.output.method.ours and m.output.method.group_size or None)")
-    env = {**os.environ, "LLAMA_CACHE": str(tmp_path), "PYTHONPATH": str(REPO / "tests")}
+    env = {**os.environ, "LLAMA_CACHE": str(tmp_path), "PYTHONPATH": os.pathsep.join(
+        [str(REPO / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])])}
 
     def run(**extra):
         done = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,

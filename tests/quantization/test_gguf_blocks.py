@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, STORIES, need, rank_env
+from conftest import CPU_KERNELS_ONLY, HOST_MEMORY, REPO, STORIES, need, rank_env
 from gguf_blocks_data import Q4_K_M, reference_product, write_block_gguf
 
 from llama import Llama
@@ -63,6 +63,7 @@ def q4km(tmp_path_factory):
                             q4_k_m)
 
 
+@CPU_KERNELS_ONLY
 def test_a_q4_k_m_file_runs_in_its_blocks_exactly_and_greedy_ids_equal_the_dequantized_model(q4km, monkeypatch):
     gen = build(q4km)
     # Q6_K embedding, output, v and down; Q4_K q, k, out and the fused gate/up (q and k do not fuse with a Q6_K v)
@@ -84,6 +85,7 @@ def test_a_q4_k_m_file_runs_in_its_blocks_exactly_and_greedy_ids_equal_the_dequa
     assert ref.generate([PROMPT], max_gen_len=20, temperature=0)[0][0] == ids
 
 
+@CPU_KERNELS_ONLY
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q6_K", "Q5_K", "Q4_0", "IQ4_XS", "IQ4_NL", "Q5_0", "Q4_1",
                                   "Q5_1", "Q2_K", "Q3_K"])
 def test_every_native_format_gives_dequantized_weights_times_int8_activations(kind, tmp_path, monkeypatch):
@@ -94,6 +96,7 @@ def test_every_native_format_gives_dequantized_weights_times_int8_activations(ki
     check_exact(gen, monkeypatch, PROMPT + list(range(50, 60)))
 
 
+@CPU_KERNELS_ONLY
 def test_the_one_call_decode_step_takes_block_weights_and_gives_the_layer_by_layer_ids(q4km, monkeypatch):
     from llama.kernels import fused_decode
 
@@ -122,6 +125,7 @@ def test_quantize_on_a_block_file_requantizes_its_dequantized_weights(q4km):
     assert all(m.method.scheme == "int8" for m in gen.model.modules() if hasattr(m, "method"))
 
 
+@CPU_KERNELS_ONLY
 def test_types_our_kernels_do_not_run_load_dequantized_with_a_note(tmp_path, capfd):
     kinds = {"attention.wq.weight": "IQ3_XXS", "feed_forward.w1.weight": "IQ2_XXS"}
     path = write_block_gguf(tmp_path / "mixed.gguf", PARAMS, need(STORIES / "tokenizer.model"),
@@ -158,6 +162,7 @@ print(json.dumps({"peak": peaks[-1]}))
 """
 
 
+@HOST_MEMORY
 def test_loading_a_q4_k_m_file_peaks_within_1_15x_its_size(q4km, tmp_path):
     """The weights are the file's pages (or copies of them, their pages released): a dequantizing load would
     take 3.5x (bf16) the file."""
@@ -194,6 +199,7 @@ def test_row_parallel_splits_fall_on_block_boundaries(q4km):
     assert [p.shape[1] for p in parts] == [2 * 210, 210] and torch.equal(torch.cat(parts, dim=1), b)
 
 
+@CPU_KERNELS_ONLY
 def test_a_split_file_loads_as_one_model(q4km, tmp_path):
     path = write_block_gguf(tmp_path / "split.gguf", PARAMS, need(STORIES / "tokenizer.model"), q4_k_m, split=7)
     parts = sorted(tmp_path.glob("split-*-of-*.gguf"))

@@ -49,7 +49,8 @@ def reference_processor(prompt, presence=0.0, frequency=0.0, repetition=1.0):
     def proc(generated, logits):
         row = logits.float()
         if repetition != 1:
-            row = RepetitionPenaltyLogitsProcessor(repetition)(torch.tensor([prompt + generated]), row[None])[0]
+            row = RepetitionPenaltyLogitsProcessor(repetition)(torch.tensor([prompt + generated], device=row.device),
+                                                              row[None])[0]
         return openai_reference(row, generated, presence, frequency).to(logits.dtype)
 
     return proc
