@@ -23,6 +23,7 @@ import torch
 
 from llama.core.block_pool import SCRATCH, BlockPool
 from llama.core.paging import check_mode
+from llama.kernels import invariant
 from llama.settings import parse_bytes
 
 BLOCK_SIZE = 16
@@ -152,13 +153,16 @@ class KVCache:
     # ------------------------------------------------------------------------------------------ block tables
     @contextmanager
     def manage(self):
-        """The runner's passes: the scheduler's block tables are live."""
+        """The runner's passes: the scheduler's block tables are live. Under prefix_cache="exact" they compute every
+        row by row-invariant arithmetic (llama/kernels/invariant.py), so a cached position holds what any fresh
+        prefill computes, and a request's logits never depend on what else its passes hold."""
         if self._resting:
             self.table.copy_(self._saved)
             self._resting = False
         self._managing += 1
         try:
-            yield
+            with invariant.rows(getattr(self.pool, "mode", "on") == "exact"):
+                yield
         finally:
             self._managing -= 1
 
