@@ -275,6 +275,18 @@ class KVCache:
                 pin.released = True
                 self.pool.release(pin.blocks)
 
+    def pool_state(self) -> dict:
+        """The engine leader's pool when it stops, dropped prefixes released first (BlockPool.adopt says why)."""
+        with self.lock:
+            self.drain()
+            return self.pool.state()
+
+    def adopt_pool(self, state: dict) -> None:
+        """A follower takes the leader's pool; prefixes dropped meanwhile were the leader's to release too."""
+        with self.lock:
+            self.drain()
+            self.pool.adopt(state)
+
     def register(self, prefix) -> int:
         """An id for a prefix, the same on every model-parallel rank when they make prefixes in the same order
         (as they do), so a scheduled LoadPrefix op can name it."""
