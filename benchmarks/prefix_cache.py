@@ -13,6 +13,8 @@
               cache on and off, and llama-cpp-python's Llama (which reuses its last prompt's common prefix) in-process
   chat-http   the same over HTTP, the issue's side by side: our server (cache on, off) and llama-cpp-python's server
               on one GGUF (a file, or --model 1b: the random 1.38B written as bf16 GGUF), benchmarks/chat_http.py
+  exact-cost  what prefix_cache="exact"'s row-invariant arithmetic (llama/kernels/invariant.py) costs: prefill and
+              decode time against "on", side by side in one process, cache cleared before every request
   int8-kv     kv_cache_dtype="int8" against the model's dtype: logit error and perplexity of real text
               (llama/data/demo_corpus.txt, windows of 256, stride 128, as benchmarks/quant_accuracy.py)
 """
@@ -284,6 +286,41 @@ def chat(args) -> None:
     print_results("prefix-cache-chat", rows)
 
 
+def exact_cost(args) -> None:
+    """Prefill seconds (a 1-token request on a cleared cache) and decode tokens/s, "on" against "exact", the two
+    modes' runs interleaved so the machine's load falls on both alike."""
+    import torch
+
+    ckpt = Path(args.workdir) / f"shared-{args.shape}"  # the file `shared --shape` writes
+    if not (ckpt / "params.json").is_file():
+        random_checkpoint(ckpt, MODEL_SHAPES[args.shape], tokenizer=LLAMA2_TOKENIZER, dtype=torch.bfloat16, std=0.02)
+    gens = {m: build(ckpt, str(LLAMA2_TOKENIZER), m, args.dtype, 1, max(args.prompts) + args.gen + 16)
+            for m in ("on", "exact")}
+    times = {(m, n, k): [] for m in gens for n in args.prompts for k in ("prefill", "decode")}
+    for rep in range(args.reps + 1):  # the first round warms up and is not counted
+        for n in args.prompts:
+            prompt = prompt_tokens(32000, n, seed=rep)
+            for m, g in gens.items():
+                for k, gen in (("prefill", 1), ("decode", args.gen)):
+                    g.clear_prefix_cache()
+                    start = time.perf_counter()
+                    g.generate([prompt], max_gen_len=gen, temperature=0.0)
+                    if rep:
+                        times[(m, n, k)].append(time.perf_counter() - start)
+    rows = []
+    for n in args.prompts:
+        row = {"prompt tokens": n}
+        for m in gens:
+            pre, dec = (statistics.median(times[(m, n, k)]) for k in ("prefill", "decode"))
+            row[f"{m} prefill s"] = round(pre, 3)
+            row[f"{m} decode tok/s"] = round((args.gen - 1) / max(dec - pre, 1e-9), 1)
+        row["exact / on, prefill time"] = round(row["exact prefill s"] / row["on prefill s"], 2)
+        row["exact / on, decode tok/s"] = round(row["exact decode tok/s"] / row["on decode tok/s"], 2)
+        rows.append(row)
+    print(f"prefix_cache exact against on, {args.shape} {args.dtype}, median of {args.reps}:")
+    print_results("prefix-cache-exact-cost", rows)
+
+
 def add_model_args(p) -> None:
     p.add_argument("--model", required=True, help="a Meta checkpoint directory or a GGUF file")
     p.add_argument("--dtype", default="bf16")
@@ -319,6 +356,13 @@ def main(argv=None):
     s.add_argument("--shape", default=None, choices=sorted(MODEL_SHAPES),
                    help="a named shape instead of --dim/--n_layers/--n_heads (1b: the 1.38B)")
     s.add_argument("--dtype", default="bf16")
+    e = sub.add_parser("exact-cost")
+    e.add_argument("--workdir", default="/tmp/llama-bench")
+    e.add_argument("--shape", default="110m", choices=sorted(MODEL_SHAPES))
+    e.add_argument("--dtype", default="bf16")
+    e.add_argument("--prompts", type=int, nargs="+", default=[64, 512])
+    e.add_argument("--gen", type=int, default=17)
+    e.add_argument("--reps", type=int, default=3)
     q = sub.add_parser("int8-kv")
     q.add_argument("--model", required=True, help="a Meta checkpoint directory or a GGUF file")
     q.add_argument("--dtype", default="bf16")
@@ -330,7 +374,8 @@ def main(argv=None):
     chat_http.add_parser(sub)
     args = ap.parse_args(argv)
     {"memory": memory, "divergence": divergence, "preemption": preemption, "shared": shared, "int8-kv": int8_kv,
-     "chat": chat, "chat-http": chat_http.run}[args.what](args)
+     "chat": chat, "chat-http": chat_http.run,
+     "exact-cost": exact_cost}[args.what](args)
 
 
 if __name__ == "__main__":
