@@ -113,7 +113,9 @@ def preemption(args) -> None:
         rows.append({"mode": mode, "preemptions": tight.cache.pool.stats["preemptions"], "greedy tokens": total,
                      "differing": diff, "per 10,000": round(1e4 * diff / max(total, 1), 1),
                      "sequences differing": f"{sum(g['tokens'] != w['tokens'] for g, w in zip(got, want))} of "
-                                            f"{len(starts)}"})
+                                            f"{len(starts)}",
+                     "sequences whose logprobs differ (bitwise)": sum(g["logprobs"] != w["logprobs"]
+                                                                      for g, w in zip(got, want))})
     print(f"Preempted against un-preempted greedy text, {args.model}, {args.dtype}, {args.blocks} blocks:")
     print_results("prefix-cache-preemption", rows)
 
