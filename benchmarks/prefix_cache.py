@@ -289,8 +289,9 @@ def chat(args) -> None:
 
 
 def exact_cost(args) -> None:
-    """Prefill seconds (a 1-token request on a cleared cache) and decode tokens/s, "on" against "exact", the two
-    modes' runs interleaved so the machine's load falls on both alike."""
+    """Prefill seconds (a 1-token request on a cleared cache, per prompt length) and decode tokens/s (a 16-token
+    prompt: --gen tokens against 1), "on" against "exact", the two modes' runs interleaved so the machine's load
+    falls on both alike."""
     import torch
 
     ckpt = Path(args.workdir) / f"shared-{args.shape}"  # the file `shared --shape` writes
@@ -298,27 +299,26 @@ def exact_cost(args) -> None:
         random_checkpoint(ckpt, MODEL_SHAPES[args.shape], tokenizer=LLAMA2_TOKENIZER, dtype=torch.bfloat16, std=0.02)
     gens = {m: build(ckpt, str(LLAMA2_TOKENIZER), m, args.dtype, 1, max(args.prompts) + args.gen + 16)
             for m in ("on", "exact")}
-    times = {(m, n, k): [] for m in gens for n in args.prompts for k in ("prefill", "decode")}
+    runs = [(n, 1) for n in args.prompts] + [(16, args.gen)]
+    times = {(m, run): [] for m in gens for run in runs}
     for rep in range(args.reps + 1):  # the first round warms up and is not counted
-        for n in args.prompts:
+        for n, gen in runs:
             prompt = prompt_tokens(32000, n, seed=rep)
             for m, g in gens.items():
-                for k, gen in (("prefill", 1), ("decode", args.gen)):
-                    g.clear_prefix_cache()
-                    start = time.perf_counter()
-                    g.generate([prompt], max_gen_len=gen, temperature=0.0)
-                    if rep:
-                        times[(m, n, k)].append(time.perf_counter() - start)
-    rows = []
-    for n in args.prompts:
-        row = {"prompt tokens": n}
-        for m in gens:
-            pre, dec = (statistics.median(times[(m, n, k)]) for k in ("prefill", "decode"))
-            row[f"{m} prefill s"] = round(pre, 3)
-            row[f"{m} decode tok/s"] = round((args.gen - 1) / max(dec - pre, 1e-9), 1)
-        row["exact / on, prefill time"] = round(row["exact prefill s"] / row["on prefill s"], 2)
-        row["exact / on, decode tok/s"] = round(row["exact decode tok/s"] / row["on decode tok/s"], 2)
-        rows.append(row)
+                g.clear_prefix_cache()
+                start = time.perf_counter()
+                g.generate([prompt], max_gen_len=gen, temperature=0.0)
+                if rep:
+                    times[(m, (n, gen))].append(time.perf_counter() - start)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    rows = [{"measure": f"prefill of {n} tokens, s", **{m: round(med[(m, (n, 1))], 3) for m in gens},
+             "exact / on": round(med[("exact", (n, 1))] / med[("on", (n, 1))], 2)} for n in args.prompts]
+    short = (16, args.gen)
+    prompts = [r for r in runs if r[0] == 16 and r[1] == 1]
+    base = {m: med[(m, prompts[0])] if prompts else 0.0 for m in gens}
+    tps = {m: (args.gen - 1) / max(med[(m, short)] - base[m], 1e-9) for m in gens}
+    rows.append({"measure": f"decode tok/s ({args.gen - 1} tokens after a 16-token prompt)",
+                 **{m: round(tps[m], 2) for m in gens}, "exact / on": round(tps["exact"] / tps["on"], 2)})
     print(f"prefix_cache exact against on, {args.shape} {args.dtype}, median of {args.reps}:")
     print_results("prefix-cache-exact-cost", rows)
 
@@ -362,8 +362,8 @@ def main(argv=None):
     e.add_argument("--workdir", default="/tmp/llama-bench")
     e.add_argument("--shape", default="110m", choices=sorted(MODEL_SHAPES))
     e.add_argument("--dtype", default="bf16")
-    e.add_argument("--prompts", type=int, nargs="+", default=[64, 512])
-    e.add_argument("--gen", type=int, default=17)
+    e.add_argument("--prompts", type=int, nargs="+", default=[16, 64, 512], help="include 16: decode's baseline")
+    e.add_argument("--gen", type=int, default=33)
     e.add_argument("--reps", type=int, default=3)
     q = sub.add_parser("int8-kv")
     q.add_argument("--model", required=True, help="a Meta checkpoint directory or a GGUF file")

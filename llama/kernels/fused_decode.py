@@ -89,7 +89,7 @@ def run(layers, h: torch.Tensor, cos, sin, positions, rows, kv_len: int) -> Opti
     where the op cannot take them (the caller then goes layer by layer)."""
     if h.shape[1] != 1 or h.device.type != "cpu" or torch.compiler.is_compiling() or not cpu_kernels.available():
         return None
-    if not settings.get().fused_decode or invariant.active():  # its SiLU is vectorized over the batch
+    if not settings.get().fused_decode or not invariant.one_call_decodes(h.shape[0]):
         return None
     kept = _kept.setdefault(layers, {})
     key = (h.shape[0], h.dtype)

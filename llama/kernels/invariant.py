@@ -13,8 +13,8 @@ tests/core/test_exact_invariance.py, cost in docs/performance.md):
   over positions 0..its own, in order, reading the paged blocks in place; a prefill's tokens go through it as rows
   (llama/kernels/paged.py flat_rows).
 - SiLU: PyTorch's vectorized exp and its scalar tail differ in the last bit, and which elements fall in the tail
-  depends on the tensor's size; silu() below computes every element by the scalar path.
-- the one-call decode step (fused_decode) computes SiLU over the batch with PyTorch's vectorized op, so it is off.
+  depends on the tensor's size; silu() below computes one row at a time.
+- the one-call decode step (fused_decode) computes SiLU over its whole batch, so it runs batches of one only.
 The state is per thread (a ContextVar): the KV cache turns it on for its runner's passes (KVCache.manage).
 """
 
@@ -42,11 +42,21 @@ def rows(on: bool = True):
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
-    """F.silu; while active, every element by PyTorch's scalar path (a strided view is never vectorized), so an
-    element's result does not depend on where it falls in the tensor."""
+    """F.silu; while active, one row at a time, so every row is computed as a lone row is (which of its elements
+    fall in the vectorized loop's scalar tail depends only on the row's length): as the one-call decode step
+    computes a batch of one."""
     if not _ON.get() or x.device.type != "cpu" or x.numel() == 0:
         return F.silu(x)
-    wide = x.new_empty(*x.shape[:-1], 2 * x.shape[-1])
-    view = wide[..., ::2]
-    view.copy_(x)
-    return F.silu(view)
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] == 1:
+        return F.silu(x)
+    out = torch.empty(rows.shape, dtype=x.dtype)
+    for i in range(rows.shape[0]):
+        torch.ops.aten.silu.out(rows[i], out=out[i])
+    return out.view(x.shape)
+
+
+def one_call_decodes(rows: int) -> bool:
+    """Whether the one-call decode step (llama/kernels/fused_decode.py) may run `rows` rows: always, but while
+    active only one (its SiLU runs over the whole batch at once)."""
+    return rows == 1 or not _ON.get()

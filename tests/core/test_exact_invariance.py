@@ -89,6 +89,6 @@ def test_products_and_silu_are_row_invariant_at_any_row_count():
         gate = torch.randn(80, 172, generator=g).to(dtype) * 3
         with invariant.rows():
             full, act = dense.linear(x, w), invariant.silu(gate)
-            for m in (1, 5, 9, 17, 38):
+            for m in (1, 5, 9, 17, 38):  # a row alone, as in a batch of 80
                 assert torch.equal(dense.linear(x[:m], w), full[:m]), (dtype, m)
                 assert torch.equal(invariant.silu(gate[m : m + 1]), act[m : m + 1]), (dtype, m)
