@@ -6,7 +6,7 @@ The field's recipe (batch-invariant kernels: Thinking Machines' batch_invariant_
 deterministic modes) is to fix each kernel's reduction order instead of letting it depend on the problem's shape.
 What varies with the shape on our CPU path, and what takes its place while this is on (measured in
 tests/core/test_exact_invariance.py, cost in docs/performance.md):
-- products: oneDNN's bf16 GEMM blocks its K reduction by M (rows 1-2 differ between 32 and 38 rows at K=2048), and
+- products: oneDNN's bf16 GEMM gives a row other bits at another M (rows 1-2 differ between 32 and 38 rows at K=2048), and
   bf16 under 17 rows or fp32 under 9 rows go to our kernel instead. Our float_linear sums each row in one fixed
   order at any M, so it takes every product.
 - attention: SDPA's reduction over keys depends on the pass's KV length. Our decode kernel attends each query row
