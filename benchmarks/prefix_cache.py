@@ -13,6 +13,8 @@
               cache on and off, and llama-cpp-python's Llama (which reuses its last prompt's common prefix) in-process
   chat-http   the same over HTTP, the issue's side by side: our server (cache on, off) and llama-cpp-python's server
               on one GGUF (a file, or --model 1b: the random 1.38B written as bf16 GGUF), benchmarks/chat_http.py
+  exact-cost  what prefix_cache="exact"'s row-invariant arithmetic (llama/kernels/invariant.py) costs: prefill and
+              decode time against "on", side by side in one process, cache cleared before every request
   int8-kv     kv_cache_dtype="int8" against the model's dtype: logit error and perplexity of real text
               (llama/data/demo_corpus.txt, windows of 256, stride 128, as benchmarks/quant_accuracy.py)
 """
@@ -111,7 +113,9 @@ def preemption(args) -> None:
         rows.append({"mode": mode, "preemptions": tight.cache.pool.stats["preemptions"], "greedy tokens": total,
                      "differing": diff, "per 10,000": round(1e4 * diff / max(total, 1), 1),
                      "sequences differing": f"{sum(g['tokens'] != w['tokens'] for g, w in zip(got, want))} of "
-                                            f"{len(starts)}"})
+                                            f"{len(starts)}",
+                     "sequences whose logprobs differ (bitwise)": sum(g["logprobs"] != w["logprobs"]
+                                                                      for g, w in zip(got, want))})
     print(f"Preempted against un-preempted greedy text, {args.model}, {args.dtype}, {args.blocks} blocks:")
     print_results("prefix-cache-preemption", rows)
 
@@ -284,6 +288,41 @@ def chat(args) -> None:
     print_results("prefix-cache-chat", rows)
 
 
+def exact_cost(args) -> None:
+    """Prefill seconds (a 1-token request on a cleared cache, per prompt length) and decode tokens/s (a 16-token
+    prompt: --gen tokens against 1), "on" against "exact", the two modes' runs interleaved so the machine's load
+    falls on both alike."""
+    import torch
+
+    ckpt = Path(args.workdir) / f"shared-{args.shape}"  # the file `shared --shape` writes
+    if not (ckpt / "params.json").is_file():
+        random_checkpoint(ckpt, MODEL_SHAPES[args.shape], tokenizer=LLAMA2_TOKENIZER, dtype=torch.bfloat16, std=0.02)
+    gens = {m: build(ckpt, str(LLAMA2_TOKENIZER), m, args.dtype, 1, max(args.prompts) + args.gen + 16)
+            for m in ("on", "exact")}
+    runs = [(n, 1) for n in args.prompts] + [(16, args.gen)]
+    times = {(m, run): [] for m in gens for run in runs}
+    for rep in range(args.reps + 1):  # the first round warms up and is not counted
+        for n, gen in runs:
+            prompt = prompt_tokens(32000, n, seed=rep)
+            for m, g in gens.items():
+                g.clear_prefix_cache()
+                start = time.perf_counter()
+                g.generate([prompt], max_gen_len=gen, temperature=0.0)
+                if rep:
+                    times[(m, (n, gen))].append(time.perf_counter() - start)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    rows = [{"measure": f"prefill of {n} tokens, s", **{m: round(med[(m, (n, 1))], 3) for m in gens},
+             "exact / on": round(med[("exact", (n, 1))] / med[("on", (n, 1))], 2)} for n in args.prompts]
+    short = (16, args.gen)
+    prompts = [r for r in runs if r[0] == 16 and r[1] == 1]
+    base = {m: med[(m, prompts[0])] if prompts else 0.0 for m in gens}
+    tps = {m: (args.gen - 1) / max(med[(m, short)] - base[m], 1e-9) for m in gens}
+    rows.append({"measure": f"decode tok/s ({args.gen - 1} tokens after a 16-token prompt)",
+                 **{m: round(tps[m], 2) for m in gens}, "exact / on": round(tps["exact"] / tps["on"], 2)})
+    print(f"prefix_cache exact against on, {args.shape} {args.dtype}, median of {args.reps}:")
+    print_results("prefix-cache-exact-cost", rows)
+
+
 def add_model_args(p) -> None:
     p.add_argument("--model", required=True, help="a Meta checkpoint directory or a GGUF file")
     p.add_argument("--dtype", default="bf16")
@@ -319,6 +358,13 @@ def main(argv=None):
     s.add_argument("--shape", default=None, choices=sorted(MODEL_SHAPES),
                    help="a named shape instead of --dim/--n_layers/--n_heads (1b: the 1.38B)")
     s.add_argument("--dtype", default="bf16")
+    e = sub.add_parser("exact-cost")
+    e.add_argument("--workdir", default="/tmp/llama-bench")
+    e.add_argument("--shape", default="110m", choices=sorted(MODEL_SHAPES))
+    e.add_argument("--dtype", default="bf16")
+    e.add_argument("--prompts", type=int, nargs="+", default=[16, 64, 512], help="include 16: decode's baseline")
+    e.add_argument("--gen", type=int, default=33)
+    e.add_argument("--reps", type=int, default=3)
     q = sub.add_parser("int8-kv")
     q.add_argument("--model", required=True, help="a Meta checkpoint directory or a GGUF file")
     q.add_argument("--dtype", default="bf16")
@@ -330,7 +376,8 @@ def main(argv=None):
     chat_http.add_parser(sub)
     args = ap.parse_args(argv)
     {"memory": memory, "divergence": divergence, "preemption": preemption, "shared": shared, "int8-kv": int8_kv,
-     "chat": chat, "chat-http": chat_http.run}[args.what](args)
+     "chat": chat, "chat-http": chat_http.run,
+     "exact-cost": exact_cost}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -102,7 +102,8 @@ class Llama:
         (llama/formats/preload.py).
         kv_cache_memory: bytes (or "4GiB") of this rank's paged KV pool; default max_batch_size x max_seq_len
         positions, as slots held before (llama/core/kv_cache.py). prefix_cache: "on" (default) reuses the longest
-        cached prefix of every prompt, "exact" only positions a prefill computed, "off" none (llama/core/paging.py).
+        cached prefix of every prompt, "exact" only positions a prefill computed, by row-invariant arithmetic (eager:
+        compile="auto" means False with it), "off" none (llama/core/paging.py).
         kv_cache_dtype="int8": keys and values as int8 with an fp32 scale per position and head (about half of
         bf16; read by the torch paths, eager: docs/architecture.md).
         tool_style: Meta Llama 3 checkpoints' tool-call syntax, "llama3_json" (3.1) or "pythonic" (3.2, 3.3);
@@ -115,6 +116,8 @@ class Llama:
                 raise ValueError(f"speculative={speculative!r} verifies drafts with the eager decode step, whose "
                                  f"logits a compiled step does not match bit for bit: use compile=False, got "
                                  f"compile={compile!r}")
+            compile = False
+        if prefix_cache == "exact" and compile == "auto":  # its row-invariant arithmetic is the eager passes'
             compile = False
         model, tokenizer, compiled = loader.load(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size,
                                                  model_parallel_size, seed, device, dtype, verify, compile, quantize,

@@ -22,7 +22,7 @@ from llama.sizes import derive_ffn, ffn_hidden_dim  # noqa: F401 (Meta's path; f
 from llama.rope import apply_rotary_emb, precompute_freqs_cis, reshape_for_broadcast  # noqa: F401 (Meta's path)
 from llama.rope import rope_tables, scale_rope_frequencies  # noqa: F401
 from llama.kernels import cpu as cpu_kernels
-from llama.kernels import fused_decode, paged
+from llama.kernels import fused_decode, invariant, paged
 from llama.layers import ColumnLinear, Embedding, Fusable, RowLinear  # noqa: F401 (Meta's path for the layers)
 
 
@@ -243,9 +243,13 @@ class Attention(Fusable):
 
     def decode(self, x, cos, sin, positions, rows, kv_len):
         """One token per row in one call of our CPU kernel (llama/kernels/cpu.py): rotation, cache write and
-        attention, as qkv(), store() and the attention below compute them. Returns (B, heads * head_dim)."""
-        B = x.shape[0]
+        attention, as qkv(), store() and the attention below compute them. Returns (B * T, heads * head_dim): T > 1
+        tokens per row go in as rows of their own (row-invariant prefill, llama/kernels/invariant.py)."""
+        B, T = x.shape[:2]
         nq, nkv = self.n_local_heads * self.head_dim, self.n_local_kv_heads * self.head_dim
+        if T > 1:
+            cos, sin, positions, rows = paged.flat_rows(cos, sin, positions, rows, B, T)
+        B = B * T
         if self.wqkv is None:
             q, k, v = self.wq(x).view(B, nq), self.wk(x).view(B, nkv), self.wv(x).view(B, nkv)
         else:
@@ -286,9 +290,9 @@ class Attention(Fusable):
         B, T, _ = x.shape
         if self.block_table is not None and not torch.compiler.is_compiling():
             getattr(self.block_table, "direct", int)()  # outside the runner: the slot layout (core/kv_cache.py)
-        if T == 1 and self.cache_k is not None and cpu_kernels.attends(x, self.cache_k) \
+        if (T == 1 or invariant.active()) and self.cache_k is not None and cpu_kernels.attends(x, self.cache_k) \
                 and self.args.kernel_attends(kv_len):
-            return self.wo(self.decode(x, cos, sin, positions, rows, kv_len).view(B, 1, -1))
+            return self.wo(self.decode(x, cos, sin, positions, rows, kv_len).view(B, T, -1))
         q, k, v = self.qkv(x, cos, sin)
         self.store(k, v, start, positions, rows)
         ck, cv, rows = self.cached_rows(rows) if self.block_table is None else (None, None, rows)
@@ -328,9 +332,9 @@ class FeedForward(Fusable):
 
     def forward(self, x):
         if self.w13 is None:
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+            return self.w2(invariant.silu(self.w1(x)) * self.w3(x))
         gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        return self.w2(invariant.silu(gate) * up)
 
 
 class TransformerBlock(nn.Module):

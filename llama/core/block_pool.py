@@ -126,6 +126,23 @@ class BlockPool:
                 continue
             self.key_of[b], self.by_key[key] = key, b
 
+    # ------------------------------------------------------------------------------------------ followers
+    def state(self) -> dict:
+        """What a pool that plans as this one must hold (picklable)."""
+        return {"free": list(self.free), "refs": dict(self.refs), "key_of": dict(self.key_of), "lru": list(self.lru),
+                "salt": self.salt, "stats": dict(self.stats)}
+
+    def adopt(self, state: dict) -> None:
+        """Become the pool whose state() this is. Model-parallel followers and pipeline stages replay the engine
+        leader's block tables without planning, so when the engine stops their pools take the leader's: a later
+        lockstep call then plans the same blocks and cache hits on every rank. Its salt comes too (the keys were
+        made with it); a follower's blocks stay its own, so nothing is shared across ranks by it."""
+        self.free, self.refs = deque(state["free"]), dict(state["refs"])
+        self.key_of = dict(state["key_of"])
+        self.by_key = {key: b for b, key in self.key_of.items()}
+        self.lru = OrderedDict.fromkeys(state["lru"])
+        self.salt, self.stats = state["salt"], dict(state["stats"])
+
     def clear(self) -> None:
         """Forget every key: cached blocks nobody references are freed, referenced ones stay in use unkeyed."""
         for b in self.lru:

@@ -131,7 +131,7 @@ class Engine:
         if thread is not None and thread is not threading.current_thread():
             thread.join()
         if self._role == "leader" and not self._released.is_set():
-            states = {"cpu": torch.get_rng_state()}
+            states = {"cpu": torch.get_rng_state(), "pool": self.llama.cache.pool_state()}  # followers adopt both
             if torch.cuda.is_available():
                 states["cuda"] = torch.cuda.get_rng_state()
             if self._pipe is not None:
@@ -161,6 +161,7 @@ class Engine:
                 torch.set_rng_state(msg["stop"]["cpu"])
                 if "cuda" in msg["stop"] and torch.cuda.is_available():
                     torch.cuda.set_rng_state(msg["stop"]["cuda"])
+                self.llama.cache.adopt_pool(msg["stop"]["pool"])  # it replayed rank 0's tables, not its planning
                 return
             with self.llama.cache.lock, self.core.runner.leader_samples():
                 self.core.runner.execute(msg["ops"])

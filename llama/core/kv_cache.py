@@ -23,6 +23,7 @@ import torch
 
 from llama.core.block_pool import SCRATCH, BlockPool
 from llama.core.paging import check_mode
+from llama.kernels import invariant
 from llama.settings import parse_bytes
 
 BLOCK_SIZE = 16
@@ -152,13 +153,16 @@ class KVCache:
     # ------------------------------------------------------------------------------------------ block tables
     @contextmanager
     def manage(self):
-        """The runner's passes: the scheduler's block tables are live."""
+        """The runner's passes: the scheduler's block tables are live. Under prefix_cache="exact" they compute every
+        row by row-invariant arithmetic (llama/kernels/invariant.py), so a cached position holds what any fresh
+        prefill computes, and a request's logits never depend on what else its passes hold."""
         if self._resting:
             self.table.copy_(self._saved)
             self._resting = False
         self._managing += 1
         try:
-            yield
+            with invariant.rows(getattr(self.pool, "mode", "on") == "exact"):
+                yield
         finally:
             self._managing -= 1
 
@@ -270,6 +274,18 @@ class KVCache:
             if not pin.released:
                 pin.released = True
                 self.pool.release(pin.blocks)
+
+    def pool_state(self) -> dict:
+        """The engine leader's pool when it stops, dropped prefixes released first (BlockPool.adopt says why)."""
+        with self.lock:
+            self.drain()
+            return self.pool.state()
+
+    def adopt_pool(self, state: dict) -> None:
+        """A follower takes the leader's pool; prefixes dropped meanwhile were the leader's to release too."""
+        with self.lock:
+            self.drain()
+            self.pool.adopt(state)
 
     def register(self, prefix) -> int:
         """An id for a prefix, the same on every model-parallel rank when they make prefixes in the same order

@@ -94,13 +94,19 @@ class Pipelined:
         return bool(self.inflight) or any(g.has_work() for g in self.groups)
 
     def turn(self) -> None:
-        """Launch every idle group that has work (up to one step per group in flight), then finish the oldest."""
+        """Launch every idle group that has work (up to one step per group in flight), then finish the oldest. When
+        no group runs anything and none could admit its next request, those requests can never fit beside the live
+        prefixes that hold the shared pool: they fail as the decode core's do (DecodeCore._unfit)."""
         flying = [g for g, *_ in self.inflight]
         for g in self.groups:
             if g.has_work() and not any(g is f for f in flying):
                 self._launch(g)
         if self.inflight:
             self._finish()
+        elif not any(g.running() for g in self.groups):
+            for g in self.groups:
+                if g.waiting:
+                    self.core._unfit(g)
 
     def _launch(self, sched) -> None:
         self.ticket += 1

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from llama.kernels import cpu as cpu_kernels
+from llama.kernels import invariant
 
 # oneDNN's fp32 linear, when this build has it: eager F.linear runs MKL's sgemm for fp32 on CPU, which is slower at
 # every batch size measured (docs/performance.md; bf16 already goes to oneDNN).
@@ -23,13 +24,14 @@ BF16_KERNEL_MAX_ROWS = 16
 def ours(weight: torch.Tensor, rows: int, dtype: torch.dtype) -> bool:
     """Whether x @ weight.T of `rows` rows of `dtype` runs in our float_linear: the one routing rule that linear()
     follows and fused_decode.route() reports. bf16 weights always (except a bf16 prefill past BF16_KERNEL_MAX_ROWS,
-    eager, where oneDNN has bf16 dot products), fp32 ones up to FP32_KERNEL_MAX_ROWS rows of fp32."""
+    eager, where oneDNN has bf16 dot products), fp32 ones up to FP32_KERNEL_MAX_ROWS rows of fp32; at any row count
+    while row-invariant arithmetic is on (llama/kernels/invariant.py: oneDNN's GEMM blocks by the row count)."""
     if not cpu_kernels.takes_float(weight):
         return False
     if weight.dtype == torch.bfloat16:
-        return not (dtype == torch.bfloat16 and cpu_kernels.onednn_rows(rows, BF16_KERNEL_MAX_ROWS)
-                    and not torch.compiler.is_compiling())
-    return dtype == torch.float32 and rows <= FP32_KERNEL_MAX_ROWS
+        return invariant.active() or not (dtype == torch.bfloat16 and cpu_kernels.onednn_rows(
+            rows, BF16_KERNEL_MAX_ROWS) and not torch.compiler.is_compiling())
+    return dtype == torch.float32 and (rows <= FP32_KERNEL_MAX_ROWS or invariant.active())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

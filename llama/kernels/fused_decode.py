@@ -22,6 +22,7 @@ import torch
 
 from llama import settings
 from llama.kernels import cpu as cpu_kernels
+from llama.kernels import invariant
 
 # the op's schemes: a bf16 or fp32 weight, group-wise int4, int8 with per-row scales, GGUF blocks (group: the
 # ggml type)
@@ -88,7 +89,7 @@ def run(layers, h: torch.Tensor, cos, sin, positions, rows, kv_len: int) -> Opti
     where the op cannot take them (the caller then goes layer by layer)."""
     if h.shape[1] != 1 or h.device.type != "cpu" or torch.compiler.is_compiling() or not cpu_kernels.available():
         return None
-    if not settings.get().fused_decode:
+    if not settings.get().fused_decode or not invariant.one_call_decodes(h.shape[0]):
         return None
     kept = _kept.setdefault(layers, {})
     key = (h.shape[0], h.dtype)

@@ -51,3 +51,15 @@ def read(cache_k: torch.Tensor, cache_v: torch.Tensor, table: torch.Tensor, kv_l
         g = g.transpose(1, 2)
         out.append(g.reshape(g.shape[0], g.shape[1], -1, g.shape[-1])[:, :, :kv_len])
     return out
+
+
+def flat_rows(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, rows, B: int, T: int):
+    """A pass of B rows of T tokens as B * T one-token rows of the decode kernel (row-invariant attention,
+    llama/kernels/invariant.py): (cos, sin, positions, cache rows), one per token. It writes every token's key and
+    value before any attends, and each attends over its own row's positions 0..its own, as the causal mask does."""
+    half = cos.shape[-1]
+    cos, sin = (t.expand(B, T, half).reshape(B * T, half) for t in (cos, sin))
+    if rows is None or isinstance(rows, slice):
+        first = 0 if rows is None else rows.start or 0
+        rows = torch.arange(first, first + B, device=positions.device)
+    return cos, sin, positions.expand(B, T).reshape(B * T), rows.repeat_interleave(T)

@@ -1,6 +1,7 @@
 """Automatic prefix caching on the paged KV pool: the same text with the cache on and off on every path (Llama
 calls, the engine, the server, after eviction, in a pool too small for every request at once), cached prompt
-positions really skipped, isolation by salt, opt-out, n samples sharing blocks, and the exact mode in bf16."""
+positions really skipped, isolation by salt, opt-out, n samples sharing blocks, and the exact mode in bf16 (its
+logprobs bitwise those of a cold cache)."""
 
 import threading
 
@@ -111,6 +112,27 @@ def test_a_pool_smaller_than_the_slots_loses_no_request_and_evicts():
         assert engine.stats["peak_active"] == 4 and engine.stats["preemptions"] > 0  # blocks grow with use
     assert tight.cache.pool.stats["evictions"] > 0 and tight.cache.pool.used() == 0
     assert texts(tight.text_completion(prompts, **opts)) == want  # a static batch too
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_exact_mode_logprobs_are_bitwise_a_cold_caches_in_any_company_and_chunking(dtype):
+    """Row-invariant arithmetic (llama/kernels/invariant.py): not only the tokens but every sampled token's logprob
+    (from its logits) is bitwise the same with its prompt from the cache or computed, alone or in a batch, in one
+    pass or in chunks of 5 beside other requests."""
+    exact = build("exact", dtype=dtype)
+    opts = dict(temperature=0.0, max_gen_len=16, logprobs=True)
+    pick = lambda results: [(r["tokens"], r["logprobs"]) for r in results]  # noqa: E731
+    want = []
+    for p in PROMPTS:  # each alone on a cold cache
+        exact.clear_prefix_cache()
+        want += pick(exact.text_completion([p], **opts))
+    exact.clear_prefix_cache()
+    assert pick(exact.text_completion(PROMPTS, **opts)) == want  # one batch, padded to its longest prompt
+    assert pick(exact.text_completion(PROMPTS[::-1], **opts)) == want[::-1]  # from the blocks the batch cached
+    assert exact.cache.pool.stats["cached_tokens"] >= 3 * 32
+    with exact.engine(prefill_chunk=5) as engine:  # chunked, beside a longer request, from the cache
+        reqs = [engine.submit(p, **opts) for p in [SYSTEM + " " + SYSTEM] + PROMPTS[::-1]]
+        assert pick([r.result(timeout=120) for r in reqs[1:]]) == want[::-1]
 
 
 def test_exact_mode_in_bf16_matches_the_cache_off_text():
