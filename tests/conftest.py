@@ -16,12 +16,28 @@ from llama import settings
 torch.set_num_threads(1)
 
 # The suite never writes the user's cache (the demo checkpoint, int4 pack caches); subprocesses inherit this. It is
-# removed when the session ends, so runs do not pile up in /tmp.
-os.environ["LLAMA_CACHE"] = tempfile.mkdtemp(prefix="llama-test-cache-")
-atexit.register(shutil.rmtree, os.environ["LLAMA_CACHE"], ignore_errors=True)
+# removed when the session ends, so runs do not pile up in /tmp. A test's subprocess that imports this module (a
+# torchrun rank importing its test file) keeps the cache its test gave it: a new one would build the CPU kernels
+# again in every rank (~40 s of CPU each).
+if not ("PYTEST_CURRENT_TEST" in os.environ and os.environ.get("LLAMA_CACHE")):
+    os.environ["LLAMA_CACHE"] = tempfile.mkdtemp(prefix="llama-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["LLAMA_CACHE"], ignore_errors=True)
 
 REPO = Path(__file__).resolve().parents[1]
+SUITE_CACHE = Path(os.environ["LLAMA_CACHE"])
 SHARED = Path(os.environ.get("LLAMA_SHARED") or REPO.parent / "shared")
+
+
+def fresh_cache(path: Path) -> Path:
+    """A new, empty LLAMA_CACHE at `path` for a test that checks what lands there (the demo checkpoint, a fetched
+    model, compiled steps), sharing this session's compiled CPU kernels: a build costs ~40 s of CPU, and building
+    into a fresh cache is tested once (tests/kernels/test_cpu.py)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (SUITE_CACHE / "kernels").mkdir(exist_ok=True)
+    if not (path / "kernels").is_symlink():
+        (path / "kernels").symlink_to(SUITE_CACHE / "kernels")
+    return path
+
 
 # The device the suite runs on: LLAMA_TEST_DEVICE=cuda runs every model the tests build on the GPU (through
 # LLAMA_DEVICE, which subprocesses inherit), in fp32 unless a test asks for another dtype, since the references
