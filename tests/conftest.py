@@ -67,11 +67,34 @@ for _change in ("setenv", "delenv", "undo"):
 CPU_ONLY = pytest.mark.skipif(ON_CUDA, reason="int8-dynamic runs on the CPU only (oneDNN); CUDA uses int8")
 
 
+# The files that take minutes (compiles, torchrun launches, servers), heaviest first (measured with --durations,
+# 2026-11-26). They run first, so that under `-n 2 --dist loadfile` the two workers end together on the many light
+# files; xdist's own order (files by test count) puts these few-test files last, where one of them alone is the
+# tail. A stale entry costs balance, never a test.
+SLOW_FIRST = (
+    "compilation/test_step_store_kernels.py", "formats/test_gguf_families.py", "formats/test_gguf_file.py",
+    "compilation/test_compiled_decode.py", "test_examples.py", "compilation/test_step_store.py",
+    "distributed/test_tensor_parallel.py", "kernels/test_cpu.py", "serve/test_serve.py",
+    "quantization/test_gguf_blocks.py", "formats/test_fetch.py", "tokenizers/test_pretokenizers.py",
+    "quantization/test_int4.py", "formats/test_gguf_blocks_real.py", "serve/test_serve_tools.py", "cli/test_chat.py",
+    "distributed/test_pipeline.py", "quantization/test_int8.py", "test_families.py", "test_llama3.py",
+    "distributed/test_pipeline_nodes.py",
+)
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the collection order (SLOW_FIRST)
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
     if ON_CUDA and not torch.cuda.is_available():
         skip = pytest.mark.skip(reason=f"LLAMA_TEST_DEVICE={DEVICE} but this PyTorch sees no CUDA device")
         for item in items:
             item.add_marker(skip)
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    tests = Path(__file__).resolve().parent
+    items.sort(key=lambda item: rank.get(Path(os.path.relpath(item.path, tests)).as_posix(), len(rank)))  # stable
 
 
 def error_lines(stderr: str, tail: int = 2000) -> str:
