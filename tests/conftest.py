@@ -16,12 +16,28 @@ from llama import settings
 torch.set_num_threads(1)
 
 # The suite never writes the user's cache (the demo checkpoint, int4 pack caches); subprocesses inherit this. It is
-# removed when the session ends, so runs do not pile up in /tmp.
-os.environ["LLAMA_CACHE"] = tempfile.mkdtemp(prefix="llama-test-cache-")
-atexit.register(shutil.rmtree, os.environ["LLAMA_CACHE"], ignore_errors=True)
+# removed when the session ends, so runs do not pile up in /tmp. A test's subprocess that imports this module (a
+# torchrun rank importing its test file) keeps the cache its test gave it: a new one would build the CPU kernels
+# again in every rank (~40 s of CPU each).
+if not ("PYTEST_CURRENT_TEST" in os.environ and os.environ.get("LLAMA_CACHE")):
+    os.environ["LLAMA_CACHE"] = tempfile.mkdtemp(prefix="llama-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["LLAMA_CACHE"], ignore_errors=True)
 
 REPO = Path(__file__).resolve().parents[1]
+SUITE_CACHE = Path(os.environ["LLAMA_CACHE"])
 SHARED = Path(os.environ.get("LLAMA_SHARED") or REPO.parent / "shared")
+
+
+def fresh_cache(path: Path) -> Path:
+    """A new, empty LLAMA_CACHE at `path` for a test that checks what lands there (the demo checkpoint, a fetched
+    model, compiled steps), sharing this session's compiled CPU kernels: a build costs ~40 s of CPU, and building
+    into a fresh cache is tested once (tests/kernels/test_cpu.py)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (SUITE_CACHE / "kernels").mkdir(exist_ok=True)
+    if not (path / "kernels").is_symlink():
+        (path / "kernels").symlink_to(SUITE_CACHE / "kernels")
+    return path
+
 
 # The device the suite runs on: LLAMA_TEST_DEVICE=cuda runs every model the tests build on the GPU (through
 # LLAMA_DEVICE, which subprocesses inherit), in fp32 unless a test asks for another dtype, since the references
@@ -57,11 +73,34 @@ CPU_KERNELS_ONLY = pytest.mark.skipif(ON_CUDA, reason="runs in our CPU kernels; 
 HOST_MEMORY = pytest.mark.skipif(ON_CUDA, reason="measures host memory of a CPU load; on CUDA the weights go to the GPU")
 
 
+# The files that take minutes (compiles, torchrun launches, servers), heaviest first (measured with --durations,
+# 2026-11-26). They run first, so that under `-n 2 --dist loadfile` the two workers end together on the many light
+# files; xdist's own order (files by test count) puts these few-test files last, where one of them alone is the
+# tail. A stale entry costs balance, never a test.
+SLOW_FIRST = (
+    "compilation/test_step_store_kernels.py", "formats/test_gguf_families.py", "formats/test_gguf_file.py",
+    "compilation/test_compiled_decode.py", "test_examples.py", "compilation/test_step_store.py",
+    "distributed/test_tensor_parallel.py", "kernels/test_cpu.py", "serve/test_serve.py",
+    "quantization/test_gguf_blocks.py", "formats/test_fetch.py", "tokenizers/test_pretokenizers.py",
+    "quantization/test_int4.py", "formats/test_gguf_blocks_real.py", "serve/test_serve_tools.py", "cli/test_chat.py",
+    "distributed/test_pipeline.py", "quantization/test_int8.py", "test_families.py", "test_llama3.py",
+    "distributed/test_pipeline_nodes.py",
+)
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the collection order (SLOW_FIRST)
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
     if ON_CUDA and not torch.cuda.is_available():
         skip = pytest.mark.skip(reason=f"LLAMA_TEST_DEVICE={DEVICE} but this PyTorch sees no CUDA device")
         for item in items:
             item.add_marker(skip)
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    tests = Path(__file__).resolve().parent
+    items.sort(key=lambda item: rank.get(Path(os.path.relpath(item.path, tests)).as_posix(), len(rank)))  # stable
 
 
 def error_lines(stderr: str, tail: int = 2000) -> str:

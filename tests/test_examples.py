@@ -6,11 +6,11 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, rank_env
+from conftest import REPO, fresh_cache, rank_env
 
 
 def run(args, tmp_path, **env_extra):
-    env = rank_env(1, LLAMA_CACHE=str(tmp_path / "cache"), **env_extra)
+    env = rank_env(1, LLAMA_CACHE=str(fresh_cache(tmp_path / "cache")), **env_extra)
     proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout

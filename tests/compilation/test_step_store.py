@@ -2,8 +2,9 @@
 and gives the same greedy ids; compile="auto" takes a stored step at once; an unreadable package is rebuilt; the
 key tells weights, batch sizes, rows and settings apart.
 
-Most tests here turn our CPU kernels off, so that the step freezes the weights into its package (as on CPUs
-without them); the last ones keep them on: the step calls them on the model's own weights, bound at load.
+The tests here turn our CPU kernels off, so that the step freezes the weights into its package (as on CPUs without
+them); test_step_store_kernels.py keeps them on (the step calls them on the model's own weights, bound at load).
+Two files, so that two pytest workers share the compiles (--dist loadfile).
 
 Each test that compiles pays one AOTInductor compile of stories260K's step (tens of seconds), so they share one
 cache directory and one compile.
@@ -16,9 +17,9 @@ import sys
 
 import pytest
 import torch
-from conftest import GOLDENS, ON_CUDA, REPO, SHARED, error_lines
+from conftest import GOLDENS, ON_CUDA, REPO, error_lines
 
-from llama import Llama, settings
+from llama import Llama
 from llama.compilation import step_store as compile_cache
 from llama.compilation.compiled_decode import CompiledDecode
 from llama.kernels import cpu as cpu_kernels
@@ -139,145 +140,8 @@ def test_turned_off_by_the_environment(stories_dir, monkeypatch):
     assert CompiledDecode(model).package_path((2, False)) is None
 
 
-@pytest.fixture(scope="module")
-def kernel_cache(tmp_path_factory, stories_dir, goldens):
-    """A cache directory holding stories260K's batch-2 step compiled with our CPU kernels on: the step calls them
-    on the model's weights, so the package holds none."""
-    if not cpu_kernels.available():
-        pytest.skip("llama's CPU kernels are not available here")
-    path = tmp_path_factory.mktemp("llama-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LLAMA_CACHE", str(path))
-        llama = build(stories_dir, compile=True)
-        out, _ = llama.generate([g["prompt_tokens"] for g in goldens.values()], max_gen_len=128, temperature=0)
-    step = llama.runner.compiled
-    assert step.config["freezing"] is False and step.packages.keys() == {(2, False)} and not step.loaded
-    assert out == [g["generated_tokens"] for g in goldens.values()]
-    [stored] = (path / "aoti").glob("*/step.so")
-    assert (stored.parent / compile_cache.CALLS).is_file()  # the calls of our ops, beside the library
-    return path
-
-
-def test_a_step_calling_our_kernels_is_stored_without_the_weights(kernel_cache, stories_dir, tmp_path,
-                                                                  monkeypatch):
-    """A new process loads it and gives the goldens; loaded here, it reads the model's own weights: a weight changed
-    in place after loading shows in its logits (a package holding a copy would not see it)."""
-    monkeypatch.undo()  # the kernels as this machine has them
-    proc = run_load(kernel_cache, stories_dir, tmp_path, kernels=True)
-    assert "packages [(2, False)] loaded [(2, False)]" in proc.stdout and "Compiling" not in proc.stdout
-    monkeypatch.setenv("LLAMA_CACHE", str(kernel_cache))
-    model = build(stories_dir, compile=False).model
-    step = CompiledDecode(model)
-    tokens, pos = torch.tensor([[5], [7]]), torch.tensor([0, 0])
-    with torch.inference_mode():
-        before = step(tokens, pos)
-        assert step.loaded == {(2, False)}
-        model.output.weight.mul_(2)
-        after = step(tokens, pos)
-    torch.testing.assert_close(after, 2 * before)
-
-
-def test_a_stored_int4_step_gives_what_torch_compile_gives(tmp_path, monkeypatch):
-    """An int4 model whose layers all run in our int4 kernel: its step takes the model's codes (freezing off, so
-    neither graph nor package holds a copy), and the stored step's logits are torch.compile's."""
-    from test_model import random_model
-
-    from llama.core.kv_cache import KVCache
-    from llama.quantization.int4 import quantize_int4
-    from llama.layers import kernel_model
-
-    monkeypatch.undo()
-    if not cpu_kernels.available():
-        pytest.skip("llama's CPU kernels are not available here")
-    monkeypatch.setenv("LLAMA_CACHE", str(tmp_path))
-    model = quantize_int4(random_model(multiple_of=32).fuse(), 32)
-    assert kernel_model(model)
-    KVCache(model, 2, 32)
-    tokens, pos = torch.tensor([[3], [5]]), torch.tensor([0, 0])
-    outs = {}
-    for keep in ("0", "1"):
-        monkeypatch.setenv("LLAMA_COMPILE_CACHE", keep)
-        step = CompiledDecode(model)
-        assert step.config["freezing"] is False
-        with torch.inference_mode():
-            outs[keep] = step(tokens, pos)
-        assert bool(step.packages) == (keep == "1")
-    torch.testing.assert_close(outs["1"], outs["0"], rtol=1e-5, atol=1e-5)
-
-
 def test_int8_dynamic_compiles_in_every_process(stories_dir):
     """Its oneDNN-packed weights are opaque tensors that torch.export cannot trace: torch.compile, not a package."""
     model = build(stories_dir, compile=False, quantize="int8-dynamic").model
     assert not compile_cache.enabled(model)
     assert compile_cache.enabled(build(stories_dir, compile=False, quantize="int8").model)
-
-
-TIED = r'''
-import sys, torch
-torch.set_num_threads(1)
-sys.path.insert(0, sys.argv[1])
-from test_model import random_model
-from llama.compilation.compiled_decode import CompiledDecode
-model = random_model(max_batch=2, max_seq=32).fuse()
-model.output.weight = model.tok_embeddings.weight  # tied, as SmolLM2 and Llama 3.2 1B/3B
-step = CompiledDecode(model)
-with torch.inference_mode():
-    logits = torch.stack([step(torch.tensor([[3], [5]]), torch.tensor([0, 0])),
-                          step(torch.tensor([[7], [2]]), torch.tensor([1, 1]))])
-torch.save(logits, sys.argv[2])
-print("freezing", step.config["freezing"], "packages", sorted(step.packages), "loaded", sorted(step.loaded))
-'''
-
-SMOLLM2 = r'''
-import sys, torch
-torch.set_num_threads(1)
-from llama import Llama
-g = Llama.build(sys.argv[1], None, max_seq_len=64, max_batch_size=1, compile=True)
-assert g.model.output.weight is g.model.tok_embeddings.weight
-out, _ = g.generate([[1, 504, 3575, 282, 4649, 314]], max_gen_len=8, temperature=0)
-print("out", out, "packages", sorted(g.runner.compiled.packages), "loaded", sorted(g.runner.compiled.loaded))
-'''
-
-
-def run_twice(script: str, args, tmp_path) -> list:
-    """script in two new processes on one fresh cache directory (our kernels on): their stdouts."""
-    (tmp_path / "script.py").write_text(script)
-    (tmp_path / "cache").mkdir()
-    if (settings.cache_dir() / "kernels").is_dir():  # this process's kernels, not compiled again
-        (tmp_path / "cache" / "kernels").symlink_to(settings.cache_dir() / "kernels")
-    env = {**os.environ, "LLAMA_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
-    outs = []
-    for i in range(2):
-        proc = subprocess.run([sys.executable, str(tmp_path / "script.py"), *args(i)], env=env,
-                              capture_output=True, text=True, timeout=1200)
-        assert proc.returncode == 0, error_lines(proc.stderr)
-        assert "could not keep the compiled decode step" not in proc.stderr, error_lines(proc.stderr)
-        outs.append(proc.stdout)
-    return outs
-
-
-def test_a_tied_model_loads_its_stored_step_in_a_new_process(tmp_path, monkeypatch):
-    """A tied model's output.weight is its embedding's Parameter: the stored step (which calls our kernels on the
-    model's weights) binds it by alias, so a second process loads the step the first compiled, with the same
-    logits."""
-    monkeypatch.undo()
-    if not cpu_kernels.available():
-        pytest.skip("llama's CPU kernels are not available here (a frozen step holds its own copy of the weights)")
-    first, second = run_twice(TIED, lambda i: [str(REPO / "tests"), str(tmp_path / f"logits{i}.pt")], tmp_path)
-    assert "freezing False packages [(2, False)] loaded []" in first
-    assert "freezing False packages [(2, False)] loaded [(2, False)]" in second
-    assert torch.equal(torch.load(tmp_path / "logits0.pt"), torch.load(tmp_path / "logits1.pt"))
-
-
-def test_smollm2_gguf_loads_its_stored_step_in_a_new_process(tmp_path, monkeypatch):
-    """The default model (tied embeddings, int4 in our kernels) compiles once per machine, not once per process."""
-    gguf = SHARED / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not gguf.is_file():
-        pytest.skip(f"{gguf} is absent (../shared holds the SmolLM2 GGUF)")
-    monkeypatch.undo()
-    if not cpu_kernels.available():
-        pytest.skip("llama's CPU kernels are not available here")
-    first, second = run_twice(SMOLLM2, lambda i: [str(gguf)], tmp_path)
-    assert "packages [(1, False)] loaded []" in first
-    assert "packages [(1, False)] loaded [(1, False)]" in second and "Compiling" not in second
-    assert first.split("out ")[1].split(" packages")[0] == second.split("out ")[1].split(" packages")[0]

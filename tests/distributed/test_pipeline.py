@@ -1,9 +1,9 @@
-"""Pipeline parallel under torchrun on CPU (gloo): P=2 (2 processes) and T=2 x P=2 as a simulated two-node job
-(two torchrun launches, c10d rendezvous on 127.0.0.1) give the stories260K goldens and the single process's seeded
-samples from 1- and 2-shard checkpoints, each rank holds about 1/(T x P) of the weights, the engine under P=2
-serves concurrent requests as each alone (its steps overlapping across the stages, and one step at a time), also
-when they arrive at different times, one is cancelled and others fail, and impossible layouts fail with a clear
-ValueError."""
+"""Pipeline parallel under torchrun on CPU (gloo): P=2 (2 processes) gives the stories260K goldens and the single
+process's seeded samples from 1- and 2-shard checkpoints, each rank holds about 1/(T x P) of the weights, the engine
+under P=2 serves concurrent requests as each alone (its steps overlapping across the stages, and one step at a
+time), also when they arrive at different times, one is cancelled and others fail, and impossible layouts fail with
+a clear ValueError. T=2 x P=2 on two simulated nodes: test_pipeline_nodes.py (a file of its own, so that two pytest
+workers share the launches)."""
 
 import json
 import os
@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 from conftest import GOLDENS, SHARED, STORIES, error_lines, rank_env
 from helpers import ONCE, build_stories
-from serve_util import free_port
 
 TESTS = Path(__file__).resolve().parent
 ROOT_TESTS = TESTS.parent
@@ -288,17 +287,6 @@ def p2(checkpoints):
     return outputs(tmp, "p2", 2)
 
 
-@pytest.fixture(scope="module")
-def two_nodes(checkpoints):
-    """T=2 x P=2 on two simulated nodes: two torchrun launches of 2 processes each, c10d rendezvous on 127.0.0.1."""
-    tmp, dirs, _ = checkpoints
-    port = free_port()
-    finish([launch(tmp, ["--nnodes", "2", "--nproc_per_node", "2", "--node_rank", str(node), "--rdzv_backend", "c10d",
-                         "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "llama-pp-test"], 2, 2, "nodes", "plain",
-                   dirs) for node in (0, 1)])
-    return outputs(tmp, "nodes", 4)
-
-
 def check_ranks(ranks, single, goldens, T, P):
     total = single["weight_bytes"]
     for d in map(str, (STORIES, ranks[0]["two"])):
@@ -393,14 +381,6 @@ def test_pipelined_engine_keeps_both_groups_in_flight_at_once(p2):
     # from then on the groups alternate: each group's step is launched right after the other group's finished
     for (e1, g1, t1), (e2, g2, t2) in zip(trace[2:20:2], trace[3:21:2]):
         assert (e1, e2) == ("finish", "launch") and g1 == g2 and t2 > t1
-
-
-def test_tp2_x_pp2_on_two_simulated_nodes(two_nodes, single, goldens):
-    check_ranks(two_nodes, single, goldens, 2, 2)
-    # the pipelined engine with 2 tensor-parallel ranks per stage (rank 1 follows rank 0's finish messages)
-    assert two_nodes[0]["engine"] == single["alone"] and two_nodes[0]["engine_stats"]["overlapped"] > 0
-    for rank, r in enumerate(two_nodes):  # each node (c10d group rank) holds one whole stage: TP stays on the node
-        assert r["group_rank"] == rank // 2 == next(iter(r["dirs"].values()))["stage"]
 
 
 def test_two_stages_from_a_gguf_file_match_one_process(tmp_path, monkeypatch):

@@ -19,22 +19,27 @@ from llama.formats.reshard import reshard
 
 TIMEOUT = 300
 
-# Run by every rank: build from each checkpoint, sample then decode greedily, write this rank's tokens.
-SCRIPT = textwrap.dedent("""
+# Run by every rank: build from each checkpoint, sample then decode greedily, write this rank's tokens; with "mp",
+# also mp_outputs() of the first checkpoint's build (seeded, streamed, stopped and chat texts).
+SCRIPT = textwrap.dedent(f"""
     import json, os, sys
     import torch.distributed as dist
     from llama.generation import Llama
+    sys.path[:0] = [{str(Path(__file__).resolve().parent)!r}, {str(Path(__file__).resolve().parents[1])!r}]
+    from test_tensor_parallel import mp_outputs
 
-    goldens, tokenizer, out, *dirs = sys.argv[1:]
+    goldens, tokenizer, out, mp, *dirs = sys.argv[1:]
     prompts = [g["prompt_tokens"] for g in json.load(open(goldens)).values()]
-    result = {}
+    result = {{}}
     for d in dirs:
         llama = Llama.build(d, tokenizer, max_seq_len=160, max_batch_size=2, device="cpu", dtype="float32")
         sampled, _ = llama.generate(prompts, max_gen_len=48, temperature=0.8, top_p=0.9)  # first: seed just set
         greedy, _ = llama.generate(prompts, max_gen_len=128, temperature=0.0)
-        result[d] = {"greedy": greedy, "sampled": sampled}
-    with open(f"{out}.{os.environ['RANK']}.json", "w") as f:
-        json.dump({"world_size": int(os.environ["WORLD_SIZE"]), "result": result}, f)
+        result[d] = {{"greedy": greedy, "sampled": sampled}}
+        if mp == "mp" and d == dirs[0]:
+            result[d]["mp"] = mp_outputs(llama)
+    with open(f"{{out}}.{{os.environ['RANK']}}.json", "w") as f:
+        json.dump({{"world_size": int(os.environ["WORLD_SIZE"]), "result": result}}, f)
     dist.barrier()
     dist.destroy_process_group()  # a clean exit, so the other node's rendezvous is not left hanging
 """)
@@ -51,9 +56,9 @@ def setup(tmp_path_factory):
     return tmp, goldens
 
 
-def torchrun(tmp, *launch_args, out, dirs):
+def torchrun(tmp, *launch_args, out, dirs, mp=False):
     cmd = [sys.executable, "-m", "torch.distributed.run", *launch_args, str(tmp / "run.py"), str(GOLDENS),
-           str(STORIES / "tokenizer.model"), str(tmp / out), *map(str, dirs)]
+           str(STORIES / "tokenizer.model"), str(tmp / out), "mp" if mp else "-", *map(str, dirs)]
     env = rank_env(3)
     return subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -76,10 +81,11 @@ def rank_outputs(tmp, out, world):
 
 @pytest.fixture(scope="module")
 def two_procs(setup):
-    """One `torchrun --nproc_per_node 2` launch loading the 1-shard and the 2-shard checkpoint."""
+    """One `torchrun --nproc_per_node 2` launch loading the 1-shard and the 2-shard checkpoint (and mp_outputs() of
+    the 1-shard build)."""
     tmp, goldens = setup
     rc, out, err = finish(torchrun(tmp, "--standalone", "--nproc_per_node", "2", out="mp2",
-                                   dirs=[STORIES, tmp / "two"]))
+                                   dirs=[STORIES, tmp / "two"], mp=True))
     assert rc == 0, err[-3000:]
     return tmp, goldens, rank_outputs(tmp, "mp2", 2), out
 
@@ -97,14 +103,23 @@ def test_only_rank_0_prints(two_procs):
     assert stdout.count("Loaded in") == 2  # two builds, printed by rank 0 alone
 
 
-def test_sampling_at_mp2_matches_mp1_with_the_same_seed(two_procs):
+@pytest.fixture(scope="module")
+def mp1(setup):
+    """What one process gives for the calls each rank of two_procs made on its first build, in the same order."""
     from llama.generation import Llama
 
-    tmp, goldens, ranks, _ = two_procs
+    _, goldens = setup
     prompts = [g["prompt_tokens"] for g in goldens.values()]
     llama = Llama.build(str(STORIES), str(STORIES / "tokenizer.model"), max_seq_len=160, max_batch_size=2,
                         device="cpu", dtype="float32")
     sampled, _ = llama.generate(prompts, max_gen_len=48, temperature=0.8, top_p=0.9)
+    llama.generate(prompts, max_gen_len=128, temperature=0.0)
+    return {"sampled": sampled, "mp": mp_outputs(llama)}
+
+
+def test_sampling_at_mp2_matches_mp1_with_the_same_seed(two_procs, mp1):
+    tmp, goldens, ranks, _ = two_procs
+    sampled = mp1["sampled"]
     greedy48 = [g["generated_tokens"][:48] for g in goldens.values()]
     assert sampled != greedy48 and all(len(s) > 0 for s in sampled)  # really sampled, not greedy
     assert ranks[0][str(STORIES)]["sampled"] == sampled
@@ -180,35 +195,10 @@ def mp_outputs(g):
     return res + [session.send("Hi", temperature=0, max_gen_len=10), session.send("More", seed=3, **kw)]
 
 
-MP_SCRIPT = r'''
-import json, sys, torch
-torch.set_num_threads(1)
-import torch.distributed as dist
-from llama import Llama
-sys.path[:0] = [sys.argv[3], sys.argv[3] + "/distributed"]
-from test_tensor_parallel import mp_outputs
-ckpt, out = sys.argv[1], sys.argv[2]
-res = mp_outputs(Llama.build(ckpt, ckpt + "/tokenizer.model", max_seq_len=128, max_batch_size=2))
-if dist.get_rank() == 0:
-    json.dump(res, open(out, "w"))
-'''
-
-
-def test_seeded_outputs_identical_at_mp2(tmp_path):
+def test_seeded_outputs_identical_at_mp2(two_procs, mp1):
     """Two model-parallel ranks (torchrun, gloo on CPU) give the same texts as one process."""
-    import subprocess
-    import sys
-    need(STORIES / "consolidated.00.pth")
-    script, out = tmp_path / "mp.py", tmp_path / "mp2.json"
-    script.write_text(MP_SCRIPT)
-    root = Path(__file__).resolve().parents[2]
-    env = rank_env(2, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script),
-                           str(STORIES), str(out), str(root / "tests")], env=env, capture_output=True, text=True,
-                          timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    mp2 = json.loads(out.read_text())
-    mp1 = mp_outputs(build_stories(max_batch_size=2, max_seq_len=128))
-    assert mp2 == mp1
+    *_, ranks, _ = two_procs
+    assert ranks[0][str(STORIES)]["mp"] == ranks[1][str(STORIES)]["mp"] == mp1["mp"]
+    mp1 = mp1["mp"]
     assert " loved" in mp1[0], "the stop string must occur in the unstopped text for the stop check to mean anything"
     assert mp1[2] == mp1[0][: mp1[0].find(" loved")] and mp1[0] != mp1[1]

@@ -7,7 +7,7 @@ import sys
 import zipfile
 
 import pytest
-from conftest import REPO, SHARED, need, rank_env
+from conftest import REPO, SHARED, fresh_cache, need, rank_env
 
 GGUF = SHARED / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -72,7 +72,7 @@ def test_a_failed_fetch_or_a_wrong_file_says_why_and_leaves_nothing(tmp_path, mo
 
 
 def run_example(script, tmp_path, links, *args):
-    env = rank_env(1, LLAMA_CACHE=str(tmp_path / "cache"), PIP_NO_INDEX="1", PIP_FIND_LINKS=str(links),
+    env = rank_env(1, LLAMA_CACHE=str(fresh_cache(tmp_path / "cache")), PIP_NO_INDEX="1", PIP_FIND_LINKS=str(links),
                    PIP_CONFIG_FILE="/dev/null")
     proc = subprocess.run([sys.executable, script, *args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)

@@ -364,13 +364,13 @@ def test_without_ckpt_dir_it_serves_the_default_model_and_says_so(tmp_path):
     """`python -m llama.serve` with no --ckpt_dir serves SmolLM2-135M-Instruct from the cache the examples fill
     (here laid from ../shared, so nothing is fetched), names it in one line, and answers as the Python API does on
     the same file."""
-    from conftest import SHARED
+    from conftest import SHARED, fresh_cache
 
     from llama import Llama
     from llama.formats import fetch
 
     gguf = need(SHARED / "models/smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf")
-    cached = tmp_path / "smollm2-135m-instruct" / gguf.name
+    cached = fresh_cache(tmp_path) / "smollm2-135m-instruct" / gguf.name
     cached.parent.mkdir()
     cached.symlink_to(gguf)
     s = Server(None, "--max_seq_len", "256", "--max_batch_size", "2", env={"LLAMA_CACHE": str(tmp_path)})
