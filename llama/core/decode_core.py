@@ -10,7 +10,7 @@ from llama.core.request import Request
 from llama.core.plan import FORWARD, Plan
 from llama.core.runner import Runner
 from llama.core.scheduler import Scheduler
-from llama.core.speculative import Speculator
+from llama.core.speculative import Memory, Speculator
 
 
 class DecodeCore:
@@ -19,6 +19,7 @@ class DecodeCore:
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.speculative: Optional[str] = None  # "ngram": schedulers draft by prompt lookup (llama/core/speculative.py)
         self.predictions = False  # requests' predictions are drafted from (the decode step is eager, one stage)
+        self.drafting = Memory()  # what its schedulers' speculators learned (step times, acceptance)
 
     def scheduler(self, prefill_chunk: Optional[int] = None, slots: Optional[range] = None) -> Scheduler:
         """Fresh slot state; without a chunk limit every prompt is prefilled in the step that admits it. slots: the
@@ -28,7 +29,8 @@ class DecodeCore:
         sched = Scheduler(len(slots), self.max_seq_len, chunk, base=slots.start, pool=self.runner.cache.pool)
         if self.speculative is not None or self.predictions:
             block = sched.paging.pool.block_size if sched.paging is not None else 0
-            sched.speculator = Speculator(sched.stats, slots.start, self.max_seq_len, block, self.speculative)
+            sched.speculator = Speculator(sched.stats, slots.start, self.max_seq_len, block, self.speculative,
+                                          self.drafting)
         return sched
 
     def step(self, sched: Scheduler, broadcast: Optional[Callable] = None,

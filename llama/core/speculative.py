@@ -55,7 +55,7 @@ WINDOW = 9  # steps per row count whose median is t(rows)
 PRIOR = 2.0  # strength of the per-kind acceptance prior, in drafted tokens
 DECAY = 0.97  # a request's own evidence fades by this per step (drafts 23 steps back count half)
 EXPLORE = 100  # steps without a verify after which one 1-token draft is verified anyway
-MARGIN = 1.02  # a verify step must promise this many times plain decoding's tokens per second
+MARGIN = 1.1  # a verify step must promise this many times plain decoding's tokens per second (times are noisy)
 MEASURE = True  # time the steps (off: every plan depends on the tokens alone, as under model parallel)
 
 
@@ -90,11 +90,15 @@ class StepTimes:
         if self.measure and rows:
             self._last = (now, rows, ids)
 
+    def knows(self, rows: int) -> bool:
+        """A step of these rows was timed (or nothing is timed): drafts can be weighed against it."""
+        return not self.measure or rows in self._seen
+
     def add(self, rows: int, seconds: float) -> None:
         self._seen.setdefault(rows, collections.deque(maxlen=WINDOW)).append(seconds)
 
     def line(self) -> Optional[Tuple[float, float]]:
-        """(intercept, slope) of t(rows) by least squares over the row counts measured; None under two counts."""
+        """(intercept >= 0, slope >= 0) of t(rows) by least squares over the row counts measured; None under two."""
         pts = [(m, sorted(v)[len(v) // 2]) for m, v in self._seen.items() if v]
         if len(pts) < 2:
             return None
@@ -102,7 +106,9 @@ class StepTimes:
         var = sum((m - mx) ** 2 for m, _ in pts)
         slope = max(0.0, sum((m - mx) * (t - my) for m, t in pts) / var)
         icpt = my - slope * mx
-        return (icpt, slope) if icpt > 0 else None
+        if icpt <= 0:  # rows cost at least in proportion (a compute-bound step): the line through 0
+            icpt, slope = 0.0, sum(m * t for m, t in pts) / sum(m * m for m, _ in pts)
+        return (icpt, slope) if slope > 0 or icpt > 0 else None
 
     def cost(self) -> Callable[[int], float]:
         """t(rows), in any unit (only ratios are used)."""
@@ -132,22 +138,32 @@ class _State:
         return self.tokens
 
 
+class Memory:
+    """What a generator's speculators learn and keep across calls (each Llama call has a scheduler of its own): the
+    step times, the acceptance per kind of draft, the steps since the last verify."""
+
+    def __init__(self):
+        lockstep = torch.distributed.is_available() and torch.distributed.is_initialized() and \
+            torch.distributed.get_world_size() > 1
+        self.times = StepTimes(measure=MEASURE and not lockstep)
+        self.rates: Dict[str, List[float]] = {}  # draft kind -> [accepted, missed] drafted tokens
+        self.idle = 0  # steps since the last Verify
+
+
 class Speculator:
     """Drafts for a scheduler's decoding requests and, where verifying pays, turns its step's Decode op into a Verify
     op (Scheduler.plan calls it last); told by the runner how many drafted tokens each request accepted.
     mode None: only requests with a prediction draft."""
 
-    def __init__(self, stats: dict, base: int, max_seq_len: int, block_size: int = 0, mode: Optional[str] = "ngram"):
+    def __init__(self, stats: dict, base: int, max_seq_len: int, block_size: int = 0, mode: Optional[str] = "ngram",
+                 memory: Optional["Memory"] = None):
         self.stats, self.base, self.max_seq_len, self.block_size = stats, base, max_seq_len, block_size
         self.mode = check_mode(mode)
         for key in ("verify_steps", "drafted_tokens", "accepted_tokens"):
             stats.setdefault(key, 0)
-        lockstep = torch.distributed.is_available() and torch.distributed.is_initialized() and \
-            torch.distributed.get_world_size() > 1
-        self.times = StepTimes(measure=MEASURE and not lockstep)
-        self.rates: Dict[str, List[float]] = {}  # draft kind -> [accepted, missed] drafted tokens
+        memory = Memory() if memory is None else memory
+        self.memory, self.times, self.rates = memory, memory.times, memory.rates
         self._states: Dict[int, _State] = {}  # by request id, for the requests decoding
-        self._idle = 0  # steps since the last Verify
 
     def _draft(self, r: Request, limit: int) -> Tuple[List[int], float]:
         """Up to limit tokens drafted for r, and the chance each is accepted."""
@@ -189,10 +205,10 @@ class Speculator:
             fallback = fallback or (r, d[:1])
             gains = [((tokens + expected_tokens(a, k) - 1) / t(rows + k), k) for k in range(1, len(d) + 1)]
             rate, k = max(gains)
-            if rate > best * MARGIN:
+            if rate > best * (MARGIN if self.times.measure else 1.0):  # the margin is for noisy times
                 chosen[r], best = d[:k], rate
                 tokens, rows = tokens + expected_tokens(a, k) - 1, rows + k
-        if not chosen and fallback is not None and self._idle >= EXPLORE:
+        if not chosen and fallback is not None and self.memory.idle >= EXPLORE:
             chosen[fallback[0]] = fallback[1]
         return chosen
 
@@ -208,12 +224,12 @@ class Speculator:
         ids = {r.id for r in decoding}
         for gone in set(self._states) - ids:
             del self._states[gone]
-        drafts = self.choose(decoding, width) if len(decoding) <= MAX_BATCH else {}
+        drafts = self.choose(decoding, width) if len(decoding) <= MAX_BATCH and self.times.knows(width) else {}
         if not drafts:
-            self._idle += 1
+            self.memory.idle += 1
             self.times.tick(time.perf_counter(), width if pure else 0, ids)
             return
-        self._idle = 0
+        self.memory.idle = 0
         plan.ops = [op for op in plan.ops if not isinstance(op, Decode)]
         tokens: List[int] = []
         pos: List[int] = []

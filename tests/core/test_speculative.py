@@ -314,9 +314,9 @@ def test_drafts_stay_within_the_rows_the_batch_the_tokens_and_the_blocks_left():
 
 
 def test_a_draft_is_verified_where_it_pays_on_this_machine():
-    """A 2-row step measured at 1.85 1-row steps (a small model on a busy CPU): a draft of unknown worth is not
-    verified, one whose kind is usually accepted is, at its best length; a cheap verify step takes both; with
-    nothing verified for EXPLORE steps, one token is verified anyway."""
+    """A 2-row step measured at 1.85 1-row steps (a small model on a busy CPU): neither a draft of unknown worth nor
+    one of a kind accepted 80% of the time is verified; at 1.3 steps the latter is; on a memory-bound machine (1.05)
+    the first is too, at its best length; with nothing verified for EXPLORE steps, one token is verified anyway."""
     loop = [5, 6, 7, 8] * 6
 
     def speculator(t2, accepted=None):
@@ -328,10 +328,17 @@ def test_a_draft_is_verified_where_it_pays_on_this_machine():
             spec.rates["ngram3"] = [accepted, 100.0 - accepted]
         return spec
 
-    assert isinstance(_plan(_decoding(1, loop[:12], loop[12:]), speculator(0.0185)).ops[0], Decode)
-    assert [len(d) > 0 for _, d in _plan(_decoding(1, loop[:12], loop[12:]), speculator(0.0185, 99.0)).verifying] == [True]
-    assert isinstance(_plan(_decoding(1, loop[:12], loop[12:]), speculator(0.0185, 80.0)).ops[0], Decode)
-    assert [len(d) for _, d in _plan(_decoding(1, loop[:12], loop[12:]), speculator(0.0105)).verifying] == [3]
+    def drafts(spec):
+        plan = _plan(_decoding(1, loop[:12], loop[12:]), spec)
+        return [len(d) for _, d in plan.verifying] if isinstance(plan.ops[0], Verify) else None
+
+    assert drafts(speculator(0.0185)) is None and drafts(speculator(0.0185, 80.0)) is None
+    assert drafts(speculator(0.013, 80.0)) is not None
+    assert drafts(speculator(0.0105)) == [3]
+    times = speculative.StepTimes(measure=True)  # times as a busy machine gave them: a line through 0, not below
+    for rows, t in ((1, 0.050), (2, 0.088), (3, 0.175)):
+        times.add(rows, t)
+    assert times.line()[0] == 0 and 1.9 < times.cost()(2) / times.cost()(1) < 2.1
     spec, reqs = speculator(0.0185), _decoding(1, loop[:12], loop[12:])
     kinds = [type(_plan(reqs, spec).ops[0]).__name__ for _ in range(speculative.EXPLORE + 1)]
     assert kinds == ["Decode"] * speculative.EXPLORE + ["Verify"]
