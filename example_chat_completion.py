@@ -28,11 +28,12 @@ def main(
     compile: Union[bool, str] = "auto",
     dtype: Optional[str] = None,
     pipeline_parallel_size: int = 1,
+    speculative: Optional[str] = None,
 ):
     generator, default = build_for_example(ckpt_dir, tokenizer_path, max_seq_len=max_seq_len,
                                            max_batch_size=max_batch_size, verify=verify, quantize=quantize,
                                            compile=compile, dtype=dtype,
-                                           pipeline_parallel_size=pipeline_parallel_size)
+                                           pipeline_parallel_size=pipeline_parallel_size, speculative=speculative)
     dialogs = SMALL_MODEL_DIALOGS if default else META_DIALOGS + (
         LLAMA3_DIALOGS if isinstance(generator.formatter, Llama3ChatFormat) else [])
     options = dict(temperature=temperature, top_p=top_p, max_gen_len=max_gen_len, seed=seed)

@@ -26,11 +26,12 @@ def main(
     compile: Union[bool, str] = "auto",
     dtype: Optional[str] = None,
     pipeline_parallel_size: int = 1,
+    speculative: Optional[str] = None,
 ):
     generator, default = build_for_example(ckpt_dir, tokenizer_path, max_seq_len=max_seq_len,
                                            max_batch_size=max_batch_size, verify=verify, quantize=quantize,
                                            compile=compile, dtype=dtype,
-                                           pipeline_parallel_size=pipeline_parallel_size)
+                                           pipeline_parallel_size=pipeline_parallel_size, speculative=speculative)
     prompts = SMALL_MODEL_PROMPTS if default else META_PROMPTS
     options = dict(max_gen_len=max_gen_len, temperature=temperature, top_p=top_p, seed=seed)
     problems = misfits(generator, prompts, chat=False)

@@ -5,6 +5,7 @@
   python -m benchmarks.speculative smollm2 [GGUF] [--open-ended]    greedy "repeat this paragraph" (or a story)
                                                                    with speculation on and off, interleaved: tok/s,
                                                                    ratio, acceptance
+  python -m benchmarks.speculative smollm2 --prediction            the paragraph as a prediction instead
 
 Timings alternate the variants rep by rep and report medians, so a busy machine slows both alike.
 """
@@ -62,32 +63,46 @@ def smollm2(args) -> None:
     from llama import Llama
     from llama.core import speculative
 
-    counts = {"drafted": 0, "accepted": 0}
+    counts = {"drafted": 0, "accepted": 0, "passes": 0}
     orig = speculative.Speculator.accepted
 
     def accepted(self, r, draft, n):
         counts["drafted"] += len(draft)
         counts["accepted"] += n
+        counts["passes"] += bool(draft)
         return orig(self, r, draft, n)
     speculative.Speculator.accepted = accepted
-    gens = {s: Llama.build(str(args.gguf), None, max_seq_len=512, max_batch_size=1, compile=False,
-                           speculative=s) for s in (None, "ngram")}
+    # --prediction: the same generator with and without the paragraph as the request's prediction (no speculative=)
+    variants = ("off", "prediction") if args.prediction else ("off", "ngram")
+    gens = {v: Llama.build(str(args.gguf), None, max_seq_len=512, max_batch_size=1, compile=False,
+                           speculative="ngram" if v == "ngram" else None) for v in dict.fromkeys(variants)}
     ask = "Write a short story about a dragon who learns to cook." if args.open_ended else \
         "Repeat this paragraph exactly: " + PARAGRAPH
     dialog = [{"role": "user", "content": ask}]
-    times, outs = {s: [] for s in gens}, {}
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    times, cpu, outs = {v: [] for v in variants}, {v: [] for v in variants}, {}
     for _ in tqdm(range(args.reps), desc="reps"):
-        for s, g in gens.items():
-            t = time.perf_counter()
-            outs[s] = g.chat_completion([dialog], temperature=0, max_gen_len=args.tokens, logprobs=True)[0]
-            times[s].append(time.perf_counter() - t)
-    if outs[None] != outs["ngram"]:
+        for v in variants:
+            extra = {"prediction": PARAGRAPH} if v == "prediction" else {}
+            t, c = time.perf_counter(), time.process_time()
+            outs[v] = gens[v].chat_completion([dialog], temperature=0, max_gen_len=args.tokens, logprobs=True,
+                                              **extra)[0]
+            times[v].append(time.perf_counter() - t)
+            cpu[v].append(time.process_time() - c)
+    if outs["off"] != outs[variants[1]]:
         sys.exit("speculation changed the output")
-    n = len(outs[None]["logprobs"])
-    off, on = statistics.median(times[None]), statistics.median(times["ngram"])
-    print(f"{n} tokens, identical with and without speculation: {outs[None]['generation']['content'][:80]!r}...")
-    print(f"off {n / off:.1f} tok/s, on {n / on:.1f} tok/s, speedup {off / on:.2f}x (medians of {args.reps}, "
-          f"prefill included); accepted {counts['accepted']} of {counts['drafted']} drafted tokens")
+    n = len(outs["off"]["logprobs"])
+    off, on = statistics.median(times["off"]), statistics.median(times[variants[1]])
+    per_rep = ", ".join(f"{a / b:.2f}" for a, b in zip(times["off"], times[variants[1]]))
+    print(f"{n} tokens, identical with and without {variants[1]}: {outs['off']['generation']['content'][:80]!r}...")
+    print(f"off {n / off:.1f} tok/s, {variants[1]} {n / on:.1f} tok/s, speedup {off / on:.2f}x (medians of "
+          f"{args.reps}, prefill included; per rep {per_rep}); over all reps {counts['accepted']} of "
+          f"{counts['drafted']} drafted tokens accepted in {counts['passes']} verify steps")
+    off, on = statistics.median(cpu["off"]), statistics.median(cpu[variants[1]])
+    per_rep = ", ".join(f"{a / b:.2f}" for a, b in zip(cpu["off"], cpu[variants[1]]))
+    print(f"CPU time (this process, {torch.get_num_threads()} threads; robust to other processes' load): off "
+          f"{off:.2f} s, {variants[1]} {on:.2f} s, ratio {off / on:.2f}x (per rep {per_rep})")
 
 
 def main(argv=None) -> None:
@@ -102,6 +117,9 @@ def main(argv=None) -> None:
     s.add_argument("--tokens", type=int, default=200)
     s.add_argument("--reps", type=int, default=5)
     s.add_argument("--open-ended", action="store_true", help="a story instead (the adaptive floor)")
+    s.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    s.add_argument("--prediction", action="store_true",
+                   help="the paragraph as the request's prediction (OpenAI's Predicted Outputs) instead of ngram")
     args = p.parse_args(argv)
     (cost if args.what == "cost" else smollm2)(args)
 

@@ -146,6 +146,7 @@ class Llama:
         self.inputs = RequestBuilder(tokenizer, self.formatter, max_seq_len, model.vocab_size)
         self.core = DecodeCore(self.runner, self.inputs.settle, max_batch_size, max_seq_len)
         self.core.speculative = check_speculative(speculative)
+        self.core.predictions = compiled is None and not isinstance(model, pipeline.PipelineTransformer)
         if self.core.speculative is not None and (compiled is not None or isinstance(model, pipeline.PipelineTransformer)):
             raise ValueError(f"speculative={speculative!r} needs the eager decode step of one pipeline stage "
                              "(compile=False, pipeline_parallel_size=1)")

@@ -31,6 +31,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max_seq_len", "--max-seq-len", type=int, default=4096, help="the whole conversation's tokens")
     p.add_argument("--dtype", default=None)
     p.add_argument("--quantize", default=None, choices=["int8", "int8-dynamic", "int4"])
+    p.add_argument("--speculative", default="off", choices=["off", "ngram"],
+                   help="ngram: prompt-lookup speculative decoding, replies unchanged (llama/core/speculative.py)")
     return p
 
 
@@ -123,7 +125,8 @@ def main(argv=None) -> int:
 
     try:
         generator, _ = build_for_example(args.ckpt_dir, args.tokenizer_path, max_seq_len=args.max_seq_len,
-                                         max_batch_size=1, dtype=args.dtype, quantize=args.quantize)
+                                         max_batch_size=1, dtype=args.dtype, quantize=args.quantize,
+                                         speculative=None if args.speculative == "off" else args.speculative)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -10,7 +10,7 @@ from llama.core.request import Request
 from llama.core.plan import FORWARD, Plan
 from llama.core.runner import Runner
 from llama.core.scheduler import Scheduler
-from llama.core.speculative import Speculator
+from llama.core.speculative import Memory, Speculator
 
 
 class DecodeCore:
@@ -18,6 +18,8 @@ class DecodeCore:
         self.runner, self.settle = runner, settle
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.speculative: Optional[str] = None  # "ngram": schedulers draft by prompt lookup (llama/core/speculative.py)
+        self.predictions = False  # requests' predictions are drafted from (the decode step is eager, one stage)
+        self.drafting = Memory()  # what its schedulers' speculators learned (step times, acceptance)
 
     def scheduler(self, prefill_chunk: Optional[int] = None, slots: Optional[range] = None) -> Scheduler:
         """Fresh slot state; without a chunk limit every prompt is prefilled in the step that admits it. slots: the
@@ -25,9 +27,10 @@ class DecodeCore:
         slots = range(self.max_batch_size) if slots is None else slots
         chunk = prefill_chunk or len(slots) * self.max_seq_len
         sched = Scheduler(len(slots), self.max_seq_len, chunk, base=slots.start, pool=self.runner.cache.pool)
-        if self.speculative is not None:
+        if self.speculative is not None or self.predictions:
             block = sched.paging.pool.block_size if sched.paging is not None else 0
-            sched.speculator = Speculator(sched.stats, slots.start, self.max_seq_len, block)
+            sched.speculator = Speculator(sched.stats, slots.start, self.max_seq_len, block, self.speculative,
+                                          self.drafting)
         return sched
 
     def step(self, sched: Scheduler, broadcast: Optional[Callable] = None,

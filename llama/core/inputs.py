@@ -111,13 +111,14 @@ class RequestBuilder:
             stops.update(self.formatter.stop_tokens)
         out, first = [], {}
         for toks, p in zip(checked, params):
+            predicted = self.predicted(p)
             room = self.max_seq_len - len(toks)
             max_new = min(p.max_gen_len, room) if p.max_gen_len is not None else room
             for j in range(n):
                 stream = TextStream(self.tokenizer, context=toks, stop=p.stop,
                                     strip_space=chat and self.formatter.strip_reply_space)
                 r = Request(prompt=toks, params=p, max_new=max_new, stream=stream, stop_tokens=stops, sample=j,
-                            prefix=prefix, chat=chat, id=next(self._ids))
+                            prefix=prefix, chat=chat, id=next(self._ids), predicted=predicted)
                 if p.grammar is not None:
                     r.matcher = p.grammar.matcher(self.tokenizer, stops)
                 source = first.setdefault(tuple(toks), r)
@@ -125,6 +126,16 @@ class RequestBuilder:
                     r.twin, source.has_twins = source, True
                 out.append(r)
         return out
+
+    def predicted(self, p: SamplingParams) -> Optional[List[int]]:
+        """A prediction's tokens (no longer than a sequence can be: more could never be drafted from)."""
+        if p.prediction is None:
+            return None
+        tokens = self.tokenizer.encode(p.prediction, bos=False, eos=False)
+        if len(tokens) > self.max_seq_len:
+            raise ValueError(f"prediction has {len(tokens)} tokens; it must have at most max_seq_len="
+                             f"{self.max_seq_len}")
+        return tokens
 
     def samples(self, prompt, options: Dict, prefix: Optional[Prefix] = None, n: int = 1) -> List[Request]:
         """The engine's n requests for one prompt of any kind; a refused dialog's come back already settled."""

@@ -33,6 +33,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence among the generated tokens
     repetition_penalty: float = 1.0  # transformers'/vLLM's: divides (or multiplies) the prompt's and output's logits
     speculative: bool = True  # False: never drafted for, where the generator speculates (llama/core/speculative.py)
+    prediction: Optional[str] = None  # the output's expected text (OpenAI's Predicted Outputs): drafts, never changes it
 
     def __post_init__(self):
         _number("temperature", self.temperature)
@@ -76,6 +77,11 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0 and finite (1 disables it), got {self.repetition_penalty}")
         if not isinstance(self.speculative, bool):
             raise ValueError(f"speculative must be True or False, got {self.speculative!r}")
+        if self.prediction is not None:
+            if not isinstance(self.prediction, str):
+                raise ValueError(f"prediction must be a string (the predicted output's text), got "
+                                 f"{type(self.prediction).__name__}")
+            self.prediction = check_text("prediction", self.prediction)
         if self.grammar is not None:
             from llama.sample.grammar import Grammar  # llguidance is needed only by requests that use a grammar
 

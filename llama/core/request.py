@@ -57,6 +57,9 @@ class Request:
     blocks: List[int] = field(default_factory=list)  # its KV pool blocks, position p in blocks[p // block_size]
     resumed: int = 0  # after a preemption: the generated tokens its prefill recomputes after the prompt
     cache_salt: str = ""  # prefix-cache isolation (the server's per-API-key salt); None: no prefix cache
+    predicted: Optional[List[int]] = None  # params.prediction's tokens, a draft source (llama/core/speculative.py)
+    drafted: int = 0  # drafted tokens verified for it, and of those accepted (OpenAI's prediction tokens)
+    accepted: int = 0
 
     def __post_init__(self):
         self._deltas: "queue.Queue" = queue.Queue()

@@ -14,30 +14,49 @@ its length: the next step writes over them before anything reads them, and no bl
 beyond the accepted tokens (Request.cached). An unseeded request samples from the same distributions, with the
 global generator drawn in another order: identical in distribution, not in draws.
 
-When it is used (Speculator, one per scheduler; thresholds below):
-- only with the eager decode step (Llama.build(speculative=...) decodes eagerly: a compiled step rounds otherwise);
-- per request, unless its SamplingParams say speculative=False, and only where prompt lookup finds a draft;
-- per step, only while at most MAX_BATCH requests decode (past that a batch already reads each weight for several
-  tokens, and verification costs more than it saves: llama.cpp measured 0.77x at 8 slots), in one pass of at most
-  MAX_ROWS rows (our fp32 kernel takes at most 8 rows: llama/kernels/dense.py), every decoding request in it.
-- k adapts per request: doubled (up to K_MAX) when a whole draft is accepted, set to accepted+1 after a partial
-  one, halved after a miss; at 0 the request decodes plainly for PAUSE steps, then tries k=1 again.
+Drafts (llama/sample/lookup.py): a request's predicted output (SamplingParams.prediction, OpenAI's Predicted
+Outputs), followed in order, then prompt lookup over its prompt and output. Predictions are drafted from wherever
+the decode step is eager (Llama.build(compile=False), the server's default), speculative="ngram" or not; prompt
+lookup for every request only with speculative="ngram".
+
+When a draft is verified (Speculator, one per scheduler). Verifying k drafted tokens costs c(k) = t(rows + k) /
+t(rows) decode steps and yields E(k) = 1 + a + ... + a^k tokens, a being the chance that a drafted token is accepted.
+A step verifies the drafts whose E/c beats plain decoding (oldest request first, at most MAX_ROWS rows, k chosen
+per request), else it decodes plainly:
+- t(rows) is measured on the machine it runs on: the time from one step's plan to the next, for steps that ran
+  only decoding (StepTimes). A 135M-parameter model on a busy 2-core CPU is compute-bound (a 2-row step cost 1.85
+  1-row steps), a 7B one memory-bound (about 1): the same draft pays on one and not the other. Until a verify step
+  was timed, and under model parallel (every rank must plan alike, so nothing timed decides), a row costs
+  PRIOR_SLOPE of a step.
+- a is the request's own acceptance (hits and misses, fading by DECAY per step) over a prior of strength PRIOR: the
+  acceptance of this kind of draft (a prediction, an n-gram match of length n) in this scheduler so far.
+- with no draft worth verifying for EXPLORE steps, one 1-token draft is verified anyway, so stale times and rates
+  are measured afresh (at most 1 in EXPLORE steps pays c(1) - 1 for nothing);
+- never while more than MAX_BATCH requests decode (a batch already reads each weight for several tokens: llama.cpp
+  measured 0.77x at 8 slots), and never for a request whose SamplingParams say speculative=False.
 """
 
-import weakref
-from typing import Callable, List, Tuple
+import collections
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from llama.core.plan import Decode, Plan, Verify
+from llama.core.plan import CopyBlocks, Decode, Plan, SetBlocks, Verify
 from llama.core.request import Request
-from llama.sample.lookup import NgramIndex
+from llama.sample.lookup import NgramIndex, Prediction
 
 MODES = ("ngram",)
 MAX_BATCH = 4  # decoding requests in a step past which no one drafts
 MAX_ROWS = 8  # rows of one Verify pass (the drafting requests' k+1, one for each other decoding request)
-K_START, K_MAX = 4, 7  # draft length a request starts at, and its ceiling (k+1 <= MAX_ROWS)
-PAUSE = 16  # steps a request decodes plainly after its k fell to 0
+K_MAX = 7  # longest draft (k+1 <= MAX_ROWS)
+PRIOR_SLOPE = 0.1  # a verified row's cost, in 1-row steps, until one is measured (a memory-bound step's)
+WINDOW = 9  # steps per row count whose median is t(rows)
+PRIOR = 2.0  # strength of the per-kind acceptance prior, in drafted tokens
+DECAY = 0.97  # a request's own evidence fades by this per step (drafts 23 steps back count half)
+EXPLORE = 100  # steps without a verify after which one 1-token draft is verified anyway
+MARGIN = 1.1  # a verify step must promise this many times plain decoding's tokens per second (times are noisy)
+MEASURE = True  # time the steps (off: every plan depends on the tokens alone, as under model parallel)
 
 
 def check_mode(mode) -> "str | None":
@@ -48,56 +67,169 @@ def check_mode(mode) -> "str | None":
     return mode
 
 
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens a step emits for a k-token draft whose tokens are each accepted with chance a: 1 + a + ... + a^k."""
+    return float(k + 1) if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
+
+
+class StepTimes:
+    """Seconds of this scheduler's decode steps by rows (a Decode op's width, a Verify op's rows): from one plan to
+    the next, kept for steps that ran nothing but decoding and whose requests partly still decode in the next (so
+    no prefill and no idle wait is counted); t(rows) from a line through the per-row-count medians."""
+
+    def __init__(self, measure: bool):
+        self.measure = measure
+        self._seen: Dict[int, collections.deque] = {}
+        self._last: Optional[Tuple[float, int, Set[int]]] = None  # (start, rows, request ids) of a decoding step
+
+    def tick(self, now: float, rows: int, ids: Set[int]) -> None:
+        """A step begins; rows: 0 if it runs more than decoding."""
+        last, self._last = self._last, None
+        if last is not None and not last[2].isdisjoint(ids):
+            self._seen.setdefault(last[1], collections.deque(maxlen=WINDOW)).append(now - last[0])
+        if self.measure and rows:
+            self._last = (now, rows, ids)
+
+    def knows(self, rows: int) -> bool:
+        """A step of these rows was timed (or nothing is timed): drafts can be weighed against it."""
+        return not self.measure or rows in self._seen
+
+    def add(self, rows: int, seconds: float) -> None:
+        self._seen.setdefault(rows, collections.deque(maxlen=WINDOW)).append(seconds)
+
+    def line(self) -> Optional[Tuple[float, float]]:
+        """(intercept >= 0, slope >= 0) of t(rows) by least squares over the row counts measured; None under two."""
+        pts = [(m, sorted(v)[len(v) // 2]) for m, v in self._seen.items() if v]
+        if len(pts) < 2:
+            return None
+        mx, my = sum(m for m, _ in pts) / len(pts), sum(t for _, t in pts) / len(pts)
+        var = sum((m - mx) ** 2 for m, _ in pts)
+        slope = max(0.0, sum((m - mx) * (t - my) for m, t in pts) / var)
+        icpt = my - slope * mx
+        if icpt <= 0:  # rows cost at least in proportion (a compute-bound step): the line through 0
+            icpt, slope = 0.0, sum(m * t for m, t in pts) / sum(m * m for m, _ in pts)
+        return (icpt, slope) if slope > 0 or icpt > 0 else None
+
+    def cost(self) -> Callable[[int], float]:
+        """t(rows), in any unit (only ratios are used)."""
+        fit = self.line()
+        if fit is None:
+            return lambda rows: 1 + PRIOR_SLOPE * (rows - 1)
+        return lambda rows: fit[0] + fit[1] * rows
+
+
 class _State:
-    """One request's drafting state: its n-gram index and adaptive draft length."""
+    """One request's drafting state: its draft sources, the tokens they have seen, its own acceptance."""
+
+    def __init__(self, r: Request):
+        self.index, self.tokens, self.synced = NgramIndex(), list(r.prompt), 0
+        predicted = getattr(r, "predicted", None)
+        self.prediction = Prediction(predicted) if predicted else None
+        self.hits = self.misses = 0.0
+        self.kind = ""  # the source of its draft in flight
+
+    def context(self, r: Request) -> List[int]:
+        """Prompt + generated, kept in step incrementally (the output only grows while the request decodes)."""
+        g = r.generated
+        if len(g) < self.synced:
+            self.index, self.tokens, self.synced = NgramIndex(), list(r.prompt), 0
+        self.tokens += g[self.synced:]
+        self.synced = len(g)
+        return self.tokens
+
+
+class Memory:
+    """What a generator's speculators learn and keep across calls (each Llama call has a scheduler of its own): the
+    step times, the acceptance per kind of draft, the steps since the last verify."""
 
     def __init__(self):
-        self.index, self.k, self.pause = NgramIndex(), K_START, 0
+        lockstep = torch.distributed.is_available() and torch.distributed.is_initialized() and \
+            torch.distributed.get_world_size() > 1
+        self.times = StepTimes(measure=MEASURE and not lockstep)
+        self.rates: Dict[str, List[float]] = {}  # draft kind -> [accepted, missed] drafted tokens
+        self.idle = 0  # steps since the last Verify
 
 
 class Speculator:
-    """Drafts for a scheduler's decoding requests and turns its step's Decode op into a Verify op (Scheduler.plan
-    calls it last); told by the runner how many drafted tokens each request accepted."""
+    """Drafts for a scheduler's decoding requests and, where verifying pays, turns its step's Decode op into a Verify
+    op (Scheduler.plan calls it last); told by the runner how many drafted tokens each request accepted.
+    mode None: only requests with a prediction draft."""
 
-    def __init__(self, stats: dict, base: int, max_seq_len: int, block_size: int = 0):
+    def __init__(self, stats: dict, base: int, max_seq_len: int, block_size: int = 0, mode: Optional[str] = "ngram",
+                 memory: Optional["Memory"] = None):
         self.stats, self.base, self.max_seq_len, self.block_size = stats, base, max_seq_len, block_size
+        self.mode = check_mode(mode)
         for key in ("verify_steps", "drafted_tokens", "accepted_tokens"):
             stats.setdefault(key, 0)
-        self._states: "weakref.WeakKeyDictionary[Request, _State]" = weakref.WeakKeyDictionary()
+        memory = Memory() if memory is None else memory
+        self.memory, self.times, self.rates = memory, memory.times, memory.rates
+        self._states: Dict[int, _State] = {}  # by request id, for the requests decoding
 
-    def _draft(self, r: Request, budget: int) -> List[int]:
-        if not getattr(r.params, "speculative", True) or r.feed is None:
-            return []
-        st = self._states.get(r)
+    def _draft(self, r: Request, limit: int) -> Tuple[List[int], float]:
+        """Up to limit tokens drafted for r, and the chance each is accepted."""
+        st = self._states.get(r.id)
         if st is None:
-            st = self._states[r] = _State()
-        if st.pause:
-            st.pause -= 1
-            if not st.pause:
-                st.k = 1
-            return []
-        # room: the step emits at most k+1 tokens of max_new, and writes positions up to next_pos + k, within the
-        # cache and the blocks the request holds (a draft never takes a block of its own)
+            st = self._states[r.id] = _State(r)
+        st.hits, st.misses = st.hits * DECAY, st.misses * DECAY
+        if limit <= 0 or not getattr(r.params, "speculative", True) or r.feed is None:
+            return [], 0.0
+        d = st.prediction.draft(r.generated, limit) if st.prediction is not None else []
+        st.kind = "prediction"
+        if not d and (self.mode is not None or st.prediction is not None):
+            d = st.index.draft(st.context(r), limit)
+            st.kind = f"ngram{st.index.matched}"
+        if not d:
+            return [], 0.0
+        hit, miss = self.rates.get(st.kind, (0.0, 0.0))
+        prior = (hit + 1) / (hit + miss + 2)
+        return d, (st.hits + PRIOR * prior) / (st.hits + st.misses + PRIOR)
+
+    def _limit(self, r: Request) -> int:
+        """The longest draft r has room for: the step emits at most k+1 tokens of max_new, and writes positions up to
+        next_pos + k, within the cache and the blocks the request holds (a draft never takes a block of its own)."""
         end = self.max_seq_len
         if self.block_size and r.blocks:
             end = min(end, len(r.blocks) * self.block_size)
-        k = min(st.k, budget, r.max_new - len(r.generated) - 1, end - 1 - r.next_pos)
-        return st.index.draft(r.prompt + r.generated, k)
+        return min(K_MAX, r.max_new - len(r.generated) - 1, end - 1 - r.next_pos)
+
+    def choose(self, decoding: Sequence[Request], width: int) -> Dict[Request, List[int]]:
+        """The drafts worth verifying this step, each cut to its best length (see the module's note)."""
+        t = self.times.cost()
+        tokens, rows = float(len(decoding)), len(decoding)
+        best = tokens / t(width)
+        chosen, fallback = {}, None
+        for r in sorted(decoding, key=lambda r: r.order):
+            d, a = self._draft(r, min(self._limit(r), MAX_ROWS - rows))
+            if not d:
+                continue
+            fallback = fallback or (r, d[:1])
+            gains = [((tokens + expected_tokens(a, k) - 1) / t(rows + k), k) for k in range(1, len(d) + 1)]
+            rate, k = max(gains)
+            if rate > best * (MARGIN if self.times.measure else 1.0):  # the margin is for noisy times
+                chosen[r], best = d[:k], rate
+                tokens, rows = tokens + expected_tokens(a, k) - 1, rows + k
+        if not chosen and fallback is not None and self.memory.idle >= EXPLORE:
+            chosen[fallback[0]] = fallback[1]
+        return chosen
 
     def plan(self, plan: Plan) -> None:
-        """Draft for plan.decoding; where any draft is found, verify every decoding request in one pass instead of
-        the Decode op."""
+        """Draft for plan.decoding; where verifying pays, verify every decoding request in one pass instead of the
+        Decode op."""
         decoding = plan.decoding
-        if not decoding or len(decoding) > MAX_BATCH:
-            return
-        budget, drafts = MAX_ROWS - len(decoding), {}
-        for r in sorted(decoding, key=lambda r: r.order):
-            d = self._draft(r, budget)
-            if d:
-                drafts[r] = d
-                budget -= len(d)
+        if self.mode is None and not any(getattr(r, "predicted", None) for r in decoding):
+            return  # no prediction among them: nothing to draft, nothing to time
+        (decode,) = [op for op in plan.ops if isinstance(op, Decode)]
+        width = max(decode.active) + 1
+        pure = all(isinstance(op, (Decode, SetBlocks, CopyBlocks)) for op in plan.ops)
+        ids = {r.id for r in decoding}
+        for gone in set(self._states) - ids:
+            del self._states[gone]
+        drafts = self.choose(decoding, width) if len(decoding) <= MAX_BATCH and self.times.knows(width) else {}
         if not drafts:
+            self.memory.idle += 1
+            self.times.tick(time.perf_counter(), width if pure else 0, ids)
             return
+        self.memory.idle = 0
         plan.ops = [op for op in plan.ops if not isinstance(op, Decode)]
         tokens: List[int] = []
         pos: List[int] = []
@@ -111,24 +243,26 @@ class Speculator:
         plan.verifying = [(r, drafts.get(r, [])) for r in decoding]
         plan.decoding, plan.speculation = [], self
         self.stats["verify_steps"] += 1
+        self.times.tick(time.perf_counter(), len(tokens) if pure else 0, ids)
 
     def accepted(self, r: Request, draft: List[int], n: int) -> None:
-        """r accepted the first n tokens of its draft: adapt its k."""
+        """r accepted the first n tokens of its draft: count them, for r, its kind of draft and the stats."""
         if not draft:
             return
         self.stats["drafted_tokens"] += len(draft)
         self.stats["accepted_tokens"] += n
-        st = self._states.get(r)
+        if hasattr(r, "drafted"):
+            r.drafted += len(draft)
+            r.accepted += n
+        st = self._states.get(r.id)
         if st is None:
             return
-        if n == len(draft):
-            st.k = min(2 * st.k, K_MAX)
-        elif n:
-            st.k = n + 1
-        else:
-            st.k //= 2
-            if not st.k:
-                st.pause = PAUSE
+        miss = float(n < len(draft))
+        st.hits, st.misses = st.hits + n, st.misses + miss
+        rate = self.rates.setdefault(st.kind, [0.0, 0.0])
+        rate[0], rate[1] = rate[0] + n, rate[1] + miss
+        if sum(rate) > 256:  # the kind's rate follows what is generated now
+            rate[0], rate[1] = rate[0] / 2, rate[1] / 2
 
 
 def verify(forward: Callable, op: Verify, device) -> torch.Tensor:

@@ -1,10 +1,12 @@
 """Prompt-lookup drafting: guess the next tokens by finding the text's last few tokens earlier in the prompt or the
 output and copying what followed them there (Saxena's prompt lookup decoding; llama.cpp's and vLLM's n-gram
 speculation). It needs no second model and pays off on input-grounded work: summaries, edits, code, extraction.
+A user's predicted output (OpenAI's Predicted Outputs) is a second such source, followed in order (Prediction).
 
-The draft is a pure function of the tokens, so it is the same on every rank and in every batch.
+Drafts are pure functions of the tokens, so they are the same on every rank and in every batch.
 """
 
+import bisect
 from typing import Dict, List, Sequence, Tuple
 
 MAX_NGRAM, MIN_NGRAM = 3, 1
@@ -17,6 +19,7 @@ class NgramIndex:
     def __init__(self) -> None:
         self._last: Dict[Tuple[int, ...], int] = {}  # n-gram -> index of the token that followed its latest occurrence
         self._seen = 0  # tokens[:_seen] are indexed (each as the token following an n-gram)
+        self.matched = 0  # the n of the last draft's match
 
     def _update(self, tokens: Sequence[int]) -> None:
         if len(tokens) < self._seen:  # the list was cut (a stop string): index it afresh
@@ -42,5 +45,33 @@ class NgramIndex:
                 out: List[int] = []
                 for j in range(at, at + k):
                     out.append(tokens[j] if j < len(tokens) else out[j - len(tokens)])
+                self.matched = n
                 return out
+        return []
+
+
+class Prediction:
+    """A predicted output's tokens as a draft source, read in order: the first draft is its start; later ones
+    continue after the occurrence of the output's last n tokens (n = MAX_NGRAM down to MIN_NGRAM) nearest at or
+    after where the previous draft came from, so a prediction with repeated lines is followed line by line."""
+
+    def __init__(self, tokens: Sequence[int]) -> None:
+        self.tokens = list(tokens)
+        self._at: Dict[Tuple[int, ...], List[int]] = {}  # n-gram -> indices of the tokens following it, ascending
+        for end in range(1, len(self.tokens)):
+            for n in range(MIN_NGRAM, min(MAX_NGRAM, end) + 1):
+                self._at.setdefault(tuple(self.tokens[end - n : end]), []).append(end)
+        self.cursor = 0  # where the last draft was taken from
+
+    def draft(self, generated: Sequence[int], k: int) -> List[int]:
+        if k <= 0:
+            return []
+        if not generated:
+            return self.tokens[:k]
+        for n in range(min(MAX_NGRAM, len(generated)), MIN_NGRAM - 1, -1):
+            at = self._at.get(tuple(generated[len(generated) - n :]))
+            if at:
+                i = bisect.bisect_left(at, self.cursor)
+                self.cursor = at[i] if i < len(at) else at[-1]
+                return self.tokens[self.cursor : self.cursor + k]
         return []

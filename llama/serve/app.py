@@ -252,7 +252,7 @@ class Job:
                 prompt = sum(len(self.reqs[k * spec.n].prompt) for k in range(len(spec.prompts)))
                 cached = sum(self.reqs[k * spec.n].reused for k in range(len(spec.prompts)))
                 out = protocol.chunk(spec, [], protocol.usage(prompt, sum(r.tokens_generated for r in self.reqs),
-                                                              cached))
+                                                              cached, self.reqs))
                 await event(out)
             await event("[DONE]")
         await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -273,6 +273,7 @@ def engine_error(err: BaseException) -> APIError:
     if isinstance(err, (ValueError, TypeError)):
         msg = str(err)
         param = "messages" if "dialog" in msg or "message" in msg else ("prompt" if "prompt" in msg else None)
+        param = "prediction" if msg.startswith("prediction") else param
         return APIError(400, msg, param=param, code="invalid_value")
     return APIError(500, f"generation failed: {err}", kind="server_error", code="engine_error")
 

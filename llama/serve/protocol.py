@@ -24,17 +24,17 @@ HARMLESS = {
     "function_call": lambda v: v in (None, "none", "auto"),
     "modalities": lambda v: v in (None, ["text"]),
     "suffix": lambda v: v in (None, ""),
-    "prediction": lambda v: v is None,
     "audio": lambda v: v is None,
     "web_search_options": lambda v: v is None,
     "reasoning_effort": lambda v: v is None,
 }
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream", "stream_options",
           "logprobs", "logit_bias", "response_format", "min_p", "presence_penalty", "frequency_penalty",
-          "repetition_penalty"}
+          "repetition_penalty", "prediction"}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "best_of"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                         "parallel_tool_calls"}  # tools: llama/serve/tools.py
+PREDICTION_CHARS_PER_TOKEN = 32  # a prediction longer than this many characters per position cannot fit a sequence
 ROLES = ("system", "user", "assistant", "tool", "ipython", "developer")
 
 
@@ -169,6 +169,9 @@ def parse(body, chat: bool, model_name: str, max_seq_len: int, vocab_size: int) 
     if bias:
         params["logits_processors"] = [_logit_bias(bias, vocab_size)]
     job.response_format = _response_format(body.get("response_format"))
+    prediction = _prediction(body.get("prediction"), max_seq_len)
+    if prediction is not None:
+        params["prediction"] = prediction
     return job
 
 
@@ -217,6 +220,30 @@ def _dialog(messages) -> List[Dict[str, str]]:
         role = "system" if m["role"] == "developer" else m["role"]
         dialog.append({"role": role, "content": content})
     return dialog
+
+
+def _prediction(v, max_seq_len: int) -> Optional[str]:
+    """OpenAI's Predicted Outputs: {"type": "content", "content": a string or text parts}, as its text."""
+    if v is None:
+        return None
+    if not isinstance(v, dict) or v.get("type") != "content" or set(v) != {"type", "content"}:
+        raise bad("prediction", 'prediction must be {"type": "content", "content": a string or a list of text parts}')
+    content = v["content"]
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad(f"prediction.content[{j}]", f"prediction.content[{j}]: only text parts "
+                                                      "({\"type\": \"text\", \"text\": ...}) are supported")
+            texts.append(part["text"])
+        content = "".join(texts)
+    if not isinstance(content, str):
+        raise bad("prediction.content", "prediction.content must be a string or a list of text parts")
+    if len(content) > PREDICTION_CHARS_PER_TOKEN * max_seq_len:
+        raise bad("prediction.content", f"prediction.content has {len(content)} characters; at most "
+                                        f"{PREDICTION_CHARS_PER_TOKEN * max_seq_len} ({PREDICTION_CHARS_PER_TOKEN} "
+                                        f"per position of max_seq_len={max_seq_len})")
+    return content
 
 
 def _logit_bias(bias, vocab_size: int):
@@ -271,10 +298,15 @@ def finish_reason(r) -> Optional[str]:
     return FINISH.get(r.finish_reason, "stop")
 
 
-def usage(prompt: int, completion: int, cached: int = 0) -> Dict:
-    """OpenAI's usage; cached: prompt tokens read from the prefix cache instead of computed."""
+def usage(prompt: int, completion: int, cached: int = 0, reqs=()) -> Dict:
+    """OpenAI's usage; cached: prompt tokens read from the prefix cache instead of computed; reqs: the requests,
+    whose predictions' drafted tokens were accepted or rejected (llama/core/speculative.py)."""
+    predicted = [r for r in reqs if getattr(r, "predicted", None) is not None]
+    accepted = sum(r.accepted for r in predicted)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+            "prompt_tokens_details": {"cached_tokens": cached},
+            "completion_tokens_details": {"accepted_prediction_tokens": accepted,
+                                          "rejected_prediction_tokens": sum(r.drafted for r in predicted) - accepted}}
 
 
 def logprobs_block(job: Job, pred: Dict, offset: int = 0) -> Dict:
@@ -330,7 +362,7 @@ def whole(job: Job, reqs: List, tokenizer) -> Dict:
         "id": job.object_id, "object": "chat.completion" if job.chat else "text_completion",
         "created": job.created, "model": job.model, "system_fingerprint": None,
         "choices": [choice(job, i, r, tokenizer) for i, r in enumerate(reqs)],
-        "usage": usage(prompt_tokens, completion, cached),
+        "usage": usage(prompt_tokens, completion, cached, reqs),
     }
 
 

@@ -1,0 +1,71 @@
+"""Speculative decoding under model parallel (torchrun, 2 ranks, gloo): every rank drafts the same tokens (drafts
+are functions of the tokens alone; nothing timed decides there), so the Verify passes run in lockstep, and with
+speculation on (prompt lookup, a prediction) the text is token for token the text with it off, in Llama calls and
+through the engine, where rank 0 plans and the other rank replays its ops."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from conftest import STORIES, rank_env
+
+from llama.formats.reshard import reshard
+
+PROMPTS = ["Lily and Ben went to the park. Lily and Ben", "The cat sat on the mat. The cat"]
+
+SCRIPT = textwrap.dedent("""
+    import collections, json, os, sys
+    import torch.distributed as dist
+    from llama.core import speculative
+    from llama.generation import Llama
+
+    ckpt, tokenizer, out, prompts = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+    counts = collections.Counter()
+    orig = speculative.Speculator.accepted
+    def accepted(self, r, draft, n):
+        counts["drafted"] += len(draft)
+        counts["accepted"] += n
+        return orig(self, r, draft, n)
+    speculative.Speculator.accepted = accepted
+    build = dict(max_seq_len=256, max_batch_size=4, device="cpu", dtype="float32", prefix_cache="off")
+    on, off = Llama.build(ckpt, tokenizer, speculative="ngram", **build), Llama.build(ckpt, tokenizer, **build)
+    runs = [dict(temperature=0.0, max_gen_len=60, logprobs=True),
+            dict(temperature=0.8, top_p=0.95, seed=3, n=2, max_gen_len=40, logprobs=True)]
+    got = {"on": [on.text_completion(prompts, **o) for o in runs], "off": [off.text_completion(prompts, **o) for o in runs]}
+    greedy = [p["generation"] for p in got["off"][0]]
+    got["predicted"] = off.text_completion(prompts, temperature=0.0, max_gen_len=60, logprobs=True, prediction=greedy)
+    jobs = [dict(prompt=p, temperature=t, seed=s, max_gen_len=60) for p in prompts for t, s in ((0, None), (0.7, 1))][1:3]
+    got["want_served"] = [off.text_completion([j.pop("prompt")], **j)[0]["generation"] for j in [dict(j) for j in jobs]]
+    got["counts"] = dict(counts)
+    engine = on.engine(prefill_chunk=8)
+    if os.environ["RANK"] == "0":
+        reqs = [engine.submit(**j) for j in jobs]
+        got["served"] = [r.result()["generation"] for r in reqs]
+        got["stats"] = dict(engine.stats)
+        engine.close()
+        json.dump(got, open(out, "w"))
+    else:
+        engine.serve_forever()
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+def test_model_parallel_speculation_on_equals_off(tmp_path):
+    if not (STORIES / "consolidated.00.pth").is_file():
+        pytest.skip(f"shared stories260K model not found under {STORIES.parent.parent}")
+    reshard(STORIES, tmp_path / "two", 2)
+    (tmp_path / "run.py").write_text(SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(tmp_path / "run.py"), str(tmp_path / "two"), str(STORIES / "tokenizer.model"),
+           str(tmp_path / "out.json"), json.dumps(PROMPTS)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=rank_env(3), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads((tmp_path / "out.json").read_text())
+    assert got["on"] == got["off"]
+    assert got["predicted"] == got["off"][0]
+    assert got["served"] == got["want_served"]
+    assert got["counts"]["accepted"] > 20, got["counts"]
+    assert got["stats"]["accepted_tokens"] > 5, got["stats"]
