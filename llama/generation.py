@@ -109,7 +109,8 @@ class Llama:
         tool_style: Meta Llama 3 checkpoints' tool-call syntax, "llama3_json" (3.1) or "pythonic" (3.2, 3.3);
         default by the checkpoint's shape (3.2's 1B/3B pythonic; 3.3 70B cannot be told from 3.1 70B).
         speculative="ngram": prompt-lookup speculative decoding, outputs identical to plain decoding (greedy and
-        seeded); it decodes eagerly, so compile="auto" means False with it (llama/core/speculative.py).
+        seeded); it decodes eagerly, so compile="auto" means False with it, and runs on the CPU only (on CUDA a verify
+        pass is not bitwise the one-token step) (llama/core/speculative.py).
         """
         if check_speculative(speculative) is not None:
             if compile not in ("auto", False, None):
@@ -146,10 +147,16 @@ class Llama:
         self.inputs = RequestBuilder(tokenizer, self.formatter, max_seq_len, model.vocab_size)
         self.core = DecodeCore(self.runner, self.inputs.settle, max_batch_size, max_seq_len)
         self.core.speculative = check_speculative(speculative)
-        self.core.predictions = compiled is None and not isinstance(model, pipeline.PipelineTransformer)
+        # A verify pass's rows are bitwise one-token steps in our CPU kernels only: on CUDA they were 8.6e-6 apart
+        # (docs/performance.md, "The GPU"), so there predictions are ignored and speculation is refused.
+        on_cpu = self.device.type == "cpu"
+        self.core.predictions = compiled is None and not isinstance(model, pipeline.PipelineTransformer) and on_cpu
         if self.core.speculative is not None and (compiled is not None or isinstance(model, pipeline.PipelineTransformer)):
             raise ValueError(f"speculative={speculative!r} needs the eager decode step of one pipeline stage "
                              "(compile=False, pipeline_parallel_size=1)")
+        if self.core.speculative is not None and not on_cpu:
+            raise ValueError(f"speculative={speculative!r} runs on the CPU only: on {self.device.type} a verify pass "
+                             "does not give the one-token step's logits bit for bit, so drafts could change outputs")
 
     @property
     def max_seq_len(self) -> int:

@@ -69,6 +69,9 @@ CPU_ONLY = pytest.mark.skipif(ON_CUDA, reason="int8-dynamic runs on the CPU only
 # and the step is the model's (tests/quantization/test_gguf_blocks.py::test_the_gpu_path_dequantizes_instead).
 CPU_KERNELS_ONLY = pytest.mark.skipif(ON_CUDA, reason="runs in our CPU kernels; CUDA dequantizes GGUF blocks and "
                                                        "decodes with the model's own step")
+# Speculative decoding and predictions are exact only in our CPU kernels: refused (ignored) on CUDA.
+CPU_SPECULATION = pytest.mark.skipif(ON_CUDA, reason="speculative decoding runs on the CPU only (a CUDA verify pass "
+                                                      "is not bitwise the one-token step)")
 # Where the host's memory is measured (a load's peak RSS), a CUDA load puts the weights on the GPU instead.
 HOST_MEMORY = pytest.mark.skipif(ON_CUDA, reason="measures host memory of a CPU load; on CUDA the weights go to the GPU")
 

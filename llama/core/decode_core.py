@@ -84,11 +84,13 @@ class DecodeCore:
                 self.settle(r)
         return deltas
 
-    @staticmethod
-    def _steady(sched: Scheduler) -> bool:
-        """Whether the next plan is likely this step's continuation: no speculation, and no one waiting for a slot
-        that is free (an admission would change the next step). Then the runner may queue it ahead."""
-        return sched.speculator is None and not (sched.waiting and None in sched.slots)
+    def _steady(self, sched: Scheduler) -> bool:
+        """Whether the next plan is likely this step's continuation: nothing that may draft (prompt lookup, or a
+        running request's prediction), and no one waiting for a slot that is free (an admission would change the
+        next step). Then the runner may queue it ahead."""
+        drafts = sched.speculator is not None and (
+            self.speculative is not None or any(r.params.prediction for r in sched.running()))
+        return not drafts and not (sched.waiting and None in sched.slots)
 
     @staticmethod
     def _fail(sched: Scheduler, e: Exception) -> None:

@@ -28,7 +28,9 @@ _ON: ContextVar = ContextVar("llama_row_invariant", default=False)
 
 
 def active() -> bool:
-    return _ON.get()
+    """Whether row-invariant arithmetic is on. Never inside a compiled step: "exact" decodes eagerly, and Dynamo
+    cannot trace a ContextVar (the model calls this from its forward)."""
+    return not torch.compiler.is_compiling() and _ON.get()
 
 
 @contextmanager
@@ -45,7 +47,7 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     """F.silu; while active, one row at a time, so every row is computed as a lone row is (which of its elements
     fall in the vectorized loop's scalar tail depends only on the row's length): as the one-call decode step
     computes a batch of one."""
-    if not _ON.get() or x.device.type != "cpu" or x.numel() == 0:
+    if not active() or x.device.type != "cpu" or x.numel() == 0:
         return F.silu(x)
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] == 1:
@@ -59,4 +61,4 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 def one_call_decodes(rows: int) -> bool:
     """Whether the one-call decode step (llama/kernels/fused_decode.py) may run `rows` rows: always, but while
     active only one (its SiLU runs over the whole batch at once)."""
-    return rows == 1 or not _ON.get()
+    return rows == 1 or not active()

@@ -6,13 +6,15 @@ import math
 
 import pytest
 import torch
-from conftest import LLAMA2_TOKENIZER, STORIES, need
+from conftest import CPU_SPECULATION, LLAMA2_TOKENIZER, STORIES, need
 
 from llama import Llama
 from llama.core import speculative
 from llama.core.plan import Decode, Prefill, SetBlocks, Verify
 from llama.formats.demo import write_random_checkpoint
 from llama.sample.lookup import NgramIndex
+
+pytestmark = CPU_SPECULATION
 
 DTYPES = ["float32", "bfloat16"]
 PROMPTS = ["Once upon a time", "Lily and Ben went to the park. Lily and Ben", "The cat sat on the mat. The cat"]

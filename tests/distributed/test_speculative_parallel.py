@@ -9,9 +9,11 @@ import sys
 import textwrap
 
 import pytest
-from conftest import STORIES, rank_env
+from conftest import CPU_SPECULATION, STORIES, rank_env
 
 from llama.formats.reshard import reshard
+
+pytestmark = CPU_SPECULATION
 
 PROMPTS = ["Lily and Ben went to the park. Lily and Ben", "The cat sat on the mat. The cat"]
 

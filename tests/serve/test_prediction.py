@@ -5,10 +5,12 @@ without a prediction; usage counts the accepted and rejected prediction tokens; 
 import collections
 
 import pytest
-from conftest import STORIES, need
+from conftest import CPU_SPECULATION, STORIES, need
 
 from llama import Llama
 from llama.core import speculative
+
+pytestmark = CPU_SPECULATION
 
 MAX_SEQ_LEN = 256
 PROMPT = "Lily and Ben went to the park. Lily and Ben"
