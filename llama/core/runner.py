@@ -132,12 +132,13 @@ class Runner:
         return forward(torch.tensor(op.tokens, device=dev), start, rows=rows, logit_index=last, kv_len=op.kv_len)
 
     def _decode_shape(self, op: Decode) -> Tuple[bool, int, int]:
-        """(compiled, rows, the graph's batch size) of the pass that runs a Decode op. Eager, the step spans slots 0..highest active.
-        Compiled on CPU too, rounded up to its graph's batch size (a power of two, so a handful of graphs serve any
-        mix of requests; each is subject to the memory check, as graphs of float weights hold their own copy): there
-        each row costs its products, and one request in a cache of 8 rows must not pay for 8. Compiled on CUDA, the
-        step spans every slot: a GPU decodes a few rows in the time of one, and one graph (one compile, one CUDA
-        graph) serves every step."""
+        """(compiled, rows, the graph's batch size) of the pass that runs a Decode op.
+
+        Eager, the step spans slots 0..highest active. Compiled on CPU too, rounded up to its graph's batch size (a
+        power of two, so a handful of graphs serve any mix of requests; each is subject to the memory check, as
+        graphs of float weights hold their own copy): there each row costs its products, and one request in a cache
+        of 8 rows must not pay for 8. Compiled on CUDA, the step spans every slot: a GPU decodes a few rows in the
+        time of one, and one graph (one compile, one CUDA graph) serves every step."""
         c, width, size = self.compiled, max(op.active) + 1, len(op.tokens)
         if not getattr(c, "cuda", False):
             size = min(bucket(width, self.model.max_batch_size), size)
