@@ -113,6 +113,10 @@ class Llama:
         pass is not bitwise the one-token step) (llama/core/speculative.py).
         """
         if check_speculative(speculative) is not None:
+            where = torch.device(device) if device is not None else parallel.default_device()
+            if where.type != "cpu":  # refused before loading (Llama() refuses it too)
+                raise ValueError(f"speculative={speculative!r} runs on the CPU only: on {where.type} a verify pass "
+                                 "does not give the one-token step's logits bit for bit, so drafts could change outputs")
             if compile not in ("auto", False, None):
                 raise ValueError(f"speculative={speculative!r} verifies drafts with the eager decode step, whose "
                                  f"logits a compiled step does not match bit for bit: use compile=False, got "

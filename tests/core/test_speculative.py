@@ -349,3 +349,11 @@ def test_a_draft_is_verified_where_it_pays_on_this_machine():
     kinds = [type(_plan(reqs, spec).ops[0]).__name__ for _ in range(speculative.EXPLORE + 1)]
     assert kinds == ["Decode"] * speculative.EXPLORE + ["Verify"]
     assert speculative.expected_tokens(0.5, 3) == 1.875 and speculative.expected_tokens(1.0, 3) == 4
+
+
+def test_speculation_is_refused_off_the_cpu_before_loading():
+    """A verify pass is bitwise the one-token step only in our CPU kernels (on an H200 it was not), so another device
+    is refused up front, naming it, instead of after a long load."""
+    d = str(need(STORIES))
+    with pytest.raises(ValueError, match="runs on the CPU only: on meta"):
+        Llama.build(d, d + "/tokenizer.model", max_seq_len=64, max_batch_size=1, speculative="ngram", device="meta")
