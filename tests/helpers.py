@@ -200,3 +200,46 @@ class GatedServer:
         self.gate.open()  # a held engine thread would keep the shutdown waiting
         self.server.should_exit = True
         self.thread.join(30)
+
+
+def draft_tally(patch):
+    """Drafted and accepted tokens over every Speculator (a Counter), so a test can show its drafts were accepted;
+    patch(obj, name, value) installs the counting wrapper (monkeypatch.setattr, or setattr in a subprocess)."""
+    import collections
+
+    from llama.core import speculative
+
+    counts = collections.Counter()
+    orig = speculative.Speculator.accepted
+
+    def accepted(self, r, draft, n):
+        counts["drafted"] += len(draft)
+        counts["accepted"] += n
+        return orig(self, r, draft, n)
+
+    patch(speculative.Speculator, "accepted", accepted)
+    return counts
+
+
+def two_rank_stories(tmp_path, script: str, prompts) -> dict:
+    """Run `script` under torchrun on 2 ranks with stories260K resharded in two; its argv: the shards, the tokenizer,
+    the JSON file rank 0 writes, the prompts as JSON. Returns what rank 0 wrote."""
+    import json
+    import subprocess
+    import sys
+
+    import pytest
+    from conftest import STORIES, rank_env
+
+    from llama.formats.reshard import reshard
+
+    if not (STORIES / "consolidated.00.pth").is_file():
+        pytest.skip(f"shared stories260K model not found under {STORIES.parent.parent}")
+    reshard(STORIES, tmp_path / "two", 2)
+    (tmp_path / "run.py").write_text(script)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(tmp_path / "run.py"), str(tmp_path / "two"), str(STORIES / "tokenizer.model"),
+           str(tmp_path / "out.json"), json.dumps(prompts)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=rank_env(3), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((tmp_path / "out.json").read_text())

@@ -206,13 +206,7 @@ def _dialog(messages) -> List[Dict[str, str]]:
             raise bad(f"messages[{i}].role", f"messages[{i}] must be an object whose role is one of {', '.join(ROLES)}")
         content = m.get("content")
         if isinstance(content, list):  # content parts: only text ones
-            texts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise bad(f"messages[{i}].content[{j}]", f"messages[{i}].content[{j}]: only text parts "
-                                                             "({\"type\": \"text\", \"text\": ...}) are supported")
-                texts.append(part["text"])
-            content = "".join(texts)
+            content = _text_parts(content, f"messages[{i}].content")
         if content is None and m.get("tool_calls"):  # an assistant's calls (checked in llama/serve/tools.py)
             content = ""
         if not isinstance(content, str):
@@ -220,6 +214,17 @@ def _dialog(messages) -> List[Dict[str, str]]:
         role = "system" if m["role"] == "developer" else m["role"]
         dialog.append({"role": role, "content": content})
     return dialog
+
+
+def _text_parts(parts: list, where: str) -> str:
+    """The text of OpenAI content parts; a part that is not text is a 400 naming it (where[j])."""
+    texts = []
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise bad(f"{where}[{j}]", f"{where}[{j}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) are "
+                                      "supported")
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 def _prediction(v, max_seq_len: int) -> Optional[str]:
@@ -230,13 +235,7 @@ def _prediction(v, max_seq_len: int) -> Optional[str]:
         raise bad("prediction", 'prediction must be {"type": "content", "content": a string or a list of text parts}')
     content = v["content"]
     if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad(f"prediction.content[{j}]", f"prediction.content[{j}]: only text parts "
-                                                      "({\"type\": \"text\", \"text\": ...}) are supported")
-            texts.append(part["text"])
-        content = "".join(texts)
+        content = _text_parts(content, "prediction.content")
     if not isinstance(content, str):
         raise bad("prediction.content", "prediction.content must be a string or a list of text parts")
     if len(content) > PREDICTION_CHARS_PER_TOKEN * max_seq_len:

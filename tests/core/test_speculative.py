@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from conftest import CPU_SPECULATION, LLAMA2_TOKENIZER, STORIES, need
+from helpers import draft_tally
 
 from llama import Llama
 from llama.core import speculative
@@ -23,15 +24,7 @@ PROMPTS = ["Once upon a time", "Lily and Ben went to the park. Lily and Ben", "T
 @pytest.fixture(scope="module")
 def tally(monkeypatch_module):
     """Drafted and accepted tokens over every Speculator, so tests can show their drafts were accepted."""
-    counts = collections.Counter()
-    orig = speculative.Speculator.accepted
-
-    def accepted(self, r, draft, n):
-        counts["drafted"] += len(draft)
-        counts["accepted"] += n
-        return orig(self, r, draft, n)
-    monkeypatch_module.setattr(speculative.Speculator, "accepted", accepted)
-    return counts
+    return draft_tally(monkeypatch_module.setattr)
 
 
 @pytest.fixture(scope="module")

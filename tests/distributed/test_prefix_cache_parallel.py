@@ -4,15 +4,10 @@ on both ranks and give the text of a single process with the cache off; in a poo
 0 grows and preempts, and the other rank follows the block tables; after the engine stops, the other rank's pool
 is rank 0's, so later lockstep calls plan the same cache hits."""
 
-import json
-import subprocess
-import sys
 import textwrap
 
-import pytest
-from conftest import STORIES, rank_env
-
-from llama.formats.reshard import reshard
+from conftest import STORIES
+from helpers import two_rank_stories
 
 SYSTEM = ("You are a storyteller who tells short, happy stories about animals in a park, with a cat, a dog and a "
           "little bird who are friends.")
@@ -75,18 +70,9 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_model_parallel_reuses_the_cache_with_the_cache_off_text(tmp_path):
-    if not (STORIES / "consolidated.00.pth").is_file():
-        pytest.skip(f"shared stories260K model not found under {STORIES.parent.parent}")
     from llama import Llama
 
-    reshard(STORIES, tmp_path / "two", 2)
-    (tmp_path / "run.py").write_text(SCRIPT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(tmp_path / "run.py"), str(tmp_path / "two"), str(STORIES / "tokenizer.model"),
-           str(tmp_path / "out.json"), json.dumps(PROMPTS)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=rank_env(3), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads((tmp_path / "out.json").read_text())
+    got = two_rank_stories(tmp_path, SCRIPT, PROMPTS)
     ref = Llama.build(str(STORIES), str(STORIES / "tokenizer.model"), max_seq_len=256, max_batch_size=4,
                       device="cpu", dtype="float32", prefix_cache="off")
     want = [r["generation"] for r in ref.text_completion(PROMPTS, **GREEDY)]

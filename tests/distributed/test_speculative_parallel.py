@@ -3,34 +3,25 @@ are functions of the tokens alone; nothing timed decides there), so the Verify p
 speculation on (prompt lookup, a prediction) the text is token for token the text with it off, in Llama calls and
 through the engine, where rank 0 plans and the other rank replays its ops."""
 
-import json
-import subprocess
-import sys
 import textwrap
+from pathlib import Path
 
-import pytest
-from conftest import CPU_SPECULATION, STORIES, rank_env
-
-from llama.formats.reshard import reshard
+from conftest import CPU_SPECULATION
+from helpers import two_rank_stories
 
 pytestmark = CPU_SPECULATION
 
 PROMPTS = ["Lily and Ben went to the park. Lily and Ben", "The cat sat on the mat. The cat"]
 
 SCRIPT = textwrap.dedent("""
-    import collections, json, os, sys
+    import json, os, sys
     import torch.distributed as dist
-    from llama.core import speculative
     from llama.generation import Llama
+    sys.path.insert(0, TESTS)
+    from helpers import draft_tally
 
     ckpt, tokenizer, out, prompts = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
-    counts = collections.Counter()
-    orig = speculative.Speculator.accepted
-    def accepted(self, r, draft, n):
-        counts["drafted"] += len(draft)
-        counts["accepted"] += n
-        return orig(self, r, draft, n)
-    speculative.Speculator.accepted = accepted
+    counts = draft_tally(setattr)
     build = dict(max_seq_len=256, max_batch_size=4, device="cpu", dtype="float32", prefix_cache="off")
     on, off = Llama.build(ckpt, tokenizer, speculative="ngram", **build), Llama.build(ckpt, tokenizer, **build)
     runs = [dict(temperature=0.0, max_gen_len=60, logprobs=True),
@@ -52,20 +43,11 @@ SCRIPT = textwrap.dedent("""
         engine.serve_forever()
     dist.barrier()
     dist.destroy_process_group()
-""")
+""").replace("TESTS", repr(str(Path(__file__).resolve().parents[1])))
 
 
 def test_model_parallel_speculation_on_equals_off(tmp_path):
-    if not (STORIES / "consolidated.00.pth").is_file():
-        pytest.skip(f"shared stories260K model not found under {STORIES.parent.parent}")
-    reshard(STORIES, tmp_path / "two", 2)
-    (tmp_path / "run.py").write_text(SCRIPT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(tmp_path / "run.py"), str(tmp_path / "two"), str(STORIES / "tokenizer.model"),
-           str(tmp_path / "out.json"), json.dumps(PROMPTS)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=rank_env(3), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads((tmp_path / "out.json").read_text())
+    got = two_rank_stories(tmp_path, SCRIPT, PROMPTS)
     assert got["on"] == got["off"]
     assert got["predicted"] == got["off"][0]
     assert got["served"] == got["want_served"]

@@ -2,10 +2,9 @@
 source (llama/core/speculative.py), used without --speculative, so every output is token for token the output
 without a prediction; usage counts the accepted and rejected prediction tokens; a bad prediction is a 400."""
 
-import collections
-
 import pytest
 from conftest import CPU_SPECULATION, STORIES, need
+from helpers import draft_tally
 
 from llama import Llama
 from llama.core import speculative
@@ -37,15 +36,7 @@ def gen():
 
 @pytest.fixture()
 def tally(monkeypatch):
-    counts = collections.Counter()
-    orig = speculative.Speculator.accepted
-
-    def accepted(self, r, draft, n):
-        counts["drafted"] += len(draft)
-        counts["accepted"] += n
-        return orig(self, r, draft, n)
-    monkeypatch.setattr(speculative.Speculator, "accepted", accepted)
-    return counts
+    return draft_tally(monkeypatch.setattr)
 
 
 def edited(text: str) -> str:
