@@ -122,8 +122,8 @@ def profile(fn) -> str:
 
 def weight_gb(model) -> float:
     """GB one decode step reads: every parameter but the embedding table."""
-    named = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers()
-                                              if n.endswith(("weight", "scales"))]  # gpt-fast's int8 buffers
+    named = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers()  # gpt-fast's int8/int4
+                                              if n.endswith(("weight", "scales", "scales_and_zeros"))]
     return sum(p.numel() * p.element_size() for n, p in named if "embed" not in n) / 1e9
 
 

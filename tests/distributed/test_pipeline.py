@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import GOLDENS, SHARED, STORIES, error_lines, rank_env
+from conftest import GOLDENS, ON_CUDA, SHARED, STORIES, error_lines, rank_env
 from helpers import ONCE, build_stories
 
 TESTS = Path(__file__).resolve().parent
@@ -287,14 +287,21 @@ def p2(checkpoints):
     return outputs(tmp, "p2", 2)
 
 
+# Unseeded samples draw from the global RNG. On the CPU (mt19937) a call's draws follow one stream row after row, so
+# the pipelined engine's groups (2 rows per call) draw what one process draws for 4 rows at once. CUDA's Philox
+# gives each call offsets by its size, so there the groups draw other samples: equal across ranks, not to one
+# process. Seeded samples (their own generator per row) are equal everywhere.
+UNSEEDED_AS_ONE_PROCESS = not ON_CUDA
+
+
 def check_ranks(ranks, single, goldens, T, P):
     total = single["weight_bytes"]
     for d in map(str, (STORIES, ranks[0]["two"])):
         per_rank = [r["dirs"][d] for r in ranks]
         for r in per_rank:
             assert r["greedy"] == [g["generated_tokens"] for g in goldens.values()], d
-            assert r["sampled"] == single["sampled"], d
-            assert single["sampled"] != [g["generated_tokens"][:48] for g in goldens.values()]  # really sampled
+            assert r["sampled"] == (single["sampled"] if UNSEEDED_AS_ONE_PROCESS else per_rank[0]["sampled"]), d
+            assert r["sampled"] != [g["generated_tokens"][:48] for g in goldens.values()]  # really sampled
             # resident weights: about 1/(T x P) of the model (stages are balanced to within one layer)
             assert 0.75 * total / (T * P) <= r["weight_bytes"] <= 1.25 * total / (T * P), (d, r["weight_bytes"], total)
         assert sum(r["weight_bytes"] for r in per_rank) <= 1.01 * total  # only norms are replicated
@@ -331,6 +338,8 @@ def test_two_stages_with_tied_embeddings_from_two_shards_match_one_process(p2, c
     tied = str(checkpoints[2])
     g = Llama.build(tied, str(STORIES / "tokenizer.model"), max_seq_len=MAX_SEQ_LEN, max_batch_size=MAX_BATCH)
     want = generations(g)
+    if not UNSEEDED_AS_ONE_PROCESS:
+        want["sampled"] = p2[0]["dirs"][tied]["sampled"]
     for r in p2:
         assert {k: r["dirs"][tied][k] for k in want} == want
     assert [r["dirs"][tied]["embedding"] for r in p2] == [True, False]
@@ -346,7 +355,8 @@ def test_engine_under_two_stages_serves_concurrent_requests_as_each_alone(p2, si
     assert r1["alone"] == r0["alone"]
     # The last stage's RNG drew the unseeded samples and reached rank 0 with them; rank 0's reached every rank
     # when the engine closed: a later unseeded call still matches the single process.
-    assert r1["unseeded"] == r0["unseeded"] == single["unseeded"]
+    assert r1["unseeded"] == r0["unseeded"]
+    assert r0["unseeded"] == single["unseeded"] or not UNSEEDED_AS_ONE_PROCESS
 
 
 def test_two_stages_reuse_cached_prompt_blocks_and_give_the_cache_off_text(p2, single):
