@@ -11,15 +11,18 @@ step: the outputs are those of synchronous decoding, bit for bit (tests/core/tes
 
 A step is queued only when it is one the plan could ask for: every request has a token left to generate and a
 position left in the cache, and the position it writes lies in a block it already holds. A dropped step's writes
-therefore land in positions of its own rows that a later step rewrites before anything reads them.
+therefore land in positions of its own rows that a later step rewrites before anything reads them. So that steps
+crossing into a new block are queued too, the paged pool hands each decoding request the block its next step
+writes one step early (`Paging.lookahead`); the plan that grants it may still use the queued step, as a grant only
+extends a row's table past what that step reads and writes.
 
 Only requests drawn wholly on the device take part: no logits processors, grammar, penalties or top_logprobs (they
 read the host's token lists or return host lists), and no speculation; a step with any other request runs
 synchronously. One process only: model-parallel ranks replay the leader's ops and would need the queued step too.
 """
 
-from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -67,21 +70,24 @@ def next_step(op: Decode, reqs: Sequence[Request], max_seq_len: int, block: int)
 
 @dataclass
 class Queued:
-    """A decode step launched ahead of its plan: its op (tokens filled in once the host has them), its logits, and
-    the shape of its pass (a plan's step of another shape would round differently)."""
+    """A decode step launched ahead of its plan: its op (tokens filled in once the host has them), its logits, the
+    shape of its pass (a plan's step of another shape would round differently), and the blocks each of its cache
+    rows held when it was queued."""
 
     op: Decode
     logits: torch.Tensor
     shape: Tuple
+    held: Dict[int, Tuple[int, ...]] = field(default_factory=dict)
 
     def take(self, ops: List[Op], shape: Callable[[Decode], Tuple]) -> Optional[int]:
         """The index of the Decode op among ops if this step can stand in for it, else None. Besides that op, a plan
-        may only clear the tables of rows that were left (done after this step's writes, which is harmless)."""
+        may only clear the tables of rows that were left, or extend a row's table past the blocks it held (both
+        done after this step's writes, which is harmless)."""
         found = None
         for i, op in enumerate(ops):
             if isinstance(op, Decode) and found is None:
                 found = i
-            elif not (isinstance(op, SetBlocks) and not any(op.blocks)):
+            elif not (isinstance(op, SetBlocks) and all(map(self._keeps, op.rows, op.blocks))):
                 return None
         if found is None:
             return None
@@ -91,6 +97,11 @@ class Queued:
         if any(d.tokens[s] != q.tokens[s] or d.pos[s] != q.pos[s] for s in d.active):
             return None
         return found if shape(d) == self.shape else None
+
+    def _keeps(self, row: int, blocks: Sequence[int]) -> bool:
+        """Whether a table edit leaves what this step read and wrote: a cleared row, or the row's blocks extended."""
+        held = self.held.get(row)
+        return not blocks or (held is not None and tuple(blocks[: len(held)]) == held)
 
 
 def to_host(tensors: Sequence[Optional[torch.Tensor]]) -> Tuple[list, Callable[[], None]]:

@@ -27,6 +27,8 @@ class DecodeCore:
         slots = range(self.max_batch_size) if slots is None else slots
         chunk = prefill_chunk or len(slots) * self.max_seq_len
         sched = Scheduler(len(slots), self.max_seq_len, chunk, base=slots.start, pool=self.runner.cache.pool)
+        if sched.paging is not None and getattr(self.runner, "run_ahead", False):
+            sched.paging.lookahead = 1  # a step queued ahead needs its block already (llama/core/ahead.py)
         if self.speculative is not None or self.predictions:
             block = sched.paging.pool.block_size if sched.paging is not None else 0
             sched.speculator = Speculator(sched.stats, slots.start, self.max_seq_len, block, self.speculative,

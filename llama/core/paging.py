@@ -56,6 +56,9 @@ class Paging:
     def __init__(self, pool: BlockPool, base: int, max_seq_len: int):
         self.pool, self.base, self.max_seq_len = pool, base, max_seq_len
         self.stale: set = set()  # rows whose requests left: their tables still name blocks others may get
+        # Steps ahead a decoding request's blocks reach (0 or 1): with asynchronous decode (llama/core/ahead.py) a
+        # step is queued only inside held blocks, so the block the next step writes is taken one step early.
+        self.lookahead = 0
 
     @property
     def mode(self) -> str:
@@ -175,6 +178,22 @@ class Paging:
                 ops.append(self.preempt(victim, sched))
                 if victim is r:
                     break
+        if self.lookahead:
+            ops += self._ahead(sched)
+        return ops
+
+    def _ahead(self, sched) -> List[SetBlocks]:
+        """The block each decoding request's next step will write, taken now when blocks are available (never by
+        preempting, and after every request's block for this step, so it takes nothing this step needs)."""
+        ops = []
+        for r in sorted(sched.running(), key=lambda r: r.order):
+            if r.slot < 0 or r.feed is None or len(r.generated) + 2 > r.max_new:
+                continue
+            more = self.pool.blocks_for(min(r.next_pos + 2, self.max_seq_len)) - len(r.blocks)
+            got = self.pool.allocate(more) if more > 0 else None
+            if got is not None:
+                r.blocks = r.blocks + got
+                ops.append(SetBlocks(rows=[self.base + r.slot], blocks=[r.blocks]))
         return ops
 
     def preempt(self, r: Request, sched) -> SetBlocks:

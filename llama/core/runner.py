@@ -254,7 +254,8 @@ class Runner:
             with torch.inference_mode(), self.cache.manage():
                 fed = index(nxt.tokens, self.device)
                 fed[index(op.active, self.device)] = tokens
-                self._queued = ahead.Queued(nxt, self._decode(nxt, fed, shape), shape)
+                held = {nxt.base + r.slot: tuple(r.blocks) for r in reqs}
+                self._queued = ahead.Queued(nxt, self._decode(nxt, fed, shape), shape, held)
             self.ahead_stats["queued"] += 1
         wait()
         drawn, peaks = tokens_h.tolist(), peak_h.tolist()

@@ -131,6 +131,14 @@ def test_a_step_is_queued_only_inside_the_blocks_and_tokens_a_request_has():
     assert ahead.next_step(late, [a, request(12, 3, 10, blocks=2, slot=1)], 16, 16) is None  # end of the cache
 
 
+def test_steps_that_cross_into_a_new_block_are_queued_too(gen):
+    """The pool hands a request the block its next step writes one step early (Paging.lookahead), so every decode
+    step but the first is queued ahead, across the 16-position blocks."""
+    sync, fast, stats = both(gen, lambda: gen.text_completion(PROMPTS[:1], temperature=0.0, max_gen_len=60))
+    assert fast == sync  # 60 tokens: the first from the prefill, 59 decode steps, all but the first queued
+    assert stats["used"] == stats["queued"] == 58, stats
+
+
 def test_a_queued_step_stands_in_only_for_the_same_pass():
     shape = lambda op: (False, max(op.active) + 1, 0)  # noqa: E731 (the eager rule: slots 0..highest active)
     q = ahead.Queued(Decode(tokens=[5, 6, 7], pos=[10, 20, 30], active=[0, 1, 2]), torch.zeros(3, 4), shape(
@@ -142,7 +150,11 @@ def test_a_queued_step_stands_in_only_for_the_same_pass():
     assert q.take([Decode(tokens=[5, 6, 0], pos=[10, 20, 0], active=[0, 1])], shape) is None  # narrower pass
     assert q.take([Decode(tokens=[5, 9, 7], pos=[10, 20, 30], active=[0, 1, 2])], shape) is None  # another token
     assert q.take([Decode(tokens=[5, 6, 7], pos=[10, 21, 30], active=[0, 1, 2])], shape) is None
-    assert q.take([SetBlocks(rows=[1], blocks=[[3, 4]]), same], shape) is None  # growth: a new block
+    assert q.take([SetBlocks(rows=[1], blocks=[[3, 4]]), same], shape) is None  # growth of a row it did not hold
+    q.held = {0: (8,), 1: (3,), 2: (5, 6)}
+    assert q.take([SetBlocks(rows=[1], blocks=[[3, 4]]), same], shape) == 1  # extended past what it held
+    assert q.take([SetBlocks(rows=[1], blocks=[[4, 3]]), same], shape) is None  # another table under it
+    assert q.take([SetBlocks(rows=[2], blocks=[[5]]), same], shape) is None
     assert q.take([SetBlocks(rows=[3], blocks=[[]])], shape) is None  # no decode at all
 
 
