@@ -18,7 +18,9 @@ extends a row's table past what that step reads and writes.
 
 Only requests drawn wholly on the device take part: no logits processors, grammar, penalties or top_logprobs (they
 read the host's token lists or return host lists), and no speculation; a step with any other request runs
-synchronously. One process only: model-parallel ranks replay the leader's ops and would need the queued step too.
+synchronously. One stage only: a single process, or tensor-parallel ranks decoding in lockstep (each gets the same
+logits, draws the same tokens and queues the same step, collectives included, in the same order), but not while
+the engine serves under tensor parallel, whose followers replay the leader's ops, nor on pipeline stages.
 """
 
 from dataclasses import dataclass, field
@@ -32,8 +34,8 @@ from llama.core.request import Request
 
 
 def enabled(device: torch.device, alone: bool) -> bool:
-    """LLAMA_ASYNC_DECODE: on, off, or unset (auto: on for a single process on CUDA, where the GPU runs ahead of
-    the host; on a CPU the step runs in the calling thread, so queueing it early gains nothing)."""
+    """LLAMA_ASYNC_DECODE: on, off, or unset (auto: on for one stage on CUDA, where the GPU runs ahead of the
+    host; on a CPU the step runs in the calling thread, so queueing it early gains nothing). alone: one stage."""
     choice = settings.get().async_decode
     if choice is None:
         return alone and torch.device(device).type == "cuda"

@@ -79,8 +79,10 @@ class Runner:
         self.execution = Execution() if execution is None else execution
         self.device = cache.device
         self._sampler: Optional[Tuple[List[Request], RowSampler]] = None
-        alone = type(self.execution) is Execution and self.execution.lockstep is None
-        self.run_ahead = ahead.enabled(self.device, alone)  # queue decode steps ahead (llama/core/ahead.py)
+        # queue decode steps ahead (llama/core/ahead.py) in one stage: a single process, or tensor-parallel ranks
+        # that each draw the same tokens and queue the same step; not while the engine's followers replay ops
+        self.run_ahead = ahead.enabled(self.device, type(self.execution) is Execution)
+        self._replaying = False
         self._queued: Optional[ahead.Queued] = None
         self.ahead_stats = {"queued": 0, "used": 0}
         self._ops = {LoadPrefix: self._load, CopyRows: self._copy, Prefill: self._prefill, Decode: self._decode,
@@ -88,9 +90,16 @@ class Runner:
                      SetBlocks: lambda op: self.cache.set_blocks(op.rows, op.blocks),
                      CopyBlocks: lambda op: self.cache.copy_blocks(op.src, op.dst)}
 
-    def leader_samples(self, deferred: bool = False):
-        """While the engine serves: its leader samples every request (see Execution.leader_samples)."""
-        return self.execution.leader_samples(deferred)
+    @contextmanager
+    def leader_samples(self, deferred: bool = False) -> Iterator[None]:
+        """While the engine serves: its leader samples every request (see Execution.leader_samples), and ranks
+        that replay its ops have no queued step to use, so it queues none."""
+        replaying, self._replaying = self._replaying, self.execution.lockstep is not None
+        try:
+            with self.execution.leader_samples(deferred):
+                yield
+        finally:
+            self._replaying = replaying
 
     def _sampling_pass(self, *args, **kwargs) -> torch.Tensor:
         """A forward pass whose logits only sampling reads (on pipeline stages they need not reach every rank)."""
@@ -184,7 +193,7 @@ class Runner:
         ranks do), then sample and advance. ahead_ok: the caller's next plan is likely this step's continuation
         (no one waits for a free slot), so queueing it ahead may pay (llama/core/ahead.py)."""
         outs = self.execution.resolve(outs)
-        if ahead_ok and self.run_ahead and ahead.eligible(plan):
+        if ahead_ok and self.run_ahead and not self._replaying and ahead.eligible(plan):
             return self._complete_ahead(plan, outs)
         ready: List[Tuple[Request, torch.Tensor]] = []
         jobs = iter(plan.prefill)

@@ -139,6 +139,21 @@ def test_steps_that_cross_into_a_new_block_are_queued_too(gen):
     assert stats["used"] == stats["queued"] == 58, stats
 
 
+def test_nothing_is_queued_while_followers_replay_the_engines_ops(gen):
+    """Under tensor parallel the engine's followers replay the leader's ops and have no queued step to use, so the
+    leader queues none while it serves (outside the engine every rank queues alike: test_tensor_parallel.py)."""
+    runner = gen.runner
+    runner.execution.lockstep = (None, 0)
+    try:
+        with runner.leader_samples():
+            sync, fast, stats = both(gen, lambda: gen.text_completion(PROMPTS[:2], **GREEDY))
+        assert fast == sync and stats == {"queued": 0, "used": 0}
+        sync, fast, stats = both(gen, lambda: gen.text_completion(PROMPTS[:2], **GREEDY))
+        assert fast == sync and stats["used"] > 20
+    finally:
+        runner.execution.lockstep = None
+
+
 def test_a_queued_step_stands_in_only_for_the_same_pass():
     shape = lambda op: (False, max(op.active) + 1, 0)  # noqa: E731 (the eager rule: slots 0..highest active)
     q = ahead.Queued(Decode(tokens=[5, 6, 7], pos=[10, 20, 30], active=[0, 1, 2]), torch.zeros(3, 4), shape(

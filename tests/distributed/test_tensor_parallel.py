@@ -38,6 +38,10 @@ SCRIPT = textwrap.dedent(f"""
         result[d] = {{"greedy": greedy, "sampled": sampled}}
         if mp == "mp" and d == dirs[0]:
             result[d]["mp"] = mp_outputs(llama)
+            llama.runner.run_ahead = True  # asynchronous decode (the CUDA default) forced on: ranks queue alike
+            ahead = {{"greedy": llama.generate(prompts, max_gen_len=128, temperature=0.0)[0],
+                     "mp": mp_outputs(llama)}}
+            result[d]["ahead"] = {{**ahead, "stats": llama.runner.ahead_stats}}
     with open(f"{{out}}.{{os.environ['RANK']}}.json", "w") as f:
         json.dump({{"world_size": int(os.environ["WORLD_SIZE"]), "result": result}}, f)
     dist.barrier()
@@ -196,9 +200,15 @@ def mp_outputs(g):
 
 
 def test_seeded_outputs_identical_at_mp2(two_procs, mp1):
-    """Two model-parallel ranks (torchrun, gloo on CPU) give the same texts as one process."""
+    """Two model-parallel ranks (torchrun, gloo on CPU) give the same texts as one process, with decode steps
+    queued ahead too (llama/core/ahead.py: each rank draws the same tokens and queues the same step)."""
     *_, ranks, _ = two_procs
     assert ranks[0][str(STORIES)]["mp"] == ranks[1][str(STORIES)]["mp"] == mp1["mp"]
+    goldens = [g["generated_tokens"] for g in two_procs[1].values()]
+    for r in ranks:
+        ahead = r[str(STORIES)]["ahead"]
+        assert ahead["greedy"] == goldens and ahead["mp"] == mp1["mp"]
+        assert ahead["stats"]["used"] > 100 and ahead["stats"] == ranks[0][str(STORIES)]["ahead"]["stats"]
     mp1 = mp1["mp"]
     assert " loved" in mp1[0], "the stop string must occur in the unstopped text for the stop check to mean anything"
     assert mp1[2] == mp1[0][: mp1[0].find(" loved")] and mp1[0] != mp1[1]
