@@ -184,8 +184,11 @@ class Paging:
 
     def _ahead(self, sched) -> List[SetBlocks]:
         """The block each decoding request's next step will write, taken now when blocks are available (never by
-        preempting, and after every request's block for this step, so it takes nothing this step needs)."""
+        preempting, and after every request's block for this step, so it takes nothing this step needs). Not while
+        requests wait for a free slot: they need blocks to be admitted, and no step is queued ahead then anyway."""
         ops = []
+        if sched.waiting and None in sched.slots:
+            return ops
         for r in sorted(sched.running(), key=lambda r: r.order):
             if r.slot < 0 or r.feed is None or len(r.generated) + 2 > r.max_new:
                 continue
