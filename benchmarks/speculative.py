@@ -2,9 +2,9 @@
 
   python -m benchmarks.speculative cost [--dim 1024 --layers 8]   c(k) = t(k+1-row Verify) / t(1-row Decode),
                                                                    k = 1..7, a random bf16 model, eager
-  python -m benchmarks.speculative smollm2 [GGUF] [--open-ended]    greedy "repeat this paragraph" (or a story)
-                                                                   with speculation on and off, interleaved: tok/s,
-                                                                   ratio, acceptance
+  python -m benchmarks.speculative smollm2 [GGUF] [--tasks echo,story]  greedy "repeat this paragraph" and a
+                                                                   story, speculation on and off, interleaved:
+                                                                   speedup (wall, CPU time), acceptance
   python -m benchmarks.speculative smollm2 --prediction            the paragraph as a prediction instead
 
 Timings alternate the variants rep by rep and report medians, so a busy machine slows both alike.
@@ -59,50 +59,58 @@ def cost(args) -> None:
         print(f"c({k}) = {statistics.median(times[k]) / base:.2f}")
 
 
+ASKS = {"echo": "Repeat this paragraph exactly: " + PARAGRAPH,
+        "story": "Write a short story about a dragon who learns to cook."}
+
+
 def smollm2(args) -> None:
     from llama import Llama
     from llama.core import speculative
 
-    counts = {"drafted": 0, "accepted": 0, "passes": 0}
+    tasks = ["story"] if args.open_ended else args.tasks.split(",")
+    counts = {t: {"drafted": 0, "accepted": 0, "passes": 0} for t in tasks}
+    now = {"task": tasks[0]}
     orig = speculative.Speculator.accepted
 
     def accepted(self, r, draft, n):
-        counts["drafted"] += len(draft)
-        counts["accepted"] += n
-        counts["passes"] += bool(draft)
+        c = counts[now["task"]]
+        c["drafted"] += len(draft)
+        c["accepted"] += n
+        c["passes"] += bool(draft)
         return orig(self, r, draft, n)
     speculative.Speculator.accepted = accepted
     # --prediction: the same generator with and without the paragraph as the request's prediction (no speculative=)
     variants = ("off", "prediction") if args.prediction else ("off", "ngram")
     gens = {v: Llama.build(str(args.gguf), None, max_seq_len=512, max_batch_size=1, compile=False,
                            speculative="ngram" if v == "ngram" else None) for v in dict.fromkeys(variants)}
-    ask = "Write a short story about a dragon who learns to cook." if args.open_ended else \
-        "Repeat this paragraph exactly: " + PARAGRAPH
-    dialog = [{"role": "user", "content": ask}]
     if args.threads:
         torch.set_num_threads(args.threads)
-    times, cpu, outs = {v: [] for v in variants}, {v: [] for v in variants}, {}
+    times = {(t, v): [] for t in tasks for v in variants}
+    cpu, outs = {k: [] for k in times}, {}
     for _ in tqdm(range(args.reps), desc="reps"):
-        for v in variants:
-            extra = {"prediction": PARAGRAPH} if v == "prediction" else {}
-            t, c = time.perf_counter(), time.process_time()
-            outs[v] = gens[v].chat_completion([dialog], temperature=0, max_gen_len=args.tokens, logprobs=True,
-                                              **extra)[0]
-            times[v].append(time.perf_counter() - t)
-            cpu[v].append(time.process_time() - c)
-    if outs["off"] != outs[variants[1]]:
-        sys.exit("speculation changed the output")
-    n = len(outs["off"]["logprobs"])
-    off, on = statistics.median(times["off"]), statistics.median(times[variants[1]])
-    per_rep = ", ".join(f"{a / b:.2f}" for a, b in zip(times["off"], times[variants[1]]))
-    print(f"{n} tokens, identical with and without {variants[1]}: {outs['off']['generation']['content'][:80]!r}...")
-    print(f"off {n / off:.1f} tok/s, {variants[1]} {n / on:.1f} tok/s, speedup {off / on:.2f}x (medians of "
-          f"{args.reps}, prefill included; per rep {per_rep}); over all reps {counts['accepted']} of "
-          f"{counts['drafted']} drafted tokens accepted in {counts['passes']} verify steps")
-    off, on = statistics.median(cpu["off"]), statistics.median(cpu[variants[1]])
-    per_rep = ", ".join(f"{a / b:.2f}" for a, b in zip(cpu["off"], cpu[variants[1]]))
-    print(f"CPU time (this process, {torch.get_num_threads()} threads; robust to other processes' load): off "
-          f"{off:.2f} s, {variants[1]} {on:.2f} s, ratio {off / on:.2f}x (per rep {per_rep})")
+        for task in tasks:  # tasks and variants alternate, so a busy spell slows them alike
+            now["task"] = task
+            for v in variants:
+                extra = {"prediction": PARAGRAPH} if v == "prediction" else {}
+                t, c = time.perf_counter(), time.process_time()
+                outs[task, v] = gens[v].chat_completion([[{"role": "user", "content": ASKS[task]}]], temperature=0,
+                                                        max_gen_len=args.tokens, logprobs=True, **extra)[0]
+                times[task, v].append(time.perf_counter() - t)
+                cpu[task, v].append(time.process_time() - c)
+    on = variants[1]
+    for task in tasks:
+        if outs[task, "off"] != outs[task, on]:
+            sys.exit(f"{task}: speculation changed the output")
+        n, k = len(outs[task, "off"]["logprobs"]), counts[task]
+        print(f"{task}: {n} tokens, identical with and without {on}: "
+              f"{outs[task, 'off']['generation']['content'][:60]!r}...; over all reps {k['accepted']} of "
+              f"{k['drafted']} drafted tokens accepted in {k['passes']} verify steps")
+        for name, clock in (("wall", times), ("CPU time", cpu)):
+            off_s, on_s = statistics.median(clock[task, "off"]), statistics.median(clock[task, on])
+            per_rep = ", ".join(f"{a / b:.2f}" for a, b in zip(clock[task, "off"], clock[task, on]))
+            print(f"  {name}: speedup {off_s / on_s:.2f}x (medians of {args.reps}, prefill included; per rep "
+                  f"{per_rep})")
+    print(f"CPU time is this process's, {torch.get_num_threads()} threads: robust to other processes' load")
 
 
 def main(argv=None) -> None:
@@ -116,7 +124,9 @@ def main(argv=None) -> None:
     s.add_argument("gguf", nargs="?", default=str(SMOLLM2))
     s.add_argument("--tokens", type=int, default=200)
     s.add_argument("--reps", type=int, default=5)
-    s.add_argument("--open-ended", action="store_true", help="a story instead (the adaptive floor)")
+    s.add_argument("--tasks", default="echo,story",
+                   help="comma-separated, from echo (repeat a paragraph) and story (open-ended: the adaptive floor)")
+    s.add_argument("--open-ended", action="store_true", help="the story task alone (as --tasks story)")
     s.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     s.add_argument("--prediction", action="store_true",
                    help="the paragraph as the request's prediction (OpenAI's Predicted Outputs) instead of ngram")
