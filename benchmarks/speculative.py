@@ -6,6 +6,8 @@
                                                                    story, speculation on and off, interleaved:
                                                                    speedup (wall, CPU time), acceptance
   python -m benchmarks.speculative smollm2 --prediction            the paragraph as a prediction instead
+  python -m benchmarks.speculative smollm2 --llama-cpp             llama-cpp-python's prompt lookup alongside, each
+                                                                   engine's speedup over its own plain decoding
 
 Timings alternate the variants rep by rep and report medians, so a busy machine slows both alike.
 """
@@ -63,13 +65,11 @@ ASKS = {"echo": "Repeat this paragraph exactly: " + PARAGRAPH,
         "story": "Write a short story about a dragon who learns to cook."}
 
 
-def smollm2(args) -> None:
+def _ours(args, counts: dict, now: dict) -> dict:
+    """Our variants: task -> (tokens, text, logprobs) callables, plain and speculative, one generator each."""
     from llama import Llama
     from llama.core import speculative
 
-    tasks = ["story"] if args.open_ended else args.tasks.split(",")
-    counts = {t: {"drafted": 0, "accepted": 0, "passes": 0} for t in tasks}
-    now = {"task": tasks[0]}
     orig = speculative.Speculator.accepted
 
     def accepted(self, r, draft, n):
@@ -80,36 +80,84 @@ def smollm2(args) -> None:
         return orig(self, r, draft, n)
     speculative.Speculator.accepted = accepted
     # --prediction: the same generator with and without the paragraph as the request's prediction (no speculative=)
-    variants = ("off", "prediction") if args.prediction else ("off", "ngram")
+    names = ("off", "prediction") if args.prediction else ("off", "ngram")
     gens = {v: Llama.build(str(args.gguf), None, max_seq_len=512, max_batch_size=1, compile=False,
-                           speculative="ngram" if v == "ngram" else None) for v in dict.fromkeys(variants)}
+                           speculative="ngram" if v == "ngram" else None) for v in dict.fromkeys(names)}
+
+    def run(v):
+        def go(task):
+            extra = {"prediction": PARAGRAPH} if v == "prediction" else {}
+            out = gens[v].chat_completion([[{"role": "user", "content": ASKS[task]}]], temperature=0,
+                                          max_gen_len=args.tokens, logprobs=True, **extra)[0]
+            return len(out["logprobs"]), out["generation"]["content"], out["logprobs"]
+        return go
+    return {v: run(v) for v in names}
+
+
+def _llama_cpp(args) -> dict:
+    """llama-cpp-python on the same GGUF, plain and with its prompt-lookup decoding (LlamaPromptLookupDecoding,
+    its defaults: 2-grams, 10 drafted tokens), greedy, as many threads as ours."""
+    from llama_cpp import Llama as CppLlama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    threads = torch.get_num_threads()
+    models = {v: CppLlama(str(args.gguf), n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False,
+                          draft_model=LlamaPromptLookupDecoding() if v == "cpp-lookup" else None)
+              for v in ("cpp-off", "cpp-lookup")}
+
+    def run(v):
+        def go(task):
+            out = models[v].create_chat_completion([{"role": "user", "content": ASKS[task]}], temperature=0.0,
+                                                   top_k=1, max_tokens=args.tokens)
+            return out["usage"]["completion_tokens"], out["choices"][0]["message"]["content"], None
+        return go
+    return {v: run(v) for v in models}
+
+
+def _report(task: str, a: str, b: str, times: dict, cpu: dict, tokens: dict, reps: int) -> None:
+    """b's speedup over a in tokens per second (wall and this process's CPU time): medians and per rep."""
+    for name, clock in (("wall", times), ("CPU time", cpu)):
+        rates = {v: [tokens[task, v] / t for t in clock[task, v]] for v in (a, b)}
+        per_rep = ", ".join(f"{y / x:.2f}" for x, y in zip(rates[a], rates[b]))
+        print(f"  {b} / {a}, {name}: {statistics.median(rates[b]) / statistics.median(rates[a]):.2f}x (medians of "
+              f"{reps}, prefill included; per rep {per_rep})")
+
+
+def smollm2(args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
-    times = {(t, v): [] for t in tasks for v in variants}
+    tasks = ["story"] if args.open_ended else args.tasks.split(",")
+    counts = {t: {"drafted": 0, "accepted": 0, "passes": 0} for t in tasks}
+    now = {"task": tasks[0]}
+    runs = _ours(args, counts, now)
+    ours = list(runs)
+    if args.llama_cpp:
+        runs.update(_llama_cpp(args))
+    times = {(t, v): [] for t in tasks for v in runs}
     cpu, outs = {k: [] for k in times}, {}
     for _ in tqdm(range(args.reps), desc="reps"):
         for task in tasks:  # tasks and variants alternate, so a busy spell slows them alike
             now["task"] = task
-            for v in variants:
-                extra = {"prediction": PARAGRAPH} if v == "prediction" else {}
+            for v, go in runs.items():
                 t, c = time.perf_counter(), time.process_time()
-                outs[task, v] = gens[v].chat_completion([[{"role": "user", "content": ASKS[task]}]], temperature=0,
-                                                        max_gen_len=args.tokens, logprobs=True, **extra)[0]
+                outs[task, v] = go(task)
                 times[task, v].append(time.perf_counter() - t)
                 cpu[task, v].append(time.process_time() - c)
-    on = variants[1]
+    tokens = {k: out[0] for k, out in outs.items()}
     for task in tasks:
-        if outs[task, "off"] != outs[task, on]:
+        if outs[task, ours[0]] != outs[task, ours[1]]:
             sys.exit(f"{task}: speculation changed the output")
-        n, k = len(outs[task, "off"]["logprobs"]), counts[task]
-        print(f"{task}: {n} tokens, identical with and without {on}: "
-              f"{outs[task, 'off']['generation']['content'][:60]!r}...; over all reps {k['accepted']} of "
-              f"{k['drafted']} drafted tokens accepted in {k['passes']} verify steps")
-        for name, clock in (("wall", times), ("CPU time", cpu)):
-            off_s, on_s = statistics.median(clock[task, "off"]), statistics.median(clock[task, on])
-            per_rep = ", ".join(f"{a / b:.2f}" for a, b in zip(clock[task, "off"], clock[task, on]))
-            print(f"  {name}: speedup {off_s / on_s:.2f}x (medians of {args.reps}, prefill included; per rep "
-                  f"{per_rep})")
+        k = counts[task]
+        print(f"{task}: {tokens[task, 'off']} tokens, identical with and without {ours[1]}: "
+              f"{outs[task, 'off'][1][:60]!r}...; over all reps {k['accepted']} of {k['drafted']} drafted tokens "
+              f"accepted in {k['passes']} verify steps")
+        _report(task, *ours, times, cpu, tokens, args.reps)
+        if args.llama_cpp:
+            same = "identical" if outs[task, "cpp-off"][1] == outs[task, "cpp-lookup"][1] else "DIFFERENT"
+            print(f"  llama-cpp-python: {tokens[task, 'cpp-off']} tokens, {same} with and without its prompt lookup"
+                  f", {'identical to' if outs[task, 'cpp-off'][1] == outs[task, 'off'][1] else 'not'} ours")
+            _report(task, "cpp-off", "cpp-lookup", times, cpu, tokens, args.reps)
+            _report(task, "cpp-lookup", ours[1], times, cpu, tokens, args.reps)
     print(f"CPU time is this process's, {torch.get_num_threads()} threads: robust to other processes' load")
 
 
@@ -127,6 +175,8 @@ def main(argv=None) -> None:
     s.add_argument("--tasks", default="echo,story",
                    help="comma-separated, from echo (repeat a paragraph) and story (open-ended: the adaptive floor)")
     s.add_argument("--open-ended", action="store_true", help="the story task alone (as --tasks story)")
+    s.add_argument("--llama-cpp", action="store_true", dest="llama_cpp",
+                   help="llama-cpp-python plain and with its prompt lookup (LlamaPromptLookupDecoding) alongside")
     s.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     s.add_argument("--prediction", action="store_true",
                    help="the paragraph as the request's prediction (OpenAI's Predicted Outputs) instead of ngram")

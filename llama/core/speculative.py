@@ -47,12 +47,13 @@ from llama.core.request import Request
 from llama.core.step_times import StepTimes
 from llama.sample.lookup import NgramIndex, Prediction
 
-MODES = ("ngram",)
+MODES = ("ngram", "draft")  # "draft": a draft model drafts (llama/core/draft_model.py)
 MAX_BATCH = 4  # decoding requests in a step past which no one drafts
 MAX_ROWS = 8  # rows of one Verify pass (the drafting requests' k+1, one for each other decoding request)
 K_MAX = 7  # longest draft (k+1 <= MAX_ROWS)
 PRIOR = 2.0  # strength of an acceptance prior (the kind's over a request, a kind's first guess), in drafted tokens
 PREDICTION_PRIOR = 0.8  # a user's predicted output is, by its nature, mostly what comes
+DRAFT_PRIOR = 0.6  # a draft model's first guess (a small model of the same family agrees about this often)
 DECAY = 0.97  # a request's own evidence fades by this per step (drafts 23 steps back count half)
 EXPLORE = 100  # steps without a verify after which one 1-token draft is verified anyway
 MARGIN = 1.1  # a verify step must promise this many times plain decoding's tokens per second (times are noisy)
@@ -118,17 +119,21 @@ class Speculator:
     mode None: only requests with a prediction draft."""
 
     def __init__(self, stats: dict, base: int, max_seq_len: int, block_size: int = 0, mode: Optional[str] = "ngram",
-                 memory: Optional["Memory"] = None):
+                 memory: Optional["Memory"] = None, drafter=None):
         self.stats, self.base, self.max_seq_len, self.block_size = stats, base, max_seq_len, block_size
         self.mode = check_mode(mode)
+        if self.mode == "draft" and drafter is None:
+            raise ValueError("speculative='draft' drafts with a draft model: build the Llama with draft_model=PATH")
+        self.drafter = drafter  # a DraftModel (llama/core/draft_model.py) under mode "draft"
         for key in ("verify_steps", "drafted_tokens", "accepted_tokens"):
             stats.setdefault(key, 0)
         memory = Memory() if memory is None else memory
         self.memory, self.times, self.rates = memory, memory.times, memory.rates
         self._states: Dict[int, _State] = {}  # by request id, for the requests decoding
 
-    def _draft(self, r: Request, limit: int) -> Tuple[List[int], float]:
-        """Up to limit tokens drafted for r, and the chance each is accepted."""
+    def _draft(self, r: Request, limit: int) -> Tuple["List[int] | int", float]:
+        """Up to limit tokens drafted for r, and the chance each is accepted; a draft model's draft is a length
+        (limit), drafted by _tokens once its length is chosen (each token costs a pass of the draft model)."""
         st = self._states.get(r.id)
         if st is None:
             st = self._states[r.id] = _State(r)
@@ -137,6 +142,9 @@ class Speculator:
             return [], 0.0
         d = st.prediction.draft(r.generated, limit) if st.prediction is not None else []
         st.kind, first = "prediction", PREDICTION_PRIOR
+        if not d and self.mode == "draft":
+            st.kind = "draft"
+            return limit, self.acceptance(st, DRAFT_PRIOR)
         if not d and (self.mode is not None or st.prediction is not None):
             d = st.index.draft(st.context(r), limit)
             st.kind, first = ngram_kind(st.index.matched)
@@ -168,17 +176,24 @@ class Speculator:
         chosen, fallback = {}, None
         for r in sorted(decoding, key=lambda r: r.order):
             d, a = self._draft(r, min(self._limit(r), MAX_ROWS - rows, budget - (rows - len(decoding))))
-            if not d:
+            n = d if isinstance(d, int) else len(d)
+            if not n:
                 continue
-            fallback = fallback or (r, d[:1])
-            gains = [((tokens + expected_tokens(a, k) - 1) / t(rows + k), k) for k in range(1, len(d) + 1)]
+            fallback = fallback or (r, d)
+            gains = [((tokens + expected_tokens(a, k) - 1) / t(rows + k), k) for k in range(1, n + 1)]
             rate, k = max(gains)
             if rate > best * (MARGIN if self.times.measure else 1.0):  # the margin is for noisy times
-                chosen[r], best = d[:k], rate
+                chosen[r], best = self._tokens(r, d, k), rate
                 tokens, rows = tokens + expected_tokens(a, k) - 1, rows + k
         if not chosen and fallback is not None and self.memory.idle >= EXPLORE:
-            chosen[fallback[0]] = fallback[1]
+            chosen[fallback[0]] = self._tokens(*fallback, 1)
         return chosen
+
+    def _tokens(self, r: Request, d: "List[int] | int", k: int) -> List[int]:
+        """The first k tokens of r's draft (a draft model's, drafted now)."""
+        if not isinstance(d, int):
+            return d[:k]
+        return self.drafter.draft(r, self.base + r.slot, r.prompt, self._states[r.id].context(r), k)
 
     def plan(self, plan: Plan, budget: int = MAX_ROWS) -> None:
         """Draft for plan.decoding; where verifying pays, verify every decoding request in one pass instead of the

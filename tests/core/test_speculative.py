@@ -116,7 +116,7 @@ def test_ngram_index_drafts_from_the_latest_match():
 def test_bad_mode_is_refused(rand_dir):
     with pytest.raises(ValueError, match="speculative must be"):
         Llama.build(str(rand_dir), str(rand_dir / "tokenizer.model"), max_seq_len=32, max_batch_size=1,
-                    speculative="draft")
+                    speculative="medusa")
     with pytest.raises(ValueError, match="compile=False"):
         Llama.build(str(rand_dir), str(rand_dir / "tokenizer.model"), max_seq_len=32, max_batch_size=1,
                     speculative="ngram", compile=True)
