@@ -1,7 +1,7 @@
 """Speculative decoding (llama/core/speculative.py): what a verify pass costs, and what prompt lookup gains.
 
   python -m benchmarks.speculative cost [--dim 1024 --layers 8]   c(k) = t(k+1-row Verify) / t(1-row Decode),
-                                                                   k = 1..7, a random bf16 model, eager
+                                [--gguf FILE] [--threads N]        k = 1..7, a random bf16 model (or FILE), eager
   python -m benchmarks.speculative smollm2 [GGUF] [--tasks echo,story]  greedy "repeat this paragraph" and a
                                                                    story, speculation on and off, interleaved:
                                                                    speedup (wall, CPU time), acceptance
@@ -34,13 +34,20 @@ def cost(args) -> None:
     from llama.core.plan import Decode, Prefill, SetBlocks, Verify
     from llama.formats.demo import write_random_checkpoint
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     tok = REPO.parent / "shared/tokenizers/llama2/tokenizer.model"
     params = {"dim": args.dim, "n_layers": args.layers, "n_heads": args.dim // 64, "n_kv_heads": args.dim // 128,
               "multiple_of": 256, "norm_eps": 1e-5, "vocab_size": 32000}
-    with tempfile.TemporaryDirectory() as d:
-        write_random_checkpoint(d, params, tokenizer_path=tok, dtype=torch.bfloat16)
-        g = Llama.build(d, str(Path(d) / "tokenizer.model"), max_seq_len=256, max_batch_size=1, dtype="bfloat16",
-                        compile=False, prefix_cache="off")
+    if args.gguf:
+        g = Llama.build(args.gguf, None, max_seq_len=256, max_batch_size=1, compile=False, prefix_cache="off")
+        what = f"{Path(args.gguf).name}, {torch.get_num_threads()} threads"
+    else:
+        with tempfile.TemporaryDirectory() as d:
+            write_random_checkpoint(d, params, tokenizer_path=tok, dtype=torch.bfloat16)
+            g = Llama.build(d, str(Path(d) / "tokenizer.model"), max_seq_len=256, max_batch_size=1,
+                            dtype="bfloat16", compile=False, prefix_cache="off")
+        what = f"dim {args.dim}, {args.layers} layers, bf16, {torch.get_num_threads()} threads"
     start = 100
     with g.cache.hold():
         g.runner.execute([SetBlocks(rows=[0], blocks=[g.cache.pool.allocate(16)]),
@@ -56,7 +63,7 @@ def cost(args) -> None:
                 g.runner.execute([op])
                 times[k].append(time.perf_counter() - t)
     base = statistics.median(times[0])
-    print(f"dim {args.dim}, {args.layers} layers, bf16, 1-token step {base * 1e3:.2f} ms (median of {args.reps})")
+    print(f"{what}: 1-token step {base * 1e3:.2f} ms (median of {args.reps})")
     for k in range(1, 8):
         print(f"c({k}) = {statistics.median(times[k]) / base:.2f}")
 
@@ -91,6 +98,7 @@ def _ours(args, counts: dict, now: dict) -> dict:
                                           max_gen_len=args.tokens, logprobs=True, **extra)[0]
             return len(out["logprobs"]), out["generation"]["content"], out["logprobs"]
         return go
+    now["times"] = gens[names[1]].core.drafting.times  # the step times its speculation measured
     return {v: run(v) for v in names}
 
 
@@ -159,6 +167,10 @@ def smollm2(args) -> None:
             _report(task, "cpp-off", "cpp-lookup", times, cpu, tokens, args.reps)
             _report(task, "cpp-lookup", ours[1], times, cpu, tokens, args.reps)
     print(f"CPU time is this process's, {torch.get_num_threads()} threads: robust to other processes' load")
+    table = now["times"].table()
+    if table:
+        print("step times the speculating generator measured, c = t(rows) / t(1 row): " + ", ".join(
+            f"{m} rows {t * 1e3:.1f} ms (c {t / table[0][1]:.2f})" for m, t in table))
 
 
 def main(argv=None) -> None:
@@ -168,6 +180,8 @@ def main(argv=None) -> None:
     c.add_argument("--dim", type=int, default=1024)
     c.add_argument("--layers", type=int, default=8)
     c.add_argument("--reps", type=int, default=30)
+    c.add_argument("--gguf", default=None, help="a real model instead (e.g. the SmolLM2 Q4_1 file)")
+    c.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     s = sub.add_parser("smollm2")
     s.add_argument("gguf", nargs="?", default=str(SMOLLM2))
     s.add_argument("--tokens", type=int, default=200)

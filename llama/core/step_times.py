@@ -1,12 +1,14 @@
 """What a decode step of a given number of rows costs on the machine it runs on, for the speculative policy
 (llama/core/speculative.py): t(rows) from the median of the steps measured at each row count, not from a line.
 
-Why a table. How a step's time grows with its rows is not linear: a 135M Q4_1 model on a busy 2-core CPU paid
-1.85 one-row steps for 2 rows but about 2.5 for 5 (the kernel amortises its weight reads over more rows), and a
-7B step is memory-bound (about 1 for any k). A line through the 1- and 2-row times then prices an 8-row verify
-at 7 steps and no long draft is ever tried. So each row count is its own entry; between measured counts the
-cost is interpolated, and past the largest measured count it grows by PRIOR_SLOPE of a one-row step per row, an
-optimistic guess that a verify of that size then measures (one step's worth of learning per row count).
+Why a table. How a step's time grows with its rows depends on the model, the kernel and the load: a 135M Q4_1
+model on this busy 2-core CPU paid 1.85 one-row steps for 2 rows but 2.5 for 5 (2 threads), and 1.5 to 6.3 for
+2 to 8 rows at one thread (our GGUF kernel unpacks each weight block once per row), while a 7B bf16 step is
+memory-bound (about 1 for any k). A line through the 1- and 2-row times priced an 8-row verify at 7 steps, so no
+long draft was tried. So each row count is its own entry; between measured counts the cost is interpolated (the
+medians made non-decreasing by pooling adjacent violators), and past the largest measured count it grows by
+PRIOR_SLOPE of a one-row step per row, an optimistic guess that a verify of that size then measures (one step's
+worth of learning per row count).
 """
 
 import collections
@@ -43,13 +45,19 @@ class StepTimes:
         self._seen.setdefault(rows, collections.deque(maxlen=WINDOW)).append(seconds)
 
     def table(self) -> List[Tuple[int, float]]:
-        """(rows, median seconds) per row count measured, ascending, made non-decreasing (more rows never cost
-        less: a lower median past a higher one is noise, and is raised to it)."""
-        out: List[Tuple[int, float]] = []
+        """(rows, seconds) per row count measured, ascending: the medians, made non-decreasing (more rows never
+        cost less) by pooling adjacent violators, weighted by their samples (a noisy low median beside a higher
+        one is averaged with it, not raised to it, so one slow spell does not price every longer step)."""
+        blocks: List[List[float]] = []  # [rows of the block's first count, time, weight, rows of its last count]
         for m in sorted(m for m, v in self._seen.items() if v):
             v = sorted(self._seen[m])
-            t = v[len(v) // 2]
-            out.append((m, max(t, out[-1][1]) if out else t))
+            blocks.append([m, v[len(v) // 2], float(len(v)), m])
+            while len(blocks) > 1 and blocks[-2][1] > blocks[-1][1]:
+                (m0, t0, w0, _), (_, t1, w1, m1) = blocks[-2], blocks.pop()
+                blocks[-1] = [m0, (t0 * w0 + t1 * w1) / (w0 + w1), w0 + w1, m1]
+        out: List[Tuple[int, float]] = []
+        for m0, t, _, m1 in blocks:
+            out += [(m, t) for m in sorted(self._seen) if m0 <= m <= m1 and self._seen[m]]
         return out
 
     def cost(self) -> Callable[[int], float]:

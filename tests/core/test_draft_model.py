@@ -98,3 +98,19 @@ def test_a_draft_with_another_vocabulary_is_refused(tmp_path):
         Llama.build(str(d), None, max_seq_len=32, max_batch_size=1, speculative="ngram", draft_model=str(d))
     with pytest.raises(ValueError, match="draft_model=PATH"):
         Llama.build(str(d), str(d / "tokenizer.model"), max_seq_len=32, max_batch_size=1, speculative="draft")
+
+
+def test_the_flags_reach_the_build(tmp_path, capsys):
+    """The chat CLI's --draft-model reaches Llama.build (its refusal of a mismatched draft is printed); the server
+    takes the flag too."""
+    from llama.cli import chat
+    from llama.serve.__main__ import parse_args
+
+    params = {"dim": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 16, "norm_eps": 1e-5,
+              "vocab_size": 32000}
+    d = write_random_checkpoint(tmp_path, params)
+    s = str(need(STORIES))
+    assert chat.main(["--ckpt_dir", s, "--tokenizer_path", s + "/tokenizer.model", "--max_seq_len", "64",
+                      "--draft-model", str(d)]) == 2
+    assert f"draft_model={str(d)!r}" in capsys.readouterr().err
+    assert parse_args(["--draft-model", str(d)]).draft_model == str(d)

@@ -346,8 +346,9 @@ def test_a_draft_is_verified_where_it_pays_on_this_machine():
 
 
 def test_step_times_are_a_table_not_a_line():
-    """Measured row counts are their medians (raised to stay non-decreasing), interpolated between, extrapolated
-    by PRIOR_SLOPE of a one-row step past them: a 1.85x 2-row step does not price 8 rows at 7 steps."""
+    """Measured row counts are their medians (a decrease pooled with its neighbour, weighted by samples),
+    interpolated between, extrapolated by PRIOR_SLOPE of a one-row step past them: a 1.85x 2-row step does not
+    price 8 rows at 7 steps."""
     from llama.core import step_times
 
     times = speculative.StepTimes(measure=True)
@@ -355,8 +356,8 @@ def test_step_times_are_a_table_not_a_line():
     for rows, t in ((1, 0.050), (2, 0.0925), (4, 0.090), (8, 0.150), (1, 0.052), (1, 0.900)):
         times.add(rows, t)
     c = times.cost()
-    assert [c(1), c(2), c(4), c(8)] == [0.052, 0.0925, 0.0925, 0.150]  # 4 rows' noise raised to 2 rows' time
-    assert c(6) == pytest.approx(0.0925 + 0.0575 / 2) and c(10) == pytest.approx(0.150 + 2 * 0.1 * 0.052)
+    assert [c(1), c(2), c(4), c(8)] == [0.052, 0.09125, 0.09125, 0.150]  # 2 and 4 rows pooled
+    assert c(6) == pytest.approx(0.09125 + 0.05875 / 2) and c(10) == pytest.approx(0.150 + 2 * 0.1 * 0.052)
     line = speculative.StepTimes(measure=True)
     line.add(2, 0.1)
     assert line.cost()(1) == 0.1 and line.cost()(3) == pytest.approx(0.1 + 0.1 * 0.05)
