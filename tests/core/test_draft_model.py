@@ -85,6 +85,15 @@ def test_outputs_with_another_draft_are_the_outputs_without(off, small_draft, ta
     assert results[0] == results[1]
 
 
+def test_the_cache_end(small_draft, mp):
+    """Generation running into max_seq_len, with drafts cut to the positions left, in both caches."""
+    d = str(need(STORIES))
+    off, on = (Llama.build(d, d + "/tokenizer.model", max_seq_len=40, max_batch_size=3, compile=False,
+                           prefix_cache="off", draft_model=draft) for draft in (None, str(STORIES)))
+    for opts in (dict(temperature=0), dict(temperature=1.0, seed=11)):
+        assert on.text_completion(PROMPTS, **opts) == off.text_completion(PROMPTS, **opts)
+
+
 def test_a_draft_with_another_vocabulary_is_refused(tmp_path):
     params = {"dim": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 16, "norm_eps": 1e-5,
               "vocab_size": 32000}
@@ -98,6 +107,8 @@ def test_a_draft_with_another_vocabulary_is_refused(tmp_path):
         Llama.build(str(d), None, max_seq_len=32, max_batch_size=1, speculative="ngram", draft_model=str(d))
     with pytest.raises(ValueError, match="draft_model=PATH"):
         Llama.build(str(d), str(d / "tokenizer.model"), max_seq_len=32, max_batch_size=1, speculative="draft")
+    with pytest.raises(ValueError, match="drafts in one process"):
+        Llama.build(str(d), None, max_seq_len=32, max_batch_size=1, model_parallel_size=2, draft_model=str(d))
 
 
 def test_the_flags_reach_the_build(tmp_path, capsys):
