@@ -4,11 +4,13 @@ Every method builds Requests (llama/core/inputs.py) and runs them through the on
 holding the KV cache (llama/core/kv_cache.py); the return shapes are the reference's.
 """
 
+import os
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypedDict, Union
 
 import torch
 
 from llama.core.decode_core import DecodeCore
+from llama.core.draft_model import DraftModel
 from llama.core.engine import Engine
 from llama.core.inputs import RequestBuilder, count, expand_params, refusal_prediction, string_list
 from llama.core.kv_cache import KVCache, build_cache
@@ -52,6 +54,47 @@ def execution_for(model) -> Execution:
     return Execution(lockstep=parallel.lockstep_group())
 
 
+def _draft_mode(draft_model, speculative, model_parallel_size, pipeline_parallel_size) -> Optional[str]:
+    """speculative as Llama.build takes it: "draft" where a draft model is given (which drafts in one process)."""
+    if draft_model is None:
+        return speculative
+    if model_parallel_size not in (None, 1) or pipeline_parallel_size != 1 or \
+            int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun's
+        raise ValueError(f"draft_model={draft_model!r} drafts in one process: run without model or pipeline parallel")
+    if check_speculative(speculative) not in (None, "draft"):
+        raise ValueError(f"speculative={speculative!r} and draft_model={draft_model!r} are two sources of drafts: "
+                         "give one (draft_model implies speculative='draft')")
+    return "draft"
+
+
+def _load_draft(draft_model, vocab: int, tokenizer_path, max_seq_len: int, max_batch_size: int,
+                **options) -> DraftModel:
+    """The draft model: on the model's device, in its dtype, eager, with a KV cache of its own; loaded with the
+    model's tokenizer (a draft shares it), or a GGUF draft's own when tokenizer_path is None."""
+    try:
+        drafting = Llama.build(draft_model, tokenizer_path, max_seq_len, max_batch_size, compile=False,
+                               prefix_cache="off", **options)
+    except ValueError as e:
+        raise ValueError(f"draft_model={draft_model!r}: {e}") from None
+    return DraftModel(drafting.runner, vocab, f"draft_model={draft_model!r}")
+
+
+def _speculation_compile(speculative, device, compile):
+    """compile as Llama.build takes it: False under speculation, which is refused off the CPU before loading
+    (Llama() refuses it too) and with a compiled step."""
+    if check_speculative(speculative) is None:
+        return compile
+    where = torch.device(device) if device is not None else parallel.default_device()
+    if where.type != "cpu":
+        raise ValueError(f"speculative={speculative!r} runs on the CPU only: on {where.type} a verify pass "
+                         "does not give the one-token step's logits bit for bit, so drafts could change outputs")
+    if compile not in ("auto", False, None):
+        raise ValueError(f"speculative={speculative!r} verifies drafts with the eager decode step, whose "
+                         f"logits a compiled step does not match bit for bit: use compile=False, got "
+                         f"compile={compile!r}")
+    return False
+
+
 class Llama:
     @staticmethod
     def build(
@@ -75,6 +118,7 @@ class Llama:
         kv_cache_dtype: Optional[str] = None,
         tool_style: Optional[str] = None,
         speculative: Optional[str] = None,
+        draft_model: Optional[str] = None,
     ) -> "Llama":
         """Load a checkpoint: a Meta-layout directory, or a GGUF file (or a directory holding one; its embedded
         tokenizer and chat template are used unless tokenizer_path is given). Works in plain python and under
@@ -111,31 +155,28 @@ class Llama:
         speculative="ngram": prompt-lookup speculative decoding, outputs identical to plain decoding (greedy and
         seeded); it decodes eagerly, so compile="auto" means False with it, and runs on the CPU only (on CUDA a verify
         pass is not bitwise the one-token step) (llama/core/speculative.py).
+        draft_model: a smaller checkpoint with the same tokenizer drafts greedily (speculative="draft", implied),
+        outputs as without it (llama/core/draft_model.py).
         """
-        if check_speculative(speculative) is not None:
-            where = torch.device(device) if device is not None else parallel.default_device()
-            if where.type != "cpu":  # refused before loading (Llama() refuses it too)
-                raise ValueError(f"speculative={speculative!r} runs on the CPU only: on {where.type} a verify pass "
-                                 "does not give the one-token step's logits bit for bit, so drafts could change outputs")
-            if compile not in ("auto", False, None):
-                raise ValueError(f"speculative={speculative!r} verifies drafts with the eager decode step, whose "
-                                 f"logits a compiled step does not match bit for bit: use compile=False, got "
-                                 f"compile={compile!r}")
-            compile = False
+        speculative = _draft_mode(draft_model, speculative, model_parallel_size, pipeline_parallel_size)
+        compile = _speculation_compile(speculative, device, compile)
         if prefix_cache == "exact" and compile == "auto":  # its row-invariant arithmetic is the eager passes'
             compile = False
         model, tokenizer, compiled = loader.load(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size,
                                                  model_parallel_size, seed, device, dtype, verify, compile, quantize,
                                                  rope_scaling_factor, pipeline_parallel_size=pipeline_parallel_size,
                                                  group_size=group_size, preload=preload)
+        draft = None if draft_model is None else _load_draft(
+            draft_model, model.vocab_size, tokenizer_path, max_seq_len, max_batch_size, seed=seed, device=device,
+            dtype=dtype, preload=preload)
         return Llama(model, tokenizer, max_batch_size, max_seq_len, compiled, kv_cache_memory=kv_cache_memory,
                      prefix_cache=prefix_cache, kv_cache_dtype=kv_cache_dtype, tool_style=tool_style,
-                     speculative=speculative)
+                     speculative=speculative, draft=draft)
 
     def __init__(self, model, tokenizer, max_batch_size: Optional[int] = None, max_seq_len: Optional[int] = None,
                  compiled=None, kv_cache_memory: Union[int, str, None] = None, prefix_cache: Union[bool, str] = "on",
                  kv_cache_dtype: Optional[str] = None, tool_style: Optional[str] = None,
-                 speculative: Optional[str] = None):
+                 speculative: Optional[str] = None, draft: Optional[DraftModel] = None):
         """Meta's Llama(model, tokenizer) sizes the KV cache from model.params, as here when the sizes are None."""
         max_batch_size = model.params.max_batch_size if max_batch_size is None else max_batch_size
         max_seq_len = model.params.max_seq_len if max_seq_len is None else max_seq_len
@@ -161,6 +202,10 @@ class Llama:
         if self.core.speculative is not None and not on_cpu:
             raise ValueError(f"speculative={speculative!r} runs on the CPU only: on {self.device.type} a verify pass "
                              "does not give the one-token step's logits bit for bit, so drafts could change outputs")
+        if self.core.speculative == "draft":  # draft: another Llama's runner, drafting for this one's requests
+            if draft is None:
+                raise ValueError("speculative='draft' drafts with a draft model: build with draft_model=PATH")
+            self.core.drafter = draft
 
     @property
     def max_seq_len(self) -> int:

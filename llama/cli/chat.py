@@ -33,6 +33,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quantize", default=None, choices=["int8", "int8-dynamic", "int4"])
     p.add_argument("--speculative", default="off", choices=["off", "ngram"],
                    help="ngram: prompt-lookup speculative decoding, replies unchanged (llama/core/speculative.py)")
+    p.add_argument("--draft-model", "--draft_model", default=None, dest="draft_model",
+                   help="a smaller checkpoint with the same tokenizer drafts for speculative decoding, replies "
+                        "unchanged (llama/core/draft_model.py)")
     return p
 
 
@@ -126,7 +129,8 @@ def main(argv=None) -> int:
     try:
         generator, _ = build_for_example(args.ckpt_dir, args.tokenizer_path, max_seq_len=args.max_seq_len,
                                          max_batch_size=1, dtype=args.dtype, quantize=args.quantize,
-                                         speculative=None if args.speculative == "off" else args.speculative)
+                                         speculative=None if args.speculative == "off" else args.speculative,
+                                         draft_model=args.draft_model)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -20,6 +20,7 @@ class DecodeCore:
         self.speculative: Optional[str] = None  # "ngram": schedulers draft by prompt lookup (llama/core/speculative.py)
         self.predictions = False  # requests' predictions are drafted from (the decode step is eager, one stage)
         self.drafting = Memory()  # what its schedulers' speculators learned (step times, acceptance)
+        self.drafter = None  # a DraftModel under speculative="draft" (llama/core/draft_model.py)
 
     def scheduler(self, prefill_chunk: Optional[int] = None, slots: Optional[range] = None) -> Scheduler:
         """Fresh slot state; without a chunk limit every prompt is prefilled in the step that admits it. slots: the
@@ -32,7 +33,7 @@ class DecodeCore:
         if self.speculative is not None or self.predictions:
             block = sched.paging.pool.block_size if sched.paging is not None else 0
             sched.speculator = Speculator(sched.stats, slots.start, self.max_seq_len, block, self.speculative,
-                                          self.drafting)
+                                          self.drafting, self.drafter)
         return sched
 
     def step(self, sched: Scheduler, broadcast: Optional[Callable] = None,

@@ -85,8 +85,8 @@ class Scheduler:
         plan.decoding = [r for r in self.slots if r is not None and r.feed is not None]
         if plan.decoding:
             plan.ops.append(self._decode_op())
-            if self.speculator is not None:
-                self.speculator.plan(plan)
+            if self.speculator is not None:  # drafted tokens count against the step's prefill budget
+                self.speculator.plan(plan, budget=self.prefill_chunk - sum(c for _, _, c in plan.prefill))
         return plan
 
     def _admit(self, plan: Plan) -> None:

@@ -23,36 +23,37 @@ When a draft is verified (Speculator, one per scheduler). Verifying k drafted to
 t(rows) decode steps and yields E(k) = 1 + a + ... + a^k tokens, a being the chance that a drafted token is accepted.
 A step verifies the drafts whose E/c beats plain decoding (oldest request first, at most MAX_ROWS rows, k chosen
 per request), else it decodes plainly:
-- t(rows) is measured on the machine it runs on: the time from one step's plan to the next, for steps that ran
-  only decoding (StepTimes). A 135M-parameter model on a busy 2-core CPU is compute-bound (a 2-row step cost 1.85
-  1-row steps), a 7B one memory-bound (about 1): the same draft pays on one and not the other. Until a verify step
-  was timed, and under model parallel (every rank must plan alike, so nothing timed decides), a row costs
-  PRIOR_SLOPE of a step.
+- t(rows) is measured on the machine it runs on, per row count: the time from one step's plan to the next, for
+  steps that ran only decoding (llama/core/step_times.py: a table, interpolated, not a line). A 135M-parameter
+  model on a busy 2-core CPU is compute-bound (a 2-row step cost 1.85 1-row steps), a 7B one memory-bound (about
+  1): the same draft pays on one and not the other. Past the row counts timed, and under model parallel (every
+  rank must plan alike, so nothing timed decides), a row costs PRIOR_SLOPE of a step.
 - a is the request's own acceptance (hits and misses, fading by DECAY per step) over a prior of strength PRIOR: the
-  acceptance of this kind of draft (a prediction, an n-gram match of length n) in this scheduler so far.
+  acceptance of this kind of draft in this generator so far, over the kind's first guess (a prediction:
+  PREDICTION_PRIOR; an n-gram match followed back m tokens: m / (m + 2), ngram_kind).
 - with no draft worth verifying for EXPLORE steps, one 1-token draft is verified anyway, so stale times and rates
   are measured afresh (at most 1 in EXPLORE steps pays c(1) - 1 for nothing);
 - never while more than MAX_BATCH requests decode (a batch already reads each weight for several tokens: llama.cpp
   measured 0.77x at 8 slots), and never for a request whose SamplingParams say speculative=False.
 """
 
-import collections
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from llama.core.plan import CopyBlocks, Decode, Plan, SetBlocks, Verify
 from llama.core.request import Request
+from llama.core.step_times import StepTimes
 from llama.sample.lookup import NgramIndex, Prediction
 
-MODES = ("ngram",)
+MODES = ("ngram", "draft")  # "draft": a draft model drafts (llama/core/draft_model.py)
 MAX_BATCH = 4  # decoding requests in a step past which no one drafts
 MAX_ROWS = 8  # rows of one Verify pass (the drafting requests' k+1, one for each other decoding request)
 K_MAX = 7  # longest draft (k+1 <= MAX_ROWS)
-PRIOR_SLOPE = 0.1  # a verified row's cost, in 1-row steps, until one is measured (a memory-bound step's)
-WINDOW = 9  # steps per row count whose median is t(rows)
-PRIOR = 2.0  # strength of the per-kind acceptance prior, in drafted tokens
+PRIOR = 2.0  # strength of an acceptance prior (the kind's over a request, a kind's first guess), in drafted tokens
+PREDICTION_PRIOR = 0.8  # a user's predicted output is, by its nature, mostly what comes
+DRAFT_PRIOR = 0.6  # a draft model's first guess (a small model of the same family agrees about this often)
 DECAY = 0.97  # a request's own evidence fades by this per step (drafts 23 steps back count half)
 EXPLORE = 100  # steps without a verify after which one 1-token draft is verified anyway
 MARGIN = 1.1  # a verify step must promise this many times plain decoding's tokens per second (times are noisy)
@@ -67,55 +68,17 @@ def check_mode(mode) -> "str | None":
     return mode
 
 
+def ngram_kind(matched: int) -> Tuple[str, float]:
+    """A prompt-lookup draft's kind by its match length (1, 2, 3, 4-7, 8-15, 16+ tokens) and its first guess of
+    acceptance, m / (m + 2) for the shortest m of the kind: a chance match of one token is a poor bet (1/3), a copy
+    followed for 16 tokens a good one (8/9), so an echo or an edit drafts from its first steps on."""
+    m = matched if matched <= 3 else 4 if matched < 8 else 8 if matched < 16 else 16
+    return f"ngram{m}", m / (m + 2)
+
+
 def expected_tokens(a: float, k: int) -> float:
     """Tokens a step emits for a k-token draft whose tokens are each accepted with chance a: 1 + a + ... + a^k."""
     return float(k + 1) if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
-
-
-class StepTimes:
-    """Seconds of this scheduler's decode steps by rows (a Decode op's width, a Verify op's rows): from one plan to
-    the next, kept for steps that ran nothing but decoding and whose requests partly still decode in the next (so
-    no prefill and no idle wait is counted); t(rows) from a line through the per-row-count medians."""
-
-    def __init__(self, measure: bool):
-        self.measure = measure
-        self._seen: Dict[int, collections.deque] = {}
-        self._last: Optional[Tuple[float, int, Set[int]]] = None  # (start, rows, request ids) of a decoding step
-
-    def tick(self, now: float, rows: int, ids: Set[int]) -> None:
-        """A step begins; rows: 0 if it runs more than decoding."""
-        last, self._last = self._last, None
-        if last is not None and not last[2].isdisjoint(ids):
-            self._seen.setdefault(last[1], collections.deque(maxlen=WINDOW)).append(now - last[0])
-        if self.measure and rows:
-            self._last = (now, rows, ids)
-
-    def knows(self, rows: int) -> bool:
-        """A step of these rows was timed (or nothing is timed): drafts can be weighed against it."""
-        return not self.measure or rows in self._seen
-
-    def add(self, rows: int, seconds: float) -> None:
-        self._seen.setdefault(rows, collections.deque(maxlen=WINDOW)).append(seconds)
-
-    def line(self) -> Optional[Tuple[float, float]]:
-        """(intercept >= 0, slope >= 0) of t(rows) by least squares over the row counts measured; None under two."""
-        pts = [(m, sorted(v)[len(v) // 2]) for m, v in self._seen.items() if v]
-        if len(pts) < 2:
-            return None
-        mx, my = sum(m for m, _ in pts) / len(pts), sum(t for _, t in pts) / len(pts)
-        var = sum((m - mx) ** 2 for m, _ in pts)
-        slope = max(0.0, sum((m - mx) * (t - my) for m, t in pts) / var)
-        icpt = my - slope * mx
-        if icpt <= 0:  # rows cost at least in proportion (a compute-bound step): the line through 0
-            icpt, slope = 0.0, sum(m * t for m, t in pts) / sum(m * m for m, _ in pts)
-        return (icpt, slope) if slope > 0 or icpt > 0 else None
-
-    def cost(self) -> Callable[[int], float]:
-        """t(rows), in any unit (only ratios are used)."""
-        fit = self.line()
-        if fit is None:
-            return lambda rows: 1 + PRIOR_SLOPE * (rows - 1)
-        return lambda rows: fit[0] + fit[1] * rows
 
 
 class _State:
@@ -156,17 +119,21 @@ class Speculator:
     mode None: only requests with a prediction draft."""
 
     def __init__(self, stats: dict, base: int, max_seq_len: int, block_size: int = 0, mode: Optional[str] = "ngram",
-                 memory: Optional["Memory"] = None):
+                 memory: Optional["Memory"] = None, drafter=None):
         self.stats, self.base, self.max_seq_len, self.block_size = stats, base, max_seq_len, block_size
         self.mode = check_mode(mode)
+        if self.mode == "draft" and drafter is None:
+            raise ValueError("speculative='draft' drafts with a draft model: build the Llama with draft_model=PATH")
+        self.drafter = drafter  # a DraftModel (llama/core/draft_model.py) under mode "draft"
         for key in ("verify_steps", "drafted_tokens", "accepted_tokens"):
             stats.setdefault(key, 0)
         memory = Memory() if memory is None else memory
         self.memory, self.times, self.rates = memory, memory.times, memory.rates
         self._states: Dict[int, _State] = {}  # by request id, for the requests decoding
 
-    def _draft(self, r: Request, limit: int) -> Tuple[List[int], float]:
-        """Up to limit tokens drafted for r, and the chance each is accepted."""
+    def _draft(self, r: Request, limit: int) -> Tuple["List[int] | int", float]:
+        """Up to limit tokens drafted for r, and the chance each is accepted; a draft model's draft is a length
+        (limit), drafted by _tokens once its length is chosen (each token costs a pass of the draft model)."""
         st = self._states.get(r.id)
         if st is None:
             st = self._states[r.id] = _State(r)
@@ -174,15 +141,23 @@ class Speculator:
         if limit <= 0 or not getattr(r.params, "speculative", True) or r.feed is None:
             return [], 0.0
         d = st.prediction.draft(r.generated, limit) if st.prediction is not None else []
-        st.kind = "prediction"
+        st.kind, first = "prediction", PREDICTION_PRIOR
+        if not d and self.mode == "draft":
+            st.kind = "draft"
+            return limit, self.acceptance(st, DRAFT_PRIOR)
         if not d and (self.mode is not None or st.prediction is not None):
             d = st.index.draft(st.context(r), limit)
-            st.kind = f"ngram{st.index.matched}"
+            st.kind, first = ngram_kind(st.index.matched)
         if not d:
             return [], 0.0
+        return d, self.acceptance(st, first)
+
+    def acceptance(self, st: "_State", first: float) -> float:
+        """The chance a token of st's draft in flight is accepted: st's own evidence over its kind's, the kind's
+        over its first guess."""
         hit, miss = self.rates.get(st.kind, (0.0, 0.0))
-        prior = (hit + 1) / (hit + miss + 2)
-        return d, (st.hits + PRIOR * prior) / (st.hits + st.misses + PRIOR)
+        kind = (hit + PRIOR * first) / (hit + miss + PRIOR)
+        return (st.hits + PRIOR * kind) / (st.hits + st.misses + PRIOR)
 
     def _limit(self, r: Request) -> int:
         """The longest draft r has room for: the step emits at most k+1 tokens of max_new, and writes positions up to
@@ -192,30 +167,38 @@ class Speculator:
             end = min(end, len(r.blocks) * self.block_size)
         return min(K_MAX, r.max_new - len(r.generated) - 1, end - 1 - r.next_pos)
 
-    def choose(self, decoding: Sequence[Request], width: int) -> Dict[Request, List[int]]:
-        """The drafts worth verifying this step, each cut to its best length (see the module's note)."""
+    def choose(self, decoding: Sequence[Request], width: int, budget: int = MAX_ROWS) -> Dict[Request, List[int]]:
+        """The drafts worth verifying this step, each cut to its best length (see the module's note), budget drafted
+        tokens in all."""
         t = self.times.cost()
         tokens, rows = float(len(decoding)), len(decoding)
         best = tokens / t(width)
         chosen, fallback = {}, None
         for r in sorted(decoding, key=lambda r: r.order):
-            d, a = self._draft(r, min(self._limit(r), MAX_ROWS - rows))
-            if not d:
+            d, a = self._draft(r, min(self._limit(r), MAX_ROWS - rows, budget - (rows - len(decoding))))
+            n = d if isinstance(d, int) else len(d)
+            if not n:
                 continue
-            fallback = fallback or (r, d[:1])
-            gains = [((tokens + expected_tokens(a, k) - 1) / t(rows + k), k) for k in range(1, len(d) + 1)]
+            fallback = fallback or (r, d)
+            gains = [((tokens + expected_tokens(a, k) - 1) / t(rows + k), k) for k in range(1, n + 1)]
             rate, k = max(gains)
             if rate > best * (MARGIN if self.times.measure else 1.0):  # the margin is for noisy times
-                chosen[r], best = d[:k], rate
+                chosen[r], best = self._tokens(r, d, k), rate
                 tokens, rows = tokens + expected_tokens(a, k) - 1, rows + k
         if not chosen and fallback is not None and self.memory.idle >= EXPLORE:
-            chosen[fallback[0]] = fallback[1]
+            chosen[fallback[0]] = self._tokens(*fallback, 1)
         return chosen
 
-    def plan(self, plan: Plan) -> None:
+    def _tokens(self, r: Request, d: "List[int] | int", k: int) -> List[int]:
+        """The first k tokens of r's draft (a draft model's, drafted now)."""
+        if not isinstance(d, int):
+            return d[:k]
+        return self.drafter.draft(r, self.base + r.slot, r.prompt, self._states[r.id].context(r), k)
+
+    def plan(self, plan: Plan, budget: int = MAX_ROWS) -> None:
         """Draft for plan.decoding; where verifying pays, verify every decoding request in one pass instead of the
-        Decode op."""
-        decoding = plan.decoding
+        Decode op. budget: the drafted tokens the step has room for (the scheduler's prefill budget left)."""
+        start, decoding = time.perf_counter(), plan.decoding
         if self.mode is None and not any(getattr(r, "predicted", None) for r in decoding):
             return  # no prediction among them: nothing to draft, nothing to time
         (decode,) = [op for op in plan.ops if isinstance(op, Decode)]
@@ -224,10 +207,10 @@ class Speculator:
         ids = {r.id for r in decoding}
         for gone in set(self._states) - ids:
             del self._states[gone]
-        drafts = self.choose(decoding, width) if len(decoding) <= MAX_BATCH and self.times.knows(width) else {}
+        drafts = self.choose(decoding, width, budget) if len(decoding) <= MAX_BATCH and self.times.knows(width) else {}
         if not drafts:
             self.memory.idle += 1
-            self.times.tick(time.perf_counter(), width if pure else 0, ids)
+            self.times.tick(start, width if pure else 0, ids)
             return
         self.memory.idle = 0
         plan.ops = [op for op in plan.ops if not isinstance(op, Decode)]
@@ -243,7 +226,7 @@ class Speculator:
         plan.verifying = [(r, drafts.get(r, [])) for r in decoding]
         plan.decoding, plan.speculation = [], self
         self.stats["verify_steps"] += 1
-        self.times.tick(time.perf_counter(), len(tokens) if pure else 0, ids)
+        self.times.tick(start, len(tokens) if pure else 0, ids)
 
     def accepted(self, r: Request, draft: List[int], n: int) -> None:
         """r accepted the first n tokens of its draft: count them, for r, its kind of draft and the stats."""

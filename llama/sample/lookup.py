@@ -10,6 +10,7 @@ import bisect
 from typing import Dict, List, Sequence, Tuple
 
 MAX_NGRAM, MIN_NGRAM = 3, 1
+MAX_MATCH = 32  # how far back a match is followed to measure its length (the evidence a draft is a copy)
 
 
 class NgramIndex:
@@ -19,7 +20,7 @@ class NgramIndex:
     def __init__(self) -> None:
         self._last: Dict[Tuple[int, ...], int] = {}  # n-gram -> index of the token that followed its latest occurrence
         self._seen = 0  # tokens[:_seen] are indexed (each as the token following an n-gram)
-        self.matched = 0  # the n of the last draft's match
+        self.matched = 0  # how many tokens before the last draft agree with those before its source (<= MAX_MATCH)
 
     def _update(self, tokens: Sequence[int]) -> None:
         if len(tokens) < self._seen:  # the list was cut (a stop string): index it afresh
@@ -33,7 +34,8 @@ class NgramIndex:
     def draft(self, tokens: Sequence[int], k: int) -> List[int]:
         """k tokens that followed the latest earlier occurrence of the longest of tokens' last n-grams (n = MAX_NGRAM
         down to MIN_NGRAM), copied on past the end as LZ77 does (a loop of period p drafts its next k tokens); []
-        when none occurred before."""
+        when none occurred before. Sets matched: the match followed back past its n-gram, so a draft that continues
+        a long copy (an echo, an edit) is told from a chance match of a token or two."""
         if k <= 0:
             return []
         self._update(tokens)
@@ -45,7 +47,10 @@ class NgramIndex:
                 out: List[int] = []
                 for j in range(at, at + k):
                     out.append(tokens[j] if j < len(tokens) else out[j - len(tokens)])
-                self.matched = n
+                m, end = n, len(tokens)
+                while m < MAX_MATCH and at - 1 - m >= 0 and tokens[at - 1 - m] == tokens[end - 1 - m]:
+                    m += 1
+                self.matched = m
                 return out
         return []
 

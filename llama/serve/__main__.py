@@ -50,6 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    dest="prefix_cache", help="reuse cached prompt prefixes (exact: only prefill-computed positions)")
     p.add_argument("--speculative", default="off", choices=["off", "ngram"],
                    help="ngram: prompt-lookup speculative decoding, outputs unchanged (llama/core/speculative.py)")
+    p.add_argument("--draft-model", "--draft_model", default=None, dest="draft_model",
+                   help="a smaller checkpoint with the same tokenizer drafts for speculative decoding, outputs "
+                        "unchanged (llama/core/draft_model.py)")
     p.add_argument("--kv-cache-dtype", "--kv_cache_dtype", default=None, choices=["int8"], dest="kv_cache_dtype",
                    help="int8 keys/values with a scale per position and head (default: the model's dtype)")
     p.add_argument("--share-prefix-cache", action="store_true", dest="share_prefix_cache",
@@ -88,7 +91,8 @@ def main(argv=None) -> None:
                            pipeline_parallel_size=args.pipeline_parallel_size,
                            kv_cache_memory=args.kv_cache_memory, prefix_cache=args.prefix_cache,
                            kv_cache_dtype=args.kv_cache_dtype, tool_style=args.tool_style,
-                           speculative=None if args.speculative == "off" else args.speculative)
+                           speculative=None if args.speculative == "off" else args.speculative,
+                           draft_model=args.draft_model)
 
     if int(os.environ.get("RANK", "0")) != 0:  # a model-parallel follower: replay rank 0's steps
         load().engine(prefill_chunk=args.prefill_chunk).serve_forever()

@@ -1,0 +1,71 @@
+"""Draft-model drafting for speculative decoding (llama/core/speculative.py): a small model with the target's
+tokenizer proposes k tokens greedily, and the target verifies them exactly as it verifies prompt lookup, so the
+output is the target's alone, token for token, whatever the draft proposes (a poor draft costs time, never text).
+
+The draft is a second Llama (built by Llama.build(draft_model=...)) whose runner and KV cache this module drives
+with plain ops: its cache is its own (KVCache, the one owner of its blocks), row for row the target's rows, each
+row holding one full sequence's blocks for good. A row remembers which request it holds and how many of that
+request's tokens it has right; a draft first catches up on the tokens since (the prompt by one Prefill, as the model's
+prefill computes it, later tokens by decode rows, as the model's verify passes write them), then decodes k - 1 more tokens one at a time. Tokens it
+drafted past what was accepted are simply written over next time.
+"""
+
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from llama.core.plan import Prefill, SetBlocks, Verify
+
+CATCH_UP = 64  # most tokens one decode pass catches up on (decode rows: a Verify op's)
+
+
+class DraftModel:
+    """Drafts for the target's requests from a draft Llama's runner; vocab: the target's vocabulary size."""
+
+    def __init__(self, runner, vocab: int, name: str = "the draft model"):
+        if runner.model.vocab_size != vocab:
+            raise ValueError(f"{name} has a vocabulary of {runner.model.vocab_size} tokens and the model "
+                             f"{vocab}: a draft model must share the model's tokenizer")
+        self.runner, self.cache = runner, runner.cache
+        self._rows: Dict[int, Tuple[object, int]] = {}  # cache row -> (request, its tokens the row holds right)
+        self._ready = False
+
+    def _blocks(self) -> None:
+        """Every row its own blocks, once: the pool is this draft's alone and holds max_batch_size full rows."""
+        cache = self.cache
+        per = cache.pool.blocks_for(cache.max_seq_len)
+        blocks = cache.pool.allocate(cache.max_batch_size * per)
+        if blocks is None:
+            raise ValueError(f"the draft model's KV pool has {cache.pool.available()} free blocks; its "
+                             f"{cache.max_batch_size} rows of {cache.max_seq_len} positions need "
+                             f"{cache.max_batch_size * per}")
+        rows = range(cache.max_batch_size)
+        self.runner.execute([SetBlocks(rows=list(rows), blocks=[blocks[i * per : (i + 1) * per] for i in rows])])
+        self._ready = True
+
+    def draft(self, request, row: int, prompt: Sequence[int], tokens: Sequence[int], k: int) -> List[int]:
+        """k tokens the draft model decodes greedily after tokens (request's prompt + output so far), in cache row
+        row; the row's earlier work for the same request is kept."""
+        if k <= 0 or not tokens:
+            return []
+        if not self._ready:
+            self._blocks()
+        held, have = self._rows.get(row, (None, 0))
+        have = min(have, len(tokens) - 1) if held is request else 0  # at least the last token, for its logits
+        self._rows[row] = (request, len(tokens))
+        run, logits = self.runner.execute, None
+        if have < len(prompt):  # the prompt in one pass, as the model's own prefill computes it
+            n = len(prompt) - have
+            (logits,) = run([Prefill(tokens=[list(prompt[have:])], start=have, rows=[row], last=[n - 1],
+                                     kv_len=len(prompt))])
+            have = len(prompt)
+        while have < len(tokens):
+            n = min(CATCH_UP, len(tokens) - have)
+            (logits,) = run([Verify(tokens=list(tokens[have : have + n]), pos=list(range(have, have + n)),
+                                    rows=[row] * n)])
+            have += n
+        out = [int(torch.argmax(logits.reshape(-1, logits.shape[-1])[-1]))]
+        for i in range(k - 1):
+            (logits,) = run([Verify(tokens=[out[-1]], pos=[len(tokens) + i], rows=[row])])
+            out.append(int(torch.argmax(logits[-1])))
+        return out
