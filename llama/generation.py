@@ -52,6 +52,14 @@ def execution_for(model) -> Execution:
     return Execution(lockstep=parallel.lockstep_group())
 
 
+
+def exact_compiled(compile) -> str:
+    """Why prefix_cache="exact" and a compiled decode step are refused together."""
+    return (f"prefix_cache='exact' computes every position by the eager passes' row-invariant arithmetic, which a "
+            f"compiled decode step does not match bit for bit (compile={compile!r}): use compile=False with "
+            f"prefix_cache='exact', or prefix_cache='on' with compile")
+
+
 class Llama:
     @staticmethod
     def build(
@@ -122,6 +130,8 @@ class Llama:
                                  f"logits a compiled step does not match bit for bit: use compile=False, got "
                                  f"compile={compile!r}")
             compile = False
+        if prefix_cache == "exact" and compile not in ("auto", False, None):  # refused before loading
+            raise ValueError(exact_compiled(compile))
         if prefix_cache == "exact" and compile == "auto":  # its row-invariant arithmetic is the eager passes'
             compile = False
         model, tokenizer, compiled = loader.load(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size,
@@ -146,6 +156,8 @@ class Llama:
                                  place=(parallel.model_parallel_rank(), parallel.pipeline_parallel_rank()),
                                  replicated=parallel.model_parallel_size() * parallel.pipeline_parallel_size() > 1,
                                  kv_dtype=kv_cache_dtype)
+        if compiled is not None and self.cache.pool.mode == "exact":
+            raise ValueError(exact_compiled("a compiled step"))
         self.device = self.cache.device
         self.runner = Runner(model, self.cache, compiled, execution_for(model))
         self.inputs = RequestBuilder(tokenizer, self.formatter, max_seq_len, model.vocab_size)

@@ -19,9 +19,9 @@ Modes (Llama(prefix_cache=...)): "on" keys prompt blocks and the blocks of a rep
 keys only blocks that a prefill wrote (a reply's positions are recomputed by the next turn's prefill, then cached),
 and its passes compute every row by row-invariant arithmetic (llama/kernels/invariant.py, turned on by
 KVCache.manage), so a cached position holds bitwise what a fresh prefill computes, and a request's logits do not
-depend on its prefill's chunks, its passes' KV length or what else they hold (fp32 and bf16 weights on our CPU
-kernels; quantized products, int8 KV, sliding windows, attention multipliers and CUDA are not covered); "off" keys
-nothing.
+depend on its prefill's chunks, its passes' KV length or what else they hold (fp32, bf16, int8, int8-dynamic, int4
+and GGUF block weights on our CPU kernels, with a bf16/fp32 or an int8 KV pool; compile=True is refused with it;
+sliding windows, attention multipliers and CUDA are not covered); "off" keys nothing.
 
 What a preempted request recomputes is prefill arithmetic where the un-preempted run had decode arithmetic: under
 "on" its reply's full blocks come back from the cache as the decode steps wrote them and only its last, partial

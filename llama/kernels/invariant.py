@@ -8,7 +8,10 @@ What varies with the shape on our CPU path, and what takes its place while this 
 tests/core/test_exact_invariance.py, cost in docs/performance.md):
 - products: oneDNN's bf16 GEMM gives a row other bits at another M (rows 1-2 differ between 32 and 38 rows at K=2048), and
   bf16 under 17 rows or fp32 under 9 rows go to our kernel instead. Our float_linear sums each row in one fixed
-  order at any M, so it takes every product.
+  order at any M, so it takes every product. The same for int8-dynamic and int4 (our kernels, which a prefill past
+  32 rows otherwise hands to oneDNN's bf16 GEMM: cpu.onednn_rows) and for the dequantized product of an "int8"
+  layer too narrow for aten's packed kernel (which, like our GGUF block kernels, is row-invariant already).
+- an int8 KV pool: attention through our decode kernel over its blocks dequantized (llama/kernels/exact_attention.py).
 - attention: SDPA's reduction over keys depends on the pass's KV length. Our decode kernel attends each query row
   over positions 0..its own, in order, reading the paged blocks in place; a prefill's tokens go through it as rows
   (llama/kernels/paged.py flat_rows).
