@@ -294,32 +294,40 @@ def exact_cost(args) -> None:
     falls on both alike."""
     import torch
 
-    ckpt = Path(args.workdir) / f"shared-{args.shape}"  # the file `shared --shape` writes
+    from llama.kernels import tiled
+
+    ckpt = Path(args.ckpt or Path(args.workdir) / f"shared-{args.shape}")  # the file `shared --shape` writes
+    tok = ckpt / "tokenizer.model" if args.ckpt else LLAMA2_TOKENIZER
     if not (ckpt / "params.json").is_file():
         random_checkpoint(ckpt, MODEL_SHAPES[args.shape], tokenizer=LLAMA2_TOKENIZER, dtype=torch.bfloat16, std=0.02)
-    gens = {m: build(ckpt, str(LLAMA2_TOKENIZER), m, args.dtype, 1, max(args.prompts) + args.gen + 16)
-            for m in ("on", "exact")}
+    modes = ("on", "exact", "exact, untiled") if args.untiled else ("on", "exact")
+    gens = {m: build(ckpt, str(tok), m.split(",")[0], args.dtype, 1, max(args.prompts) + args.gen + 16)
+            for m in modes}
+    vocab = gens["on"].model.params.vocab_size
     runs = [(n, 1) for n in args.prompts] + [(16, args.gen)]
     times = {(m, run): [] for m in gens for run in runs}
     for rep in range(args.reps + 1):  # the first round warms up and is not counted
         for n, gen in runs:
-            prompt = prompt_tokens(32000, n, seed=rep)
+            prompt = prompt_tokens(vocab, n, seed=rep)
             for m, g in gens.items():
                 g.clear_prefix_cache()
+                tiled.enabled = m != "exact, untiled"  # untiled: every product in our kernel (before tiles)
                 start = time.perf_counter()
                 g.generate([prompt], max_gen_len=gen, temperature=0.0)
                 if rep:
                     times[(m, (n, gen))].append(time.perf_counter() - start)
+    tiled.enabled = True
     med = {k: statistics.median(v) for k, v in times.items()}
     rows = [{"measure": f"prefill of {n} tokens, s", **{m: round(med[(m, (n, 1))], 3) for m in gens},
-             "exact / on": round(med[("exact", (n, 1))] / med[("on", (n, 1))], 2)} for n in args.prompts]
+             **{f"{m} / on": round(med[(m, (n, 1))] / med[("on", (n, 1))], 2) for m in modes[1:]}}
+            for n in args.prompts]
     short = (16, args.gen)
     prompts = [r for r in runs if r[0] == 16 and r[1] == 1]
     base = {m: med[(m, prompts[0])] if prompts else 0.0 for m in gens}
     tps = {m: (args.gen - 1) / max(med[(m, short)] - base[m], 1e-9) for m in gens}
     rows.append({"measure": f"decode tok/s ({args.gen - 1} tokens after a 16-token prompt)",
-                 **{m: round(tps[m], 2) for m in gens}, "exact / on": round(tps["exact"] / tps["on"], 2)})
-    print(f"prefix_cache exact against on, {args.shape} {args.dtype}, median of {args.reps}:")
+                 **{m: round(tps[m], 2) for m in gens}, **{f"{m} / on": round(tps[m] / tps["on"], 2) for m in modes[1:]}})
+    print(f"prefix_cache exact against on, {args.ckpt or args.shape} {args.dtype}, median of {args.reps}:")
     print_results("prefix-cache-exact-cost", rows)
 
 
@@ -365,6 +373,8 @@ def main(argv=None):
     e.add_argument("--prompts", type=int, nargs="+", default=[16, 64, 512], help="include 16: decode's baseline")
     e.add_argument("--gen", type=int, default=33)
     e.add_argument("--reps", type=int, default=3)
+    e.add_argument("--ckpt", default=None, help="a checkpoint directory with its tokenizer.model instead of --shape")
+    e.add_argument("--untiled", action="store_true", help="also \"exact\" with every product in our kernel")
     q = sub.add_parser("int8-kv")
     q.add_argument("--model", required=True, help="a Meta checkpoint directory or a GGUF file")
     q.add_argument("--dtype", default="bf16")
