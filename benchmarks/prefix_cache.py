@@ -296,6 +296,8 @@ def exact_cost(args) -> None:
 
     from llama.kernels import tiled
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     ckpt = Path(args.ckpt or Path(args.workdir) / f"shared-{args.shape}")  # the file `shared --shape` writes
     tok = ckpt / "tokenizer.model" if args.ckpt else LLAMA2_TOKENIZER
     if not (ckpt / "params.json").is_file():
@@ -375,6 +377,7 @@ def main(argv=None):
     e.add_argument("--reps", type=int, default=3)
     e.add_argument("--ckpt", default=None, help="a checkpoint directory with its tokenizer.model instead of --shape")
     e.add_argument("--untiled", action="store_true", help="also \"exact\" with every product in our kernel")
+    e.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (1: steadier on a shared CPU)")
     q = sub.add_parser("int8-kv")
     q.add_argument("--model", required=True, help="a Meta checkpoint directory or a GGUF file")
     q.add_argument("--dtype", default="bf16")
