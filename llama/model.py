@@ -473,7 +473,7 @@ class Transformer(nn.Module):
         """fp32 logits of the last layer's output h (B, T, dim): every position, or one per row at logit_index."""
         if logit_index is not None:
             h = h[torch.arange(h.shape[0], device=h.device), logit_index.to(h.device)][:, None]
-        out = self.output(self.norm(h))
+        out = invariant.logits(self.output, self.norm(h))
         return (out if self.params.logits_scaling == 1 else out / self.params.logits_scaling).float()
 
     def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor, rows: Optional[torch.Tensor] = None):

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 _ON: ContextVar = ContextVar("llama_row_invariant", default=False)
+_LOGITS: ContextVar = ContextVar("llama_logits_product", default=False)
 
 
 def active() -> bool:
@@ -65,3 +66,19 @@ def one_call_decodes(rows: int) -> bool:
     """Whether the one-call decode step (llama/kernels/fused_decode.py) may run `rows` rows: always, but while
     active only one (its SiLU runs over the whole batch at once)."""
     return rows == 1 or not active()
+
+
+def logits(output, h: torch.Tensor) -> torch.Tensor:
+    """output(h), the model's logits product: while active, marked as one of few rows (a pass's last positions, a
+    decode batch), which our kernel takes at any row count faster than a GEMM tile (llama/kernels/tiled.py)."""
+    if not active():
+        return output(h)
+    token = _LOGITS.set(True)
+    try:
+        return output(h)
+    finally:
+        _LOGITS.reset(token)
+
+
+def in_logits() -> bool:
+    return _LOGITS.get()

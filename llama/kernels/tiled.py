@@ -20,8 +20,12 @@ import torch
 import torch.nn.functional as F
 
 from llama.kernels import cpu as cpu_kernels
+from llama.kernels import invariant
 
 TILE = 32  # rows per oneDNN call (docs/performance.md, "exact")
+# Smaller weights stay in our kernel: their products cost little in a prefill, and a tile's fixed cost per call
+# (oneDNN reorders the weight) would slow every decode step (stories260K: 6x).
+MIN_ELEMENTS = 1 << 18
 enabled = True  # False: every row-invariant product in our kernel, as before tiles (benchmarks compare the two)
 _probed: Dict[Tuple[int, int, torch.dtype], bool] = {}
 
@@ -61,8 +65,11 @@ def probe(weight: torch.Tensor) -> bool:
 
 
 def takes(weight: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether x @ weight.T of activations in dtype runs in tiles (while row-invariant arithmetic is on)."""
-    return enabled and not torch.compiler.is_compiling() and _dtype_ok(weight, dtype) and probe(weight)
+    """Whether x @ weight.T of activations in dtype runs in tiles (while row-invariant arithmetic is on): not for
+    weights under MIN_ELEMENTS, nor the logits product (invariant.logits), whose rows are few in prefill and decode
+    alike. Any rule that does not look at the row count keeps every row's arithmetic the same."""
+    return enabled and weight.numel() >= MIN_ELEMENTS and not torch.compiler.is_compiling() \
+        and not invariant.in_logits() and _dtype_ok(weight, dtype) and probe(weight)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -74,6 +74,28 @@ def test_gguf_block_weights_give_every_pass_the_same_rows(dtype, kv, tmp_path):
     assert_rows_invariant(llm)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_gemm_tiles_give_every_pass_the_same_rows(dtype, tmp_path, monkeypatch):
+    """A random model whose products are large enough for oneDNN's GEMM tiles (llama/kernels/tiled.py; stories260K's
+    stay in our kernel)."""
+    from llama.formats.demo import write_random_checkpoint
+    from llama.kernels import tiled
+
+    params = {"dim": 512, "n_layers": 2, "n_heads": 8, "n_kv_heads": 4, "multiple_of": 256, "norm_eps": 1e-5,
+              "vocab_size": 512}
+    ckpt = write_random_checkpoint(tmp_path / "m", params, tokenizer_path=need(STORIES / "tokenizer.model"))
+    calls = []
+    gemm = tiled._gemm
+    monkeypatch.setattr(tiled, "_gemm", lambda rows, w: calls.append(rows.shape[0]) or gemm(rows, w))
+    from llama import Llama
+
+    llm = Llama.build(str(ckpt), str(ckpt / "tokenizer.model"), max_seq_len=256, max_batch_size=6,
+                      prefix_cache="exact", dtype=dtype)
+    assert_rows_invariant(llm)
+    if tiled._dtype_ok(llm.model.layers[0].attention.wo.weight, llm.model.layers[0].attention.wo.weight.dtype):
+        assert calls and set(calls) == {tiled.TILE}
+
+
 @pytest.mark.parametrize("quantize,dtype,kv", [("int8-dynamic", "bf16", "int8"), ("int4", "fp32", None)])
 def test_logprobs_are_a_cold_caches_in_any_company_and_chunking(quantize, dtype, kv):
     prompts = ["Once upon a time there was a little cat who liked to play in the park with her friend the dog.",

@@ -33,8 +33,8 @@ def test_a_shape_whose_tiles_depend_on_the_row_place_goes_to_our_kernel(monkeypa
     gemm = tiled._gemm
     monkeypatch.setattr(tiled, "_gemm", lambda rows, w: gemm(rows, w) + 1e-3 * torch.arange(rows.shape[0])[:, None])
     monkeypatch.setattr(tiled, "_probed", {})
-    w = torch.randn(96, 256).to(torch.bfloat16)
+    w = torch.randn(512, 512).to(torch.bfloat16)  # MIN_ELEMENTS: a size tiles take
     assert not tiled.probe(w) and not tiled.takes(w, torch.bfloat16)
-    x = torch.randn(40, 256).to(torch.bfloat16)
+    x = torch.randn(40, 512).to(torch.bfloat16)
     with invariant.rows():
         assert torch.equal(dense.linear(x, w), cpu_kernels.float_linear(x, w))
