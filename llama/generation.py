@@ -110,8 +110,9 @@ class Llama:
         (llama/formats/preload.py).
         kv_cache_memory: bytes (or "4GiB") of this rank's paged KV pool; default max_batch_size x max_seq_len
         positions, as slots held before (llama/core/kv_cache.py). prefix_cache: "on" (default) reuses the longest
-        cached prefix of every prompt, "exact" only positions a prefill computed, by row-invariant arithmetic (eager:
-        compile="auto" means False with it), "off" none (llama/core/paging.py).
+        cached prefix of every prompt, "exact" too, with every position computed by row-invariant arithmetic so a
+        cached one is bitwise a fresh prefill's (eager: compile="auto" means False with it, compile=True is
+        refused), "off" none (llama/core/paging.py).
         kv_cache_dtype="int8": keys and values as int8 with an fp32 scale per position and head (about half of
         bf16; read by the torch paths, eager: docs/architecture.md).
         tool_style: Meta Llama 3 checkpoints' tool-call syntax, "llama3_json" (3.1) or "pythonic" (3.2, 3.3);

@@ -7,8 +7,9 @@ deterministic modes) is to fix each kernel's reduction order instead of letting 
 What varies with the shape on our CPU path, and what takes its place while this is on (measured in
 tests/core/test_exact_invariance.py, cost in docs/performance.md):
 - products: oneDNN's bf16 GEMM gives a row other bits at another M (rows 1-2 differ between 32 and 38 rows at K=2048), and
-  bf16 under 17 rows or fp32 under 9 rows go to our kernel instead. Our float_linear sums each row in one fixed
-  order at any M, so it takes every product. The same for int8-dynamic and int4 (our kernels, which a prefill past
+  bf16 under 17 rows or fp32 under 9 rows go to our kernel instead. oneDNN at one fixed M gives each row the same
+  bits, so products of large weights run in tiles of a fixed row count (llama/kernels/tiled.py); our float_linear
+  sums each row in one fixed order at any M and takes the rest. The same for int8-dynamic and int4 (our kernels, which a prefill past
   32 rows otherwise hands to oneDNN's bf16 GEMM: cpu.onednn_rows) and for the dequantized product of an "int8"
   layer too narrow for aten's packed kernel (which, like our GGUF block kernels, is row-invariant already).
 - an int8 KV pool: attention through our decode kernel over its blocks dequantized (llama/kernels/exact_attention.py).
