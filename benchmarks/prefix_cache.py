@@ -129,6 +129,7 @@ def divergence(args) -> None:
     topics = ["a cat", "a dog", "the sea", "a robot", "a tree", "the moon", "a train", "a dragon", "rain", "a king",
               "bread", "a river", "music", "a clock", "snow", "a bird"]
     counts = {m: 0 for m in ("on", "exact")}
+    cold = 0  # "exact" against itself on a cleared cache: its own reference (its arithmetic is not "off"'s)
     total = 0
     opts = dict(temperature=0.0, max_gen_len=args.gen)
     for i in tqdm(range(args.dialogs), desc="dialogs"):
@@ -144,8 +145,15 @@ def divergence(args) -> None:
             got = gens[m].tokenizer.encode(gens[m].chat_completion([d2], **opts)[0]["generation"]["content"],
                                            bos=False, eos=False)
             counts[m] += sum(a != b for a, b in zip(got, want)) + abs(len(got) - len(want))
+            if m == "exact":
+                gens[m].clear_prefix_cache()
+                ref = gens[m].tokenizer.encode(gens[m].chat_completion([d2], **opts)[0]["generation"]["content"],
+                                               bos=False, eos=False)
+                cold += sum(a != b for a, b in zip(got, ref)) + abs(len(got) - len(ref))
     rows = [{"mode": m, "greedy tokens": total, "differing": c, "per 10,000": round(1e4 * c / max(total, 1), 1)}
             for m, c in counts.items()]
+    rows.append({"mode": "exact, against exact on a cleared cache", "greedy tokens": "", "differing": cold,
+                 "per 10,000": ""})
     print(f"{args.model} {args.dtype} {args.quantize or ''}: turn-2 greedy tokens against prefix_cache='off'")
     print_results("prefix-cache-divergence", rows)
 
@@ -294,32 +302,42 @@ def exact_cost(args) -> None:
     falls on both alike."""
     import torch
 
-    ckpt = Path(args.workdir) / f"shared-{args.shape}"  # the file `shared --shape` writes
+    from llama.kernels import tiled
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ckpt = Path(args.ckpt or Path(args.workdir) / f"shared-{args.shape}")  # the file `shared --shape` writes
+    tok = ckpt / "tokenizer.model" if args.ckpt else LLAMA2_TOKENIZER
     if not (ckpt / "params.json").is_file():
         random_checkpoint(ckpt, MODEL_SHAPES[args.shape], tokenizer=LLAMA2_TOKENIZER, dtype=torch.bfloat16, std=0.02)
-    gens = {m: build(ckpt, str(LLAMA2_TOKENIZER), m, args.dtype, 1, max(args.prompts) + args.gen + 16)
-            for m in ("on", "exact")}
+    modes = ("on", "exact", "exact, untiled") if args.untiled else ("on", "exact")
+    gens = {m: build(ckpt, str(tok), m.split(",")[0], args.dtype, 1, max(args.prompts) + args.gen + 16)
+            for m in modes}
+    vocab = gens["on"].model.params.vocab_size
     runs = [(n, 1) for n in args.prompts] + [(16, args.gen)]
     times = {(m, run): [] for m in gens for run in runs}
     for rep in range(args.reps + 1):  # the first round warms up and is not counted
         for n, gen in runs:
-            prompt = prompt_tokens(32000, n, seed=rep)
+            prompt = prompt_tokens(vocab, n, seed=rep)
             for m, g in gens.items():
                 g.clear_prefix_cache()
+                tiled.enabled = m != "exact, untiled"  # untiled: every product in our kernel (before tiles)
                 start = time.perf_counter()
                 g.generate([prompt], max_gen_len=gen, temperature=0.0)
                 if rep:
                     times[(m, (n, gen))].append(time.perf_counter() - start)
+    tiled.enabled = True
     med = {k: statistics.median(v) for k, v in times.items()}
     rows = [{"measure": f"prefill of {n} tokens, s", **{m: round(med[(m, (n, 1))], 3) for m in gens},
-             "exact / on": round(med[("exact", (n, 1))] / med[("on", (n, 1))], 2)} for n in args.prompts]
+             **{f"{m} / on": round(med[(m, (n, 1))] / med[("on", (n, 1))], 2) for m in modes[1:]}}
+            for n in args.prompts]
     short = (16, args.gen)
     prompts = [r for r in runs if r[0] == 16 and r[1] == 1]
     base = {m: med[(m, prompts[0])] if prompts else 0.0 for m in gens}
     tps = {m: (args.gen - 1) / max(med[(m, short)] - base[m], 1e-9) for m in gens}
     rows.append({"measure": f"decode tok/s ({args.gen - 1} tokens after a 16-token prompt)",
-                 **{m: round(tps[m], 2) for m in gens}, "exact / on": round(tps["exact"] / tps["on"], 2)})
-    print(f"prefix_cache exact against on, {args.shape} {args.dtype}, median of {args.reps}:")
+                 **{m: round(tps[m], 2) for m in gens}, **{f"{m} / on": round(tps[m] / tps["on"], 2) for m in modes[1:]}})
+    print(f"prefix_cache exact against on, {args.ckpt or args.shape} {args.dtype}, median of {args.reps}:")
     print_results("prefix-cache-exact-cost", rows)
 
 
@@ -365,6 +383,9 @@ def main(argv=None):
     e.add_argument("--prompts", type=int, nargs="+", default=[16, 64, 512], help="include 16: decode's baseline")
     e.add_argument("--gen", type=int, default=33)
     e.add_argument("--reps", type=int, default=3)
+    e.add_argument("--ckpt", default=None, help="a checkpoint directory with its tokenizer.model instead of --shape")
+    e.add_argument("--untiled", action="store_true", help="also \"exact\" with every product in our kernel")
+    e.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (1: steadier on a shared CPU)")
     q = sub.add_parser("int8-kv")
     q.add_argument("--model", required=True, help="a Meta checkpoint directory or a GGUF file")
     q.add_argument("--dtype", default="bf16")

@@ -95,6 +95,13 @@ def _speculation_compile(speculative, device, compile):
     return False
 
 
+def exact_compiled(compile) -> str:
+    """Why prefix_cache="exact" and a compiled decode step are refused together."""
+    return (f"prefix_cache='exact' computes every position by the eager passes' row-invariant arithmetic, which a "
+            f"compiled decode step does not match bit for bit (compile={compile!r}): use compile=False with "
+            f"prefix_cache='exact', or prefix_cache='on' with compile")
+
+
 class Llama:
     @staticmethod
     def build(
@@ -146,8 +153,9 @@ class Llama:
         (llama/formats/preload.py).
         kv_cache_memory: bytes (or "4GiB") of this rank's paged KV pool; default max_batch_size x max_seq_len
         positions, as slots held before (llama/core/kv_cache.py). prefix_cache: "on" (default) reuses the longest
-        cached prefix of every prompt, "exact" only positions a prefill computed, by row-invariant arithmetic (eager:
-        compile="auto" means False with it), "off" none (llama/core/paging.py).
+        cached prefix of every prompt, "exact" too, with every position computed by row-invariant arithmetic so a
+        cached one is bitwise a fresh prefill's (eager: compile="auto" means False with it, compile=True is
+        refused), "off" none (llama/core/paging.py).
         kv_cache_dtype="int8": keys and values as int8 with an fp32 scale per position and head (about half of
         bf16; read by the torch paths, eager: docs/architecture.md).
         tool_style: Meta Llama 3 checkpoints' tool-call syntax, "llama3_json" (3.1) or "pythonic" (3.2, 3.3);
@@ -160,6 +168,8 @@ class Llama:
         """
         speculative = _draft_mode(draft_model, speculative, model_parallel_size, pipeline_parallel_size)
         compile = _speculation_compile(speculative, device, compile)
+        if prefix_cache == "exact" and compile not in ("auto", False, None):  # refused before loading
+            raise ValueError(exact_compiled(compile))
         if prefix_cache == "exact" and compile == "auto":  # its row-invariant arithmetic is the eager passes'
             compile = False
         model, tokenizer, compiled = loader.load(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size,
@@ -187,6 +197,8 @@ class Llama:
                                  place=(parallel.model_parallel_rank(), parallel.pipeline_parallel_rank()),
                                  replicated=parallel.model_parallel_size() * parallel.pipeline_parallel_size() > 1,
                                  kv_dtype=kv_cache_dtype)
+        if compiled is not None and self.cache.pool.mode == "exact":
+            raise ValueError(exact_compiled("a compiled step"))
         self.device = self.cache.device
         self.runner = Runner(model, self.cache, compiled, execution_for(model))
         self.inputs = RequestBuilder(tokenizer, self.formatter, max_seq_len, model.vocab_size)

@@ -22,7 +22,7 @@ from llama.sizes import derive_ffn, ffn_hidden_dim  # noqa: F401 (Meta's path; f
 from llama.rope import apply_rotary_emb, precompute_freqs_cis, reshape_for_broadcast  # noqa: F401 (Meta's path)
 from llama.rope import rope_tables, scale_rope_frequencies  # noqa: F401
 from llama.kernels import cpu as cpu_kernels
-from llama.kernels import fused_decode, invariant, paged
+from llama.kernels import exact_attention, fused_decode, invariant, paged
 from llama.layers import ColumnLinear, Embedding, Fusable, RowLinear  # noqa: F401 (Meta's path for the layers)
 
 
@@ -298,6 +298,9 @@ class Attention(Fusable):
         ck, cv, rows = self.cached_rows(rows) if self.block_table is None else (None, None, rows)
         if self.block_table is not None:
             table = self.table_rows(rows, B, x.device)
+            if invariant.active() and exact_attention.takes(q, self.cache_k) and self.args.kernel_attends(kv_len):
+                out = exact_attention.attend(q, self.cache_k, self.cache_v, table, positions, kv_len)
+                return self.wo(out.view(B, T, -1))
             keys, values = paged.read(self.cache_k, self.cache_v, table, kv_len, x.dtype)
         elif rows is None:  # rows 0..B-1: read the cache in place
             keys, values = ck[:B, :, :kv_len], cv[:B, :, :kv_len]
@@ -470,7 +473,7 @@ class Transformer(nn.Module):
         """fp32 logits of the last layer's output h (B, T, dim): every position, or one per row at logit_index."""
         if logit_index is not None:
             h = h[torch.arange(h.shape[0], device=h.device), logit_index.to(h.device)][:, None]
-        out = self.output(self.norm(h))
+        out = invariant.logits(self.output, self.norm(h))
         return (out if self.params.logits_scaling == 1 else out / self.params.logits_scaling).float()
 
     def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor, rows: Optional[torch.Tensor] = None):

@@ -15,22 +15,21 @@ is sampled twice, so seeded draws (a function of the token's index), logprobs, s
 text stream go on where they were. The oldest request can always grow (the pool holds at least one max_seq_len
 sequence), so every request finishes.
 
-Modes (Llama(prefix_cache=...)): "on" keys prompt blocks and the blocks of a reply the decode steps wrote; "exact"
-keys only blocks that a prefill wrote (a reply's positions are recomputed by the next turn's prefill, then cached),
-and its passes compute every row by row-invariant arithmetic (llama/kernels/invariant.py, turned on by
-KVCache.manage), so a cached position holds bitwise what a fresh prefill computes, and a request's logits do not
-depend on its prefill's chunks, its passes' KV length or what else they hold (fp32 and bf16 weights on our CPU
-kernels; quantized products, int8 KV, sliding windows, attention multipliers and CUDA are not covered); "off" keys
-nothing.
+Modes (Llama(prefix_cache=...)): "on" and "exact" key prompt blocks and the blocks of a reply the decode steps wrote;
+"exact"'s passes compute every row by row-invariant arithmetic (llama/kernels/invariant.py, turned on by
+KVCache.manage), a decode step's row as a prefill's, so a cached position holds bitwise what a fresh prefill
+computes, and a request's logits do not depend on its prefill's chunks, its passes' KV length, what else they hold,
+or whether it was preempted and recomputed (fp32, bf16, int8, int8-dynamic, int4
+and GGUF block weights on our CPU kernels, with a bf16/fp32 or an int8 KV pool; compile=True is refused with it;
+sliding windows, attention multipliers and CUDA are not covered); "off" keys nothing.
 
 What a preempted request recomputes is prefill arithmetic where the un-preempted run had decode arithmetic: under
 "on" its reply's full blocks come back from the cache as the decode steps wrote them and only its last, partial
 block is recomputed; under "off" (or for an opted-out request) its whole reply is. In fp32 the two differ in their
 last bits only, and the tokens are the un-preempted run's (tests/core/test_preemption.py); in bf16 or with
 quantized kernels a recomputed position can change a later token: docs/performance.md, "Preemption", measures the
-rate. "exact" therefore reserves at admission every block a request can write (prompt plus max_new, as before
-growth): it is never preempted, so its output never depends on how full the pool is, and a small pool admits fewer
-requests at once instead.
+rate. Under "exact" the two are one arithmetic, so its tokens and logprobs are bitwise the un-preempted run's
+(tests/core/test_exact_preemption.py).
 """
 
 from typing import List, Optional, Sequence, Tuple
@@ -80,10 +79,7 @@ class Paging:
         return [] if salt is None else self.pool.lookup(tokens, salt, limit=len(tokens) - (not r.generated))
 
     def need(self, r: Request) -> int:
-        """Blocks for r's context and the first token it decodes; under "exact", every block it can write, so it
-        never grows and is never preempted (a recompute would prefill what decode wrote)."""
-        if self.mode == "exact":
-            return self.pool.blocks_for(min(len(r.prompt) + r.max_new, self.max_seq_len))
+        """Blocks for r's context and the first token it decodes."""
         return self.pool.blocks_for(min(len(r.context) + 1, self.max_seq_len))
 
     def reserve(self, group: Sequence[Request], nothing_runs: bool) -> List[Tuple[Request, List[int], int]]:
@@ -140,7 +136,7 @@ class Paging:
 
     def _written(self, r: Request) -> List[int]:
         """The accepted tokens whose keys and values r's blocks hold, as far as the mode keys them."""
-        if r.prefilled == len(r.context) and self.mode == "on":
+        if r.prefilled == len(r.context) and self.mode in ("on", "exact"):
             return r.cached
         return r.context[: r.prefilled]
 

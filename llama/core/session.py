@@ -52,8 +52,7 @@ class ChatSession:
     def _turn(self, dialog, req) -> Iterator[str]:
         def keep_cache(req):  # the row's blocks still hold this turn: keep them before the cache is released
             self.last_prefilled = len(req.prompt) - req.reused
-            # prefix_cache="exact": only positions a prefill wrote, so the reply is recomputed as a fresh prompt would
-            tokens = req.prompt if self.llama.cache.pool.mode == "exact" else req.cached
+            tokens = req.cached
             if self.cache is not None:
                 self.cache.close()
             self.cache = Prefix.from_slot(self.llama.cache, req.slot, tokens)

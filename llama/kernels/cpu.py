@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from llama import settings
+from llama.kernels import invariant
 from llama.settings import cache_dir
 
 CSRC = Path(__file__).parent / "csrc"
@@ -171,8 +172,9 @@ def onednn_takes(x: torch.Tensor, max_rows: int) -> bool:
 
 
 def onednn_rows(rows: int, max_rows: int) -> bool:
-    """onednn_takes for an eager product of `rows` rows."""
-    return rows > max_rows and onednn_bf16()
+    """onednn_takes for an eager product of `rows` rows. Never while row-invariant arithmetic is on
+    (llama/kernels/invariant.py): our kernels sum each row in one order at any row count, oneDNN's GEMM does not."""
+    return rows > max_rows and onednn_bf16() and not invariant.active()
 
 
 def _dequantized_gemm(x: torch.Tensor, n: int, weight_rows) -> torch.Tensor:

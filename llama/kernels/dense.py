@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from llama.kernels import cpu as cpu_kernels
-from llama.kernels import invariant
+from llama.kernels import invariant, tiled
 
 # oneDNN's fp32 linear, when this build has it: eager F.linear runs MKL's sgemm for fp32 on CPU, which is slower at
 # every batch size measured (docs/performance.md; bf16 already goes to oneDNN).
@@ -25,8 +25,9 @@ def ours(weight: torch.Tensor, rows: int, dtype: torch.dtype) -> bool:
     """Whether x @ weight.T of `rows` rows of `dtype` runs in our float_linear: the one routing rule that linear()
     follows and fused_decode.route() reports. bf16 weights always (except a bf16 prefill past BF16_KERNEL_MAX_ROWS,
     eager, where oneDNN has bf16 dot products), fp32 ones up to FP32_KERNEL_MAX_ROWS rows of fp32; at any row count
-    while row-invariant arithmetic is on (llama/kernels/invariant.py: oneDNN's GEMM blocks by the row count)."""
-    if not cpu_kernels.takes_float(weight):
+    while row-invariant arithmetic is on (llama/kernels/invariant.py: oneDNN's GEMM blocks by the row count), except
+    where oneDNN's GEMM in fixed tiles takes the product (llama/kernels/tiled.py)."""
+    if not cpu_kernels.takes_float(weight) or (invariant.active() and tiled.takes(weight, dtype)):
         return False
     if weight.dtype == torch.bfloat16:
         return invariant.active() or not (dtype == torch.bfloat16 and cpu_kernels.onednn_rows(
@@ -43,6 +44,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     own weights instead of freezing a copy into its graph.
     """
     if x.device.type == "cpu":
+        if invariant.active() and tiled.takes(weight, x.dtype):  # row-invariant at GEMM speed
+            return tiled.linear(x, weight)
         if ours(weight, x.numel() // x.shape[-1], x.dtype):
             return cpu_kernels.float_linear(x, weight)
         if weight.dtype == torch.float32 and x.dtype == torch.float32 and ONEDNN_FP32 \

@@ -92,7 +92,7 @@ def run(layers, h: torch.Tensor, cos, sin, positions, rows, kv_len: int) -> Opti
     if not settings.get().fused_decode or not invariant.one_call_decodes(h.shape[0]):
         return None
     kept = _kept.setdefault(layers, {})
-    key = (h.shape[0], h.dtype)
+    key = (h.shape[0], h.dtype, invariant.active())  # routes differ while row-invariant arithmetic is on
     if key not in kept:
         kept[key] = layer_inputs(layers, h)
     inputs = kept[key]

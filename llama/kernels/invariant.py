@@ -7,8 +7,12 @@ deterministic modes) is to fix each kernel's reduction order instead of letting 
 What varies with the shape on our CPU path, and what takes its place while this is on (measured in
 tests/core/test_exact_invariance.py, cost in docs/performance.md):
 - products: oneDNN's bf16 GEMM gives a row other bits at another M (rows 1-2 differ between 32 and 38 rows at K=2048), and
-  bf16 under 17 rows or fp32 under 9 rows go to our kernel instead. Our float_linear sums each row in one fixed
-  order at any M, so it takes every product.
+  bf16 under 17 rows or fp32 under 9 rows go to our kernel instead. oneDNN at one fixed M gives each row the same
+  bits, so products of large weights run in tiles of a fixed row count (llama/kernels/tiled.py); our float_linear
+  sums each row in one fixed order at any M and takes the rest. The same for int8-dynamic and int4 (our kernels, which a prefill past
+  32 rows otherwise hands to oneDNN's bf16 GEMM: cpu.onednn_rows) and for the dequantized product of an "int8"
+  layer too narrow for aten's packed kernel (which, like our GGUF block kernels, is row-invariant already).
+- an int8 KV pool: attention through our decode kernel over its blocks dequantized (llama/kernels/exact_attention.py).
 - attention: SDPA's reduction over keys depends on the pass's KV length. Our decode kernel attends each query row
   over positions 0..its own, in order, reading the paged blocks in place; a prefill's tokens go through it as rows
   (llama/kernels/paged.py flat_rows).
@@ -25,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 _ON: ContextVar = ContextVar("llama_row_invariant", default=False)
+_LOGITS: ContextVar = ContextVar("llama_logits_product", default=False)
 
 
 def active() -> bool:
@@ -62,3 +67,19 @@ def one_call_decodes(rows: int) -> bool:
     """Whether the one-call decode step (llama/kernels/fused_decode.py) may run `rows` rows: always, but while
     active only one (its SiLU runs over the whole batch at once)."""
     return rows == 1 or not active()
+
+
+def logits(output, h: torch.Tensor) -> torch.Tensor:
+    """output(h), the model's logits product: while active, marked as one of few rows (a pass's last positions, a
+    decode batch), which our kernel takes at any row count faster than a GEMM tile (llama/kernels/tiled.py)."""
+    if not active():
+        return output(h)
+    token = _LOGITS.set(True)
+    try:
+        return output(h)
+    finally:
+        _LOGITS.reset(token)
+
+
+def in_logits() -> bool:
+    return _LOGITS.get()

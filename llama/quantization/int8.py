@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from llama.kernels import cpu as cpu_kernels
-from llama.kernels import dense, fused_decode
+from llama.kernels import dense, fused_decode, invariant
 from llama.layers import LinearMethod
 
 
@@ -59,10 +59,12 @@ def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tens
 
     The int8 kernel needs in_features % 16 == 0 (other widths give wrong results or crash), so tiny layers
     dequantize the weight first instead (scaling after the product would be turned back into the same kernel by
-    Inductor's patterns).
+    Inductor's patterns). aten's packed kernel sums each row alone (row-invariant at any row count,
+    tests/core/test_exact_quantized.py).
     """
-    if weight.shape[1] % 16:
-        return F.linear(x, weight.to(x.dtype) * scales[:, None].to(x.dtype))
+    if weight.shape[1] % 16:  # row-invariant (llama/kernels/invariant.py): dense.linear's kernel at any row count
+        dense_weight = weight.to(x.dtype) * scales[:, None].to(x.dtype)
+        return dense.linear(x, dense_weight) if invariant.active() else F.linear(x, dense_weight)
     if x.device.type != "cpu":
         # gpt-fast's form: eager it converts the weight per call; compiled, Inductor fuses the conversion into
         # its matrix-vector kernel, so the int8 bytes are all that is read (the packed kernel is CPU/MPS only).

@@ -130,9 +130,6 @@ def test_text_completion_in_a_dry_pool_equals_a_roomy_one(roomy, mode, opts):
     want = roomy.text_completion(PROMPTS, **opts)
     got = tight.text_completion(PROMPTS, **opts)
     same(got, want)
-    if mode == "exact":  # it reserves every block a request can write: never preempted, fewer run at once
-        assert tight.cache.pool.stats["preemptions"] == 0 and tight.cache.pool.used() == 0
-        return
     assert tight.cache.pool.stats["preemptions"] > 0 and tight.cache.pool.used() == 0
 
 
