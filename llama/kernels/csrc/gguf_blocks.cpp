@@ -4,10 +4,12 @@
 //
 // Activations are quantized to int8 as llama.cpp's own CPU kernels do it, with its roundings (quantize_block):
 // blocks of 32 for the 32-value formats (its q8_0, and q8_1's fp16 sums for Q4_1 and Q5_1's mins), and blocks of 256
-// for the super-block formats (symmetric, d = amax / 127; not yet its q8_K). Every integer sum is exact, and the fp32
-// products of the scales follow, so a product equals (the weights as gguf's dequantize gives them) x (the
-// dequantized activation codes; for the mins, q8_1's sums) to fp32 rounding. A row's result
-// never depends on the other rows of its batch: each (row, output) is summed by the same code in the same order.
+// for the super-block formats (its q8_K: d = 1 / (-127 / max), with 16-value sums). Every integer sum is exact, and
+// the scales multiply in fp32 in the order llama.cpp's x86 code uses for a one-row product (gguf_dot.h: its AVX2
+// dots' 8 fp32 lanes, or one fp32 sum per output where it runs a repacked layout: Q4_0, IQ4_NL, Q4_K, Q2_K), so a
+// product is llama.cpp's bit for bit given the same input (tests/quantization/test_gguf_llama_cpp.py,
+// tests/kernels/test_gguf_q8k.py). A row's result never depends on the other rows of its batch: each (row, output)
+// is summed by the same code in the same order (llama.cpp sums batches of 4+ rows of Q4_K otherwise).
 // AVX2 everywhere; on CPUs with AVX-512 VNNI (and LLAMA_CPU_AVX512 not "0") a second copy of the inner loops runs
 // (gguf_dot.h): vpdpbusd for the unit-weight int8 sums, 512-bit vectors for Q4_K's and Q6_K's, F16C for the
 // scales. It computes the same int32 lanes and the same fp32 operations in the same order, so its results are
@@ -237,8 +239,9 @@ struct Act {
 
 // One block as llama.cpp's CPU backend quantizes it. Blocks of 32 (its q8_0 and q8_1): d = amax / 127 kept as
 // fp16, codes round(x * (127 / amax)) to nearest even, s = d * sum rounded to fp16 (d before its rounding).
-// Blocks of 256: d = amax / 127 in fp32, codes round(x / d) (not yet llama.cpp's q8_K, whose d = 1 / (-127 / max)
-// moved a Q4_K_M SmolLM2's greedy answer off "Paris": tests/formats/test_gguf_blocks_real.py).
+// Blocks of 256 (its q8_K, quantize_row_q8_K_ref): max is the first element of the largest magnitude, with its
+// sign; iscale = -127 / max, codes round(iscale * x) to nearest even (llama.cpp's nearest_int) capped at 127, and
+// d = 1 / iscale in fp32 (so the largest element's code is -127 when it is positive).
 inline void quantize_block(const float* v, int64_t block, int8_t* q, float& d, float& s) {
   if (block == 32) {
     float amax = 0.f;
@@ -249,10 +252,20 @@ inline void quantize_block(const float* v, int64_t block, int8_t* q, float& d, f
     d = round_to_half(d32), s = round_to_half(d32 * float(sum));
     return;
   }
-  float amax = 0.f;  // blocks of 256: d = amax / 127, codes round(x / d) (llama.cpp's q8_K is not followed yet)
-  for (int64_t j = 0; j < block; ++j) amax = std::fmax(amax, std::fabs(v[j]));
-  d = amax / 127.f, s = 0.f;
-  for (int64_t j = 0; j < block; ++j) q[j] = int8_t(d > 0.f ? int32_t(std::nearbyint(v[j] / d)) : 0);
+  float amax = 0.f, max = 0.f;
+  for (int64_t j = 0; j < block; ++j) {
+    const float ax = std::fabs(v[j]);
+    if (ax > amax) amax = ax, max = v[j];
+  }
+  s = 0.f;
+  if (amax == 0.f) {
+    d = 0.f;
+    std::memset(q, 0, size_t(block));
+    return;
+  }
+  const float iscale = -127.f / max;
+  for (int64_t j = 0; j < block; ++j) q[j] = int8_t(std::min<int32_t>(127, int32_t(std::nearbyint(iscale * v[j]))));
+  d = 1.f / iscale;
 }
 
 Act quantize_act(const float* x, int64_t M, int64_t K, int64_t block) {
