@@ -8,10 +8,12 @@
 // several columns and each weight load several rows.
 //
 // Exactness: every (row, output) gets the same 8 int32 lanes per block as block_dot (integer sums are exact, so how
-// they are grouped does not matter), then the same fp32 operations in the same order: acc = fma(lanes, d * dx, acc)
-// per block; acc1 += float(integer correction) * (e * dx), or e * (q8_1 sum), per block; y = hsum(acc) + acc1. So a
-// row's result does not depend on how many rows come with it, and tests/kernels/test_gguf_gemm.py checks this against
-// the one-row product for every format. A change to block_dot's arithmetic must be made here too.
+// they are grouped does not matter; Q4_0, Q5_0 and Q3_K as signed values, Q6_K less its per-lane offsets), then the
+// same fp32 operations in the same order as block_dot's llama.cpp arithmetic (gguf_gemm.h's Sum: the 8 lanes into
+// acc by fma; or the lanes' total by one fma per block, into lane 0 (Q4_K, Q2_K) or into acc1 (Q4_0, IQ4_NL)); the
+// mins' acc1 = fma(float(integer sum), e * dx, acc1), or acc1 += e * (q8_1 sum), per block; y = hsum(acc) + acc1. So
+// a row's result does not depend on how many rows come with it, and tests/kernels/test_gguf_gemm.py checks this
+// against the one-row product for every format. A change to block_dot's arithmetic must be made here too.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -33,6 +35,7 @@ struct Gemm {
   const float* xd;    // (M, nb) scales, one per weight block
   const int32_t* xp;  // (M, nb, groups / 2) sums of 16 codes, two int16 to an int32
   const float* xs;    // (M, nb) q8_1's sums (32-value blocks)
+  const int32_t* s16;  // (M, nb, groups) the same 16-value sums as int32 (Q6_K's lane offsets)
   int64_t M, K, N, nb, groups;  // groups: 16-value groups per block
 };
 
@@ -43,7 +46,7 @@ struct Gemm {
 struct Panel {
   int64_t n0 = 0, nt = 0;
   std::vector<uint8_t> codes;
-  std::vector<int16_t> scales, wg;
+  std::vector<int16_t> scales, wg, sc16;  // sc16: Q6_K's 16 group scales per (block, column), for its offsets
   std::vector<float> d, e;
 };
 
@@ -82,8 +85,10 @@ void unpack_block(int64_t type, const uint8_t* b, uint8_t* codes, int16_t* sg, i
       __m256i q = type == Q8_0 ? load32(b + 2) : nibbles(qs);
       if (type == IQ4_NL) q = iq4_values(q);
       if (five) q = _mm256_or_si256(q, bits_to_16(b + (mins ? 4 : 2)));
+      if (type == Q4_0 || type == Q5_0)  // the signed values q - 8 / q - 16, as the one-row dot sums them
+        q = _mm256_sub_epi8(q, _mm256_set1_epi8(type == Q4_0 ? 8 : 16));
       store32(codes, q);
-      sg[0] = sg[1] = 1, wg[0] = wg[1] = type == Q4_0 ? -8 : type == Q5_0 ? -16 : 0;
+      sg[0] = sg[1] = 1, wg[0] = wg[1] = 0;
       return;
     }
     case Q4_K: case Q5_K: {
@@ -116,7 +121,7 @@ void unpack_block(int64_t type, const uint8_t* b, uint8_t* codes, int16_t* sg, i
           store32(codes + 128 * h + 32 * i, _mm256_or_si256(q[i], high));
         }
       }
-      for (int g = 0; g < 16; ++g) sg[g] = int8_t(b[192 + g]), wg[g] = int16_t(-32 * sg[g]);
+      for (int g = 0; g < 16; ++g) sg[g] = int8_t(b[192 + g]), wg[g] = 0;  // offsets: per lane, in the tile
       return;
     }
     case Q2_K: case Q3_K: {
@@ -130,14 +135,15 @@ void unpack_block(int64_t type, const uint8_t* b, uint8_t* codes, int16_t* sg, i
         const __m256i raw = load32(qs + 32 * h);
         for (int s = 0; s < 4; ++s) {
           __m256i q = _mm256_and_si256(_mm256_srli_epi16(raw, 2 * s), three);
-          if (!two)  // Q3_K: code + 4 * hbit
-            q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hm, 4 * h + s), one), 2));
+          if (!two)  // Q3_K: the signed value code + 4 * hbit - 4
+            q = _mm256_sub_epi8(_mm256_or_si256(q, _mm256_slli_epi16(
+                    _mm256_and_si256(_mm256_srli_epi16(hm, 4 * h + s), one), 2)), _mm256_set1_epi8(4));
           store32(codes + 128 * h + 32 * s, q);
         }
       }
       for (int g = 0; g < 16; ++g) {
         sg[g] = two ? int16_t(b[g] & 0x0F) : sc[g];
-        wg[g] = two ? int16_t(-(b[g] >> 4)) : int16_t(-4 * sc[g]);
+        wg[g] = two ? int16_t(-(b[g] >> 4)) : 0;
       }
       return;
     }
@@ -157,6 +163,7 @@ void unpack(int64_t type, const Format& f, const uint8_t* w, int64_t row_bytes, 
   p.n0 = n0, p.nt = nt;
   p.codes.resize(g.nb * nt * f.values), p.scales.resize(g.nb * nt * chunks * 16);
   p.wg.resize(g.nb * nt * G), p.d.resize(g.nb * nt), p.e.resize(g.nb * nt);
+  if (type == Q6_K) p.sc16.resize(g.nb * nt * 16);
   int16_t sg[16], wg[16];
   for (int64_t n = 0; n < nt; ++n)
     for (int64_t kb = 0; kb < g.nb; ++kb) {
@@ -169,6 +176,7 @@ void unpack(int64_t type, const Format& f, const uint8_t* w, int64_t row_bytes, 
                                                                              _mm_set1_epi16(sg[2 * c])));
       for (int64_t q = 0; q < G / 2; ++q)
         for (int t = 0; t < 2; ++t) p.wg[((kb * (G / 2) + q) * nt + n) * 2 + t] = wg[2 * q + t];
+      if (type == Q6_K) std::memcpy(p.sc16.data() + at * 16, sg, sizeof sg);
     }
 }
 
@@ -196,7 +204,7 @@ void corrections(const Gemm& g, const Panel& p, float* y) {
           for (int q = 0; q < PAIRS; ++q)
             c = _mm256_add_epi32(c, _mm256_madd_epi16(load32(wq + q * nt * 2), _mm256_set1_epi32(xq[q])));
           const __m256 edx = _mm256_mul_ps(ev, _mm256_set1_ps(xd[m * nb + kb]));
-          a1 = _mm256_add_ps(a1, _mm256_mul_ps(_mm256_cvtepi32_ps(c), edx));
+          a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), edx, a1);
         }
       }
       _mm256_storeu_ps(out + n, a1);
@@ -213,7 +221,7 @@ void corrections(const Gemm& g, const Panel& p, float* y) {
             const int16_t* wq = wg + ((kb * PAIRS + q) * nt + n) * 2;
             c += int32_t(wq[0]) * int16_t(packed & 0xFFFF) + int32_t(wq[1]) * int16_t(packed >> 16);
           }
-          a1 += float(c) * (e[kb * nt + n] * xd[m * nb + kb]);
+          a1 = std::fma(float(c), e[kb * nt + n] * xd[m * nb + kb], a1);
         }
       }
       out[n] = a1;
@@ -223,10 +231,10 @@ void corrections(const Gemm& g, const Panel& p, float* y) {
 
 void scalar_parts(int64_t type, const Gemm& g, const Panel& p, float* y) {
   switch (type) {
-    case Q8_0: case IQ4_NL: case IQ4_XS: corrections<NONE, 1>(g, p, y); break;
+    case Q8_0: case IQ4_NL: case IQ4_XS: case Q4_0: case Q5_0: case Q6_K: case Q3_K:
+      corrections<NONE, 1>(g, p, y); break;
     case Q4_1: case Q5_1: corrections<SUMS, 1>(g, p, y); break;
-    case Q4_0: case Q5_0: corrections<INTEGER, 1>(g, p, y); break;
-    default: corrections<INTEGER, 8>(g, p, y); break;  // Q2_K .. Q6_K
+    default: corrections<INTEGER, 8>(g, p, y); break;  // the mins of Q2_K, Q4_K, Q5_K
   }
 }
 
@@ -269,7 +277,7 @@ bool gguf_gemm(int64_t type, const int8_t* xq, const float* xd, const int32_t* s
   std::vector<int32_t> packed(M * nb * groups / 2);  // s16 in int16 pairs (each at most 16 * 127 in magnitude)
   for (int64_t i = 0; i < int64_t(packed.size()); ++i)
     packed[i] = int32_t(uint32_t(uint16_t(s16[2 * i])) | (uint32_t(uint16_t(s16[2 * i + 1])) << 16));
-  const Gemm g{xq, xd, packed.data(), xs, M, K, N, nb, groups};
+  const Gemm g{xq, xd, packed.data(), xs, s16, M, K, N, nb, groups};
   const int64_t panels = (N + kPanel - 1) / kPanel;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     Panel p;
