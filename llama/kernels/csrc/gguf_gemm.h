@@ -63,11 +63,12 @@ void tile(const Gemm& g, const Panel& p, int64_t m0, int64_t n0, float* y) {
           isum[i][j] = lanes<SIGNED, SCALED>(isum[i][j], u, wv, xv[i], SCALED ? s + (j * CH + c) * 16 : nullptr);
       }
     }
-    for (int i = 0; i < MB; ++i) {
-      const float dx = g.xd[(m0 + i) * g.nb + kb];
-      for (int j = 0; j < NB; ++j)
-        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i][j]), _mm256_set1_ps(p.d[kb * p.nt + n0 + j] * dx),
-                                    acc[i][j]);
+    for (int i = 0; i < MB; ++i) {  // d * dx in every lane: the one-row loop's scalar product, broadcast
+      const __m256 dx = _mm256_broadcast_ss(g.xd + (m0 + i) * g.nb + kb);
+      for (int j = 0; j < NB; ++j) {
+        const __m256 dd = _mm256_mul_ps(_mm256_broadcast_ss(p.d.data() + kb * p.nt + n0 + j), dx);
+        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i][j]), dd, acc[i][j]);
+      }
     }
   }
   for (int i = 0; i < MB; ++i)
