@@ -82,18 +82,18 @@ void tile(const Gemm& g, const Panel& p, int64_t m0, int64_t n0, float* y) {
           isum[i][j] = lanes<SIGNED, SCALED>(isum[i][j], u, wv, xv[i], SCALED ? s + (j * CH + c) * 16 : nullptr);
       }
     }
-    for (int i = 0; i < MB; ++i) {
-      const float dx = g.xd[(m0 + i) * g.nb + kb];
+    for (int i = 0; i < MB; ++i) {  // d * dx in every lane: the one-row loop's scalar product, broadcast
+      const __m256 dx = _mm256_broadcast_ss(g.xd + (m0 + i) * g.nb + kb);
       for (int j = 0; j < NB; ++j) {
-        const float ddx = p.d[kb * p.nt + n0 + j] * dx;
+        const __m256 dd = _mm256_mul_ps(_mm256_broadcast_ss(p.d.data() + kb * p.nt + n0 + j), dx);
         if constexpr (SUM == LANE0 || SUM == ACC1) {
-          one[i][j] = std::fma(float(hsum_i32(isum[i][j])), ddx, one[i][j]);
+          one[i][j] = std::fma(float(hsum_i32(isum[i][j])), _mm256_cvtss_f32(dd), one[i][j]);
         } else {
           __m256i lanes_ = isum[i][j];
           if constexpr (SUM == Q6)
             lanes_ = _mm256_sub_epi32(lanes_, q6_offsets(g.s16 + ((m0 + i) * g.nb + kb) * 16,
                                                          p.sc16.data() + (kb * p.nt + n0 + j) * 16));
-          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes_), _mm256_set1_ps(ddx), acc[i][j]);
+          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes_), dd, acc[i][j]);
         }
       }
     }
