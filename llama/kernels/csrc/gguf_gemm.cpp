@@ -263,7 +263,8 @@ namespace vnni {
 
 namespace llama_cpu {
 
-// From this many rows a product goes to gguf_gemm (the one-row loop is as fast below it; docs/performance.md).
+// From this many rows a product goes to gguf_gemm: each unpacked block then serves 4 rows or more (a Q4_K
+// 4096x4096 product of 4 rows took half the one-row loop's time here; not tuned finely on this loaded machine).
 constexpr int64_t kGemmMinRows = 4;
 
 // y (M, N) = the activation rows (gguf_blocks.cpp's quantize_act: codes xq, scales xd, 16-sums s16, q8_1 sums xs)
