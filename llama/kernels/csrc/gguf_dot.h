@@ -230,18 +230,31 @@ inline int32_t weighted_sum16(const T* ws, const int32_t* s16) {
 
 // One weight block (b) times activation codes xq with scale dx (and 16-sums s16): adds the product into acc (vector
 // part) and acc1 (scalar part: the offsets and mins, exact integers times one scale).
+// Q4_0 / IQ4_NL as llama.cpp's repacked q4_0_8x8 / iq4_nl_8x8 sum them: one fp32 sum per output, each block's
+// whole integer sum (Q4_0: of (q - 8) x, the -8 from the 16-value sums) added by one fma. A block's 8 lanes:
+template <int64_t TYPE>
+inline __m256i b32_lanes(const uint8_t* b, const int8_t* xq) {
+  if constexpr (TYPE == Q4_0) return dot_us(nibbles_split(b + 2), load32(xq));
+  else return dot_ss(iq4_lookup(nibbles_split(b + 2)), load32(xq));
+}
+template <int64_t TYPE>
+inline int32_t b32_offset(const int32_t* s16) { return TYPE == Q4_0 ? -8 * (s16[0] + s16[1]) : 0; }
+// Two blocks' lane sums in one reduction (exact integers: the same sums as hsum_i32 each).
+inline void hsum_i32_pair(__m256i p0, __m256i p1, int32_t& s0, int32_t& s1) {
+  const __m256i h = _mm256_hadd_epi32(p0, p1);  // p0 01, p0 23, p1 01, p1 23 | p0 45, p0 67, p1 45, p1 67
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+  t = _mm_hadd_epi32(t, t);  // s0, s1, s0, s1
+  s0 = _mm_cvtsi128_si32(t), s1 = _mm_extract_epi32(t, 1);
+}
+
 template <int64_t TYPE>
 inline void block_dot(const uint8_t* b, const int8_t* xq, float dx, const int32_t* s16, float xsum, __m256& acc,
                       float& acc1) {
   if constexpr (TYPE == Q8_0) {
     const __m256i p = dot_ss(load32(b + 2), load32(xq));
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(half(b) * dx), acc);
-  } else if constexpr (TYPE == IQ4_NL) {  // as llama.cpp's repacked iq4_nl_8x8: one fp32 sum, a block's per fma
-    const int32_t p = hsum_i32(dot_ss(iq4_lookup(nibbles_split(b + 2)), load32(xq)));
-    acc1 = std::fma(float(p), half(b) * dx, acc1);
-  } else if constexpr (TYPE == Q4_0) {  // as llama.cpp's repacked q4_0_8x8: the block's sum of (q - 8) x, one fma
-    const int32_t p = hsum_i32(dot_us(nibbles_split(b + 2), load32(xq))) - 8 * (s16[0] + s16[1]);
-    acc1 = std::fma(float(p), half(b) * dx, acc1);
+  } else if constexpr (TYPE == IQ4_NL || TYPE == Q4_0) {  // one block alone (linear_rows takes them in pairs)
+    acc1 = std::fma(float(hsum_i32(b32_lanes<TYPE>(b, xq)) + b32_offset<TYPE>(s16)), half(b) * dx, acc1);
   } else if constexpr (TYPE == Q4_1) {
     const __m256i p = dot_us(nibbles_split(b + 4), load32(xq));
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(half(b) * dx), acc);
@@ -261,14 +274,19 @@ inline void block_dot(const uint8_t* b, const int8_t* xq, float dx, const int32_
     uint8_t sc[8], m[8];
     scale_min_k4(b + 4, sc, m);
     const __m256i isum = k_quant_sum<TYPE>(b, xq, sc);
-    const int32_t msum = weighted_sum16<true>(m, s16);
     if constexpr (TYPE == Q4_K) {
       // as llama.cpp's repacked Q4_K (q4_K_8x8 x q8_K, which its AVX2 CPUs run): one fp32 sum per output, the
-      // block's whole integer sum times d * dx added by one fma (lane 0 here), the mins' likewise, subtracted last
-      acc = _mm256_fmadd_ps(_mm256_setr_ps(float(hsum_i32(isum)), 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f),
-                            _mm256_set1_ps(half(b) * dx), acc);
+      // block's whole integer sum times d * dx added by one fma (lane 0 here), the mins' likewise, subtracted last.
+      // The mins' 8 products m[j] * (sums of sub-block j's 32 codes) in lanes, reduced with isum's lanes at once.
+      const __m256i bs = _mm256_permute4x64_epi64(_mm256_hadd_epi32(load32(s16), load32(s16 + 8)), 0xD8);
+      const __m256i m32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m)));
+      const __m256i mv = _mm256_mullo_epi32(bs, m32);
+      int32_t total, msum;
+      hsum_i32_pair(isum, mv, total, msum);
+      acc = _mm256_fmadd_ps(_mm256_castps128_ps256(_mm_set_ss(float(total))), _mm256_set1_ps(half(b) * dx), acc);
       acc1 = std::fma(-float(msum), half(b + 2) * dx, acc1);
     } else {  // Q5_K as llama.cpp's AVX2 dot: 8 fp32 lanes, the mins in one fp32 sum
+      const int32_t msum = weighted_sum16<true>(m, s16);
       acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(half(b) * dx), acc);
       acc1 = std::fma(-float(msum), half(b + 2) * dx, acc1);
     }
@@ -308,7 +326,21 @@ void linear_rows(const Act& a, const uint8_t* w, const Format& f, int64_t M, int
       for (int64_t m = 0; m < M; ++m) {
         __m256 acc = _mm256_setzero_ps();
         float acc1 = 0.f;
-        for (int64_t i = 0; i < nblocks; ++i) {
+        int64_t i = 0;
+        if constexpr (TYPE == Q4_0 || TYPE == IQ4_NL) {  // two blocks a step, one reduction (block_dot's sums)
+          for (; i + 1 < nblocks; i += 2) {
+            const uint8_t* b = wr + i * f.bytes;
+            _mm_prefetch(reinterpret_cast<const char*>(b) + 1024, _MM_HINT_T0);
+            const int64_t j = m * K / 32 + i;  // the activation block
+            const int32_t* s16 = a.s16.data() + 2 * j;
+            int32_t s0, s1;
+            const int8_t* xq = a.q.data() + 32 * j;
+            hsum_i32_pair(b32_lanes<TYPE>(b, xq), b32_lanes<TYPE>(b + f.bytes, xq + 32), s0, s1);
+            acc1 = std::fma(float(s0 + b32_offset<TYPE>(s16)), half(b) * a.d[j], acc1);
+            acc1 = std::fma(float(s1 + b32_offset<TYPE>(s16 + 2)), half(b + f.bytes) * a.d[j + 1], acc1);
+          }
+        }
+        for (; i < nblocks; ++i) {
           _mm_prefetch(reinterpret_cast<const char*>(wr + i * f.bytes) + 1024, _MM_HINT_T0);
           const int64_t k = i * f.values;
           block_dot<TYPE>(wr + i * f.bytes, a.q.data() + m * K + k, a.d[(m * K + k) / f.act_block],
