@@ -40,6 +40,8 @@ MEASUREMENTS = {
     "load-memory": ("load_memory", "peak RSS of one rank loading a checkpoint, sharded and not"),
     "gguf-blocks": ("gguf_blocks", "batch-1 decode of one GGUF file (Q4_K_M, Q8_0, ...) run in its own blocks beside "
                                    "llama.cpp on the same file, alternating blocks"),
+    "gguf-prefill": ("gguf_prefill", "prefill of 16/128/512 tokens of one GGUF file run in its own blocks beside "
+                                     "llama.cpp on the same file, alternating blocks (--layers N: a cut copy)"),
     "gguf-kernels": ("gguf_kernels", "GGUF block products per format on 7B-shaped layers, AVX2 against AVX-512 VNNI, "
                                      "alternating rounds"),
     "gguf-load-memory": ("gguf_load_memory", "peak RSS of loading a Q8_0 GGUF to bf16 and to int8"),

@@ -48,8 +48,9 @@ def act_block(kind: str) -> int:
 def activation_codes(xb: torch.Tensor, block: int):
     """(codes, d, s) of fp32 activation blocks xb (..., block) as our kernels and llama.cpp's CPU backend make
     them. Blocks of 32 (its q8_0 / q8_1): d = amax / 127 rounded to fp16, codes round(x * (127 / amax)) half to even,
-    s = (amax / 127) * (sum of codes) rounded to fp16. Blocks of 256: d = amax / 127, codes round(x / d) half to
-    even; s unused (zero)."""
+    s = (amax / 127) * (sum of codes) rounded to fp16. Blocks of 256 (its q8_K, quantize_row_q8_K_ref): max is the
+    first element of the largest magnitude, iscale = -127 / max, codes round(iscale * x) half to even capped at 127,
+    d = 1 / iscale; s unused (zero)."""
     def over(num, t):  # num / t as one fp32 division (torch's `127.0 / t` multiplies by t's reciprocal)
         return torch.full_like(t, num) / t
 
@@ -58,8 +59,10 @@ def activation_codes(xb: torch.Tensor, block: int):
         codes = torch.round(xb * torch.where(amax > 0, over(127.0, amax), 0.0))
         d32 = amax / 127.0
         return codes, d32.half().float(), (d32 * codes.sum(-1, keepdim=True)).half().float()
-    d = xb.abs().amax(-1, keepdim=True) / 127.0
-    codes = torch.where(d > 0, torch.round(xb / torch.where(d > 0, d, 1.0)), torch.zeros_like(xb))
+    top = xb.gather(-1, xb.abs().argmax(-1, keepdim=True))  # argmax: the first of equal magnitudes
+    iscale = over(-127.0, torch.where(top != 0, top, 1.0))
+    codes = torch.where(top != 0, torch.round(iscale * xb).clamp(max=127.0), 0.0)
+    d = torch.where(top != 0, over(1.0, iscale), 0.0)
     return codes, d, torch.zeros_like(d)
 
 

@@ -13,7 +13,7 @@ from typing import Dict, List, Optional
 import torch
 
 from llama import settings
-from llama.formats import gguf_file
+from llama.formats import gguf_file, gguf_heads
 from llama.formats.meta_checkpoint import parallel_dim, split_tensor
 from llama.kernels import cpu as cpu_kernels
 from llama.layers import UNQUANTIZED, Fusable
@@ -40,6 +40,7 @@ def blocks(t) -> torch.Tensor:
 
 
 FFN = ("feed_forward.w1.weight", "feed_forward.w3.weight", "feed_forward.w2.weight")
+ATTENTION = {"attention.wq": "q", "attention.wk": "kv", "attention.wv": "kv", "attention.wo": "q"}  # + .weight/.bias
 
 
 def ffn_bounds(tensors: List, path, hidden: int, world: int) -> List[int]:
@@ -61,21 +62,32 @@ def ffn_bounds(tensors: List, path, hidden: int, world: int) -> List[int]:
     return bounds
 
 
-def shard(name: str, t, b: torch.Tensor, rank: int, world: int, path, bounds=None) -> torch.Tensor:
+def uneven_part(name: str, rank: int, bounds, heads, head_dim: int):
+    """(dim, slice) of rank's part where the FFN splits at `bounds` (ffn_bounds) or the heads at `heads`
+    (gguf_heads.head_bounds), else None (an even split)."""
+    if bounds is not None and name.endswith(FFN):
+        return parallel_dim(name), slice(bounds[rank], bounds[rank + 1])
+    base = name.rsplit(".", 1)[0]
+    which = next((w for n, w in ATTENTION.items() if base.endswith(n)), None) if heads is not None else None
+    return None if which is None else (parallel_dim(name), heads.rows(rank, which, head_dim))
+
+
+def shard(name: str, t, b: torch.Tensor, rank: int, world: int, path, bounds=None, heads=None,
+          head_dim: int = 0) -> torch.Tensor:
     """Rank `rank`'s part of blocks b (Meta name `name`): whole output rows for column-parallel weights, whole
-    blocks of every row for row-parallel ones; the FFN's between `bounds` (ffn_bounds), attention's evenly (refused
-    where the heads' inputs do not split into whole blocks)."""
+    blocks of every row for row-parallel ones; the FFN's between `bounds` (ffn_bounds), attention's at `heads`
+    (gguf_heads.head_bounds) or else evenly (refused where the heads' inputs do not split into whole blocks)."""
     dim = parallel_dim(name)
     if dim is None or world == 1:
         return b
-    if bounds is not None and name.endswith(FFN[:2]):
-        return b[bounds[rank] : bounds[rank + 1]].clone()
+    values, nbytes = cpu_kernels.GGUF_BLOCKS[int(t.tensor_type)]
+    part = uneven_part(name, rank, bounds, heads, head_dim)
+    if part is not None:
+        s = part[1]
+        return b[s].clone() if dim == 0 else b[:, s.start // values * nbytes : s.stop // values * nbytes].contiguous()
     if dim == 0:
         rows = b.shape[0] // world
         return b[rank * rows : (rank + 1) * rows].clone()
-    values, nbytes = cpu_kernels.GGUF_BLOCKS[int(t.tensor_type)]
-    if bounds is not None and name.endswith(FFN[2]):
-        return b[:, bounds[rank] // values * nbytes : bounds[rank + 1] // values * nbytes].contiguous()
     inputs = gguf_blocks.values_per_row(int(t.tensor_type), b.shape[1])
     if (inputs // world) % values:
         raise ValueError(f"{path}: tensor {t.name} ({t.tensor_type.name}) has {inputs} inputs in blocks of {values}: "
@@ -86,12 +98,15 @@ def shard(name: str, t, b: torch.Tensor, rank: int, world: int, path, bounds=Non
     return b[:, rank * width : (rank + 1) * width].contiguous()
 
 
-def split_float(name: str, value: torch.Tensor, rank: int, world: int, bounds=None) -> torch.Tensor:
-    """Rank `rank`'s part of a dequantized tensor: the FFN's between `bounds` (ffn_bounds), the rest evenly."""
-    if bounds is None or world == 1 or not name.endswith(FFN):
+def split_float(name: str, value: torch.Tensor, rank: int, world: int, bounds=None, heads=None,
+                head_dim: int = 0) -> torch.Tensor:
+    """Rank `rank`'s part of a dequantized tensor: the FFN's between `bounds` (ffn_bounds), attention's at `heads`
+    (gguf_heads.head_bounds), the rest evenly."""
+    part = None if world == 1 else uneven_part(name, rank, bounds, heads, head_dim)
+    if part is None:
         return split_tensor(name, value, rank, world)
-    lo, hi = bounds[rank], bounds[rank + 1]
-    return (value[lo:hi] if name.endswith(FFN[:2]) else value[:, lo:hi]).contiguous()
+    dim, s = part
+    return (value[s] if dim == 0 else value[:, s]).contiguous()
 
 
 def native_model(reader, path, args, rank: int, world: int, device, dtype: torch.dtype, fuse: bool,
@@ -120,7 +135,10 @@ def native_model(reader, path, args, rank: int, world: int, device, dtype: torch
     for local, i in enumerate(tqdm(layer_ids, desc=f"loading {path.name}", unit="layer", disable=not big)):
         tensors = layers.get(i, [])
         bounds = ffn_bounds(tensors, path, args.hidden_dim, world) if world > 1 else None
-        load_tensors(model.layers[local], tensors, f"layers.{i}.", path, dtype, rank, world, bounds)
+        heads = gguf_heads.head_bounds(tensors, path, args, world, native_type)
+        load_tensors(model.layers[local], tensors, f"layers.{i}.", path, dtype, rank, world, bounds, heads)
+        if heads is not None:
+            gguf_heads.set_local_heads(model.layers[local].attention, heads, rank)
         if bounds is not None:
             ff, width = model.layers[local].feed_forward, bounds[rank + 1] - bounds[rank]
             ff.local_sizes = {"w1": width, "w3": width}
@@ -133,9 +151,12 @@ def native_model(reader, path, args, rank: int, world: int, device, dtype: torch
     return model.eval()
 
 
-def load_tensors(module, tensors: List, prefix: str, path, dtype, rank: int, world: int, bounds=None) -> None:
+def load_tensors(module, tensors: List, prefix: str, path, dtype, rank: int, world: int, bounds=None,
+                 heads=None) -> None:
     """Put these reader tensors (Meta names starting with prefix) into module: native-type matrices as blocks,
-    the rest dequantized or cast by gguf_file.read_tensors; the FFN's cut at `bounds` (ffn_bounds)."""
+    the rest dequantized or cast by gguf_file.read_tensors; the FFN's cut at `bounds` (ffn_bounds), attention's at
+    `heads` (gguf_heads.head_bounds)."""
+    hd = module.attention.head_dim if heads is not None else 0
     plain, state = [], {}
     for t in tensors:
         name = gguf_file.meta_name(t.name, path)
@@ -148,12 +169,16 @@ def load_tensors(module, tensors: List, prefix: str, path, dtype, rank: int, wor
             module.tok_embeddings = gguf_blocks.BlockEmbedding(b, qtype, world)
         else:
             module.get_submodule(name[len(prefix) : -len(".weight")]).take(
-                gguf_blocks.method(qtype), shard(name, t, b, rank, world, path, bounds))
+                gguf_blocks.method(qtype), shard(name, t, b, rank, world, path, bounds, heads, hd))
     for name, value in gguf_file.read_tensors(plain, path, dtype).items():
-        part = split_float(name, value, rank, world, bounds)
-        layer = module.get_submodule(name[len(prefix) : -len(".weight")]) if name.endswith(FFN) else None
-        if layer is not None and layer.weight.shape != part.shape:  # an uneven FFN split (ffn_bounds)
-            layer.take(UNQUANTIZED, part)
+        part = split_float(name, value, rank, world, bounds, heads, hd)
+        layer_name, kind = name[len(prefix):].rsplit(".", 1)
+        layer = module.get_submodule(layer_name) if uneven_part(name, rank, bounds, heads, hd) else None
+        if layer is not None and getattr(layer, kind).shape != part.shape:  # an uneven split (ffn_bounds, heads)
+            if kind == "weight":
+                layer.take(UNQUANTIZED, part)
+            else:
+                layer.bias = torch.nn.Parameter(part, requires_grad=False)
         else:
             state[name[len(prefix):]] = part
     missing, unexpected = module.load_state_dict(state, strict=False, assign=True)

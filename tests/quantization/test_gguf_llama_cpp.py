@@ -83,3 +83,60 @@ def test_every_block_product_equals_llama_cpps_bit_for_bit():
         check(block.feed_forward.w13, peer[f"ffn_norm-{i}"], f"ffn_gate-{i}", f"ffn_up-{i}")
         check(block.feed_forward.w2, peer[f"ffn_swiglu-{i}"], f"ffn_out-{i}")
     check(model.output, peer["result_norm"], "result_output")  # the tied Q8_0 embedding table
+
+
+def requantized(tmp_path_factory, ftype: str):
+    """The shared Q4_1 file quantized by llama.cpp's own quantizer to ftype."""
+    src = need(SMOLLM)
+    out = tmp_path_factory.mktemp(ftype) / f"SmolLM2-135M-Instruct.{ftype}.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.allow_requantize, params.nthread = True, 1
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), ctypes.byref(params)) != 0:
+        pytest.fail("llama.cpp's quantizer failed")
+    return out
+
+
+# (file type, block types among its products: SmolLM2's 576 inputs are not whole super-blocks, so llama.cpp falls
+# back to 32-value types there; no quantization of it holds Q2_K products, which test_gguf_q8k.py covers)
+K_FILES = [("Q4_K_M", {"Q4_K", "Q6_K", "Q5_0", "Q8_0"}), ("Q3_K_M", {"Q4_0", "Q5_1", "Q5_K"}), ("Q2_K", {"Q3_K"}),
+           ("IQ4_XS", {"IQ4_XS"})]
+
+
+@pytest.mark.parametrize("ftype,kinds", K_FILES, ids=[f for f, _ in K_FILES])
+def test_k_quant_products_equal_llama_cpps_bit_for_bit(ftype, kinds, tmp_path_factory):
+    """llama.cpp's quantizations of the same model: with q8_K activations and its order of fp32 operations, each
+    product fed llama.cpp's input equals its result bit for bit. Q4_K: the rows llama.cpp multiplies one at a time
+    (its repacked q4_K_8x8 gemv, which decodes; batches of 4 rows go through its gemm, which adds each 64 values'
+    sum on its own, so a row's result would depend on its batch there: ours does not)."""
+    from llama import Llama
+    from llama.quantization import gguf_blocks
+
+    path = requantized(tmp_path_factory, ftype)
+    peer = llama_cpp_tensors(path, TOKENS)
+    model = Llama.build(str(path), None, max_seq_len=64, max_batch_size=1, compile=False).model
+    gemv = slice(len(TOKENS) - len(TOKENS) % 4, None)  # the rows past the last whole group of 4
+    seen = set()
+
+    def check(layer, x, *names):
+        kind = gguf_blocks.NAMES[layer.method.qtype]
+        seen.add(kind)
+        y, ref = layer(x[None])[0], torch.cat([peer[n] for n in names], dim=-1)
+        rows = gemv if kind == "Q4_K" and y.shape[0] == len(TOKENS) else slice(None)
+        assert torch.equal(y[rows], ref[rows]), (names, kind, (y[rows] - ref[rows]).abs().max().item())
+
+    for i, block in enumerate(model.layers):
+        a, f = block.attention, block.feed_forward
+        if a.wqkv is not None:
+            check(a.wqkv, peer[f"attn_norm-{i}"], f"Qcur-{i}", f"Kcur-{i}", f"Vcur-{i}")
+        else:
+            for name, out in (("wq", "Qcur"), ("wk", "Kcur"), ("wv", "Vcur")):
+                check(getattr(a, name), peer[f"attn_norm-{i}"], f"{out}-{i}")
+        check(a.wo, peer[f"kqv_out-{i}"], f"attn_out-{i}")
+        if f.w13 is not None:
+            check(f.w13, peer[f"ffn_norm-{i}"], f"ffn_gate-{i}", f"ffn_up-{i}")
+        else:
+            check(f.w1, peer[f"ffn_norm-{i}"], f"ffn_gate-{i}")
+            check(f.w3, peer[f"ffn_norm-{i}"], f"ffn_up-{i}")
+        check(f.w2, peer[f"ffn_swiglu-{i}"], f"ffn_out-{i}")
+    assert kinds <= seen, seen

@@ -4,10 +4,12 @@
 //
 // Activations are quantized to int8 as llama.cpp's own CPU kernels do it, with its roundings (quantize_block):
 // blocks of 32 for the 32-value formats (its q8_0, and q8_1's fp16 sums for Q4_1 and Q5_1's mins), and blocks of 256
-// for the super-block formats (symmetric, d = amax / 127; not yet its q8_K). Every integer sum is exact, and the fp32
-// products of the scales follow, so a product equals (the weights as gguf's dequantize gives them) x (the
-// dequantized activation codes; for the mins, q8_1's sums) to fp32 rounding. A row's result
-// never depends on the other rows of its batch: each (row, output) is summed by the same code in the same order.
+// for the super-block formats (its q8_K: d = 1 / (-127 / max), with 16-value sums). Every integer sum is exact, and
+// the scales multiply in fp32 in the order llama.cpp's x86 code uses for a one-row product (gguf_dot.h: its AVX2
+// dots' 8 fp32 lanes, or one fp32 sum per output where it runs a repacked layout: Q4_0, IQ4_NL, Q4_K, Q2_K), so a
+// product is llama.cpp's bit for bit given the same input (tests/quantization/test_gguf_llama_cpp.py,
+// tests/kernels/test_gguf_q8k.py). A row's result never depends on the other rows of its batch: each (row, output)
+// is summed by the same code in the same order (llama.cpp sums batches of 4+ rows of Q4_K otherwise).
 // AVX2 everywhere; on CPUs with AVX-512 VNNI (and LLAMA_CPU_AVX512 not "0") a second copy of the inner loops runs
 // (gguf_dot.h): vpdpbusd for the unit-weight int8 sums, 512-bit vectors for Q4_K's and Q6_K's, F16C for the
 // scales. It computes the same int32 lanes and the same fp32 operations in the same order, so its results are
@@ -31,82 +33,7 @@
 
 namespace {
 
-// ggml's type ids (gguf.GGMLQuantizationType)
-enum : int64_t {
-  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
-  IQ4_NL = 20, IQ4_XS = 23
-};
-
-struct Format {
-  int64_t values, bytes, act_block;  // values and bytes per weight block; activation block size
-};
-
-bool format_of(int64_t type, Format& f) {
-  switch (type) {
-    case Q8_0: f = {32, 34, 32}; return true;
-    case Q4_0: f = {32, 18, 32}; return true;
-    case Q4_1: f = {32, 20, 32}; return true;
-    case Q5_0: f = {32, 22, 32}; return true;
-    case Q5_1: f = {32, 24, 32}; return true;
-    case IQ4_NL: f = {32, 18, 32}; return true;
-    case Q4_K: f = {256, 144, 256}; return true;
-    case Q5_K: f = {256, 176, 256}; return true;
-    case Q6_K: f = {256, 210, 256}; return true;
-    case Q2_K: f = {256, 84, 256}; return true;
-    case Q3_K: f = {256, 110, 256}; return true;
-    case IQ4_XS: f = {256, 136, 256}; return true;
-    default: return false;
-  }
-}
-
-const int8_t kIQ4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-
-inline float half_to_float(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  const uint32_t sign = uint32_t(h & 0x8000u) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
-  uint32_t u;
-  if (exp == 0) {
-    const float f = std::ldexp(float(mant), -24);  // zero or subnormal: exact
-    return sign ? -f : f;
-  }
-  u = exp == 31 ? sign | 0x7F800000u | (mant << 13) : sign | ((exp + 112) << 23) | (mant << 13);
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-// Q4_K / Q5_K: the 8 sub-blocks' 6-bit scales and mins from their 12 bytes (gguf's Q4_K.get_scale_min), four at a
-// time in 32-bit words as llama.cpp unpacks them: sc = bytes 0-7 of u after, m = bytes 8-15.
-inline void scale_min_k4(const uint8_t* s, uint8_t* sc, uint8_t* m) {
-  uint32_t u[4];
-  std::memcpy(u, s, 12);
-  const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
-  u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);  // m 4-7
-  const uint32_t m03 = u[1] & low6;
-  u[1] = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);  // sc 4-7
-  u[2] = m03;
-  u[0] &= low6;  // sc 0-3
-  std::memcpy(sc, u, 8);
-  std::memcpy(m, u + 2, 8);
-}
-
-// IQ4_XS: sub-block j's scale (6 bits, minus 32).
-inline int iq4xs_scale(const uint8_t* b, int j) {
-  uint16_t h;
-  std::memcpy(&h, b + 2, 2);
-  const int lo = (b[4 + j / 2] >> (4 * (j % 2))) & 0x0F, hi = (h >> (2 * j)) & 3;
-  return (lo | (hi << 4)) - 32;
-}
-
-// Q3_K: the 16 groups' 6-bit scales (minus 32) from their 12 bytes (gguf's Q3_K: low 4 bits in bytes 0-7, two
-// high bits in bytes 8-11).
-inline void q3k_scales(const uint8_t* s, int16_t* sc) {
-  for (int j = 0; j < 16; ++j) {
-    const int low = (j < 8 ? s[j] : s[j - 8] >> 4) & 0x0F, high = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
-    sc[j] = int16_t((low | (high << 4)) - 32);
-  }
-}
+#include "gguf_format.h"
 
 // ---- dequantization: one block into out, with the operations (and roundings) of gguf's numpy code ----
 
@@ -237,8 +164,9 @@ struct Act {
 
 // One block as llama.cpp's CPU backend quantizes it. Blocks of 32 (its q8_0 and q8_1): d = amax / 127 kept as
 // fp16, codes round(x * (127 / amax)) to nearest even, s = d * sum rounded to fp16 (d before its rounding).
-// Blocks of 256: d = amax / 127 in fp32, codes round(x / d) (not yet llama.cpp's q8_K, whose d = 1 / (-127 / max)
-// moved a Q4_K_M SmolLM2's greedy answer off "Paris": tests/formats/test_gguf_blocks_real.py).
+// Blocks of 256 (its q8_K, quantize_row_q8_K_ref): max is the first element of the largest magnitude, with its
+// sign; iscale = -127 / max, codes round(iscale * x) to nearest even (llama.cpp's nearest_int) capped at 127, and
+// d = 1 / iscale in fp32 (so the largest element's code is -127 when it is positive).
 inline void quantize_block(const float* v, int64_t block, int8_t* q, float& d, float& s) {
   if (block == 32) {
     float amax = 0.f;
@@ -249,10 +177,20 @@ inline void quantize_block(const float* v, int64_t block, int8_t* q, float& d, f
     d = round_to_half(d32), s = round_to_half(d32 * float(sum));
     return;
   }
-  float amax = 0.f;  // blocks of 256: d = amax / 127, codes round(x / d) (llama.cpp's q8_K is not followed yet)
-  for (int64_t j = 0; j < block; ++j) amax = std::fmax(amax, std::fabs(v[j]));
-  d = amax / 127.f, s = 0.f;
-  for (int64_t j = 0; j < block; ++j) q[j] = int8_t(d > 0.f ? int32_t(std::nearbyint(v[j] / d)) : 0);
+  float amax = 0.f, max = 0.f;
+  for (int64_t j = 0; j < block; ++j) {
+    const float ax = std::fabs(v[j]);
+    if (ax > amax) amax = ax, max = v[j];
+  }
+  s = 0.f;
+  if (amax == 0.f) {
+    d = 0.f;
+    std::memset(q, 0, size_t(block));
+    return;
+  }
+  const float iscale = -127.f / max;
+  for (int64_t j = 0; j < block; ++j) q[j] = int8_t(std::min<int32_t>(127, int32_t(std::nearbyint(iscale * v[j]))));
+  d = 1.f / iscale;
 }
 
 Act quantize_act(const float* x, int64_t M, int64_t K, int64_t block) {
@@ -311,6 +249,9 @@ bool use_vnni() {
 
 namespace llama_cpu {
 
+bool gguf_gemm(int64_t type, const int8_t* xq, const float* xd, const int32_t* s16, const float* xs,
+               const uint8_t* w, int64_t M, int64_t K, int64_t N, float* y, bool use_vnni);  // gguf_gemm.cpp
+
 // x (M, K) fp32 times the GGUF weight w (N, row bytes) of ggml type `type`: y (M, N) fp32.
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t type) {
   Format f;
@@ -327,7 +268,9 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t type) {
   const Act a = quantize_act(x.data_ptr<float>(), M, K, f.act_block);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  (use_vnni() ? vnni::linear : avx2::linear)(type, a, wp, f, M, K, N, yp);
+  const bool v = use_vnni();
+  if (!gguf_gemm(type, a.q.data(), a.d.data(), a.s16.data(), a.s.data(), wp, M, K, N, yp, v))  // many rows
+    (v ? vnni::linear : avx2::linear)(type, a, wp, f, M, K, N, yp);
   return y;
 }
 

@@ -59,6 +59,19 @@ inline float hsum(__m256 v) {
 }
 // Two 16-value groups' int16 weights for dot_scaled: a in lanes 0-7 (values 0..15), b in lanes 8-15
 inline __m256i pair_scale(int a, int b) { return _mm256_set_m128i(_mm_set1_epi16(int16_t(b)), _mm_set1_epi16(int16_t(a))); }
+// The sum of 8 int32 lanes (exact)
+inline int32_t hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
+}
+// Q6_K's offset per int32 lane as llama.cpp's AVX2 dot subtracts it: lane k = 32 * (bsum[2k] * sc[2k] +
+// bsum[2k + 1] * sc[2k + 1]) (the 16-value sums fit int16, as q8_K's bsums are).
+inline __m256i q6k_offsets(const int8_t* sc, const int32_t* s16) {
+  const __m256i bs = _mm256_permute4x64_epi64(_mm256_packs_epi32(load32(s16), load32(s16 + 8)), 0xD8);
+  const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+  return _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5);
+}
 
 // The 8 int32 lanes of a K-quant super-block's scaled integer sum (Q4_K, Q5_K, Q6_K), lane by lane as the AVX2 code
 // sums them. GGUF_VNNI: two 32-byte steps per 512-bit vector, the halves added at the end (integer sums: the same).
@@ -166,7 +179,8 @@ inline __m256i k_quant_sum(const uint8_t* b, const int8_t* xq, const uint8_t* sc
 }
 
 // Q2_K / Q3_K: 2-bit codes (Q3_K: and a third bit from hmask), 16 groups of 16 with their own scales (Q2_K: 4-bit
-// scale and min per group; Q3_K: 6-bit signed scales), as 8 int32 lanes of sum(scale * code * x), codes unsigned.
+// scale and min per group; Q3_K: 6-bit signed scales), as 8 int32 lanes of sum(scale * code * x) (Q2_K: codes
+// 0..3; Q3_K: the values, -4..3).
 template <int64_t TYPE>
 inline __m256i low_bit_sum(const uint8_t* b, const int8_t* xq, const int16_t* sc) {
   const uint8_t* qs = b + (TYPE == Q2_K ? 16 : 32);
@@ -180,7 +194,14 @@ inline __m256i low_bit_sum(const uint8_t* b, const int8_t* xq, const int16_t* sc
       if constexpr (TYPE == Q3_K)  // code + 4 * hbit, 0..7 (the value is that minus 4)
         q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hm, 4 * h + s), one), 2));
       const int g = 8 * h + 2 * s;
-      isum = _mm256_add_epi32(isum, dot_scaled(q, load32(xq + 128 * h + 32 * s), pair_scale(sc[g], sc[g + 1])));
+      const __m256i x = load32(xq + 128 * h + 32 * s);
+      if constexpr (TYPE == Q3_K) {  // the signed value q - 4 in the lanes, as llama.cpp's AVX2 dot sums it
+        q = _mm256_sub_epi8(q, _mm256_set1_epi8(4));
+        const __m256i scale = pair_scale(sc[g], sc[g + 1]);
+        isum = _mm256_add_epi32(isum, dot_scaled(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q), scale));
+      } else {
+        isum = _mm256_add_epi32(isum, dot_scaled(q, x, pair_scale(sc[g], sc[g + 1])));
+      }
     }
   }
   return isum;
@@ -209,59 +230,82 @@ inline int32_t weighted_sum16(const T* ws, const int32_t* s16) {
 
 // One weight block (b) times activation codes xq with scale dx (and 16-sums s16): adds the product into acc (vector
 // part) and acc1 (scalar part: the offsets and mins, exact integers times one scale).
+// Q4_0 / IQ4_NL as llama.cpp's repacked q4_0_8x8 / iq4_nl_8x8 sum them: one fp32 sum per output, each block's
+// whole integer sum (Q4_0: of (q - 8) x, the -8 from the 16-value sums) added by one fma. A block's 8 lanes:
+template <int64_t TYPE>
+inline __m256i b32_lanes(const uint8_t* b, const int8_t* xq) {
+  if constexpr (TYPE == Q4_0) return dot_us(nibbles_split(b + 2), load32(xq));
+  else return dot_ss(iq4_lookup(nibbles_split(b + 2)), load32(xq));
+}
+template <int64_t TYPE>
+inline int32_t b32_offset(const int32_t* s16) { return TYPE == Q4_0 ? -8 * (s16[0] + s16[1]) : 0; }
+// Two blocks' lane sums in one reduction (exact integers: the same sums as hsum_i32 each).
+inline void hsum_i32_pair(__m256i p0, __m256i p1, int32_t& s0, int32_t& s1) {
+  const __m256i h = _mm256_hadd_epi32(p0, p1);  // p0 01, p0 23, p1 01, p1 23 | p0 45, p0 67, p1 45, p1 67
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+  t = _mm_hadd_epi32(t, t);  // s0, s1, s0, s1
+  s0 = _mm_cvtsi128_si32(t), s1 = _mm_extract_epi32(t, 1);
+}
+
 template <int64_t TYPE>
 inline void block_dot(const uint8_t* b, const int8_t* xq, float dx, const int32_t* s16, float xsum, __m256& acc,
                       float& acc1) {
   if constexpr (TYPE == Q8_0) {
     const __m256i p = dot_ss(load32(b + 2), load32(xq));
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(half(b) * dx), acc);
-  } else if constexpr (TYPE == IQ4_NL) {
-    const __m256i p = dot_ss(iq4_lookup(nibbles_split(b + 2)), load32(xq));
+  } else if constexpr (TYPE == IQ4_NL || TYPE == Q4_0) {  // one block alone (linear_rows takes them in pairs)
+    acc1 = std::fma(float(hsum_i32(b32_lanes<TYPE>(b, xq)) + b32_offset<TYPE>(s16)), half(b) * dx, acc1);
+  } else if constexpr (TYPE == Q4_1) {
+    const __m256i p = dot_us(nibbles_split(b + 4), load32(xq));
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(half(b) * dx), acc);
-  } else if constexpr (TYPE == Q4_0 || TYPE == Q4_1) {
-    const __m256i p = dot_us(nibbles_split(b + (TYPE == Q4_0 ? 2 : 4)), load32(xq));
-    const float dd = half(b) * dx;
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dd), acc);
-    const int32_t xs = s16[0] + s16[1];
-    acc1 += TYPE == Q4_0 ? float(-8 * xs) * dd : half(b + 2) * xsum;
+    acc1 += half(b + 2) * xsum;
   } else if constexpr (TYPE == Q5_0 || TYPE == Q5_1) {
     const int64_t h = TYPE == Q5_0 ? 2 : 4;
     const __m256i w = _mm256_or_si256(nibbles_split(b + h + 4), bits_to_16(b + h));
-    const __m256i p = dot_us(w, load32(xq));
     const float dd = half(b) * dx;
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dd), acc);
-    const int32_t xs = s16[0] + s16[1];
-    acc1 += TYPE == Q5_0 ? float(-16 * xs) * dd : half(b + 2) * xsum;
+    if constexpr (TYPE == Q5_0) {  // signed values q - 16 in the lanes, as llama.cpp's q5_0 x q8_0 dot sums them
+      const __m256i p = dot_ss(_mm256_sub_epi8(w, _mm256_set1_epi8(16)), load32(xq));
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dd), acc);
+    } else {
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_us(w, load32(xq))), _mm256_set1_ps(dd), acc);
+      acc1 += half(b + 2) * xsum;
+    }
   } else if constexpr (TYPE == Q4_K || TYPE == Q5_K) {
     uint8_t sc[8], m[8];
     scale_min_k4(b + 4, sc, m);
     const __m256i isum = k_quant_sum<TYPE>(b, xq, sc);
-    const int32_t msum = weighted_sum16<true>(m, s16);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(half(b) * dx), acc);
-    acc1 -= float(msum) * (half(b + 2) * dx);
-  } else if constexpr (TYPE == Q6_K) {
+    if constexpr (TYPE == Q4_K) {
+      // as llama.cpp's repacked Q4_K (q4_K_8x8 x q8_K, which its AVX2 CPUs run): one fp32 sum per output, the
+      // block's whole integer sum times d * dx added by one fma (lane 0 here), the mins' likewise, subtracted last.
+      // The mins' 8 products m[j] * (sums of sub-block j's 32 codes) in lanes, reduced with isum's lanes at once.
+      const __m256i bs = _mm256_permute4x64_epi64(_mm256_hadd_epi32(load32(s16), load32(s16 + 8)), 0xD8);
+      const __m256i m32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m)));
+      const __m256i mv = _mm256_mullo_epi32(bs, m32);
+      int32_t total, msum;
+      hsum_i32_pair(isum, mv, total, msum);
+      acc = _mm256_fmadd_ps(_mm256_castps128_ps256(_mm_set_ss(float(total))), _mm256_set1_ps(half(b) * dx), acc);
+      acc1 = std::fma(-float(msum), half(b + 2) * dx, acc1);
+    } else {  // Q5_K as llama.cpp's AVX2 dot: 8 fp32 lanes, the mins in one fp32 sum
+      const int32_t msum = weighted_sum16<true>(m, s16);
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(half(b) * dx), acc);
+      acc1 = std::fma(-float(msum), half(b + 2) * dx, acc1);
+    }
+  } else if constexpr (TYPE == Q6_K) {  // as llama.cpp's AVX2 dot: the offsets subtracted lane by lane first
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-    const __m256i isum = k_quant_sum<TYPE>(b, xq, b + 192);
-    const int32_t corr = weighted_sum16<false>(sc, s16);
-    const float dd = half(b + 208) * dx;
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dd), acc);
-    acc1 += float(-32 * corr) * dd;
-  } else if constexpr (TYPE == Q2_K) {  // w = d * sc * q - dmin * m
+    const __m256i isum = _mm256_sub_epi32(k_quant_sum<TYPE>(b, xq, b + 192), q6k_offsets(sc, s16));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(half(b + 208) * dx), acc);
+  } else if constexpr (TYPE == Q2_K) {  // w = d * sc * q - dmin * m; summed as Q4_K (llama.cpp's q2_K_8x8 on AVX-512)
     int16_t sc[16];
     int32_t msum = 0;
     for (int g = 0; g < 16; ++g) sc[g] = b[g] & 0x0F, msum += int32_t(b[g] >> 4) * s16[g];
-    const __m256i isum = low_bit_sum<TYPE>(b, xq, sc);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(half(b + 80) * dx), acc);
-    acc1 -= float(msum) * (half(b + 82) * dx);
-  } else if constexpr (TYPE == Q3_K) {  // w = d * sc * (q + 4 * hbit - 4)
+    const int32_t isum = hsum_i32(low_bit_sum<TYPE>(b, xq, sc));
+    acc = _mm256_fmadd_ps(_mm256_setr_ps(float(isum), 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f),
+                          _mm256_set1_ps(half(b + 80) * dx), acc);
+    acc1 = std::fma(-float(msum), half(b + 82) * dx, acc1);
+  } else if constexpr (TYPE == Q3_K) {  // w = d * sc * (q + 4 * hbit - 4), as llama.cpp's AVX2 dot: 8 fp32 lanes
     int16_t sc[16];
     q3k_scales(b + 96, sc);
-    int32_t corr = 0;
-    for (int g = 0; g < 16; ++g) corr += int32_t(sc[g]) * s16[g];
-    const __m256i isum = low_bit_sum<TYPE>(b, xq, sc);
-    const float dd = half(b + 108) * dx;
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dd), acc);
-    acc1 += float(-4 * corr) * dd;
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low_bit_sum<TYPE>(b, xq, sc)), _mm256_set1_ps(half(b + 108) * dx), acc);
   } else if constexpr (TYPE == IQ4_XS) {
     __m256i isum = _mm256_setzero_si256();
     for (int j = 0; j < 8; ++j) {
@@ -282,7 +326,21 @@ void linear_rows(const Act& a, const uint8_t* w, const Format& f, int64_t M, int
       for (int64_t m = 0; m < M; ++m) {
         __m256 acc = _mm256_setzero_ps();
         float acc1 = 0.f;
-        for (int64_t i = 0; i < nblocks; ++i) {
+        int64_t i = 0;
+        if constexpr (TYPE == Q4_0 || TYPE == IQ4_NL) {  // two blocks a step, one reduction (block_dot's sums)
+          for (; i + 1 < nblocks; i += 2) {
+            const uint8_t* b = wr + i * f.bytes;
+            _mm_prefetch(reinterpret_cast<const char*>(b) + 1024, _MM_HINT_T0);
+            const int64_t j = m * K / 32 + i;  // the activation block
+            const int32_t* s16 = a.s16.data() + 2 * j;
+            int32_t s0, s1;
+            const int8_t* xq = a.q.data() + 32 * j;
+            hsum_i32_pair(b32_lanes<TYPE>(b, xq), b32_lanes<TYPE>(b + f.bytes, xq + 32), s0, s1);
+            acc1 = std::fma(float(s0 + b32_offset<TYPE>(s16)), half(b) * a.d[j], acc1);
+            acc1 = std::fma(float(s1 + b32_offset<TYPE>(s16 + 2)), half(b + f.bytes) * a.d[j + 1], acc1);
+          }
+        }
+        for (; i < nblocks; ++i) {
           _mm_prefetch(reinterpret_cast<const char*>(wr + i * f.bytes) + 1024, _MM_HINT_T0);
           const int64_t k = i * f.values;
           block_dot<TYPE>(wr + i * f.bytes, a.q.data() + m * K + k, a.d[(m * K + k) / f.act_block],
