@@ -34,6 +34,7 @@
 namespace {
 
 #include "gguf_format.h"
+#include "gguf_simd.h"
 
 // ---- dequantization: one block into out, with the operations (and roundings) of gguf's numpy code ----
 
@@ -215,26 +216,9 @@ Act quantize_act(const float* x, int64_t M, int64_t K, int64_t block) {
 
 // ---- the products' inner loops, twice: AVX2, and AVX-512 VNNI (the same sums; gguf_dot.h) ----
 
-namespace avx2 {
-#include "gguf_dot.h"
-}  // namespace avx2
-
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")
-#endif
-namespace vnni {
-#define GGUF_VNNI 1
-#include "gguf_dot.h"
-#undef GGUF_VNNI
-}  // namespace vnni
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+#define GGUF_INNER "gguf_dot.h"
+#include "gguf_copies.h"
+#undef GGUF_INNER
 
 // Whether the VNNI copy runs: the CPU has AVX-512 (F, BW, VL) and VNNI, and LLAMA_CPU_AVX512 is not "0" (read on
 // every call, so a test can compare both copies in one process).

@@ -26,6 +26,7 @@
 namespace {
 
 #include "gguf_format.h"
+#include "gguf_simd.h"
 
 constexpr int64_t kPanel = 16;  // output columns unpacked at a time (a multiple of 8: corrections() takes 8 at once)
 
@@ -52,26 +53,6 @@ struct Panel {
 
 enum Scalar { NONE, INTEGER, SUMS };  // the scalar part: none; float(sum wg * s16) * (e * dx); e * xs
 
-inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-inline void store32(void* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
-// 16 bytes of nibbles as 32 bytes: low nibbles (values 0..15), then high (16..31); as gguf_dot.h's nibbles_split
-inline __m256i nibbles(const uint8_t* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
-}
-// 32 bits as 32 bytes, 0x10 where the bit is set (gguf_dot.h's bits_to_16)
-inline __m256i bits_to_16(const uint8_t* p) {
-  uint32_t x;
-  std::memcpy(&x, p, 4);
-  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
-  __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(int32_t(x)), shuf);
-  bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
-  return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
-}
-inline __m256i iq4_values(__m256i codes) {
-  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4));
-  return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), codes);
-}
 
 // One block b of `type`: codes (values, in value order), group scales sg and scalar weights wg (values / 16 each),
 // d and e.
@@ -82,8 +63,8 @@ void unpack_block(int64_t type, const uint8_t* b, uint8_t* codes, int16_t* sg, i
       const bool mins = type == Q4_1 || type == Q5_1, five = type == Q5_0 || type == Q5_1;
       d = half_to_float(b), e = mins ? half_to_float(b + 2) : d;
       const uint8_t* qs = b + (mins ? 4 : 2) + (five ? 4 : 0);
-      __m256i q = type == Q8_0 ? load32(b + 2) : nibbles(qs);
-      if (type == IQ4_NL) q = iq4_values(q);
+      __m256i q = type == Q8_0 ? load32(b + 2) : nibbles_split(qs);
+      if (type == IQ4_NL) q = iq4_lookup(q);
       if (five) q = _mm256_or_si256(q, bits_to_16(b + (mins ? 4 : 2)));
       if (type == Q4_0 || type == Q5_0)  // the signed values q - 8 / q - 16, as the one-row dot sums them
         q = _mm256_sub_epi8(q, _mm256_set1_epi8(type == Q4_0 ? 8 : 16));
@@ -149,7 +130,7 @@ void unpack_block(int64_t type, const uint8_t* b, uint8_t* codes, int16_t* sg, i
     }
     case IQ4_XS: {
       d = half_to_float(b), e = 0.f;
-      for (int j = 0; j < 8; ++j) store32(codes + 32 * j, iq4_values(nibbles(b + 8 + 16 * j)));
+      for (int j = 0; j < 8; ++j) store32(codes + 32 * j, iq4_lookup(nibbles_split(b + 8 + 16 * j)));
       for (int g = 0; g < 16; ++g) sg[g] = int16_t(iq4xs_scale(b, g / 2)), wg[g] = 0;
       return;
     }
@@ -238,26 +219,9 @@ void scalar_parts(int64_t type, const Gemm& g, const Panel& p, float* y) {
   }
 }
 
-namespace avx2 {
-#include "gguf_gemm.h"
-}  // namespace avx2
-
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
-#endif
-namespace vnni {
-#define GGUF_VNNI 1
-#include "gguf_gemm.h"
-#undef GGUF_VNNI
-}  // namespace vnni
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+#define GGUF_INNER "gguf_gemm.h"
+#include "gguf_copies.h"
+#undef GGUF_INNER
 
 }  // namespace
 

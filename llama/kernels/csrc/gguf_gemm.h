@@ -1,20 +1,8 @@
 // The many-row GGUF product's inner loops (gguf_gemm.cpp), included twice (no include guard) as gguf_dot.h is: once
 // as namespace `avx2`, once as `vnni` under `#pragma GCC target` with GGUF_VNNI defined, where the compiler also has
 // 32 vector registers and the tile is twice as tall. Both compute every (row, output) from the same int32 lanes
-// with the same fp32 operations in the same order as gguf_dot.h's block_dot and linear_rows.
-
-inline float hsum(__m256 v) {  // gguf_dot.h's hsum: the lanes added in the same order
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline int32_t hsum_i32(__m256i v) {  // the 8 int32 lanes' sum (exact)
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
-  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
-}
+// with the same fp32 operations in the same order as gguf_dot.h's block_dot and linear_rows (gguf_copies.h;
+// the helpers they share are gguf_simd.h's).
 
 // How a block's int32 lanes reach the fp32 sums, as block_dot does per format: LANES: acc = fma(lanes, d * dx, acc);
 // LANE0: the lanes' total by one fma into lane 0 of acc (Q4_K, Q2_K: llama.cpp's repacked layouts); ACC1: likewise
@@ -49,12 +37,6 @@ inline __m256i lanes(__m256i isum, __m256i u, __m256i w, __m256i x, const int16_
   }
 }
 
-// Q6_K's offsets of one block (row's 16-value sums s16, column's group scales sc): lane k = 32 * (s16[2k] * sc[2k]
-// + s16[2k + 1] * sc[2k + 1]), as gguf_dot.h's q6k_offsets.
-inline __m256i q6_offsets(const int32_t* s16, const int16_t* sc) {
-  const __m256i bs = _mm256_permute4x64_epi64(_mm256_packs_epi32(load32(s16), load32(s16 + 8)), 0xD8);
-  return _mm256_slli_epi32(_mm256_madd_epi16(bs, load32(sc)), 5);
-}
 
 // y[m][n] = hsum(acc) + y[m][n] (y holds the scalar part, acc1) for rows m0 .. m0 + MB and panel columns n0 .. n0 + NB:
 // per block, the int32 lanes, then the fp32 steps of SUM, as linear_rows does for one (row, output).
@@ -91,8 +73,8 @@ void tile(const Gemm& g, const Panel& p, int64_t m0, int64_t n0, float* y) {
         } else {
           __m256i lanes_ = isum[i][j];
           if constexpr (SUM == Q6)
-            lanes_ = _mm256_sub_epi32(lanes_, q6_offsets(g.s16 + ((m0 + i) * g.nb + kb) * 16,
-                                                         p.sc16.data() + (kb * p.nt + n0 + j) * 16));
+            lanes_ = _mm256_sub_epi32(lanes_, q6k_lane_offsets(g.s16 + ((m0 + i) * g.nb + kb) * 16,
+                                                               load32(p.sc16.data() + (kb * p.nt + n0 + j) * 16)));
           acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes_), dd, acc[i][j]);
         }
       }
