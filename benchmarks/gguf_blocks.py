@@ -10,14 +10,11 @@ Both engines map the same file, so its pages are shared; ours adds its fused q/k
 
 import argparse
 import ctypes
-import json
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from harness import greedy_decoders, print_results, prompt_tokens
+from harness import child_main, greedy_decoders, print_results, prompt_tokens, run_child
 
 HEAD = ["file", "ours tok/s, median", "llama.cpp tok/s, median", "ours / llama.cpp, median of blocks", "range",
         "load s (ours, warm cache)"]
@@ -69,8 +66,7 @@ def main():
     p.add_argument("--json")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.child:
-        print("RESULT " + json.dumps(measure(json.loads(args.child))), flush=True)
+    if child_main(args.child, measure):
         return
     rows = []
     for f in args.files:
@@ -78,13 +74,9 @@ def main():
         if not path.exists() and args.quantize_from:
             quantize(Path(args.quantize_from), path)
         cfg = {"file": str(path), "blocks": args.blocks, "tokens": args.tokens}
-        out = subprocess.run([sys.executable, __file__, "--child", json.dumps(cfg), *args.files[:1]],
-                             capture_output=True, text=True)
-        line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
-        if line is None:
-            print(out.stderr[-3000:], file=sys.stderr)
+        res = run_child(__file__, cfg, *args.files[:1])
+        if res is None:
             continue
-        res = json.loads(line[len("RESULT "):])
         blocks = res["blocks"]
         ratios = [b["ours"] / b["peer"] for b in blocks]
         print(f"{path.name} {res['kinds']}: blocks (ours, llama.cpp tok/s): "

@@ -9,14 +9,12 @@ embedding and output stay (the output multiplies one row per prompt). llama.cpp 
 """
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from harness import print_results, prompt_tokens, run_requests
+from harness import child_main, print_results, prompt_tokens, run_child, run_requests
 
 HEAD = ["file", "prompt tokens", "ours tok/s, median", "llama.cpp tok/s, median", "ours / llama.cpp, median", "range"]
 
@@ -106,18 +104,15 @@ def main():
     p.add_argument("--json")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.child:
-        print("RESULT " + json.dumps(measure(json.loads(args.child))), flush=True)
+    if child_main(args.child, measure):
         return
     path = Path(args.file)
     if args.layers:
         path = truncated(path, args.layers, Path(args.workdir) if args.workdir else path.parent)
     cfg = {"file": str(path), "blocks": args.blocks, "prompts": args.prompts}
-    out = subprocess.run([sys.executable, __file__, str(path), "--child", json.dumps(cfg)], stdout=subprocess.PIPE, text=True)
-    line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
-    if line is None:
-        sys.exit(f"the measuring process failed (exit {out.returncode})")
-    res = json.loads(line[len("RESULT "):])
+    res = run_child(__file__, cfg, str(path))
+    if res is None:
+        sys.exit(1)
     print(f"{path.name}: {res['kinds']}, {res['threads']} threads", flush=True)
     rows = []
     for length in args.prompts:

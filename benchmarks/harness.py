@@ -5,6 +5,7 @@ llama.formats.demo), timing, alternating rounds, memory, a description of the ma
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -272,3 +273,25 @@ def print_results(name: str, rows: List[Dict], json_path: Optional[str] = None, 
         with open(path, "a" if path in _written else "w") as f:
             f.write(line + "\n")
         _written.add(path)
+
+
+# ------------------------------------------------------------------------------------------------ child processes
+# A measurement that must own its process (peak memory, thread settings, a fresh page cache) reruns its script with
+# --child and prints one "RESULT <json>" line; the parent runs it and reads that line.
+def child_main(argv_child: Optional[str], measure) -> bool:
+    """In the child (argv_child: the --child JSON): print measure(config)'s RESULT line; False in the parent."""
+    if argv_child is None:
+        return False
+    print("RESULT " + json.dumps(measure(json.loads(argv_child))), flush=True)
+    return True
+
+
+def run_child(script: str, config: dict, *args: str) -> Optional[dict]:
+    """The RESULT of `python script *args --child config`, or None (its stderr printed) when it did not finish."""
+    out = subprocess.run([sys.executable, script, *args, "--child", json.dumps(config)], capture_output=True,
+                         text=True)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        print(f"the measuring process failed (exit {out.returncode}):\n{out.stderr[-3000:]}", file=sys.stderr)
+        return None
+    return json.loads(line[len("RESULT "):])
