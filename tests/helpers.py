@@ -243,3 +243,20 @@ def two_rank_stories(tmp_path, script: str, prompts) -> dict:
     proc = subprocess.run(cmd, cwd=tmp_path, env=rank_env(3), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((tmp_path / "out.json").read_text())
+
+
+def logprobs_in_any_company(llm, prompts, opts, longer: str) -> tuple:
+    """((tokens, logprobs) of each prompt alone on a cold cache, the same in one batch, in reverse from the blocks
+    that batch cached, and through the engine in chunks of 5 beside `longer`): the caller asserts they are equal."""
+    pick = lambda results: [(r["tokens"], r["logprobs"]) for r in results]  # noqa: E731
+    alone = []
+    for p in prompts:
+        llm.clear_prefix_cache()
+        alone += pick(llm.text_completion([p], **opts))
+    llm.clear_prefix_cache()
+    batch = pick(llm.text_completion(prompts, **opts))
+    cached = pick(llm.text_completion(prompts[::-1], **opts))[::-1]
+    with llm.engine(prefill_chunk=5) as engine:
+        reqs = [engine.submit(p, **opts) for p in [longer] + list(prompts)]
+        chunked = pick([r.result(timeout=120) for r in reqs[1:]])
+    return alone, batch, cached, chunked

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import STORIES, need
+from helpers import logprobs_in_any_company
 from gguf_blocks_data import Q4_K_M, random_blocks, write_block_gguf
 from test_exact_invariance import OTHER, PROMPT, Rows
 
@@ -102,18 +103,9 @@ def test_logprobs_are_a_cold_caches_in_any_company_and_chunking(quantize, dtype,
                "Once upon a time there was a little cat who liked to sleep.", "The bird sang a song."]
     llm = build(quantize=quantize, dtype=dtype, kv_cache_dtype=kv)
     opts = dict(temperature=0.0, max_gen_len=12, logprobs=True)
-    pick = lambda results: [(r["tokens"], r["logprobs"]) for r in results]  # noqa: E731
-    want = []
-    for p in prompts:  # each alone on a cold cache
-        llm.clear_prefix_cache()
-        want += pick(llm.text_completion([p], **opts))
-    llm.clear_prefix_cache()
-    assert pick(llm.text_completion(prompts, **opts)) == want  # one batch
-    assert pick(llm.text_completion(prompts[::-1], **opts)) == want[::-1]  # from the blocks the batch cached
+    alone, batch, cached, chunked = logprobs_in_any_company(llm, prompts, opts, longer=prompts[0] * 2)
+    assert batch == alone and cached == alone and chunked == alone  # in a batch, from its blocks, in chunks
     assert llm.cache.pool.stats["cached_tokens"] >= 16
-    with llm.engine(prefill_chunk=5) as engine:  # chunked, beside a longer request, from the cache
-        reqs = [engine.submit(p, **opts) for p in [prompts[0] * 2] + prompts]
-        assert pick([r.result(timeout=120) for r in reqs[1:]]) == want
 
 
 ROW_COUNTS = (1, 2, 5, 9, 17, 33, 40)  # a row alone, in our tiles of 1-4 rows, and past the 32 where oneDNN takes over

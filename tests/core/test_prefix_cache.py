@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 from conftest import STORIES, need
+from helpers import logprobs_in_any_company
 
 from llama.core.plan import Prefill
 
@@ -121,18 +122,10 @@ def test_exact_mode_logprobs_are_bitwise_a_cold_caches_in_any_company_and_chunki
     pass or in chunks of 5 beside other requests."""
     exact = build("exact", dtype=dtype)
     opts = dict(temperature=0.0, max_gen_len=16, logprobs=True)
-    pick = lambda results: [(r["tokens"], r["logprobs"]) for r in results]  # noqa: E731
-    want = []
-    for p in PROMPTS:  # each alone on a cold cache
-        exact.clear_prefix_cache()
-        want += pick(exact.text_completion([p], **opts))
-    exact.clear_prefix_cache()
-    assert pick(exact.text_completion(PROMPTS, **opts)) == want  # one batch, padded to its longest prompt
-    assert pick(exact.text_completion(PROMPTS[::-1], **opts)) == want[::-1]  # from the blocks the batch cached
-    assert exact.cache.pool.stats["cached_tokens"] >= 3 * 32
-    with exact.engine(prefill_chunk=5) as engine:  # chunked, beside a longer request, from the cache
-        reqs = [engine.submit(p, **opts) for p in [SYSTEM + " " + SYSTEM] + PROMPTS[::-1]]
-        assert pick([r.result(timeout=120) for r in reqs[1:]]) == want[::-1]
+    alone, batch, cached, chunked = logprobs_in_any_company(exact, PROMPTS, opts, longer=SYSTEM + " " + SYSTEM)
+    assert batch == alone  # one batch, padded to its longest prompt
+    assert cached == alone and exact.cache.pool.stats["cached_tokens"] >= 3 * 32  # from the blocks it cached
+    assert chunked == alone  # chunked, beside a longer request, from the cache
 
 
 def test_exact_mode_in_bf16_matches_the_cache_off_text():
