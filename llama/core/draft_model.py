@@ -5,9 +5,9 @@ output is the target's alone, token for token, whatever the draft proposes (a po
 The draft is a second Llama (built by Llama.build(draft_model=...)) whose runner and KV cache this module drives
 with plain ops: its cache is its own (KVCache, the one owner of its blocks), row for row the target's rows, each
 row holding one full sequence's blocks for good. A row remembers which request it holds and how many of that
-request's tokens it has right; a draft first catches up on the tokens since (the prompt by one Prefill, as the model's
-prefill computes it, later tokens by decode rows, as the model's verify passes write them), then decodes k - 1 more tokens one at a time. Tokens it
-drafted past what was accepted are simply written over next time.
+request's tokens it has right; a draft first catches up on the tokens since (the prompt by one Prefill, as the
+model's prefill computes it, later tokens by decode rows, as the model's verify passes write them), then decodes
+k - 1 more tokens one at a time. Tokens it drafted past what was accepted are simply written over next time.
 """
 
 from typing import Dict, List, Sequence, Tuple
