@@ -28,7 +28,7 @@ class DecodeCore:
         slots = range(self.max_batch_size) if slots is None else slots
         chunk = prefill_chunk or len(slots) * self.max_seq_len
         sched = Scheduler(len(slots), self.max_seq_len, chunk, base=slots.start, pool=self.runner.cache.pool)
-        if sched.paging is not None and getattr(self.runner, "run_ahead", False):
+        if sched.paging is not None and self.runner.run_ahead:
             sched.paging.lookahead = 1  # a step queued ahead needs its block already (llama/core/ahead.py)
         if self.speculative is not None or self.predictions:
             block = sched.paging.pool.block_size if sched.paging is not None else 0

@@ -167,8 +167,7 @@ class Paging:
             while more > 0:
                 got = self.pool.allocate(more)
                 if got is not None:
-                    r.blocks = r.blocks + got
-                    ops.append(SetBlocks(rows=[self.base + r.slot], blocks=[r.blocks]))
+                    ops.append(self._extend(r, got))
                     break
                 victim = max(sched.running(), key=lambda v: v.order)
                 ops.append(self.preempt(victim, sched))
@@ -191,9 +190,12 @@ class Paging:
             more = self.pool.blocks_for(min(r.next_pos + 2, self.max_seq_len)) - len(r.blocks)
             got = self.pool.allocate(more) if more > 0 else None
             if got is not None:
-                r.blocks = r.blocks + got
-                ops.append(SetBlocks(rows=[self.base + r.slot], blocks=[r.blocks]))
+                ops.append(self._extend(r, got))
         return ops
+
+    def _extend(self, r: Request, blocks: List[int]) -> SetBlocks:
+        r.blocks = r.blocks + blocks
+        return SetBlocks(rows=[self.base + r.slot], blocks=[r.blocks])
 
     def preempt(self, r: Request, sched) -> SetBlocks:
         """Free r's blocks (keying its accepted ones first) and queue it at the front, to be recomputed."""
