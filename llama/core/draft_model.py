@@ -1,6 +1,15 @@
 """Draft-model drafting for speculative decoding (llama/core/speculative.py): a small model with the target's
-tokenizer proposes k tokens greedily, and the target verifies them exactly as it verifies prompt lookup, so the
-output is the target's alone, token for token, whatever the draft proposes (a poor draft costs time, never text).
+tokenizer proposes k tokens, and the target verifies them exactly as it verifies prompt lookup, so the output is
+the target's alone, token for token, whatever the draft proposes (a poor draft costs time, never text).
+
+How it drafts. A seeded request's drafted token i is sampled as the target will sample that position: its
+temperature, top-p, top-k and penalties (over the tokens drafted before it), and the seeded draw of the same
+(seed, sample, token index) (llama/sample/sampling.py). The draft is still a pure function of the context, and
+where the draft's distribution is close to the target's the two draws land on the same token far more often than
+the target's draw lands on the draft's argmax: a model drafting for itself accepts every seeded token. Logits
+processors and the grammar are left out (they see accepted prefixes only). Greedy and unseeded requests draft
+greedily: an unseeded target draws from the global generator, which the draft cannot foresee, and a draft that is
+a function of the context alone keeps the target's distribution (an independent sample would accept less often).
 
 The draft is a second Llama (built by Llama.build(draft_model=...)) whose runner and KV cache this module drives
 with plain ops: its cache is its own (KVCache, the one owner of its blocks), row for row the target's rows, each
@@ -10,11 +19,12 @@ model's prefill computes it, later tokens by decode rows, as the model's verify 
 k - 1 more tokens one at a time. Tokens it drafted past what was accepted are simply written over next time.
 """
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
 from llama.core.plan import Prefill, SetBlocks, Verify
+from llama.sample.sampling import penalize, sample, seeded_uniform
 
 CATCH_UP = 64  # most tokens one decode pass catches up on (decode rows: a Verify op's)
 
@@ -44,8 +54,9 @@ class DraftModel:
         self._ready = True
 
     def draft(self, request, row: int, prompt: Sequence[int], tokens: Sequence[int], k: int) -> List[int]:
-        """k tokens the draft model decodes greedily after tokens (request's prompt + output so far), in cache row
-        row; the row's earlier work for the same request is kept."""
+        """k tokens the draft model decodes after tokens (request's prompt + output so far), each picked as the
+        request's next tokens will be (see the module's note), in cache row row; the row's earlier work for the
+        same request is kept."""
         if k <= 0 or not tokens:
             return []
         if not self._ready:
@@ -64,8 +75,28 @@ class DraftModel:
             (logits,) = run([Verify(tokens=list(tokens[have : have + n]), pos=list(range(have, have + n)),
                                     rows=[row] * n)])
             have += n
-        out = [int(torch.argmax(logits.reshape(-1, logits.shape[-1])[-1]))]
+        pick, out = picker(request, len(tokens) - len(prompt)), []
+        out.append(pick(logits.reshape(-1, logits.shape[-1])[-1], out))
         for i in range(k - 1):
             (logits,) = run([Verify(tokens=[out[-1]], pos=[len(tokens) + i], rows=[row])])
-            out.append(int(torch.argmax(logits[-1])))
+            out.append(pick(logits[-1], out))
         return out
+
+
+def picker(request, generated: int) -> Callable[[torch.Tensor, List[int]], int]:
+    """pick(logits (V,), drafted so far) -> the next drafted token of request, which has generated tokens: the
+    seeded draw of its next token index under its sampling parameters, or the argmax (greedy, unseeded)."""
+    p = request.params
+    if p.temperature <= 0 or p.seed is None:
+        return lambda logits, drafted: int(torch.argmax(logits))
+    temperature, top_p, top_k = torch.tensor([p.temperature]), torch.tensor([p.top_p]), torch.tensor([p.top_k])
+    seed, which = torch.tensor([p.seed]), torch.tensor([request.sample])
+
+    def pick(logits: torch.Tensor, drafted: List[int]) -> int:
+        row = logits[None].clone()
+        if p.penalized:
+            penalize(row[0], request.prompt, list(request.generated) + drafted, p.presence_penalty,
+                     p.frequency_penalty, p.repetition_penalty)
+        u = seeded_uniform(seed, which, torch.tensor([generated + len(drafted)])).to(row.device)
+        return int(sample(row, temperature.to(row.device), top_p.to(row.device), top_k.to(row.device), u)[0])
+    return pick
