@@ -39,6 +39,13 @@ class DraftModel:
         self.runner, self.cache = runner, runner.cache
         self._rows: Dict[int, Tuple[object, int]] = {}  # cache row -> (request, its tokens the row holds right)
         self._ready = False
+        self._prompted = False  # a prompt pass ran since prompted() last asked
+
+    def prompted(self) -> bool:
+        """Whether a prompt pass ran since the last call: it is paid once per request, so the speculator leaves
+        that step out of the step times it weighs drafts by (llama/core/step_times.py)."""
+        prompted, self._prompted = self._prompted, False
+        return prompted
 
     def _blocks(self) -> None:
         """Every row its own blocks, once: the pool is this draft's alone and holds max_batch_size full rows."""
@@ -66,7 +73,7 @@ class DraftModel:
         self._rows[row] = (request, len(tokens))
         run, logits = self.runner.execute, None
         if have < len(prompt):  # the prompt in one pass, as the model's own prefill computes it
-            n = len(prompt) - have
+            n, self._prompted = len(prompt) - have, True
             (logits,) = run([Prefill(tokens=[list(prompt[have:])], start=have, rows=[row], last=[n - 1],
                                      kv_len=len(prompt))])
             have = len(prompt)

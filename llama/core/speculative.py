@@ -208,6 +208,8 @@ class Speculator:
         for gone in set(self._states) - ids:
             del self._states[gone]
         drafts = self.choose(decoding, width, budget) if len(decoding) <= MAX_BATCH and self.times.knows(width) else {}
+        if self.drafter is not None and self.drafter.prompted():  # paid once per request, not per row: untimed
+            pure = False
         if not drafts:
             self.memory.idle += 1
             self.times.tick(start, width if pure else 0, ids)
