@@ -6,6 +6,7 @@
                                                                    story, speculation on and off, interleaved:
                                                                    speedup (wall, CPU time), acceptance
   python -m benchmarks.speculative smollm2 --prediction            the paragraph as a prediction instead
+  python -m benchmarks.speculative smollm2 --decode-alone          also the ratios without the (shared) prefill
   python -m benchmarks.speculative smollm2 --llama-cpp             llama-cpp-python's prompt lookup alongside, each
                                                                    engine's speedup over its own plain decoding
   python -m benchmarks.speculative smollm2 --draft Q4_0|first8|keep0-9,20-29 [--llama-cpp] [--temperature 0.8]
@@ -101,9 +102,9 @@ def _ours(args, counts: dict, now: dict) -> dict:
             for v in names}
 
     def run(v):
-        def go(task):
+        def go(task, tokens=args.tokens):
             extra = {"prediction": PARAGRAPH} if v == "prediction" else {}
-            out = gens[v].chat_completion([[{"role": "user", "content": ASKS[task]}]], max_gen_len=args.tokens,
+            out = gens[v].chat_completion([[{"role": "user", "content": ASKS[task]}]], max_gen_len=tokens,
                                           logprobs=True, **_sampling(args), **extra)[0]
             return len(out["logprobs"]), out["generation"]["content"], out["logprobs"]
         return go
@@ -163,13 +164,22 @@ def _llama_cpp(args) -> dict:
     return {v: run(v) for v in models}
 
 
-def _report(task: str, a: str, b: str, times: dict, cpu: dict, tokens: dict, reps: int) -> None:
-    """b's speedup over a in tokens per second (wall and this process's CPU time): medians and per rep."""
+def _report(task: str, a: str, b: str, times: dict, cpu: dict, tokens: dict, reps: int,
+            prefill: "dict | None" = None) -> None:
+    """b's speedup over a in tokens per second (wall and this process's CPU time): medians and per rep; with
+    prefill (the same clocks of a 1-token run), also the decode alone: the tokens after the first over the time
+    after the median prefill."""
     for name, clock in (("wall", times), ("CPU time", cpu)):
         rates = {v: [tokens[task, v] / t for t in clock[task, v]] for v in (a, b)}
         per_rep = ", ".join(f"{y / x:.2f}" for x, y in zip(rates[a], rates[b]))
         print(f"  {b} / {a}, {name}: {statistics.median(rates[b]) / statistics.median(rates[a]):.2f}x (medians of "
               f"{reps}, prefill included; per rep {per_rep})")
+        if prefill is not None:
+            p = statistics.median(clock[task, "prefill"])
+            rates = {v: [(tokens[task, v] - 1) / (t - p) for t in clock[task, v]] for v in (a, b)}
+            print(f"  {b} / {a}, {name}, decode alone: {statistics.median(rates[b]) / statistics.median(rates[a]):.2f}x"
+                  f" (prefill {p * 1e3:.0f} ms; decode {(tokens[task, a] - 1) / statistics.median(rates[a]) * 1e3:.0f}"
+                  f" ms off)")
 
 
 def smollm2(args) -> None:
@@ -180,6 +190,11 @@ def smollm2(args) -> None:
         from llama.core import draft_model
 
         args.draft_file = draft_file(Path(args.gguf), args.draft)
+        if args.force:  # every step drafts K_MAX tokens: acceptance, not speed
+            from llama.core import speculative
+
+            speculative.MEASURE = False
+            speculative.Speculator.acceptance = lambda *a: 0.9
         if args.greedy_draft:
             draft_model.picker = lambda request, generated: lambda logits, drafted: int(logits.argmax())
     tasks = ["story"] if args.open_ended else args.tasks.split(",")
@@ -187,6 +202,9 @@ def smollm2(args) -> None:
     counts = collections.defaultdict(lambda: {"drafted": 0, "accepted": 0, "passes": 0})  # (task, variant) ->
     runs = _ours(args, counts, now)
     ours = list(runs)
+    if args.decode_alone:  # the plain generator's prefill and first token alone, to take out of the times
+        first = runs["off"]
+        runs["prefill"] = lambda task: first(task, 1)
     if args.llama_cpp:
         runs.update(_llama_cpp(args))
     times = {(t, v): [] for t in tasks for v in runs}
@@ -208,7 +226,7 @@ def smollm2(args) -> None:
         print(f"{task}: {tokens[task, 'off']} tokens, identical with and without {ours[1]}: "
               f"{outs[task, 'off'][1][:60]!r}...; over all reps {k['accepted']} of {k['drafted']} drafted tokens "
               f"accepted in {k['passes']} verify steps")
-        _report(task, *ours, times, cpu, tokens, args.reps)
+        _report(task, *ours, times, cpu, tokens, args.reps, "prefill" if args.decode_alone else None)
         if args.llama_cpp:
             spec = [v for v in runs if v.startswith("cpp-") and v != "cpp-off"][0]
             same = "identical" if outs[task, "cpp-off"][1] == outs[task, spec][1] else "DIFFERENT"
@@ -249,8 +267,12 @@ def main(argv=None) -> None:
                         "first N blocks), keepA-B,C-D (those blocks) or a llama.cpp type to requantize to (Q4_0)")
     s.add_argument("--cpp-draft-tokens", type=int, default=5, dest="cpp_draft_tokens",
                    help="tokens llama-cpp-python's draft model proposes per step (with --draft --llama-cpp)")
+    s.add_argument("--force", action="store_true",
+                   help="with --draft: draft on every step, whatever it costs (to measure acceptance, not speed)")
     s.add_argument("--greedy-draft", action="store_true", dest="greedy_draft",
                    help="the draft model drafts by argmax even for seeded requests (the old drafting), to compare")
+    s.add_argument("--decode-alone", action="store_true", dest="decode_alone",
+                   help="also time a 1-token run of each task and report our ratios without the prefill")
     s.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else seeded sampling (--seed)")
     s.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)

@@ -27,6 +27,7 @@ from llama.core.plan import Prefill, SetBlocks, Verify
 from llama.sample.sampling import penalize, sample, seeded_uniform
 
 CATCH_UP = 64  # most tokens one decode pass catches up on (decode rows: a Verify op's)
+STEADY = 8  # most tokens a step catches up on while drafting every step (a verify emits at most MAX_ROWS tokens)
 
 
 class DraftModel:
@@ -39,13 +40,18 @@ class DraftModel:
         self.runner, self.cache = runner, runner.cache
         self._rows: Dict[int, Tuple[object, int]] = {}  # cache row -> (request, its tokens the row holds right)
         self._ready = False
-        self._prompted = False  # a prompt pass ran since prompted() last asked
+        self._once = False  # a once-off pass ran since once_off() last asked
 
-    def prompted(self) -> bool:
-        """Whether a prompt pass ran since the last call: it is paid once per request, so the speculator leaves
-        that step out of the step times it weighs drafts by (llama/core/step_times.py)."""
-        prompted, self._prompted = self._prompted, False
-        return prompted
+    def once_off(self) -> bool:
+        """Whether a pass since the last call was a once-off: a prompt, or a catch-up on more tokens than a step
+        that drafts emits (drafting had paused). The speculator leaves that step out of the step times it weighs
+        drafts by (llama/core/step_times.py): they would price every row of a verify by how long drafting paused."""
+        once, self._once = self._once, False
+        return once
+
+    def holds(self, request, row: int) -> bool:
+        """Whether row already holds request's prompt (drafting for it needs no prompt pass)."""
+        return self._rows.get(row, (None, 0))[0] is request
 
     def _blocks(self) -> None:
         """Every row its own blocks, once: the pool is this draft's alone and holds max_batch_size full rows."""
@@ -73,10 +79,11 @@ class DraftModel:
         self._rows[row] = (request, len(tokens))
         run, logits = self.runner.execute, None
         if have < len(prompt):  # the prompt in one pass, as the model's own prefill computes it
-            n, self._prompted = len(prompt) - have, True
+            n, self._once = len(prompt) - have, True
             (logits,) = run([Prefill(tokens=[list(prompt[have:])], start=have, rows=[row], last=[n - 1],
                                      kv_len=len(prompt))])
             have = len(prompt)
+        self._once |= len(tokens) - have > STEADY
         while have < len(tokens):
             n = min(CATCH_UP, len(tokens) - have)
             (logits,) = run([Verify(tokens=list(tokens[have : have + n]), pos=list(range(have, have + n)),

@@ -139,3 +139,60 @@ def test_the_flags_reach_the_build(tmp_path, capsys):
                       "--draft-model", str(d)]) == 2
     assert f"draft_model={str(d)!r}" in capsys.readouterr().err
     assert parse_args(["--draft-model", str(d)]).draft_model == str(d)
+
+
+class _Drafter:
+    """What the Speculator asks of a draft model, with its answers set by the test."""
+
+    def __init__(self, once=False, held=()):
+        self.once, self.held, self.asked = once, set(held), []
+
+    def once_off(self):
+        once, self.once = self.once, False
+        return once
+
+    def holds(self, request, row):
+        return request.id in self.held
+
+    def draft(self, request, row, prompt, tokens, k):
+        self.asked.append(request.id)
+        return [7] * k
+
+
+def test_a_draft_models_prompt_pass_is_neither_timed_nor_paid_for_exploring(monkeypatch):
+    """A step in which the draft model ran a prompt pass (or a long catch-up) is left out of the step times; with
+    nothing worth drafting for EXPLORE steps, the 1-token exploration drafts only for a request whose prompt the
+    draft model already holds."""
+    from llama.core.params import SamplingParams
+    from llama.core.plan import Decode, Plan
+
+    class Req:
+        def __init__(self, i):
+            self.params, self.feed, self.max_new, self.generated = SamplingParams(), 5, 100, [5]
+            self.prompt, self.next_pos, self.blocks, self.order, self.slot, self.id = [1, 2, 3], 3, [], i, i, i
+            self.predicted = None
+
+    def step(spec, reqs, now):
+        plan = Plan(ops=[Decode(tokens=[5] * len(reqs), pos=[3] * len(reqs), active=list(range(len(reqs))))],
+                    decoding=list(reqs))
+        monkeypatch.setattr(speculative.time, "perf_counter", lambda: now)
+        spec.plan(plan)
+        return plan
+
+    for once, timed in ((False, [0.5, 0.5]), (True, [0.5])):
+        drafter = _Drafter()
+        spec = speculative.Speculator({}, 0, 256, 0, "draft", speculative.Memory(), drafter)
+        spec.times.measure = True
+        spec.times.add(1, 1.0)  # a 1-row step is known; a verify of 2 to 8 rows would cost 100 steps
+        spec.times.add(2, 100.0)
+        reqs = [Req(0)]
+        step(spec, reqs, 0.0)  # plain: timed from here to the next plan
+        drafter.once = once  # this step's drafting ran a prompt pass (as if)
+        step(spec, reqs, 0.5)
+        step(spec, reqs, 1.0)
+        assert list(spec.times._seen[1])[1:] == timed, once
+    spec.memory.idle = speculative.EXPLORE
+    assert not step(spec, [Req(1)], 2.0).verifying and drafter.asked == []  # not held: no prompt pass
+    drafter.held.add(2)
+    plan = step(spec, [Req(2)], 3.0)
+    assert plan.verifying and plan.verifying[0][1] == [7] and drafter.asked == [2]
