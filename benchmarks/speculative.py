@@ -6,13 +6,20 @@
                                                                    story, speculation on and off, interleaved:
                                                                    speedup (wall, CPU time), acceptance
   python -m benchmarks.speculative smollm2 --prediction            the paragraph as a prediction instead
+  python -m benchmarks.speculative smollm2 --decode-alone          also the ratios without the (shared) prefill
   python -m benchmarks.speculative smollm2 --llama-cpp             llama-cpp-python's prompt lookup alongside, each
                                                                    engine's speedup over its own plain decoding
+  python -m benchmarks.speculative smollm2 --draft Q4_0|first8|keep0-9,20-29 [--llama-cpp] [--temperature 0.8]
+                                                                   a draft model made from the GGUF itself
+                                                                   (benchmarks/early_exit.py) instead of ngram; with
+                                                                   --llama-cpp, the same draft file through
+                                                                   llama-cpp-python's LlamaDraftModel interface
 
 Timings alternate the variants rep by rep and report medians, so a busy machine slows both alike.
 """
 
 import argparse
+import collections
 import statistics
 import sys
 import tempfile
@@ -73,72 +80,131 @@ ASKS = {"echo": "Repeat this paragraph exactly: " + PARAGRAPH,
 
 
 def _ours(args, counts: dict, now: dict) -> dict:
-    """Our variants: task -> (tokens, text, logprobs) callables, plain and speculative, one generator each."""
+    """Our variants: name -> go(task) -> (tokens, text, logprobs), "off" (plain decoding) first, one generator
+    each: "ngram" (prompt lookup), "prediction" (the paragraph as the request's prediction, no speculative=),
+    "draft" (args.draft_file as the draft model)."""
     from llama import Llama
     from llama.core import speculative
 
     orig = speculative.Speculator.accepted
 
     def accepted(self, r, draft, n):
-        c = counts[now["task"]]
+        c = counts[now["task"], now["variant"]]
         c["drafted"] += len(draft)
         c["accepted"] += n
         c["passes"] += bool(draft)
         return orig(self, r, draft, n)
     speculative.Speculator.accepted = accepted
-    # --prediction: the same generator with and without the paragraph as the request's prediction (no speculative=)
-    names = ("off", "prediction") if args.prediction else ("off", "ngram")
-    gens = {v: Llama.build(str(args.gguf), None, max_seq_len=512, max_batch_size=1, compile=False,
-                           speculative="ngram" if v == "ngram" else None) for v in dict.fromkeys(names)}
+    names = ["off"] + (["prediction"] if args.prediction else ["draft"] if args.draft else ["ngram"])
+    build = {"off": {}, "prediction": {}, "ngram": {"speculative": "ngram"},
+             "draft": {"draft_model": str(args.draft_file) if args.draft else None}}
+    gens = {v: Llama.build(str(args.gguf), None, max_seq_len=512, max_batch_size=1, compile=False, **build[v])
+            for v in names}
 
     def run(v):
-        def go(task):
+        def go(task, tokens=args.tokens):
             extra = {"prediction": PARAGRAPH} if v == "prediction" else {}
-            out = gens[v].chat_completion([[{"role": "user", "content": ASKS[task]}]], temperature=0,
-                                          max_gen_len=args.tokens, logprobs=True, **extra)[0]
+            out = gens[v].chat_completion([[{"role": "user", "content": ASKS[task]}]], max_gen_len=tokens,
+                                          logprobs=True, **_sampling(args), **extra)[0]
             return len(out["logprobs"]), out["generation"]["content"], out["logprobs"]
         return go
     now["times"] = gens[names[1]].core.drafting.times  # the step times its speculation measured
     return {v: run(v) for v in names}
 
 
+def _sampling(args) -> dict:
+    """Greedy, or seeded sampling at --temperature (the same draws with and without speculation)."""
+    return {"temperature": 0} if not args.temperature else {"temperature": args.temperature, "seed": args.seed}
+
+
+def _cpp_draft(path: str, threads: int, k: int):
+    """llama-cpp-python's draft-model interface (llama_speculative.LlamaDraftModel, of which it ships only prompt
+    lookup) over a second llama.cpp model: k greedy tokens after the context, its KV cache reused by prefix."""
+    import numpy as np
+    from llama_cpp import Llama as CppLlama
+    from llama_cpp.llama_speculative import LlamaDraftModel
+
+    class Draft(LlamaDraftModel):
+        def __init__(self):
+            self.model = CppLlama(path, n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+
+        def __call__(self, input_ids, /, **kwargs):
+            out = []
+            for tok in self.model.generate(list(map(int, input_ids)), top_k=1, temp=0.0, reset=True):
+                out.append(tok)
+                if len(out) == k:
+                    break
+            return np.array(out, dtype=np.intc)
+    return Draft()
+
+
 def _llama_cpp(args) -> dict:
     """llama-cpp-python on the same GGUF, plain and with its prompt-lookup decoding (LlamaPromptLookupDecoding,
-    its defaults: 2-grams, 10 drafted tokens), greedy, as many threads as ours."""
+    its defaults: 2-grams, 10 drafted tokens) or, with --draft, the same draft file through its draft-model
+    interface; as many threads as ours, greedy or at --temperature (its own sampler and seed)."""
     from llama_cpp import Llama as CppLlama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     threads = torch.get_num_threads()
+    spec = "cpp-draft" if args.draft else "cpp-lookup"
+    drafts = {"cpp-off": None, "cpp-lookup": lambda: LlamaPromptLookupDecoding(),
+              "cpp-draft": lambda: _cpp_draft(str(args.draft_file), threads, args.cpp_draft_tokens)}
     models = {v: CppLlama(str(args.gguf), n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False,
-                          draft_model=LlamaPromptLookupDecoding() if v == "cpp-lookup" else None)
-              for v in ("cpp-off", "cpp-lookup")}
+                          draft_model=drafts[v]() if drafts[v] else None, seed=args.seed)
+              for v in ("cpp-off", spec)}
+    sampling = {"temperature": 0.0, "top_k": 1} if not args.temperature else {"temperature": args.temperature}
 
     def run(v):
         def go(task):
-            out = models[v].create_chat_completion([{"role": "user", "content": ASKS[task]}], temperature=0.0,
-                                                   top_k=1, max_tokens=args.tokens)
+            models[v].set_seed(args.seed)
+            out = models[v].create_chat_completion([{"role": "user", "content": ASKS[task]}], max_tokens=args.tokens,
+                                                   **sampling)
             return out["usage"]["completion_tokens"], out["choices"][0]["message"]["content"], None
         return go
     return {v: run(v) for v in models}
 
 
-def _report(task: str, a: str, b: str, times: dict, cpu: dict, tokens: dict, reps: int) -> None:
-    """b's speedup over a in tokens per second (wall and this process's CPU time): medians and per rep."""
+def _report(task: str, a: str, b: str, times: dict, cpu: dict, tokens: dict, reps: int,
+            prefill: "dict | None" = None) -> None:
+    """b's speedup over a in tokens per second (wall and this process's CPU time): medians and per rep; with
+    prefill (the same clocks of a 1-token run), also the decode alone: the tokens after the first over the time
+    after the median prefill."""
     for name, clock in (("wall", times), ("CPU time", cpu)):
         rates = {v: [tokens[task, v] / t for t in clock[task, v]] for v in (a, b)}
         per_rep = ", ".join(f"{y / x:.2f}" for x, y in zip(rates[a], rates[b]))
         print(f"  {b} / {a}, {name}: {statistics.median(rates[b]) / statistics.median(rates[a]):.2f}x (medians of "
               f"{reps}, prefill included; per rep {per_rep})")
+        if prefill is not None:
+            p = statistics.median(clock[task, "prefill"])
+            rates = {v: [(tokens[task, v] - 1) / (t - p) for t in clock[task, v]] for v in (a, b)}
+            print(f"  {b} / {a}, {name}, decode alone: {statistics.median(rates[b]) / statistics.median(rates[a]):.2f}x"
+                  f" (prefill {p * 1e3:.0f} ms; decode {(tokens[task, a] - 1) / statistics.median(rates[a]) * 1e3:.0f}"
+                  f" ms off)")
 
 
 def smollm2(args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.draft:
+        from benchmarks.early_exit import draft_file
+        from llama.core import draft_model
+
+        args.draft_file = draft_file(Path(args.gguf), args.draft)
+        if args.force:  # every step drafts K_MAX tokens: acceptance, not speed
+            from llama.core import speculative
+
+            speculative.MEASURE = False
+            speculative.Speculator.acceptance = lambda *a: 0.9
+        if args.greedy_draft:
+            draft_model.picker = lambda request, generated: lambda logits, drafted: int(logits.argmax())
     tasks = ["story"] if args.open_ended else args.tasks.split(",")
-    counts = {t: {"drafted": 0, "accepted": 0, "passes": 0} for t in tasks}
-    now = {"task": tasks[0]}
+    now = {"task": tasks[0], "variant": "off"}
+    counts = collections.defaultdict(lambda: {"drafted": 0, "accepted": 0, "passes": 0})  # (task, variant) ->
     runs = _ours(args, counts, now)
     ours = list(runs)
+    if args.decode_alone:  # the plain generator's prefill and first token alone, to take out of the times
+        first = runs["off"]
+        runs["prefill"] = lambda task: first(task, 1)
     if args.llama_cpp:
         runs.update(_llama_cpp(args))
     times = {(t, v): [] for t in tasks for v in runs}
@@ -147,6 +213,7 @@ def smollm2(args) -> None:
         for task in tasks:  # tasks and variants alternate, so a busy spell slows them alike
             now["task"] = task
             for v, go in runs.items():
+                now["variant"] = v
                 t, c = time.perf_counter(), time.process_time()
                 outs[task, v] = go(task)
                 times[task, v].append(time.perf_counter() - t)
@@ -155,17 +222,18 @@ def smollm2(args) -> None:
     for task in tasks:
         if outs[task, ours[0]] != outs[task, ours[1]]:
             sys.exit(f"{task}: speculation changed the output")
-        k = counts[task]
+        k = counts[task, ours[1]]
         print(f"{task}: {tokens[task, 'off']} tokens, identical with and without {ours[1]}: "
               f"{outs[task, 'off'][1][:60]!r}...; over all reps {k['accepted']} of {k['drafted']} drafted tokens "
               f"accepted in {k['passes']} verify steps")
-        _report(task, *ours, times, cpu, tokens, args.reps)
+        _report(task, *ours, times, cpu, tokens, args.reps, "prefill" if args.decode_alone else None)
         if args.llama_cpp:
-            same = "identical" if outs[task, "cpp-off"][1] == outs[task, "cpp-lookup"][1] else "DIFFERENT"
-            print(f"  llama-cpp-python: {tokens[task, 'cpp-off']} tokens, {same} with and without its prompt lookup"
+            spec = [v for v in runs if v.startswith("cpp-") and v != "cpp-off"][0]
+            same = "identical" if outs[task, "cpp-off"][1] == outs[task, spec][1] else "DIFFERENT"
+            print(f"  llama-cpp-python: {tokens[task, 'cpp-off']} tokens, {same} with and without {spec}"
                   f", {'identical to' if outs[task, 'cpp-off'][1] == outs[task, 'off'][1] else 'not'} ours")
-            _report(task, "cpp-off", "cpp-lookup", times, cpu, tokens, args.reps)
-            _report(task, "cpp-lookup", ours[1], times, cpu, tokens, args.reps)
+            _report(task, "cpp-off", spec, times, cpu, tokens, args.reps)
+            _report(task, spec, ours[1], times, cpu, tokens, args.reps)
     print(f"CPU time is this process's, {torch.get_num_threads()} threads: robust to other processes' load")
     table = now["times"].table()
     if table:
@@ -194,6 +262,19 @@ def main(argv=None) -> None:
     s.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     s.add_argument("--prediction", action="store_true",
                    help="the paragraph as the request's prediction (OpenAI's Predicted Outputs) instead of ngram")
+    s.add_argument("--draft", default=None, metavar="SPEC",
+                   help="a draft model made from the GGUF (benchmarks/early_exit.py) instead of ngram: firstN (its "
+                        "first N blocks), keepA-B,C-D (those blocks) or a llama.cpp type to requantize to (Q4_0)")
+    s.add_argument("--cpp-draft-tokens", type=int, default=5, dest="cpp_draft_tokens",
+                   help="tokens llama-cpp-python's draft model proposes per step (with --draft --llama-cpp)")
+    s.add_argument("--force", action="store_true",
+                   help="with --draft: draft on every step, whatever it costs (to measure acceptance, not speed)")
+    s.add_argument("--greedy-draft", action="store_true", dest="greedy_draft",
+                   help="the draft model drafts by argmax even for seeded requests (the old drafting), to compare")
+    s.add_argument("--decode-alone", action="store_true", dest="decode_alone",
+                   help="also time a 1-token run of each task and report our ratios without the prefill")
+    s.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else seeded sampling (--seed)")
+    s.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
     (cost if args.what == "cost" else smollm2)(args)
 

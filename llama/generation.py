@@ -163,8 +163,8 @@ class Llama:
         speculative="ngram": prompt-lookup speculative decoding, outputs identical to plain decoding (greedy and
         seeded); it decodes eagerly, so compile="auto" means False with it, and runs on the CPU only (on CUDA a verify
         pass is not bitwise the one-token step) (llama/core/speculative.py).
-        draft_model: a smaller checkpoint with the same tokenizer drafts greedily (speculative="draft", implied),
-        outputs as without it (llama/core/draft_model.py).
+        draft_model: a smaller checkpoint with the same tokenizer drafts (speculative="draft", implied; a seeded
+        request's drafts with its own seeded draws), outputs as without it (llama/core/draft_model.py).
         """
         speculative = _draft_mode(draft_model, speculative, model_parallel_size, pipeline_parallel_size)
         compile = _speculation_compile(speculative, device, compile)

@@ -1,6 +1,15 @@
 """Draft-model drafting for speculative decoding (llama/core/speculative.py): a small model with the target's
-tokenizer proposes k tokens greedily, and the target verifies them exactly as it verifies prompt lookup, so the
-output is the target's alone, token for token, whatever the draft proposes (a poor draft costs time, never text).
+tokenizer proposes k tokens, and the target verifies them exactly as it verifies prompt lookup, so the output is
+the target's alone, token for token, whatever the draft proposes (a poor draft costs time, never text).
+
+How it drafts. A seeded request's drafted token i is sampled as the target will sample that position: its
+temperature, top-p, top-k and penalties (over the tokens drafted before it), and the seeded draw of the same
+(seed, sample, token index) (llama/sample/sampling.py). The draft is still a pure function of the context, and
+where the draft's distribution is close to the target's the two draws land on the same token far more often than
+the target's draw lands on the draft's argmax: a model drafting for itself accepts every seeded token. Logits
+processors and the grammar are left out (they see accepted prefixes only). Greedy and unseeded requests draft
+greedily: an unseeded target draws from the global generator, which the draft cannot foresee, and a draft that is
+a function of the context alone keeps the target's distribution (an independent sample would accept less often).
 
 The draft is a second Llama (built by Llama.build(draft_model=...)) whose runner and KV cache this module drives
 with plain ops: its cache is its own (KVCache, the one owner of its blocks), row for row the target's rows, each
@@ -10,13 +19,15 @@ model's prefill computes it, later tokens by decode rows, as the model's verify 
 k - 1 more tokens one at a time. Tokens it drafted past what was accepted are simply written over next time.
 """
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
 from llama.core.plan import Prefill, SetBlocks, Verify
+from llama.sample.sampling import penalize, sample, seeded_uniform
 
 CATCH_UP = 64  # most tokens one decode pass catches up on (decode rows: a Verify op's)
+STEADY = 8  # most tokens a step catches up on while drafting every step (a verify emits at most MAX_ROWS tokens)
 
 
 class DraftModel:
@@ -29,6 +40,18 @@ class DraftModel:
         self.runner, self.cache = runner, runner.cache
         self._rows: Dict[int, Tuple[object, int]] = {}  # cache row -> (request, its tokens the row holds right)
         self._ready = False
+        self._once = False  # a once-off pass ran since once_off() last asked
+
+    def once_off(self) -> bool:
+        """Whether a pass since the last call was a once-off: a prompt, or a catch-up on more tokens than a step
+        that drafts emits (drafting had paused). The speculator leaves that step out of the step times it weighs
+        drafts by (llama/core/step_times.py): they would price every row of a verify by how long drafting paused."""
+        once, self._once = self._once, False
+        return once
+
+    def holds(self, request, row: int) -> bool:
+        """Whether row already holds request's prompt (drafting for it needs no prompt pass)."""
+        return self._rows.get(row, (None, 0))[0] is request
 
     def _blocks(self) -> None:
         """Every row its own blocks, once: the pool is this draft's alone and holds max_batch_size full rows."""
@@ -44,8 +67,9 @@ class DraftModel:
         self._ready = True
 
     def draft(self, request, row: int, prompt: Sequence[int], tokens: Sequence[int], k: int) -> List[int]:
-        """k tokens the draft model decodes greedily after tokens (request's prompt + output so far), in cache row
-        row; the row's earlier work for the same request is kept."""
+        """k tokens the draft model decodes after tokens (request's prompt + output so far), each picked as the
+        request's next tokens will be (see the module's note), in cache row row; the row's earlier work for the
+        same request is kept."""
         if k <= 0 or not tokens:
             return []
         if not self._ready:
@@ -55,17 +79,38 @@ class DraftModel:
         self._rows[row] = (request, len(tokens))
         run, logits = self.runner.execute, None
         if have < len(prompt):  # the prompt in one pass, as the model's own prefill computes it
-            n = len(prompt) - have
+            n, self._once = len(prompt) - have, True
             (logits,) = run([Prefill(tokens=[list(prompt[have:])], start=have, rows=[row], last=[n - 1],
                                      kv_len=len(prompt))])
             have = len(prompt)
+        self._once |= len(tokens) - have > STEADY
         while have < len(tokens):
             n = min(CATCH_UP, len(tokens) - have)
             (logits,) = run([Verify(tokens=list(tokens[have : have + n]), pos=list(range(have, have + n)),
                                     rows=[row] * n)])
             have += n
-        out = [int(torch.argmax(logits.reshape(-1, logits.shape[-1])[-1]))]
+        pick, out = picker(request, len(tokens) - len(prompt)), []
+        out.append(pick(logits.reshape(-1, logits.shape[-1])[-1], out))
         for i in range(k - 1):
             (logits,) = run([Verify(tokens=[out[-1]], pos=[len(tokens) + i], rows=[row])])
-            out.append(int(torch.argmax(logits[-1])))
+            out.append(pick(logits[-1], out))
         return out
+
+
+def picker(request, generated: int) -> Callable[[torch.Tensor, List[int]], int]:
+    """pick(logits (V,), drafted so far) -> the next drafted token of request, which has generated tokens: the
+    seeded draw of its next token index under its sampling parameters, or the argmax (greedy, unseeded)."""
+    p = request.params
+    if p.temperature <= 0 or p.seed is None:
+        return lambda logits, drafted: int(torch.argmax(logits))
+    temperature, top_p, top_k = torch.tensor([p.temperature]), torch.tensor([p.top_p]), torch.tensor([p.top_k])
+    seed, which = torch.tensor([p.seed]), torch.tensor([request.sample])
+
+    def pick(logits: torch.Tensor, drafted: List[int]) -> int:
+        row = logits[None].clone()
+        if p.penalized:
+            penalize(row[0], request.prompt, list(request.generated) + drafted, p.presence_penalty,
+                     p.frequency_penalty, p.repetition_penalty)
+        u = seeded_uniform(seed, which, torch.tensor([generated + len(drafted)])).to(row.device)
+        return int(sample(row, temperature.to(row.device), top_p.to(row.device), top_k.to(row.device), u)[0])
+    return pick

@@ -32,7 +32,8 @@ per request), else it decodes plainly:
   acceptance of this kind of draft in this generator so far, over the kind's first guess (a prediction:
   PREDICTION_PRIOR; an n-gram match followed back m tokens: m / (m + 2), ngram_kind).
 - with no draft worth verifying for EXPLORE steps, one 1-token draft is verified anyway, so stale times and rates
-  are measured afresh (at most 1 in EXPLORE steps pays c(1) - 1 for nothing);
+  are measured afresh (at most 1 in EXPLORE steps pays c(1) - 1 for nothing); a draft model's, only for a request
+  it already holds (else that step would pay a prompt pass of the draft model too);
 - never while more than MAX_BATCH requests decode (a batch already reads each weight for several tokens: llama.cpp
   measured 0.77x at 8 slots), and never for a request whose SamplingParams say speculative=False.
 """
@@ -179,7 +180,8 @@ class Speculator:
             n = d if isinstance(d, int) else len(d)
             if not n:
                 continue
-            fallback = fallback or (r, d)
+            if not isinstance(d, int) or self.drafter.holds(r, self.base + r.slot):  # exploring costs no prompt pass
+                fallback = fallback or (r, d)
             gains = [((tokens + expected_tokens(a, k) - 1) / t(rows + k), k) for k in range(1, n + 1)]
             rate, k = max(gains)
             if rate > best * (MARGIN if self.times.measure else 1.0):  # the margin is for noisy times
@@ -208,6 +210,8 @@ class Speculator:
         for gone in set(self._states) - ids:
             del self._states[gone]
         drafts = self.choose(decoding, width, budget) if len(decoding) <= MAX_BATCH and self.times.knows(width) else {}
+        if self.drafter is not None and self.drafter.once_off():  # a draft model's prompt or long catch-up: untimed
+            pure = False
         if not drafts:
             self.memory.idle += 1
             self.times.tick(start, width if pure else 0, ids)

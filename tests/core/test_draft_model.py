@@ -7,7 +7,7 @@ from conftest import CPU_SPECULATION, LLAMA2_TOKENIZER, STORIES, need
 from helpers import draft_tally
 
 from llama import Llama
-from llama.core import speculative
+from llama.core import draft_model, speculative
 from llama.core.draft_model import DraftModel
 from llama.formats.demo import write_random_checkpoint
 
@@ -51,18 +51,32 @@ def off(mp):
 
 
 def test_a_model_drafting_for_itself_accepts_every_token(off, tally):
-    """Greedy, every drafted token is accepted; seeded sampling rejects some greedy drafts, and the output is the
-    same across those accept and reject boundaries."""
+    """Greedy and seeded (the draft samples each position with the target's draw), every drafted token is accepted,
+    and the output is the output without a draft."""
     on = build(STORIES)
-    tally.clear()
-    for p in PROMPTS:  # one at a time: the draft's prompt pass is then the target's, bit for bit
-        assert on.text_completion([p], temperature=0, max_gen_len=60) == off.text_completion(
-            [p], temperature=0, max_gen_len=60)
-    assert tally["drafted"] > 60 and tally["accepted"] == tally["drafted"], tally
-    tally.clear()
-    opts = dict(temperature=0.8, seed=5, max_gen_len=60, logprobs=True)
-    assert on.text_completion(PROMPTS, **opts) == off.text_completion(PROMPTS, **opts)
-    assert 0 < tally["accepted"] < tally["drafted"], tally
+    for opts in (dict(temperature=0), dict(temperature=0.8, seed=5, logprobs=True),
+                 dict(temperature=1.0, top_p=0.9, top_k=40, seed=9, n=2, presence_penalty=0.5)):
+        tally.clear()
+        for p in PROMPTS:  # one at a time: the draft's prompt pass is then the target's, bit for bit
+            assert on.text_completion([p], max_gen_len=60, **opts) == off.text_completion(
+                [p], max_gen_len=60, **opts), opts
+        assert tally["drafted"] > 60 and tally["accepted"] == tally["drafted"], (opts, dict(tally))
+
+
+def test_drafting_with_the_targets_draw_accepts_more_than_greedy_drafts(off, tally, monkeypatch):
+    """At temperature 0.8 a self-draft drafting greedily has its drafts rejected wherever the seeded draw is not the
+    argmax; drafting with the draw accepts them all. Outputs are the same either way (the batch too)."""
+    on = build(STORIES)
+    opts = dict(temperature=0.8, seed=5, max_gen_len=60)
+    expected = off.text_completion(PROMPTS, **opts)
+    rates = {}
+    for how in ("draw", "greedy"):
+        if how == "greedy":
+            monkeypatch.setattr(draft_model, "picker", lambda *a: lambda logits, drafted: int(logits.argmax()))
+        tally.clear()
+        assert on.text_completion(PROMPTS, **opts) == expected, how
+        rates[how] = tally["accepted"] / tally["drafted"]
+    assert rates["draw"] > 0.95 and rates["greedy"] < 0.8, rates
 
 
 def test_outputs_with_another_draft_are_the_outputs_without(off, small_draft, tally, monkeypatch):
@@ -125,3 +139,60 @@ def test_the_flags_reach_the_build(tmp_path, capsys):
                       "--draft-model", str(d)]) == 2
     assert f"draft_model={str(d)!r}" in capsys.readouterr().err
     assert parse_args(["--draft-model", str(d)]).draft_model == str(d)
+
+
+class _Drafter:
+    """What the Speculator asks of a draft model, with its answers set by the test."""
+
+    def __init__(self, once=False, held=()):
+        self.once, self.held, self.asked = once, set(held), []
+
+    def once_off(self):
+        once, self.once = self.once, False
+        return once
+
+    def holds(self, request, row):
+        return request.id in self.held
+
+    def draft(self, request, row, prompt, tokens, k):
+        self.asked.append(request.id)
+        return [7] * k
+
+
+def test_a_draft_models_prompt_pass_is_neither_timed_nor_paid_for_exploring(monkeypatch):
+    """A step in which the draft model ran a prompt pass (or a long catch-up) is left out of the step times; with
+    nothing worth drafting for EXPLORE steps, the 1-token exploration drafts only for a request whose prompt the
+    draft model already holds."""
+    from llama.core.params import SamplingParams
+    from llama.core.plan import Decode, Plan
+
+    class Req:
+        def __init__(self, i):
+            self.params, self.feed, self.max_new, self.generated = SamplingParams(), 5, 100, [5]
+            self.prompt, self.next_pos, self.blocks, self.order, self.slot, self.id = [1, 2, 3], 3, [], i, i, i
+            self.predicted = None
+
+    def step(spec, reqs, now):
+        plan = Plan(ops=[Decode(tokens=[5] * len(reqs), pos=[3] * len(reqs), active=list(range(len(reqs))))],
+                    decoding=list(reqs))
+        monkeypatch.setattr(speculative.time, "perf_counter", lambda: now)
+        spec.plan(plan)
+        return plan
+
+    for once, timed in ((False, [0.5, 0.5]), (True, [0.5])):
+        drafter = _Drafter()
+        spec = speculative.Speculator({}, 0, 256, 0, "draft", speculative.Memory(), drafter)
+        spec.times.measure = True
+        spec.times.add(1, 1.0)  # a 1-row step is known; a verify of 2 to 8 rows would cost 100 steps
+        spec.times.add(2, 100.0)
+        reqs = [Req(0)]
+        step(spec, reqs, 0.0)  # plain: timed from here to the next plan
+        drafter.once = once  # this step's drafting ran a prompt pass (as if)
+        step(spec, reqs, 0.5)
+        step(spec, reqs, 1.0)
+        assert list(spec.times._seen[1])[1:] == timed, once
+    spec.memory.idle = speculative.EXPLORE
+    assert not step(spec, [Req(1)], 2.0).verifying and drafter.asked == []  # not held: no prompt pass
+    drafter.held.add(2)
+    plan = step(spec, [Req(2)], 3.0)
+    assert plan.verifying and plan.verifying[0][1] == [7] and drafter.asked == [2]
