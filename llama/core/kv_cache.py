@@ -21,6 +21,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from llama.core import exact
 from llama.core.block_pool import SCRATCH, BlockPool
 from llama.core.paging import check_mode
 from llama.kernels import invariant
@@ -73,6 +74,8 @@ def build_cache(model, max_batch_size: int, max_seq_len: int, memory=None, prefi
     """The Llama facade's cache: the model's dtype and device, sized by kv_cache_memory (bytes or "4GiB"). place:
     (model-parallel rank, pipeline stage); replicated: other ranks replay this one's steps."""
     mode = check_mode(prefix_cache)
+    if mode == "exact":
+        exact.check(model)
     if isinstance(memory, str):
         memory = parse_bytes(memory, "kv_cache_memory")
     if memory is not None and (isinstance(memory, bool) or not isinstance(memory, (int, float)) or memory <= 0):

@@ -28,10 +28,11 @@ def dequantized(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -
 
 
 def attend(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, table: torch.Tensor,
-           positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+           positions: torch.Tensor, kv_len: int, scale=None, window=None) -> torch.Tensor:
     """Attention of rotated queries q (B, T, heads, head_dim) at positions (B or 1, T) over the table's rows (B,
     blocks per row) of an int8 pool that already holds the pass's keys and values; returns (B * T, heads *
-    head_dim) in q's dtype. Token (b, t) attends its row's positions 0..positions[b, t] (at most kv_len - 1)."""
+    head_dim) in q's dtype. Token (b, t) attends its row's positions 0..positions[b, t] (at most kv_len - 1), the
+    newest `window` of them if given, scores scaled by `scale` (None: head_dim ** -0.5), as cpu.decode_attention."""
     B, T, H, D = q.shape
     bs = cache_k.shape[2]
     used = table[:, : -(-kv_len // bs)]
@@ -46,4 +47,5 @@ def attend(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, table:
     cos = torch.ones(B * T, D // 2, dtype=torch.float32)
     sin = torch.zeros(B * T, D // 2, dtype=torch.float32)
     return torch.ops.llama_cpu.decode_attention(q.reshape(B * T, H * D).contiguous(), k, v, cos, sin, keys, values,
-                                                at, rows, 0, pos.contiguous(), kv_len)
+                                                at, rows, 0, pos.contiguous(), kv_len,
+                                                0.0 if scale is None else float(scale), window or 0)
