@@ -14,6 +14,7 @@ temporary pool already holds, so every query sees what a later pass reads back f
 import torch
 
 from llama.kernels import cpu as cpu_kernels
+from llama.kernels import paged
 
 
 def takes(q: torch.Tensor, cache: torch.Tensor) -> bool:
@@ -24,7 +25,7 @@ def takes(q: torch.Tensor, cache: torch.Tensor) -> bool:
 
 def dequantized(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Blocks of an int8 pool as (len(blocks), kv_heads, block_size, head_dim) in dtype (paged.read's arithmetic)."""
-    return (cache[blocks].float() * cache.scales[blocks][..., None]).to(dtype).contiguous()
+    return paged.dequantize(cache[blocks], cache.scales[blocks], dtype).contiguous()
 
 
 def attend(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, table: torch.Tensor,
