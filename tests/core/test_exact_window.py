@@ -47,7 +47,8 @@ CONFIGS = [  # (family settings, dtype, kv_cache_dtype)
 ]
 
 
-@pytest.mark.parametrize("extra,dtype,kv", CONFIGS)
+@pytest.mark.parametrize("extra,dtype,kv", CONFIGS,
+                         ids=["-".join([*e, d, k or "float-kv"]) for e, d, k in CONFIGS])
 def test_window_and_multiplier_give_every_pass_the_same_rows(tmp_path, extra, dtype, kv):
     """Whole, chunked (first chunk one token), cached (48 positions from another row's blocks, past the window),
     beside a longer companion, and the last token as a decode step at position 70."""
