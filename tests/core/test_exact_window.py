@@ -22,6 +22,7 @@ WINDOW = 20  # PROMPT is 71 tokens: the window cuts from position 20 on
 SHAPE = {"dim": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 256, "norm_eps": 1e-5,
          "vocab_size": 512}
 WINDOWED, SCALED = {"sliding_window": WINDOW}, {"attention_multiplier": 0.3}  # 0.3, not 64 ** -0.5 = 0.125
+GRANITE = {**SCALED, "embedding_multiplier": 2.0, "residual_multiplier": 0.5, "logits_scaling": 4.0}  # all four
 
 
 def build(tmp_path, extra, mode="exact", **kw):
@@ -85,7 +86,8 @@ def test_decode_steps_past_the_window_are_the_models(tmp_path):
 def test_logprobs_are_a_cold_caches_in_any_company_and_chunking(tmp_path, dtype, kv):
     prompts = ["Once upon a time there was a little cat who liked to play in the park with her friend the dog.",
                "Once upon a time there was a little cat who liked to sleep.", "The bird sang a song."]
-    llm = build(tmp_path, {**WINDOWED, **SCALED}, dtype=dtype, kv_cache_dtype=kv)
+    """Granite's four multipliers and a window, through Llama calls and the engine."""
+    llm = build(tmp_path, {**WINDOWED, **GRANITE}, dtype=dtype, kv_cache_dtype=kv)
     opts = dict(temperature=0.0, max_gen_len=24, logprobs=True)
     alone, batch, cached, chunked = logprobs_in_any_company(llm, prompts, opts, longer=prompts[0] * 2)
     assert batch == alone and cached == alone and chunked == alone
