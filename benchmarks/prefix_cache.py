@@ -17,6 +17,8 @@
               decode time against "on", side by side in one process, cache cleared before every request
   int8-kv     kv_cache_dtype="int8" against the model's dtype: logit error and perplexity of real text
               (llama/data/demo_corpus.txt, windows of 256, stride 128, as benchmarks/quant_accuracy.py)
+  int8-kv-paired  the same per token, paired: the perplexity difference with its standard error, KL divergence,
+              and a noise floor (benchmarks/kv_accuracy.py)
 """
 
 import argparse
@@ -24,7 +26,7 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks import chat_http
+from benchmarks import chat_http, kv_accuracy
 from benchmarks.harness import SHAPES as MODEL_SHAPES
 from benchmarks.harness import LLAMA2_TOKENIZER, print_results, prompt_tokens, random_checkpoint
 from llama.core.kv_cache import BLOCK_SIZE
@@ -71,7 +73,7 @@ def memory(args) -> None:
     budget = int(args.budget_gb * 2**30)
     rows = []
     for name, (layers, kv, hd) in SHAPES.items():
-        for kv_dtype, per in (("bf16", 2 * hd), ("int8 + fp32 scale per position and head", hd + 4)):
+        for kv_dtype, per in (("bf16", 2 * hd), ("int8 q8_0 (fp16 scale per 32)", hd + hd // 16)):
             per_pos = 2 * layers * kv * per  # K and V over every layer
             blocks = budget // (BLOCK_SIZE * per_pos)
             run = pool_run(blocks, args.seq, args.max_seq_len)
@@ -395,9 +397,10 @@ def main(argv=None):
     c.add_argument("--seq", type=int, default=2048)
     c.add_argument("--system", default="You are a helpful assistant who answers in a few sentences.")
     chat_http.add_parser(sub)
+    kv_accuracy.add_parser(sub)
     args = ap.parse_args(argv)
     {"memory": memory, "divergence": divergence, "preemption": preemption, "shared": shared, "int8-kv": int8_kv,
-     "chat": chat, "chat-http": chat_http.run,
+     "chat": chat, "chat-http": chat_http.run, "int8-kv-paired": kv_accuracy.run,
      "exact-cost": exact_cost}[args.what](args)
 
 

@@ -256,7 +256,7 @@ class Attention(Fusable):
             qkv = self.wqkv(x).view(B, -1)
             q, k, v = qkv[:, :nq], qkv[:, nq : nq + nkv], qkv[:, nq + nkv :]
         return cpu_kernels.decode_attention(q, k, v, cos, sin, self.cache_k, self.cache_v, rows, positions, kv_len,
-                                            table=self.block_table)
+                                            self.block_table, self.args.attention_multiplier, self.args.sliding_window)
 
     def cached_rows(self, rows):
         """(keys, values, rows): a slice of consecutive rows (an engine group's slots) is a view used in place."""
@@ -290,16 +290,18 @@ class Attention(Fusable):
         B, T, _ = x.shape
         if self.block_table is not None and not torch.compiler.is_compiling():
             getattr(self.block_table, "direct", int)()  # outside the runner: the slot layout (core/kv_cache.py)
-        if (T == 1 or invariant.active()) and self.cache_k is not None and cpu_kernels.attends(x, self.cache_k) \
-                and self.args.kernel_attends(kv_len):
+        exact = invariant.active()  # our kernels apply the window and scale: "exact" takes them for any model
+        if (T == 1 or exact) and self.cache_k is not None and cpu_kernels.attends(x, self.cache_k) \
+                and (exact or self.args.kernel_attends(kv_len)):
             return self.wo(self.decode(x, cos, sin, positions, rows, kv_len).view(B, T, -1))
         q, k, v = self.qkv(x, cos, sin)
         self.store(k, v, start, positions, rows)
         ck, cv, rows = self.cached_rows(rows) if self.block_table is None else (None, None, rows)
         if self.block_table is not None:
             table = self.table_rows(rows, B, x.device)
-            if invariant.active() and exact_attention.takes(q, self.cache_k) and self.args.kernel_attends(kv_len):
-                out = exact_attention.attend(q, self.cache_k, self.cache_v, table, positions, kv_len)
+            if exact and exact_attention.takes(q, self.cache_k):
+                out = exact_attention.attend(q, self.cache_k, self.cache_v, table, positions, kv_len,
+                                             self.args.attention_multiplier, self.args.sliding_window)
                 return self.wo(out.view(B, T, -1))
             keys, values = paged.read(self.cache_k, self.cache_v, table, kv_len, x.dtype)
         elif rows is None:  # rows 0..B-1: read the cache in place

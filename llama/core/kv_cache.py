@@ -21,20 +21,21 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from llama.core import exact
 from llama.core.block_pool import SCRATCH, BlockPool
 from llama.core.paging import check_mode
-from llama.kernels import invariant
+from llama.kernels import invariant, paged
 from llama.settings import parse_bytes
 
 BLOCK_SIZE = 16
 
 
 def bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes over every layer of this rank (keys and values; int8: codes and an fp32 scale per
-    position and head)."""
+    """Bytes one block takes over every layer of this rank (keys and values; int8: codes and an fp16 scale per
+    group of a head, llama/kernels/paged.py)."""
     per = torch.empty((), dtype=dtype).element_size()
-    extra = 4 if dtype == torch.int8 else 0
-    return sum(2 * block_size * layer.attention.n_local_kv_heads * (layer.attention.head_dim * per + extra)
+    head = lambda d: d * per + (2 * d // paged.group_size(d) if dtype == torch.int8 else 0)  # noqa: E731
+    return sum(2 * block_size * layer.attention.n_local_kv_heads * head(layer.attention.head_dim)
                for layer in model.layers)
 
 
@@ -73,6 +74,8 @@ def build_cache(model, max_batch_size: int, max_seq_len: int, memory=None, prefi
     """The Llama facade's cache: the model's dtype and device, sized by kv_cache_memory (bytes or "4GiB"). place:
     (model-parallel rank, pipeline stage); replicated: other ranks replay this one's steps."""
     mode = check_mode(prefix_cache)
+    if mode == "exact":
+        exact.check(model)
     if isinstance(memory, str):
         memory = parse_bytes(memory, "kv_cache_memory")
     if memory is not None and (isinstance(memory, bool) or not isinstance(memory, (int, float)) or memory <= 0):
@@ -118,9 +121,10 @@ class KVCache:
             shape = (num_blocks + 1, attn.n_local_kv_heads, block_size, attn.head_dim)  # + the scratch block
             attn.cache_k = torch.zeros(shape, dtype=dtype, device=device)
             attn.cache_v = torch.zeros(shape, dtype=dtype, device=device)
-            if dtype == torch.int8:  # a scale per position and head (llama/kernels/paged.py)
-                attn.cache_k.scales = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
-                attn.cache_v.scales = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
+            if dtype == torch.int8:  # a scale per group of a position's head (llama/kernels/paged.py)
+                scales = (*shape[:-1], attn.head_dim // paged.group_size(attn.head_dim))
+                attn.cache_k.scales = torch.zeros(scales, dtype=torch.float16, device=device)
+                attn.cache_v.scales = torch.zeros(scales, dtype=torch.float16, device=device)
             attn.block_table = self.table
         model.setup_rope(max_seq_len, device)
         self.max_batch_size, self.max_seq_len, self.device = max_batch_size, max_seq_len, device

@@ -20,8 +20,10 @@ Modes (Llama(prefix_cache=...)): "on" and "exact" key prompt blocks and the bloc
 KVCache.manage), a decode step's row as a prefill's, so a cached position holds bitwise what a fresh prefill
 computes, and a request's logits do not depend on its prefill's chunks, its passes' KV length, what else they hold,
 or whether it was preempted and recomputed (fp32, bf16, int8, int8-dynamic, int4
-and GGUF block weights on our CPU kernels, with a bf16/fp32 or an int8 KV pool; compile=True is refused with it;
-sliding windows, attention multipliers and CUDA are not covered); "off" keys nothing.
+and GGUF block weights on our CPU kernels, with a bf16/fp32 or an int8 KV pool, sliding windows and attention
+multipliers included: the kernel applies both; compile=True is refused with it, and so are CUDA, fp16 and
+head_dims our kernel does not take, where its arithmetic would not be row-invariant: llama/core/exact.py);
+"off" keys nothing.
 
 What a preempted request recomputes is prefill arithmetic where the un-preempted run had decode arithmetic: under
 "on" its reply's full blocks come back from the cache as the decode steps wrote them and only its last, partial

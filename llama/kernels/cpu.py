@@ -270,14 +270,16 @@ def attends(x: torch.Tensor, cache: torch.Tensor) -> bool:
 
 
 def decode_attention(q, k, v, cos, sin, cache_k, cache_v, rows, positions, kv_len: int,
-                     table: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     table: Optional[torch.Tensor] = None, scale: Optional[float] = None,
+                     window: Optional[int] = None) -> torch.Tensor:
     """One token per row: rotate q and k (B, heads * head_dim), write k and v into the cache at `positions` (one per
     row, or one for all), attend over positions 0 .. position (at most kv_len) and return (B, heads * head_dim).
     rows: the cache rows (an int64 tensor), a slice of consecutive rows, or None for 0..B-1. table: a paged pool's
-    block table (rows, blocks per row), the caches then (blocks, kv_heads, block_size, head_dim); read in place."""
+    block table (rows, blocks per row), the caches then (blocks, kv_heads, block_size, head_dim); read in place.
+    scale: the scores' scale (None: head_dim ** -0.5); window: only the newest `window` positions (None: all)."""
     cos, sin, rows, row0, positions = attention_inputs(cos, sin, rows, positions)
     return torch.ops.llama_cpu.decode_attention(q, k, v, cos, sin, cache_k, cache_v, table, rows, row0, positions,
-                                                kv_len)
+                                                kv_len, 0.0 if scale is None else float(scale), window or 0)
 
 
 def attention_inputs(cos, sin, rows, positions):

@@ -14,6 +14,7 @@ temporary pool already holds, so every query sees what a later pass reads back f
 import torch
 
 from llama.kernels import cpu as cpu_kernels
+from llama.kernels import paged
 
 
 def takes(q: torch.Tensor, cache: torch.Tensor) -> bool:
@@ -24,14 +25,15 @@ def takes(q: torch.Tensor, cache: torch.Tensor) -> bool:
 
 def dequantized(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Blocks of an int8 pool as (len(blocks), kv_heads, block_size, head_dim) in dtype (paged.read's arithmetic)."""
-    return (cache[blocks].float() * cache.scales[blocks][..., None]).to(dtype).contiguous()
+    return paged.dequantize(cache[blocks], cache.scales[blocks], dtype).contiguous()
 
 
 def attend(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, table: torch.Tensor,
-           positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+           positions: torch.Tensor, kv_len: int, scale=None, window=None) -> torch.Tensor:
     """Attention of rotated queries q (B, T, heads, head_dim) at positions (B or 1, T) over the table's rows (B,
     blocks per row) of an int8 pool that already holds the pass's keys and values; returns (B * T, heads *
-    head_dim) in q's dtype. Token (b, t) attends its row's positions 0..positions[b, t] (at most kv_len - 1)."""
+    head_dim) in q's dtype. Token (b, t) attends its row's positions 0..positions[b, t] (at most kv_len - 1), the
+    newest `window` of them if given, scores scaled by `scale` (None: head_dim ** -0.5), as cpu.decode_attention."""
     B, T, H, D = q.shape
     bs = cache_k.shape[2]
     used = table[:, : -(-kv_len // bs)]
@@ -46,4 +48,5 @@ def attend(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, table:
     cos = torch.ones(B * T, D // 2, dtype=torch.float32)
     sin = torch.zeros(B * T, D // 2, dtype=torch.float32)
     return torch.ops.llama_cpu.decode_attention(q.reshape(B * T, H * D).contiguous(), k, v, cos, sin, keys, values,
-                                                at, rows, 0, pos.contiguous(), kv_len)
+                                                at, rows, 0, pos.contiguous(), kv_len,
+                                                0.0 if scale is None else float(scale), window or 0)

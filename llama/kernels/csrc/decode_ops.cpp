@@ -91,7 +91,7 @@ template <typename S>
 void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const float* cos, const float* sin,
                  int64_t angle_stride, at::Tensor& cache_k, at::Tensor& cache_v, const int64_t* table, int64_t M,
                  const int64_t* rows, int64_t row0, const int64_t* pos, int64_t pos_stride, int64_t kv_len,
-                 at::Tensor& out) {
+                 float scale, int64_t window, at::Tensor& out) {
   const int64_t B = q.size(0), Hkv = cache_k.size(1), S_ = cache_k.size(2), D = cache_k.size(3);
   const int64_t H = q.size(1) / D, group = H / Hkv;
   S* ck = reinterpret_cast<S*>(cache_k.data_ptr());
@@ -113,20 +113,20 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
       std::memcpy(cv + slot(b, g, p), vp + b * v.stride(0) + g * D, D * sizeof(S));
     }
   }
-  const float scale = 1.f / std::sqrt(float(D));
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(D), acc(D), scores(kv_len);
     std::vector<S> qs(D);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / H, h = i % H, g = h / group;
-      const int64_t n = std::min(pos[b * pos_stride] + 1, kv_len);  // keys at positions 0 .. pos
+      const int64_t n = std::min(pos[b * pos_stride] + 1, kv_len);  // keys at positions first .. pos
+      const int64_t first = window > 0 ? std::max<int64_t>(0, pos[b * pos_stride] - window + 1) : 0;
       rotate(qp + b * q.stride(0) + h * D, cos + b * angle_stride, sin + b * angle_stride, D, qs.data(), qf.data());
       // Positions in runs that are contiguous in memory: a whole row without a table, a block with one.
       const int64_t run = table ? S_ : n;
       float top = -INFINITY;
-      for (int64_t s0 = 0; s0 < n; s0 += run) {
+      for (int64_t s0 = first / run * run; s0 < n; s0 += run) {
         const S* keys = ck + slot(b, g, s0) - s0 * D;
-        for (int64_t s = s0; s < std::min(n, s0 + run); ++s) {
+        for (int64_t s = std::max(s0, first); s < std::min(n, s0 + run); ++s) {
           __m256 dot = _mm256_setzero_ps();
           for (int64_t d = 0; d < D; d += 8) dot = _mm256_fmadd_ps(_mm256_loadu_ps(qf.data() + d), load8(keys + s * D + d), dot);
           scores[s] = hsum(dot) * scale;
@@ -134,11 +134,11 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
         }
       }
       float total = 0.f;
-      for (int64_t s = 0; s < n; ++s) total += scores[s] = std::exp(scores[s] - top);
+      for (int64_t s = first; s < n; ++s) total += scores[s] = std::exp(scores[s] - top);
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t s0 = 0; s0 < n; s0 += run) {
+      for (int64_t s0 = first / run * run; s0 < n; s0 += run) {
         const S* values = cv + slot(b, g, s0) - s0 * D;
-        for (int64_t s = s0; s < std::min(n, s0 + run); ++s) {
+        for (int64_t s = std::max(s0, first); s < std::min(n, s0 + run); ++s) {
           const __m256 w = _mm256_set1_ps(scores[s] / total);
           for (int64_t d = 0; d < D; d += 8)
             _mm256_storeu_ps(acc.data() + d, _mm256_fmadd_ps(w, load8(values + s * D + d), _mm256_loadu_ps(acc.data() + d)));
@@ -158,11 +158,13 @@ namespace llama_cpu {
 // a block table (rows, M) int64 they are a paged pool (blocks, Hkv, block_size, D) and a row has M * block_size
 // positions (llama/core/kv_cache.py).
 // Row b lives in cache row rows[b] (or row0 + b without rows) at position positions[b] (one position: all rows)
-// and attends positions 0 .. min(position, kv_len - 1). Returns (B, H*D) in the cache's dtype.
+// and attends positions 0 .. min(position, kv_len - 1), the newest `window` of them when window > 0 (a sliding
+// window, Mistral's), its scores scaled by `scale` (0: head_dim ** -0.5; Granite's attention multiplier otherwise).
+// Returns (B, H*D) in the cache's dtype.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                             const at::Tensor& sin, at::Tensor cache_k, at::Tensor cache_v,
                             const c10::optional<at::Tensor>& table, const c10::optional<at::Tensor>& rows,
-                            int64_t row0, const at::Tensor& positions, int64_t kv_len) {
+                            int64_t row0, const at::Tensor& positions, int64_t kv_len, double scale, int64_t window) {
   LLAMA_CHECK(cache_k.dim() == 4 && cache_k.is_contiguous() && cache_v.is_contiguous() &&
                   cache_v.sizes() == cache_k.sizes() && cache_v.scalar_type() == cache_k.scalar_type() &&
                   (cache_k.scalar_type() == at::kFloat || cache_k.scalar_type() == at::kBFloat16),
@@ -197,6 +199,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                     t->size(1) == D / 2,
                 "decode_attention: cos and sin must be contiguous float32 of shape (", P, ", ", D / 2, ")");
   LLAMA_CHECK(kv_len >= 1 && kv_len <= S_, "decode_attention: kv_len must be in [1, ", S_, "], got ", kv_len);
+  LLAMA_CHECK(scale >= 0 && window >= 0, "decode_attention: scale and window must be >= 0, got ", scale, " and ",
+              window);
+  const float score_scale = scale > 0 ? float(scale) : 1.f / std::sqrt(float(D));
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t i = 0; i < P; ++i)
     LLAMA_CHECK(pos[i] >= 0 && pos[i] < S_, "decode_attention: position ", pos[i], " outside the cache's ", S_);
@@ -214,10 +219,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t step = P == 1 ? 0 : 1;
   if (cache_k.scalar_type() == at::kFloat)
     attend_rows<float>(q, k, v, cos.data_ptr<float>(), sin.data_ptr<float>(), step * (D / 2), cache_k, cache_v,
-                       table_ids, M, row_ids, row0, pos, step, kv_len, out);
+                       table_ids, M, row_ids, row0, pos, step, kv_len, score_scale, window, out);
   else
     attend_rows<uint16_t>(q, k, v, cos.data_ptr<float>(), sin.data_ptr<float>(), step * (D / 2), cache_k, cache_v,
-                          table_ids, M, row_ids, row0, pos, step, kv_len, out);
+                          table_ids, M, row_ids, row0, pos, step, kv_len, score_scale, window, out);
   return out;
 }
 
@@ -225,7 +230,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 TORCH_LIBRARY_FRAGMENT(llama_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) cache_k, "
-        "Tensor(b!) cache_v, Tensor? table, Tensor? rows, int row0, Tensor positions, int kv_len) -> Tensor");
+        "Tensor(b!) cache_v, Tensor? table, Tensor? rows, int row0, Tensor positions, int kv_len, float scale=0., "
+        "int window=0) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
 }
 

@@ -16,6 +16,6 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                             const at::Tensor& sin, at::Tensor cache_k, at::Tensor cache_v,
                             const c10::optional<at::Tensor>& table, const c10::optional<at::Tensor>& rows, int64_t row0, const at::Tensor& positions,
-                            int64_t kv_len);
+                            int64_t kv_len, double scale = 0., int64_t window = 0);
 
 }  // namespace llama_cpu
