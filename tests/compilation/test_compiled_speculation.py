@@ -1,7 +1,9 @@
 """Speculative decoding with a compiled decode step (llama/core/runner.py Runner._verify): a Verify pass runs
 through the compiled step with its rows given, a request's k+1 rows sharing its cache row at consecutive positions.
-Where our kernels take every product (stories260K in fp32 and bf16), each row is bitwise the one-token graph's, so
-greedy and seeded text and logprobs with speculation are those of the compiled step without it.
+Where our kernels take every product and the graph's own arithmetic is fp32 (stories260K in fp32), each row is
+bitwise the one-token graph's, so greedy and seeded text and logprobs with speculation are those of the compiled step
+without it. In bf16 the graphs of 1 and 4 rows round apart (logprobs 1e-3 apart, greedy text the same here): that
+divergence is measured (benchmarks/speculative_compiled.py divergence, docs/performance.md).
 
 Compiling costs seconds to tens of seconds per graph: drafts are capped at 3 tokens (graphs of 1 row without rows
 given, 2 and 4 rows with), one slot, and stories260K; Inductor's on-disk cache makes reruns faster. Skipped when
@@ -38,9 +40,8 @@ def build(dtype, spec):
                        prefix_cache="off", speculative=spec)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_compiled_speculation_equals_the_compiled_step(dtype, tally):
-    off, on = build(dtype, None), build(dtype, "ngram")
+def test_compiled_speculation_equals_the_compiled_step(tally):
+    off, on = build("float32", None), build("float32", "ngram")
     assert on.runner.compiled.outside  # our kernels take every product: the bitwise case
     for opts in (dict(temperature=0, logprobs=True), dict(temperature=0.8, top_p=0.95, seed=3, logprobs=True)):
         assert on.text_completion(PROMPT, max_gen_len=100, **opts) == off.text_completion(
