@@ -158,8 +158,9 @@ class Llama:
         tool_style: Meta Llama 3 checkpoints' tool-call syntax, "llama3_json" (3.1) or "pythonic" (3.2, 3.3);
         default by the checkpoint's shape (3.2's 1B/3B pythonic; 3.3 70B cannot be told from 3.1 70B).
         speculative="ngram": prompt-lookup speculative decoding, outputs identical to plain decoding (greedy and
-        seeded); it decodes eagerly, so compile="auto" means False with it, and runs on the CPU only (on CUDA a verify
-        pass is not bitwise the one-token step) (llama/core/speculative.py).
+        seeded); with compile=True drafts are verified by the compiled step (bitwise where our kernels take every
+        product, fp32), compile="auto" means False with it; pipeline stages too; CPU only (on CUDA a verify pass is
+        not bitwise the one-token step) (llama/core/speculative.py).
         draft_model: a smaller checkpoint with the same tokenizer drafts greedily (speculative="draft", implied),
         outputs as without it (llama/core/draft_model.py).
         """
