@@ -204,11 +204,11 @@ class Llama:
         self.core.speculative = check_speculative(speculative)
         # A verify pass's rows are bitwise one-token steps in our CPU kernels only: on CUDA they were 8.6e-6 apart
         # (docs/performance.md, "The GPU"), so there predictions are ignored and speculation is refused. A compiled
-        # step verifies through its own graph (bitwise where our kernels take every product); compile="auto"'s
+        # step verifies through its own graph (bitwise where verifies_exactly(): fp32 in our kernels); compile="auto"'s
         # switch from eager to compiled steps is timed, so there drafts are refused and predictions ignored.
         on_cpu = self.device.type == "cpu"
         lazy = compiled is not None and compiled.lazy
-        self.core.predictions = on_cpu and (compiled is None or (not lazy and compiled.outside))
+        self.core.predictions = on_cpu and (compiled is None or (not lazy and compiled.verifies_exactly()))
         if self.core.speculative is not None and lazy:
             raise ValueError(f"speculative={speculative!r} with compile='auto': its switch from eager to compiled "
                              "steps is timed, so drafts would move it; use compile=True or compile=False")

@@ -115,6 +115,12 @@ class CompiledDecode:
     def key(self, batch: int, rows, cap: int = 0) -> tuple:
         return bucket(batch, max(self.model.max_batch_size, cap)), rows is not None
 
+    def verifies_exactly(self) -> bool:
+        """Whether a speculative Verify pass's rows are bitwise the one-token graph's: our kernels take every product
+        and the graph's own arithmetic is fp32 (in bf16 Inductor's graphs of 1 and 4 rows round apart, measured in
+        docs/performance.md, "With a compiled decode step")."""
+        return self.outside and not self.cuda and self.model.norm.weight.dtype == torch.float32
+
     def spent_eager(self, batch: int, rows, seconds: float) -> None:
         """Record an eager decode step the lazy rule sent back to the model."""
         key = self.key(batch, rows)

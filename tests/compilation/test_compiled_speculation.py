@@ -66,3 +66,9 @@ def test_compile_auto_is_refused_with_drafts_and_means_eager_in_build():
     with pytest.raises(ValueError, match="compile='auto'.*compile=True or compile=False"):
         Llama(g.model, g.tokenizer, 1, 64, CompiledDecode(g.model, lazy=True), prefix_cache="off",
               speculative="ngram")
+
+
+def test_predictions_are_verified_only_where_compiled_rows_are_bitwise():
+    """A request's prediction is drafted from under a compiled step in fp32 (our kernels), not in bf16, where the
+    graphs of 1 and 4 rows round apart (a prediction would change the output)."""
+    assert build("float32", None).core.predictions and not build("bfloat16", None).core.predictions
