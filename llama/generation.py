@@ -80,19 +80,16 @@ def _load_draft(draft_model, vocab: int, tokenizer_path, max_seq_len: int, max_b
 
 
 def _speculation_compile(speculative, device, compile):
-    """compile as Llama.build takes it: False under speculation, which is refused off the CPU before loading
-    (Llama() refuses it too) and with a compiled step."""
+    """compile as Llama.build takes it: "auto" means False under speculation (its eager-to-compiled switch is timed,
+    so drafts would move it); True or a mode verifies drafts through the compiled step. Refused off the CPU before
+    loading (Llama() refuses it too)."""
     if check_speculative(speculative) is None:
         return compile
     where = torch.device(device) if device is not None else parallel.default_device()
     if where.type != "cpu":
         raise ValueError(f"speculative={speculative!r} runs on the CPU only: on {where.type} a verify pass "
                          "does not give the one-token step's logits bit for bit, so drafts could change outputs")
-    if compile not in ("auto", False, None):
-        raise ValueError(f"speculative={speculative!r} verifies drafts with the eager decode step, whose "
-                         f"logits a compiled step does not match bit for bit: use compile=False, got "
-                         f"compile={compile!r}")
-    return False
+    return False if compile == "auto" else compile
 
 
 def exact_compiled(compile) -> str:
@@ -161,8 +158,9 @@ class Llama:
         tool_style: Meta Llama 3 checkpoints' tool-call syntax, "llama3_json" (3.1) or "pythonic" (3.2, 3.3);
         default by the checkpoint's shape (3.2's 1B/3B pythonic; 3.3 70B cannot be told from 3.1 70B).
         speculative="ngram": prompt-lookup speculative decoding, outputs identical to plain decoding (greedy and
-        seeded); it decodes eagerly, so compile="auto" means False with it, and runs on the CPU only (on CUDA a verify
-        pass is not bitwise the one-token step) (llama/core/speculative.py).
+        seeded); with compile=True drafts are verified by the compiled step (bitwise where our kernels take every
+        product, fp32), compile="auto" means False with it; pipeline stages too; CPU only (on CUDA a verify pass is
+        not bitwise the one-token step) (llama/core/speculative.py).
         draft_model: a smaller checkpoint with the same tokenizer drafts (speculative="draft", implied; a seeded
         request's drafts with its own seeded draws), outputs as without it (llama/core/draft_model.py).
         """
@@ -205,12 +203,15 @@ class Llama:
         self.core = DecodeCore(self.runner, self.inputs.settle, max_batch_size, max_seq_len)
         self.core.speculative = check_speculative(speculative)
         # A verify pass's rows are bitwise one-token steps in our CPU kernels only: on CUDA they were 8.6e-6 apart
-        # (docs/performance.md, "The GPU"), so there predictions are ignored and speculation is refused.
+        # (docs/performance.md, "The GPU"), so there predictions are ignored and speculation is refused. A compiled
+        # step verifies through its own graph (bitwise where verifies_exactly(): fp32 in our kernels); compile="auto"'s
+        # switch from eager to compiled steps is timed, so there drafts are refused and predictions ignored.
         on_cpu = self.device.type == "cpu"
-        self.core.predictions = compiled is None and not isinstance(model, pipeline.PipelineTransformer) and on_cpu
-        if self.core.speculative is not None and (compiled is not None or isinstance(model, pipeline.PipelineTransformer)):
-            raise ValueError(f"speculative={speculative!r} needs the eager decode step of one pipeline stage "
-                             "(compile=False, pipeline_parallel_size=1)")
+        lazy = compiled is not None and compiled.lazy
+        self.core.predictions = on_cpu and (compiled is None or (not lazy and compiled.verifies_exactly()))
+        if self.core.speculative is not None and lazy:
+            raise ValueError(f"speculative={speculative!r} with compile='auto': its switch from eager to compiled "
+                             "steps is timed, so drafts would move it; use compile=True or compile=False")
         if self.core.speculative is not None and not on_cpu:
             raise ValueError(f"speculative={speculative!r} runs on the CPU only: on {self.device.type} a verify pass "
                              "does not give the one-token step's logits bit for bit, so drafts could change outputs")

@@ -112,8 +112,14 @@ class CompiledDecode:
         self.eager_up_to = eager_batches(model) if lazy else 0  # batch sizes "auto" never compiles
         self.reset()
 
-    def key(self, batch: int, rows) -> tuple:
-        return bucket(batch, self.model.max_batch_size), rows is not None
+    def key(self, batch: int, rows, cap: int = 0) -> tuple:
+        return bucket(batch, max(self.model.max_batch_size, cap)), rows is not None
+
+    def verifies_exactly(self) -> bool:
+        """Whether a speculative Verify pass's rows are bitwise the one-token graph's: our kernels take every product
+        and the graph's own arithmetic is fp32 (in bf16 Inductor's graphs of 1 and 4 rows round apart, measured in
+        docs/performance.md, "With a compiled decode step")."""
+        return self.outside and not self.cuda and self.model.norm.weight.dtype == torch.float32
 
     def spent_eager(self, batch: int, rows, seconds: float) -> None:
         """Record an eager decode step the lazy rule sent back to the model."""
@@ -164,21 +170,27 @@ class CompiledDecode:
         self.seen = {key: t for key, t in self.seen.items() if key in self.packages}
 
     @torch.inference_mode()  # freezing folds the weights in only for inference graphs
-    def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, rows: Optional[torch.Tensor] = None):
+    def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, rows: Optional[torch.Tensor] = None, cap: int = 0):
         """Logits (B, 1, V), or None when this batch size should run eagerly for now (lazy rule, memory).
 
-        A batch is padded up to a power of two (capped at max_batch_size) so that a continuous-batching engine
-        whose batch size keeps changing compiles a handful of graphs, not one per size. Padding rows repeat the
-        last row (same cache row, token and position): they write the same keys and values to the same place,
-        and their logits are dropped.
+        A batch is padded up to a power of two (capped at max_batch_size, or cap if larger) so that a
+        continuous-batching engine whose batch size keeps changing compiles a handful of graphs, not one per size.
+        Padding rows repeat the last row (same cache row, token and position): they write the same keys and values
+        to the same place, and their logits are dropped.
+
+        A speculative Verify pass (llama/core/speculative.py) runs here too, with rows given and cap its most rows:
+        a request's k+1 rows share its cache row at consecutive positions. The graph writes every row's key and
+        value before any row attends, and each row attends under its own position's mask, so where our kernels take
+        every product (self.outside) each row is bitwise the one-token graph's at that position (tested in
+        tests/compilation/test_compiled_speculation.py).
         """
         B = tokens.shape[0]
-        if not self.ready(self.key(B, rows)):
+        if not self.ready(self.key(B, rows, cap)):
             return None
         table = self.model.layers[0].attention.block_table
         if table is not None:
             table.direct()  # outside the runner: the pool's slot layout (llama/core/kv_cache.py)
-        size = bucket(B, self.model.max_batch_size)
+        size = bucket(B, max(self.model.max_batch_size, cap))
         if size != B:
             if rows is None:
                 rows = torch.arange(B, device=tokens.device)

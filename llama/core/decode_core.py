@@ -60,7 +60,10 @@ class DecodeCore:
             if broadcast is not None:
                 broadcast(plan.ops)
             try:
+                compiles = self.runner.compiles()
                 outs = self.runner.execute(plan.ops)
+                if sched.speculator is not None and self.runner.compiles() != compiles:
+                    sched.speculator.times.skip()  # a compile's seconds are not the step's cost
             except Exception as e:  # the cache state is unknown: fail the running requests, keep serving
                 self._fail(sched, e)
                 outs = None

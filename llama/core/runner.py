@@ -86,7 +86,7 @@ class Runner:
         self._queued: Optional[ahead.Queued] = None
         self.ahead_stats = {"queued": 0, "used": 0}
         self._ops = {LoadPrefix: self._load, CopyRows: self._copy, Prefill: self._prefill, Decode: self._decode,
-                     Verify: lambda op: speculative.verify(self._sampling_pass, op, self.device),
+                     Verify: self._verify,
                      SetBlocks: lambda op: self.cache.set_blocks(op.rows, op.blocks),
                      CopyBlocks: lambda op: self.cache.copy_blocks(op.src, op.dst)}
 
@@ -172,6 +172,22 @@ class Runner:
         if c is not None and c.lazy:
             c.spent_eager(size, None, time.perf_counter() - start)
         return logits
+
+    def _verify(self, op: Verify) -> torch.Tensor:
+        """Logits (rows, V) of a Verify op: through the compiled step where one-token steps are compiled (every
+        batch size, compile=True: not compile="auto", whose eager-to-compiled switch is timed), else eagerly; so
+        each row's arithmetic is the one-token step's (llama/core/speculative.py)."""
+        c, dev = self.compiled, self.device
+        if c is not None and not c.lazy and self.cache.dtype != torch.int8:
+            logits = c(index(op.tokens, dev)[:, None], index(op.pos, dev), index(op.rows, dev),
+                       cap=speculative.MAX_ROWS)
+            if logits is not None:
+                return logits[:, 0]
+        return speculative.verify(self._sampling_pass, op, dev)
+
+    def compiles(self) -> int:
+        """Decode graphs compiled (or loaded) so far: a step that made one took its compile's time too."""
+        return 0 if self.compiled is None else len(self.compiled.seen)
 
     @torch.inference_mode()
     def logits(self, batch: List[List[int]]) -> torch.Tensor:

@@ -16,8 +16,9 @@ global generator drawn in another order: identical in distribution, not in draws
 
 Drafts (llama/sample/lookup.py): a request's predicted output (SamplingParams.prediction, OpenAI's Predicted
 Outputs), followed in order, then prompt lookup over its prompt and output. Predictions are drafted from wherever
-the decode step is eager (Llama.build(compile=False), the server's default), speculative="ngram" or not; prompt
-lookup for every request only with speculative="ngram".
+the decode step is eager (Llama.build(compile=False), the server's default) or compiled where a Verify pass through
+it is bitwise (compile=True, fp32 in our kernels: CompiledDecode.verifies_exactly), speculative="ngram" or not;
+prompt lookup for every request only with speculative="ngram".
 
 When a draft is verified (Speculator, one per scheduler). Verifying k drafted tokens costs c(k) = t(rows + k) /
 t(rows) decode steps and yields E(k) = 1 + a + ... + a^k tokens, a being the chance that a drafted token is accepted.

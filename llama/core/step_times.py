@@ -37,6 +37,10 @@ class StepTimes:
         if self.measure and rows:
             self._last = (now, rows, ids)
 
+    def skip(self) -> None:
+        """Leave the step in flight untimed (it compiled a graph)."""
+        self._last = None
+
     def knows(self, rows: int) -> bool:
         """A step of these rows was timed (or nothing is timed): drafts can be weighed against it."""
         return not self.measure or rows in self._seen

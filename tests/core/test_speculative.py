@@ -117,9 +117,6 @@ def test_bad_mode_is_refused(rand_dir):
     with pytest.raises(ValueError, match="speculative must be"):
         Llama.build(str(rand_dir), str(rand_dir / "tokenizer.model"), max_seq_len=32, max_batch_size=1,
                     speculative="medusa")
-    with pytest.raises(ValueError, match="compile=False"):
-        Llama.build(str(rand_dir), str(rand_dir / "tokenizer.model"), max_seq_len=32, max_batch_size=1,
-                    speculative="ngram", compile=True)
     with pytest.raises(ValueError, match="speculative must be True or False"):
         stories().text_completion(["Once"], speculative="yes")
 
