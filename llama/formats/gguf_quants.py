@@ -123,13 +123,16 @@ def native_model(reader, path, args, rank: int, world: int, device, dtype: torch
             model = Transformer(args)
     layer_ids = range(args.n_layers) if layer_ids is None else layer_ids
     held = {"tok_embeddings.weight": model.tok_embeddings is not None, "output.weight": model.output is not None}
+    keep = set()  # storages shared with the embedding table (a tied output): left as the file's blocks
     mine = [t for t in globals_ if held.get(gguf_file.meta_name(t.name, path), True)]
     load_tensors(model, mine, "", path, dtype, rank, world)
     if "output.weight" not in shapes and model.output is not None:
         tie_output(model, globals_, path, dtype, rank, world)
+    if isinstance(model.tok_embeddings, gguf_blocks.BlockEmbedding):
+        keep.add(model.tok_embeddings.weight.untyped_storage().data_ptr())
     for m in (model.output, model.norm):
         if m is not None:
-            finish(m, dtype, fuse)
+            finish(m, dtype, fuse, keep)
     release_unused(reader, globals_, model)
     big = sum(int(t.n_bytes) for t in reader.tensors) > 1 << 30
     for local, i in enumerate(tqdm(layer_ids, desc=f"loading {path.name}", unit="layer", disable=not big)):
@@ -202,15 +205,20 @@ def tie_output(model, globals_, path, dtype, rank: int, world: int) -> None:
     model.output.weight = torch.nn.Parameter(split_tensor("output.weight", full, rank, world), requires_grad=False)
 
 
-def finish(module, dtype: torch.dtype, fuse: bool) -> None:
+def finish(module, dtype: torch.dtype, fuse: bool, keep=frozenset()) -> None:
     """Fuse q/k/v and gate/up where their types agree (a Q4_K_M file's Q6_K v stays apart from its Q4_K q and k),
-    and cast the floating tensors (norms, dequantized matrices) to dtype."""
+    repack Q4_K blocks for our kernels (gguf_blocks.repack; not those in storages `keep`), and cast the floating
+    tensors (norms, dequantized matrices) to dtype."""
     if fuse:
         for m in module.modules():
             if isinstance(m, Fusable) and not m.fused:
                 kinds = {type(getattr(m, n).method) for names in m.FUSED.values() for n in names}
                 if len(kinds) == 1:
                     m.fuse()
+    for m in list(module.modules()):
+        w = getattr(m, "weight", None)
+        if isinstance(w, torch.Tensor) and not w.is_meta and w.untyped_storage().data_ptr() not in keep:
+            gguf_blocks.repack(m)
     for m in module.modules():
         if not isinstance(m, gguf_blocks.BlockEmbedding):
             for name, p in m.named_parameters(recurse=False):

@@ -37,7 +37,8 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "decode_ops.cpp", CSRC / "decode_layers.cpp",
            CSRC / "gguf_blocks.cpp", CSRC / "gguf_gemm.cpp")  # one library
 HEADERS = (CSRC / "simd.h", CSRC / "ops.h", CSRC / "gguf_dot.h", CSRC / "gguf_format.h", CSRC / "gguf_simd.h",
-           CSRC / "gguf_copies.h", CSRC / "gguf_gemm.h", CSRC / "check.h")
+           CSRC / "gguf_copies.h", CSRC / "gguf_gemm.h", CSRC / "check.h",
+           CSRC / "gguf_x8.h", CSRC / "gguf_x8_dot.h")
 FLAGS = ("-O3", "-std=c++20", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp", "-w")
 BLOCK = 32  # activation block of the quantized kernels: inputs must be a multiple of it
 
@@ -212,7 +213,8 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> 
 
 # GGUF block formats our kernels run (llama/kernels/csrc/gguf_blocks.cpp): ggml type id -> (values, bytes) per block
 GGUF_BLOCKS = {8: (32, 34), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 20: (32, 18), 12: (256, 144),
-               13: (256, 176), 14: (256, 210), 23: (256, 136), 10: (256, 84), 11: (256, 110)}
+               13: (256, 176), 14: (256, 210), 23: (256, 136), 10: (256, 84), 11: (256, 110), 268: (256, 144)}
+Q4_K_X8 = 0x100 | 12  # not a ggml type: Q4_K with its rows repacked 8 at a time (csrc/gguf_x8.h), our kernels' id
 
 
 def gguf_values(qtype: int, row_bytes: int) -> int:
@@ -226,6 +228,13 @@ def gguf_linear(x: torch.Tensor, weight: torch.Tensor, qtype: int) -> torch.Tens
     llama.cpp does (32 values for the 32-value formats, 256 for the K- and i-quants); result in x's dtype."""
     y = torch.ops.llama_cpu.gguf_linear(_rows(x), weight, qtype)
     return y.view(*x.shape[:-1], -1).to(x.dtype)
+
+
+def gguf_repack(weight: torch.Tensor, qtype: int = 12, back: bool = False) -> torch.Tensor:
+    """A Q4_K matrix (N, row bytes) as a new tensor in the Q4_K_X8 layout (8 rows' blocks side by side, the same
+    size: csrc/gguf_x8.h), whose products (qtype Q4_K_X8) equal the file layout's bit for bit; back: the file's
+    layout again, byte for byte."""
+    return torch.ops.llama_cpu.gguf_repack(weight, qtype, back)
 
 
 def gguf_rows(weight: torch.Tensor, ids: torch.Tensor, qtype: int) -> torch.Tensor:

@@ -26,27 +26,39 @@ NAMES = {8: "Q8_0", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 20: "IQ4_NL", 12
 
 
 class GGUFBlocks(LinearMethod):
-    """A weight as GGUF blocks of one ggml type (`qtype`), (N, row bytes) uint8 in layer.weight."""
+    """A weight as GGUF blocks of one ggml type (`qtype`), (N, row bytes) uint8 in layer.weight, laid out as the
+    file has them or (`layout` other than qtype) repacked for our kernels (Q4_K's 8-row groups: repack())."""
 
     quantized = True
     qtype = -1
+    layout = -1  # the id our kernels take: qtype, or cpu_kernels.Q4_K_X8
 
     def apply(self, layer, x):
-        return cpu_kernels.gguf_linear(x, layer.weight, self.qtype)
+        return cpu_kernels.gguf_linear(x, layer.weight, self.layout)
 
     def route(self, layer, rows, dtype):
-        return (fused_decode.GGUF, self.qtype, (layer.weight,)) if layer.weight.device.type == "cpu" else None
+        return (fused_decode.GGUF, self.layout, (layer.weight,)) if layer.weight.device.type == "cpu" else None
 
     def in_our_kernels(self, layer):
         return layer.weight.device.type == "cpu"
 
+    def file_blocks(self, layer) -> torch.Tensor:
+        """The weight's blocks as the file holds them (a copy where repacked)."""
+        if self.layout == self.qtype:
+            return layer.weight.data
+        return cpu_kernels.gguf_repack(layer.weight.data, self.qtype, back=True)
+
     def __repr__(self) -> str:
-        return f"GGUFBlocks({NAMES[self.qtype]})"
+        return f"GGUFBlocks({NAMES[self.qtype]}{', repacked' if self.layout != self.qtype else ''})"
 
 
 @lru_cache(maxsize=None)
-def method_class(qtype: int) -> type:
-    return type(f"GGUFBlocks_{NAMES[qtype]}", (GGUFBlocks,), {"qtype": qtype})
+def method_class(qtype: int, layout: int = -1) -> type:
+    layout = qtype if layout < 0 else layout
+    name = f"GGUFBlocks_{NAMES[qtype]}" + ("_x8" if layout != qtype else "")
+    # a repacked weight's rows are not the file's: it is neither concatenated nor cut into Meta's layers
+    extra = {} if layout == qtype else {"concatenates": False, "splits_state": False}
+    return type(name, (GGUFBlocks,), {"qtype": qtype, "layout": layout, **extra})
 
 
 def method(qtype: int) -> GGUFBlocks:
@@ -54,6 +66,23 @@ def method(qtype: int) -> GGUFBlocks:
     if qtype not in NAMES:
         raise ValueError(f"ggml type {qtype} is not run natively (natively: {', '.join(NAMES.values())})")
     return method_class(qtype)()
+
+
+REPACKS = {12: cpu_kernels.Q4_K_X8}  # file type -> the layout our kernels run it in faster
+
+
+def repack(layer) -> bool:
+    """Hold layer's Q4_K blocks in the Q4_K_X8 layout (8 rows' blocks side by side: llama/kernels/csrc/gguf_x8.h):
+    a new tensor of the same size, so the mapped file pages it came from can be released. Products are the same
+    bit for bit; a decode step's Q4_K products then take about 0.6x the CPU time (docs/performance.md).
+    False where the layer is not file-layout Q4_K on CPU."""
+    m = getattr(layer, "method", None)
+    if not isinstance(m, GGUFBlocks) or m.layout != m.qtype or m.qtype not in REPACKS:
+        return False
+    if layer.weight.device.type != "cpu":
+        return False
+    layer.take(method_class(m.qtype, REPACKS[m.qtype])(), cpu_kernels.gguf_repack(layer.weight.data, m.qtype))
+    return True
 
 
 def values_per_row(qtype: int, row_bytes: int) -> int:

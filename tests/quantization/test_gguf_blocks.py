@@ -33,9 +33,10 @@ def build(path, **kw):
 
 
 def reference_apply(self, layer, x):
-    """A block layer's product as gguf's dequantized weights times our int8 activations, in fp64."""
+    """A block layer's product as gguf's dequantized weights times our int8 activations, in fp64 (the weight's
+    blocks as the file holds them: Q4_K's are repacked at load)."""
     rows = x.reshape(-1, x.shape[-1])
-    ref = reference_product(rows, layer.weight.numpy(), gguf_blocks.NAMES[self.qtype])
+    ref = reference_product(rows, self.file_blocks(layer).numpy(), gguf_blocks.NAMES[self.qtype])
     return ref.float().view(*x.shape[:-1], -1).to(x.dtype)
 
 

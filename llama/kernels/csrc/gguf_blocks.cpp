@@ -35,6 +35,7 @@ namespace {
 
 #include "gguf_format.h"
 #include "gguf_simd.h"
+#include "gguf_x8.h"
 
 // ---- dequantization: one block into out, with the operations (and roundings) of gguf's numpy code ----
 
@@ -229,6 +230,17 @@ bool use_vnni() {
   return cpu && !(env && std::strcmp(env, "0") == 0);
 }
 
+// Q4_K_X8's per-block activation sums (gguf_x8_dot.h): (M, nb, 4) int32, entry p holding the sums of sub-blocks
+// 2p and 2p + 1's 32 codes as two int16 (each at most 32 * 127 in magnitude).
+std::vector<int32_t> x8_pairs(const Act& a, int64_t M, int64_t K) {
+  std::vector<int32_t> pairs(M * K / 64);
+  for (int64_t i = 0; i < int64_t(pairs.size()); ++i) {
+    const int32_t* s = a.s16.data() + 4 * i;
+    pairs[i] = int32_t(uint32_t(uint16_t(s[0] + s[1])) | (uint32_t(uint16_t(s[2] + s[3])) << 16));
+  }
+  return pairs;
+}
+
 }  // namespace
 
 namespace llama_cpu {
@@ -253,9 +265,31 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t type) {
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const bool v = use_vnni();
-  if (!gguf_gemm(type, a.q.data(), a.d.data(), a.s16.data(), a.s.data(), wp, M, K, N, yp, v))  // many rows
+  if (gguf_gemm(type, a.q.data(), a.d.data(), a.s16.data(), a.s.data(), wp, M, K, N, yp, v)) return y;  // many rows
+  if (type == Q4_K_X8) {
+    const std::vector<int32_t> pairs = x8_pairs(a, M, K);
+    (v ? vnni::linear_x8 : avx2::linear_x8)(a, pairs.data(), wp, M, K, N, yp);
+  } else {
     (v ? vnni::linear : avx2::linear)(type, a, wp, f, M, K, N, yp);
+  }
   return y;
+}
+
+// A Q4_K matrix w (N, row bytes) in the Q4_K_X8 layout (gguf_x8.h), or (back) a Q4_K_X8 one as the file held it:
+// a new tensor of w's shape.
+at::Tensor gguf_repack(const at::Tensor& w, int64_t type, bool back) {
+  LLAMA_CHECK(type == Q4_K, "gguf_repack: only Q4_K (ggml type ", int64_t(Q4_K), ") repacks, not type ", type);
+  LLAMA_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
+              "gguf_repack: the weight must be a contiguous 2-d uint8 tensor");
+  LLAMA_CHECK(w.size(1) % 144 == 0, "gguf_repack: rows of ", w.size(1), " bytes are not whole Q4_K blocks");
+  const int64_t N = w.size(0), nb = w.size(1) / 144, groups = N / kX8Rows;
+  at::Tensor out = at::empty(w.sizes(), w.options());
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) { x8_convert(src, dst, N, nb, g0, g1, !back); });
+  const int64_t done = groups * kX8Rows * w.size(1);  // the last N % 8 rows stay as they are
+  std::memcpy(dst + done, src + done, size_t(w.numel() - done));
+  return out;
 }
 
 // Rows `ids` of the GGUF matrix w (N, row bytes), dequantized to fp32 (an embedding lookup reads only these rows).
@@ -275,7 +309,11 @@ at::Tensor gguf_rows(const at::Tensor& w, const at::Tensor& ids, int64_t type) {
   at::parallel_for(0, R * nb, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / nb, blk = i % nb;
-      dequantize_block(type, wp + ip[r] * w.size(1) + blk * f.bytes, op + r * K + blk * f.values);
+      uint8_t block[144];
+      if (type == Q4_K_X8)
+        dequantize_block(Q4_K, x8_block(wp, N, nb, ip[r], blk, block), op + r * K + blk * f.values);
+      else
+        dequantize_block(type, wp + ip[r] * w.size(1) + blk * f.bytes, op + r * K + blk * f.values);
     }
   });
   return out;
@@ -286,9 +324,11 @@ at::Tensor gguf_rows(const at::Tensor& w, const at::Tensor& ids, int64_t type) {
 TORCH_LIBRARY_FRAGMENT(llama_cpu, m) {
   m.def("gguf_linear(Tensor x, Tensor weight, int type) -> Tensor");
   m.def("gguf_rows(Tensor weight, Tensor ids, int type) -> Tensor");
+  m.def("gguf_repack(Tensor weight, int type, bool back=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llama_cpu, CPU, m) {
   m.impl("gguf_linear", llama_cpu::gguf_linear);
   m.impl("gguf_rows", llama_cpu::gguf_rows);
+  m.impl("gguf_repack", llama_cpu::gguf_repack);
 }

@@ -327,3 +327,5 @@ inline void linear(int64_t type, const Act& a, const uint8_t* w, const Format& f
 #undef CASE
   }
 }
+
+#include "gguf_x8_dot.h"

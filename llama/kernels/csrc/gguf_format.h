@@ -7,6 +7,8 @@ enum : int64_t {
   Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
   IQ4_NL = 20, IQ4_XS = 23
 };
+// Q4_K with its rows repacked 8 at a time (gguf_x8.h): not a ggml type, our kernels' own id for that layout
+constexpr int64_t kX8 = 0x100, Q4_K_X8 = kX8 | Q4_K;
 
 struct Format {
   int64_t values, bytes, act_block;  // values and bytes per weight block; activation block size
@@ -20,7 +22,7 @@ bool format_of(int64_t type, Format& f) {
     case Q5_0: f = {32, 22, 32}; return true;
     case Q5_1: f = {32, 24, 32}; return true;
     case IQ4_NL: f = {32, 18, 32}; return true;
-    case Q4_K: f = {256, 144, 256}; return true;
+    case Q4_K: case Q4_K_X8: f = {256, 144, 256}; return true;
     case Q5_K: f = {256, 176, 256}; return true;
     case Q6_K: f = {256, 210, 256}; return true;
     case Q2_K: f = {256, 84, 256}; return true;

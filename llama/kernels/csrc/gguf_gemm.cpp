@@ -27,6 +27,7 @@ namespace {
 
 #include "gguf_format.h"
 #include "gguf_simd.h"
+#include "gguf_x8.h"
 
 constexpr int64_t kPanel = 16;  // output columns unpacked at a time (a multiple of 8: corrections() takes 8 at once)
 
@@ -137,9 +138,10 @@ void unpack_block(int64_t type, const uint8_t* b, uint8_t* codes, int16_t* sg, i
   }
 }
 
-// Columns n0 .. n0 + nt of w (row_bytes per column) unpacked into p.
+// Columns n0 .. n0 + nt of w (row_bytes per column) unpacked into p; x8: w is Q4_K_X8 (type Q4_K), its blocks
+// rebuilt as the file holds them (gguf_x8.h).
 void unpack(int64_t type, const Format& f, const uint8_t* w, int64_t row_bytes, const Gemm& g, int64_t n0,
-            int64_t nt, Panel& p) {
+            int64_t nt, Panel& p, bool x8) {
   const int64_t chunks = f.values / 32, G = g.groups;
   p.n0 = n0, p.nt = nt;
   p.codes.resize(g.nb * nt * f.values), p.scales.resize(g.nb * nt * chunks * 16);
@@ -149,8 +151,9 @@ void unpack(int64_t type, const Format& f, const uint8_t* w, int64_t row_bytes, 
   for (int64_t n = 0; n < nt; ++n)
     for (int64_t kb = 0; kb < g.nb; ++kb) {
       const int64_t at = kb * nt + n;
-      unpack_block(type, w + (n0 + n) * row_bytes + kb * f.bytes, p.codes.data() + at * f.values, sg, wg, p.d[at],
-                   p.e[at]);
+      uint8_t rebuilt[144];
+      const uint8_t* b = x8 ? x8_block(w, g.N, g.nb, n0 + n, kb, rebuilt) : w + (n0 + n) * row_bytes + kb * f.bytes;
+      unpack_block(type, b, p.codes.data() + at * f.values, sg, wg, p.d[at], p.e[at]);
       if (chunks > 1)  // chunk c's pairs: lanes 0-7 group 2c's scale, lanes 8-15 group 2c + 1's
         for (int64_t c = 0; c < chunks; ++c)
           store32(p.scales.data() + (at * chunks + c) * 16, _mm256_set_m128i(_mm_set1_epi16(sg[2 * c + 1]),
@@ -234,10 +237,12 @@ constexpr int64_t kGemmMinRows = 4;
 // y (M, N) = the activation rows (gguf_blocks.cpp's quantize_act: codes xq, scales xd, 16-sums s16, q8_1 sums xs)
 // times the GGUF weight w (N, row bytes) of `type`, as its one-row loop gives each row. False (y untouched) where
 // it does not take the product: fewer than kGemmMinRows rows, or activation blocks other than the weight's.
-bool gguf_gemm(int64_t type, const int8_t* xq, const float* xd, const int32_t* s16, const float* xs,
+bool gguf_gemm(int64_t layout, const int8_t* xq, const float* xd, const int32_t* s16, const float* xs,
                const uint8_t* w, int64_t M, int64_t K, int64_t N, float* y, bool use_vnni) {
   Format f;
-  if (M < kGemmMinRows || !format_of(type, f) || f.act_block != f.values || K % f.values != 0) return false;
+  if (M < kGemmMinRows || !format_of(layout, f) || f.act_block != f.values || K % f.values != 0) return false;
+  const bool x8 = layout == Q4_K_X8;
+  const int64_t type = x8 ? Q4_K : layout;
   const int64_t nb = K / f.values, groups = f.values / 16;
   std::vector<int32_t> packed(M * nb * groups / 2);  // s16 in int16 pairs (each at most 16 * 127 in magnitude)
   for (int64_t i = 0; i < int64_t(packed.size()); ++i)
@@ -248,7 +253,7 @@ bool gguf_gemm(int64_t type, const int8_t* xq, const float* xd, const int32_t* s
     Panel p;
     for (int64_t i = p0; i < p1; ++i) {
       const int64_t n0 = i * kPanel;
-      unpack(type, f, w, nb * f.bytes, g, n0, std::min(kPanel, N - n0), p);
+      unpack(type, f, w, nb * f.bytes, g, n0, std::min(kPanel, N - n0), p, x8);
       scalar_parts(type, g, p, y);
       (use_vnni ? vnni::products : avx2::products)(type, g, p, 0, M, y);
     }
