@@ -18,7 +18,7 @@ from functools import lru_cache
 
 import torch
 
-from llama.kernels import cpu
+from llama.kernels import cpu, paged
 
 SOURCE = cpu.CSRC / "ggml_arith.cpp"
 FLAGS = ("-O2", "-std=c++20", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp", "-w")
@@ -96,12 +96,53 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions:
                                        float(scale))
 
 
+def attention(attn, x: torch.Tensor, start, positions: torch.Tensor, rows, kv_len: int) -> torch.Tensor:
+    """An Attention module's forward (llama/model.py) in llama.cpp's arithmetic: projections, RoPE, keys and values
+    rounded to fp16 into the cache (the one cache write, Attention.store), attention over the cached positions."""
+    B, T, _ = x.shape
+    nq, nkv, hd = attn.n_local_heads, attn.n_local_kv_heads, attn.head_dim
+    if attn.wqkv is None:
+        q, k, v = attn.wq(x), attn.wk(x), attn.wv(x)
+    else:
+        qkv = attn.wqkv(x)
+        q, k, v = qkv[..., : nq * hd], qkv[..., nq * hd : (nq + nkv) * hd], qkv[..., (nq + nkv) * hd :]
+    theta = attn.args.rope_theta
+    q = rope(q.reshape(B, T, nq, hd), positions, theta)
+    k = fp16(rope(k.reshape(B, T, nkv, hd), positions, theta))
+    attn.store(k, fp16(v.reshape(B, T, nkv, hd).float()), start, positions, rows)
+    if attn.block_table is not None:
+        getattr(attn.block_table, "direct", int)()  # outside the runner: the slot layout (core/kv_cache.py)
+        keys, values = paged.read(attn.cache_k, attn.cache_v, attn.table_rows(rows, B, x.device), kv_len,
+                                  torch.float32)
+    else:
+        ck, cv, idx = attn.cached_rows(rows)
+        keys, values = (ck[:B, :, :kv_len], cv[:B, :, :kv_len]) if idx is None else \
+            (ck[idx, :, :kv_len], cv[idx, :, :kv_len])
+    scale = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(float(hd)).sqrt()  # 1.0f / sqrtf(head_dim)
+    out = attend(q, keys, values, positions, scale.item())
+    return attn.wo(out.to(x.dtype))
+
+
+def feed_forward(ff, x: torch.Tensor) -> torch.Tensor:
+    """A FeedForward module's forward in llama.cpp's arithmetic (its swiglu between the products)."""
+    gate, up = ff.w13(x).chunk(2, dim=-1) if ff.w13 is not None else (ff.w1(x), ff.w3(x))
+    return ff.w2(swiglu(gate, up).to(x.dtype))
+
+
+def follows(args) -> bool:
+    """Whether the architecture is one whose llama.cpp graph these ops reproduce: plain Llama attention and RoPE
+    (no rotary scaling, window, biases or Granite multipliers), head dim a multiple of 16."""
+    return (not args.use_scaled_rope and args.rope_scaling is None and args.sliding_window is None
+            and not args.qkv_bias and args.attention_multiplier is None and args.residual_multiplier == 1
+            and args.embedding_multiplier == 1 and args.logits_scaling == 1 and args.head_dim % 16 == 0)
+
+
 def enable(model) -> bool:
-    """Turn llama.cpp's arithmetic on for model's norms, attention and FFNs; False (nothing changed) where the ops
-    are not available."""
-    if not available():
+    """Turn llama.cpp's arithmetic on for model's norms, attention and FFNs, where the architecture follows() and
+    the model computes in fp32 on CPU; False (nothing changed) otherwise."""
+    ref = model.norm.weight
+    if not (follows(model.params) and ref.dtype == torch.float32 and ref.device.type == "cpu" and available()):
         return False
-    model.ggml_arith = True
     for module in model.modules():
         if hasattr(module, "ggml_arith"):
             module.ggml_arith = True
