@@ -18,7 +18,7 @@ from functools import lru_cache
 
 import torch
 
-from llama.kernels import cpu, paged
+from llama.kernels import cpu, invariant, paged
 
 SOURCE = cpu.CSRC / "ggml_arith.cpp"
 FLAGS = ("-O2", "-std=c++20", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp", "-w")
@@ -88,11 +88,14 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions:
            scale: float) -> torch.Tensor:
     """llama.cpp's attention without flash attention: q (B, T, heads, dim) over keys/values (B, kv_heads, S, dim)
     holding fp16 values, each query seeing positions 0..its own. A pass of more than one token sums its dots as
-    llama.cpp's batched product does (tinyBLAS), a pass of one as its single-token dot: per request, so a row's
-    result does not depend on the other rows. Returns (B, T, heads * dim) fp32."""
+    llama.cpp's batched product does (tinyBLAS: llama.cpp fed a prompt in one batch), a pass of one as its
+    one-token dot. While row-invariant arithmetic is on (prefix_cache="exact", llama/kernels/invariant.py) every
+    token takes the one-token dot, so a position's result does not depend on how its prompt was chunked: llama.cpp
+    fed one token at a time. Returns (B, T, heads * dim) fp32."""
     B, T = q.shape[:2]
     last = positions.expand(B, T).long()
-    return torch.ops.llama_ggml.attend(q.float().contiguous(), keys.float(), values.float(), last, T > 1,
+    tiled = T > 1 and not invariant.active()
+    return torch.ops.llama_ggml.attend(q.float().contiguous(), keys.float(), values.float(), last, tiled,
                                        float(scale))
 
 
