@@ -140,9 +140,10 @@ def test_logits_and_greedy_ids_equal_llama_cpps(smollm):
 
 @pytest.mark.parametrize("ftype,n_batch", [("Q6_K", 256), ("Q4_K_M", 1)])
 def test_k_quant_files_logits_equal_llama_cpps(ftype, n_batch, tmp_path_factory):
-    """llama.cpp's own Q6_K and Q4_K_M quantizations of the model, 64 greedy tokens. Q4_K_M feeds its prompt one
-    token at a time: llama.cpp multiplies Q4_K weights by 4 tokens at a time in another order of sums (its repacked
-    gemm), which our block product does not follow (tests/quantization/test_gguf_llama_cpp.py)."""
+    """llama.cpp's own Q6_K and Q4_K_M quantizations of the model, 64 greedy tokens. The prompts are under 8 tokens:
+    from 8 tokens on llama.cpp multiplies K-quants in its tiled kernel (ggml-cpu/tiled), whose order of sums our
+    block products do not follow yet. Q4_K_M feeds its prompt one token at a time: llama.cpp's repacked Q4_K gemm
+    takes 4 tokens at a time in another order too (tests/quantization/test_gguf_llama_cpp.py)."""
     from llama import Llama
 
     path = requantized(tmp_path_factory, ftype)
