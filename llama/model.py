@@ -22,7 +22,7 @@ from llama.sizes import derive_ffn, ffn_hidden_dim  # noqa: F401 (Meta's path; f
 from llama.rope import apply_rotary_emb, precompute_freqs_cis, reshape_for_broadcast  # noqa: F401 (Meta's path)
 from llama.rope import rope_tables, scale_rope_frequencies  # noqa: F401
 from llama.kernels import cpu as cpu_kernels
-from llama.kernels import exact_attention, fused_decode, invariant, paged
+from llama.kernels import exact_attention, fused_decode, ggml_arith, invariant, paged
 from llama.layers import ColumnLinear, Embedding, Fusable, RowLinear  # noqa: F401 (Meta's path for the layers)
 
 
@@ -160,6 +160,7 @@ def check_model_parallel(args: ModelArgs, mp: int) -> None:
 
 
 class RMSNorm(nn.Module):
+    ggml_arith = False  # llama.cpp's arithmetic where true (llama/kernels/ggml_arith.py: enable)
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
@@ -167,6 +168,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         # Normalise in fp32, round to the model dtype, then scale: the reference's order of operations.
+        if self.ggml_arith:
+            return ggml_arith.rms_norm(x, self.weight, self.eps)
         if cpu_kernels.norms(x, self.weight):
             return cpu_kernels.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).type_as(x) * self.weight
@@ -187,7 +190,6 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=2)
 
 
-
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                      scale: Optional[float] = None) -> torch.Tensor:
     """Attention of one query per row, written out so Inductor fuses it (SDPA is an opaque ~50 us call per layer).
@@ -205,6 +207,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
 class Attention(Fusable):
     FUSED = {"wqkv": ("wq", "wk", "wv")}
+    ggml_arith = False
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -288,6 +291,8 @@ class Attention(Fusable):
 
     def forward(self, x, cos, sin, start, positions, rows, kv_len, mask):
         B, T, _ = x.shape
+        if self.ggml_arith:
+            return ggml_arith.attention(self, x, start, positions, rows, kv_len)
         if self.block_table is not None and not torch.compiler.is_compiling():
             getattr(self.block_table, "direct", int)()  # outside the runner: the slot layout (core/kv_cache.py)
         exact = invariant.active()  # our kernels apply the window and scale: "exact" takes them for any model
@@ -319,6 +324,7 @@ class Attention(Fusable):
 
 class FeedForward(Fusable):
     FUSED = {"w13": ("w1", "w3")}
+    ggml_arith = False
 
     def __init__(self, dim: Union[ModelArgs, int], hidden_dim: Optional[int] = None, multiple_of: int = 256,
                  ffn_dim_multiplier: Optional[float] = None):
@@ -336,6 +342,8 @@ class FeedForward(Fusable):
         self.local_sizes = {"w1": local, "w3": local}
 
     def forward(self, x):
+        if self.ggml_arith:
+            return ggml_arith.feed_forward(self, x)
         if self.w13 is None:
             return self.w2(invariant.silu(self.w1(x)) * self.w3(x))
         gate, up = self.w13(x).chunk(2, dim=-1)
@@ -440,7 +448,7 @@ class Transformer(nn.Module):
     def run_layers(self, h, cos, sin, start, positions, rows, kv_len, mask) -> torch.Tensor:
         """Every layer over h (B, T, dim): one token per row on CPU in one call of our kernel where it takes every
         layer (llama/kernels/fused_decode.py; the same result), else layer by layer."""
-        if h.shape[1] == 1 and self.params.kernel_decodes(kv_len):
+        if h.shape[1] == 1 and self.params.kernel_decodes(kv_len) and not self.norm.ggml_arith:
             out = fused_decode.run(self.layers, h, cos, sin, positions, rows, kv_len)
             if out is not None:
                 return out

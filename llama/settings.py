@@ -30,6 +30,7 @@ class Settings:
     cpu_kernels: bool  # LLAMA_CPU_KERNELS
     fused_decode: bool  # LLAMA_FUSED_DECODE
     gguf_blocks: bool  # LLAMA_GGUF_BLOCKS
+    ggml_arith: bool  # LLAMA_GGML_ARITH
     int4_cache: bool  # LLAMA_INT4_CACHE
     compile_cache: bool  # LLAMA_COMPILE_CACHE
     offline: bool  # LLAMA_OFFLINE: never fetch the default model
@@ -102,6 +103,7 @@ def read() -> Settings:
         cpu_kernels=flag("LLAMA_CPU_KERNELS", True),
         fused_decode=flag("LLAMA_FUSED_DECODE", True),
         gguf_blocks=flag("LLAMA_GGUF_BLOCKS", True),
+        ggml_arith=flag("LLAMA_GGML_ARITH", True),
         int4_cache=flag("LLAMA_INT4_CACHE", True),
         compile_cache=flag("LLAMA_COMPILE_CACHE", True),
         offline=flag("LLAMA_OFFLINE", False),

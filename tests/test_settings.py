@@ -11,10 +11,10 @@ from conftest import REPO
 from llama import settings
 
 VARIABLES = ("LLAMA_CACHE", "LLAMA_DEVICE", "LLAMA_DTYPE", "LLAMA_MEMORY_LIMIT", "LLAMA_CPU_KERNELS",
-             "LLAMA_FUSED_DECODE", "LLAMA_GGUF_BLOCKS", "LLAMA_INT4_CACHE", "LLAMA_COMPILE_CACHE", "LLAMA_OFFLINE", "LLAMA_API_KEY",
+             "LLAMA_FUSED_DECODE", "LLAMA_GGUF_BLOCKS", "LLAMA_GGML_ARITH", "LLAMA_INT4_CACHE", "LLAMA_COMPILE_CACHE", "LLAMA_OFFLINE", "LLAMA_API_KEY",
              "LLAMA_ASYNC_DECODE")
 FLAGS = {"LLAMA_CPU_KERNELS": ("cpu_kernels", True), "LLAMA_FUSED_DECODE": ("fused_decode", True),
-         "LLAMA_GGUF_BLOCKS": ("gguf_blocks", True),
+         "LLAMA_GGUF_BLOCKS": ("gguf_blocks", True), "LLAMA_GGML_ARITH": ("ggml_arith", True),
          "LLAMA_INT4_CACHE": ("int4_cache", True), "LLAMA_COMPILE_CACHE": ("compile_cache", True),
          "LLAMA_OFFLINE": ("offline", False)}
 
@@ -30,7 +30,8 @@ def clean(monkeypatch):
 def test_defaults(clean):
     s = settings.reload()
     assert s == settings.Settings(cache=Path.home() / ".cache" / "llama", device=None, dtype=None, memory_limit=None,
-                                  cpu_kernels=True, fused_decode=True, gguf_blocks=True, int4_cache=True, compile_cache=True,
+                                  cpu_kernels=True, fused_decode=True, gguf_blocks=True, ggml_arith=True, int4_cache=True,
+                                  compile_cache=True,
                                   offline=False, api_key=None, async_decode=None)
     assert settings.cache_dir() == Path.home() / ".cache" / "llama"
 
@@ -39,14 +40,14 @@ def test_each_variable_is_parsed(clean, tmp_path):
     for name, value in (("LLAMA_CACHE", str(tmp_path)), ("LLAMA_DEVICE", "cuda:1"), ("LLAMA_DTYPE", "bf16"),
                         ("LLAMA_MEMORY_LIMIT", "1.5G"), ("LLAMA_API_KEY", " sk-test "), ("LLAMA_OFFLINE", "1")):
         clean.setenv(name, value)
-    for name in ("LLAMA_CPU_KERNELS", "LLAMA_FUSED_DECODE", "LLAMA_GGUF_BLOCKS", "LLAMA_INT4_CACHE",
+    for name in ("LLAMA_CPU_KERNELS", "LLAMA_FUSED_DECODE", "LLAMA_GGUF_BLOCKS", "LLAMA_GGML_ARITH", "LLAMA_INT4_CACHE",
                  "LLAMA_COMPILE_CACHE"):
         clean.setenv(name, "off")
     s = settings.get()
     assert s.cache == tmp_path and settings.cache_dir() == tmp_path
     assert s.device == torch.device("cuda", 1) and s.dtype == torch.bfloat16
     assert s.memory_limit == int(1.5 * 2**30) and s.api_key == "sk-test" and s.offline
-    assert not (s.cpu_kernels or s.fused_decode or s.gguf_blocks or s.int4_cache or s.compile_cache)
+    assert not (s.cpu_kernels or s.fused_decode or s.gguf_blocks or s.ggml_arith or s.int4_cache or s.compile_cache)
 
 
 @pytest.mark.parametrize("name", sorted(FLAGS))

@@ -321,14 +321,19 @@ def wants_auto(model) -> bool:
             and parallel.model_parallel_size() == 1)
 
 
+def llama_cpp_arith(model) -> bool:
+    return getattr(getattr(model, "norm", None), "ggml_arith", False)
+
+
 def compile_decode(model, mode: Union[bool, str, None] = True) -> Optional[CompiledDecode]:
     """The compiled one-token decode step the runner uses, or None for eager decoding.
 
     mode: True (compile each batch size on first use, Inductor mode chosen by dtype), "max-autotune" (Inductor's
     own GEMM templates, slowest to compile), "default" (freezing, library GEMMs), or "auto": on CPU, for models of
     AUTO_MIN_PARAMS or more, compile a batch size once eager decoding at it has cost as much as compiling would
-    (CompiledDecode's lazy rule); otherwise stay eager. False or None: eager.
+    (CompiledDecode's lazy rule); otherwise stay eager. False or None: eager. A model in llama.cpp's arithmetic
+    (llama/kernels/ggml_arith.py) decodes eagerly whatever the mode: its ops are not traced.
     """
-    if mode is False or mode is None or (mode == "auto" and not wants_auto(model)):
+    if mode is False or mode is None or (mode == "auto" and not wants_auto(model)) or llama_cpp_arith(model):
         return None
     return CompiledDecode(model, "auto" if mode in (True, "auto") else mode, lazy=mode == "auto")

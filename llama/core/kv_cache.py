@@ -69,6 +69,12 @@ def pool_salt(model, dtype: torch.dtype, block_size: int, place: Tuple[int, int]
 KV_DTYPES = {"int8": torch.int8}
 
 
+def model_kv_dtype(model) -> torch.dtype:
+    """The cache's default dtype: the model's, or fp16 for a model in llama.cpp's arithmetic (its KV cache's type;
+    llama/kernels/ggml_arith.py), which holds the same values as fp32 in half the bytes."""
+    return torch.float16 if getattr(model.norm, "ggml_arith", False) else model.norm.weight.dtype
+
+
 def build_cache(model, max_batch_size: int, max_seq_len: int, memory=None, prefix_cache="on",
                 place: Tuple[int, int] = (0, 0), replicated: bool = False, kv_dtype=None) -> "KVCache":
     """The Llama facade's cache: the model's dtype and device, sized by kv_cache_memory (bytes or "4GiB"). place:
@@ -84,7 +90,7 @@ def build_cache(model, max_batch_size: int, max_seq_len: int, memory=None, prefi
     if kv_dtype not in (None, "int8"):
         raise ValueError(f"kv_cache_dtype must be None (the model's dtype) or 'int8', got {kv_dtype!r}")
     ref = model.norm.weight
-    dtype = KV_DTYPES.get(kv_dtype, ref.dtype)
+    dtype = KV_DTYPES.get(kv_dtype, model_kv_dtype(model))
     blocks = pool_blocks(model, max_batch_size, max_seq_len, BLOCK_SIZE, dtype, memory=memory)
     cache = KVCache(model, max_batch_size, max_seq_len, dtype=dtype, device=ref.device, num_blocks=blocks,
                     salt=pool_salt(model, dtype, BLOCK_SIZE, place))
@@ -102,7 +108,7 @@ class KVCache:
     def __init__(self, model, max_batch_size: int, max_seq_len: int, dtype=None, device=None,
                  block_size: int = BLOCK_SIZE, num_blocks: Optional[int] = None, salt: bytes = b""):
         ref = model.norm.weight
-        dtype, device = dtype or ref.dtype, device or ref.device
+        dtype, device = dtype or model_kv_dtype(model), device or ref.device
         if num_blocks is None:
             num_blocks = pool_blocks(model, max_batch_size, max_seq_len, block_size, dtype)
         self.layers = [layer.attention for layer in model.layers]

@@ -10,6 +10,7 @@ from typing import Optional, Tuple, Union
 import torch
 from tqdm import tqdm
 
+from llama import settings
 from llama.compilation import compiled_decode as compilation
 from llama.core.params import positive_int
 from llama.distributed import parallel, pipeline
@@ -22,6 +23,7 @@ from llama.formats import meta_checkpoint as checkpoint
 from llama.formats import preload as residency
 from llama.formats import quantized_checkpoint as quant_checkpoint
 from llama.kernels import cpu as cpu_kernels
+from llama.kernels import ggml_arith
 from llama.layers import Fusable, linear_layers
 from llama.model import ModelArgs, Transformer, check_model_parallel
 from llama.quantization import schemes as quantization
@@ -318,6 +320,8 @@ def float_model(ckpt_dir, args: ModelArgs, rank: int, mp_size: int, reader, gguf
     native = any(isinstance(m.method, gguf_quants.gguf_blocks.GGUFBlocks) for m in linear_layers(model))
     # what layer-by-layer loading has not done yet (block layers were fused by type as they loaded)
     prepare(model, device, dtype, quantize, group_size, fuse and not native)
+    if native and settings.get().ggml_arith:  # llama.cpp's logits bit for bit (llama/kernels/ggml_arith.py)
+        ggml_arith.enable(model)
     if tied and not model.output.method.quantized:  # casting copied each: share the embedding again
         model.output.weight = model.tok_embeddings.weight
     return model

@@ -104,7 +104,8 @@ print("freezing", step.config["freezing"], "packages", sorted(step.packages), "l
 '''
 
 SMOLLM2 = r'''
-import sys, torch
+import os, sys, torch
+os.environ["LLAMA_GGML_ARITH"] = "0"  # llama.cpp's arithmetic decodes eagerly: this checks the compiled step
 torch.set_num_threads(1)
 from llama import Llama
 g = Llama.build(sys.argv[1], None, max_seq_len=64, max_batch_size=1, compile=True)

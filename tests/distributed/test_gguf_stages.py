@@ -165,3 +165,16 @@ def test_stages_and_uneven_model_parallel_keep_their_blocks_and_give_one_process
     assert sorted(r["heads"][0] for r in tp) == sorted(split_heads * 2)
     assert {k: sum(r["kinds"].get(k, 0) for r in tp) for k in want[heads]["kinds"]} == {
         k: 2 * v for k, v in want[heads]["kinds"].items()}  # each stage's layers once per tensor-parallel rank
+
+
+@pytest.fixture(autouse=True)
+def own_arithmetic(monkeypatch):
+    """Stages and model-parallel ranks run our own arithmetic between the products (llama.cpp's, the one-process
+    default for a GGUF model in its blocks, is not applied to stages): the one process they are compared with too."""
+    from llama import settings
+
+    monkeypatch.setenv("LLAMA_GGML_ARITH", "0")
+    settings.reload()
+    yield
+    monkeypatch.undo()
+    settings.reload()

@@ -226,3 +226,17 @@ def test_a_compiled_step_calls_the_block_kernels_to_the_eager_ids(q4km, capfd):
     assert compiled.generate([PROMPT], max_gen_len=12, temperature=0)[0][0] == eager
     out = capfd.readouterr()
     assert "Compiling the decode step" in out.out + out.err
+
+
+@pytest.fixture(autouse=True)
+def own_arithmetic(monkeypatch):
+    """These tests check our own paths around the block products (the one-call step, the compiled step, products
+    against dequantized weights), so they run without llama.cpp's arithmetic (LLAMA_GGML_ARITH=0), which skips the
+    first two; tests/quantization/test_gguf_llama_cpp_arith.py covers it."""
+    from llama import settings
+
+    monkeypatch.setenv("LLAMA_GGML_ARITH", "0")
+    settings.reload()
+    yield
+    monkeypatch.undo()
+    settings.reload()

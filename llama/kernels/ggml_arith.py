@@ -1,0 +1,152 @@
+"""llama.cpp's CPU arithmetic around the block products, for models whose weights run as GGUF blocks.
+
+Why: our block products already equal llama.cpp's bit for bit (q8 activations, its sums), but the ops between them
+rounded otherwise (fp32 KV, torch's RoPE tables, SiLU and softmax), and with int8 activations a last-bit difference
+anywhere moves an activation code and then the greedy ids. With this on, RMSNorm, RoPE, SwiGLU and attention
+compute what llama.cpp's CPU graph computes (csrc/ggml_arith.cpp says which roundings, from llama.cpp's source):
+keys, values, queries and softmax probabilities in fp16, its exp polynomial, its orders of summation. What it
+follows is llama-cpp-python's `Llama` default, attention without flash attention (`flash_attn=False`), on an
+AVX-512 build; llama.cpp's own CLI defaults to flash attention on CPU, which rounds otherwise.
+
+The ops are a small library of their own (built like llama/kernels/cpu.py's, into $LLAMA_CACHE/kernels/), so the
+product kernels' library is untouched. `enable(model)` turns the path on for one model; every module keeps its
+fp32/bf16 arithmetic otherwise.
+"""
+
+import sys
+from functools import lru_cache
+
+import torch
+
+from llama.kernels import cpu, invariant, paged
+
+SOURCE = cpu.CSRC / "ggml_arith.cpp"
+FLAGS = ("-O2", "-std=c++20", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp", "-w")
+
+
+@lru_cache(maxsize=None)
+def available() -> bool:
+    """Whether the ops are loaded into torch.ops.llama_ggml (built the first time on this machine)."""
+    if not cpu.available():
+        return False
+    import hashlib
+    import os
+    import subprocess
+    import tempfile
+
+    from torch.utils import cpp_extension
+
+    cxx = cpu._compiler()
+    h = hashlib.sha256(SOURCE.read_bytes() + (cpu.CSRC / "check.h").read_bytes())
+    h.update(f"|{torch.__version__}|{FLAGS}|{torch._C._GLIBCXX_USE_CXX11_ABI}".encode())
+    out = cpu.cache_dir() / "kernels" / h.hexdigest()[:24] / "ggml_arith.so"
+    try:
+        if not out.exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+            os.close(fd)
+            cmd = [cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+            cmd += [f"-I{p}" for p in cpp_extension.include_paths()] + [str(SOURCE), "-o", tmp]
+            cmd += [a for p in cpp_extension.library_paths() for a in (f"-L{p}", f"-Wl,-rpath,{p}")]
+            done = subprocess.run(cmd + ["-lc10", "-ltorch_cpu"], capture_output=True, text=True)
+            if done.returncode != 0:
+                os.unlink(tmp)
+                raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
+            os.replace(tmp, out)
+        torch.ops.load_library(str(out))
+    except Exception as e:  # noqa: BLE001 - the model then keeps its own arithmetic
+        print(f"note: llama.cpp's arithmetic is not available ({e.__class__.__name__}: {e})", file=sys.stderr)
+        return False
+    return True
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """llama.cpp's RMSNorm times the weight: squares summed in double, fp32 input and result."""
+    rows = x.reshape(-1, x.shape[-1]).float().contiguous()
+    return torch.ops.llama_ggml.rms_norm(rows, weight.float().contiguous(), float(eps)).view(x.shape)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
+    """x (B, T, heads, dim) rotated in adjacent pairs at positions (B|1, T), as llama.cpp's rope (its normal mode)."""
+    B, T, H, D = x.shape
+    pos = positions.expand(B, T).reshape(-1).long()
+    return torch.ops.llama_ggml.rope(x.reshape(B * T, H, D).float().contiguous(), pos, float(base)).view(B, T, H, D)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up as llama.cpp's swiglu computes it."""
+    g, u = gate.reshape(-1, gate.shape[-1]).float(), up.reshape(-1, up.shape[-1]).float()
+    return torch.ops.llama_ggml.swiglu(g, u).view(gate.shape)
+
+
+def fp16(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to fp16 (llama.cpp's KV cache), kept in x's dtype."""
+    return x.to(torch.float16).to(x.dtype)
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+           scale: float) -> torch.Tensor:
+    """llama.cpp's attention without flash attention: q (B, T, heads, dim) over keys/values (B, kv_heads, S, dim)
+    holding fp16 values, each query seeing positions 0..its own. A pass of more than one token sums its dots as
+    llama.cpp's batched product does (tinyBLAS: llama.cpp fed a prompt in one batch), a pass of one as its
+    one-token dot. While row-invariant arithmetic is on (prefix_cache="exact", llama/kernels/invariant.py) every
+    token takes the one-token dot, so a position's result does not depend on how its prompt was chunked: llama.cpp
+    fed one token at a time. Returns (B, T, heads * dim) fp32."""
+    B, T = q.shape[:2]
+    last = positions.expand(B, T).long()
+    tiled = T > 1 and not invariant.active()
+    return torch.ops.llama_ggml.attend(q.float().contiguous(), keys.float(), values.float(), last, tiled,
+                                       float(scale))
+
+
+def attention(attn, x: torch.Tensor, start, positions: torch.Tensor, rows, kv_len: int) -> torch.Tensor:
+    """An Attention module's forward (llama/model.py) in llama.cpp's arithmetic: projections, RoPE, keys and values
+    rounded to fp16 into the cache (the one cache write, Attention.store), attention over the cached positions."""
+    B, T, _ = x.shape
+    nq, nkv, hd = attn.n_local_heads, attn.n_local_kv_heads, attn.head_dim
+    if attn.wqkv is None:
+        q, k, v = attn.wq(x), attn.wk(x), attn.wv(x)
+    else:
+        qkv = attn.wqkv(x)
+        q, k, v = qkv[..., : nq * hd], qkv[..., nq * hd : (nq + nkv) * hd], qkv[..., (nq + nkv) * hd :]
+    theta = attn.args.rope_theta
+    q = rope(q.reshape(B, T, nq, hd), positions, theta)
+    k = fp16(rope(k.reshape(B, T, nkv, hd), positions, theta))
+    attn.store(k, fp16(v.reshape(B, T, nkv, hd).float()), start, positions, rows)
+    if attn.block_table is not None:
+        getattr(attn.block_table, "direct", int)()  # outside the runner: the slot layout (core/kv_cache.py)
+        keys, values = paged.read(attn.cache_k, attn.cache_v, attn.table_rows(rows, B, x.device), kv_len,
+                                  torch.float32)
+    else:
+        ck, cv, idx = attn.cached_rows(rows)
+        keys, values = (ck[:B, :, :kv_len], cv[:B, :, :kv_len]) if idx is None else \
+            (ck[idx, :, :kv_len], cv[idx, :, :kv_len])
+    scale = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(float(hd)).sqrt()  # 1.0f / sqrtf(head_dim)
+    out = attend(q, keys, values, positions, scale.item())
+    return attn.wo(out.to(x.dtype))
+
+
+def feed_forward(ff, x: torch.Tensor) -> torch.Tensor:
+    """A FeedForward module's forward in llama.cpp's arithmetic (its swiglu between the products)."""
+    gate, up = ff.w13(x).chunk(2, dim=-1) if ff.w13 is not None else (ff.w1(x), ff.w3(x))
+    return ff.w2(swiglu(gate, up).to(x.dtype))
+
+
+def follows(args) -> bool:
+    """Whether the architecture is one whose llama.cpp graph these ops reproduce: plain Llama attention and RoPE
+    (no rotary scaling, window, biases or Granite multipliers), head dim a multiple of 16."""
+    return (not args.use_scaled_rope and args.rope_scaling is None and args.sliding_window is None
+            and not args.qkv_bias and args.attention_multiplier is None and args.residual_multiplier == 1
+            and args.embedding_multiplier == 1 and args.logits_scaling == 1 and args.head_dim % 16 == 0)
+
+
+def enable(model) -> bool:
+    """Turn llama.cpp's arithmetic on for model's norms, attention and FFNs, where the architecture follows() and
+    the model computes in fp32 on CPU; False (nothing changed) otherwise."""
+    ref = model.norm.weight
+    if not (follows(model.params) and ref.dtype == torch.float32 and ref.device.type == "cpu" and available()):
+        return False
+    for module in model.modules():
+        if hasattr(module, "ggml_arith"):
+            module.ggml_arith = True
+    return True
