@@ -17,6 +17,7 @@ import torch
 
 from benchmarks.harness import print_results
 
+BF16 = "bf16 keys and values"
 CORPUS = Path(__file__).resolve().parents[1] / "llama" / "data" / "demo_corpus.txt"
 
 
@@ -31,6 +32,7 @@ def forms():
     from llama.kernels import paged
 
     return {
+        BF16: lambda x: x.to(torch.bfloat16).float(),
         "16-bit codes per head (noise floor)": lambda x: per_group(x, x.shape[-1], 32767.0),
         "int8 + fp32 scale per head (before)": lambda x: per_group(x, x.shape[-1], 127.0),
         "int8 q8_0: fp16 scale per 32 (now)": lambda x: paged.dequantize(*paged.quantize(x), torch.float32),
@@ -89,6 +91,14 @@ def run(args) -> None:
                      "delta": round(ppl * math.expm1(float(d.mean())), 4), "delta's standard error": round(ppl * se, 4),
                      "mean KL divergence": round(float(kld.mean()), 6),
                      "key/value relative RMS error": round(math.sqrt(err[name][0] / err[name][1]), 5)})
+    if args.dtype in ("fp32", "float32"):  # each form against the bf16 cache, paired per token
+        base = torch.cat(diffs[BF16][0])
+        for name in variants:
+            if name != BF16:
+                d = torch.cat(diffs[name][0]) - base
+                rows.append({"keys and values": f"{name}, against bf16 keys and values",
+                             "delta": round(ppl * math.expm1(float(d.mean())), 4),
+                             "delta's standard error": round(ppl * float(d.std()) / math.sqrt(len(d)), 4)})
     print(f"{args.model} ({args.dtype}), {len(nll)} tokens of {args.text or CORPUS.name}, windows of {args.window} "
           f"stride {args.stride}: paired against the {args.dtype} cache")
     print_results("int8-kv-paired", rows)

@@ -103,7 +103,7 @@ def read() -> Settings:
         cpu_kernels=flag("LLAMA_CPU_KERNELS", True),
         fused_decode=flag("LLAMA_FUSED_DECODE", True),
         gguf_blocks=flag("LLAMA_GGUF_BLOCKS", True),
-        ggml_arith=flag("LLAMA_GGML_ARITH", True),
+        ggml_arith=flag("LLAMA_GGML_ARITH", False),
         int4_cache=flag("LLAMA_INT4_CACHE", True),
         compile_cache=flag("LLAMA_COMPILE_CACHE", True),
         offline=flag("LLAMA_OFFLINE", False),

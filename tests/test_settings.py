@@ -14,7 +14,7 @@ VARIABLES = ("LLAMA_CACHE", "LLAMA_DEVICE", "LLAMA_DTYPE", "LLAMA_MEMORY_LIMIT",
              "LLAMA_FUSED_DECODE", "LLAMA_GGUF_BLOCKS", "LLAMA_GGML_ARITH", "LLAMA_INT4_CACHE", "LLAMA_COMPILE_CACHE", "LLAMA_OFFLINE", "LLAMA_API_KEY",
              "LLAMA_ASYNC_DECODE")
 FLAGS = {"LLAMA_CPU_KERNELS": ("cpu_kernels", True), "LLAMA_FUSED_DECODE": ("fused_decode", True),
-         "LLAMA_GGUF_BLOCKS": ("gguf_blocks", True), "LLAMA_GGML_ARITH": ("ggml_arith", True),
+         "LLAMA_GGUF_BLOCKS": ("gguf_blocks", True), "LLAMA_GGML_ARITH": ("ggml_arith", False),
          "LLAMA_INT4_CACHE": ("int4_cache", True), "LLAMA_COMPILE_CACHE": ("compile_cache", True),
          "LLAMA_OFFLINE": ("offline", False)}
 

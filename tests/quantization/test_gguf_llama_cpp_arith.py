@@ -5,6 +5,7 @@ every position, so the greedy ids agree. llama-cpp-python's `Llama` runs attenti
 default, flash_attn=False), which is what the ops follow."""
 
 import ctypes
+import os
 
 import numpy as np
 import pytest
@@ -58,12 +59,28 @@ def llama_cpp_steps(path, batches):
     return steps
 
 
+@pytest.fixture(scope="module", autouse=True)
+def llama_cpp_arithmetic():
+    """llama.cpp's arithmetic is opt-in (LLAMA_GGML_ARITH=1; it costs decode speed): on for this module."""
+    from llama import settings
+
+    old = os.environ.get("LLAMA_GGML_ARITH")
+    os.environ["LLAMA_GGML_ARITH"] = "1"
+    settings.reload()
+    yield
+    if old is None:
+        del os.environ["LLAMA_GGML_ARITH"]
+    else:
+        os.environ["LLAMA_GGML_ARITH"] = old
+    settings.reload()
+
+
 @pytest.fixture(scope="module")
 def smollm():
     from llama import Llama
 
     gen = Llama.build(str(need(SMOLLM)), None, max_seq_len=64, max_batch_size=1, compile=False)
-    assert gen.model.norm.ggml_arith, "a GGUF model run in its blocks on CPU takes llama.cpp's arithmetic"
+    assert gen.model.norm.ggml_arith, "LLAMA_GGML_ARITH=1: a GGUF model run in its blocks takes llama.cpp's arithmetic"
     return gen
 
 
@@ -151,11 +168,15 @@ def test_k_quant_files_logits_equal_llama_cpps(ftype, n_batch, tmp_path_factory)
     compare(gen, path, 64, n_batch)
 
 
-def test_off_switch_keeps_our_arithmetic(monkeypatch):
-    """LLAMA_GGML_ARITH=0: the GGUF model keeps our own arithmetic and the model's cache dtype."""
+@pytest.mark.parametrize("value", [None, "0"], ids=["default", "0"])
+def test_off_by_default_keeps_our_arithmetic(value, monkeypatch):
+    """Unset or LLAMA_GGML_ARITH=0: the GGUF model keeps our own arithmetic and the model's cache dtype."""
     from llama import Llama, settings
 
-    monkeypatch.setenv("LLAMA_GGML_ARITH", "0")
+    if value is None:
+        monkeypatch.delenv("LLAMA_GGML_ARITH")
+    else:
+        monkeypatch.setenv("LLAMA_GGML_ARITH", value)
     settings.reload()
     try:
         gen = Llama.build(str(need(SMOLLM)), None, max_seq_len=32, max_batch_size=1, compile=False)
