@@ -36,24 +36,34 @@ PARAGRAPH = ("The old lighthouse stood at the edge of the cliff, its white paint
              "lens, so that ships far out at sea could find their way past the rocks and into the harbour.")
 
 
+def random_llama(dim: int, layers: int, n_heads: int, n_kv_heads: int, threads: int = 0, **build):
+    """A Llama of random bf16 weights of that shape (Llama 2's tokenizer, 256 positions, one row), built with
+    build's options (compile, quantize, dtype), for timing steps; the checkpoint is written to a temporary dir."""
+    from llama import Llama
+    from llama.formats.demo import write_random_checkpoint
+
+    if threads:
+        torch.set_num_threads(threads)
+    tok = REPO.parent / "shared/tokenizers/llama2/tokenizer.model"
+    params = {"dim": dim, "n_layers": layers, "n_heads": n_heads, "n_kv_heads": n_kv_heads, "multiple_of": 256,
+              "norm_eps": 1e-5, "vocab_size": 32000}
+    with tempfile.TemporaryDirectory() as d:
+        write_random_checkpoint(d, params, tokenizer_path=tok, dtype=torch.bfloat16)
+        return Llama.build(d, str(Path(d) / "tokenizer.model"), max_seq_len=256, max_batch_size=1,
+                           prefix_cache="off", **{"dtype": "bfloat16", **build})
+
+
 def cost(args) -> None:
     from llama import Llama
     from llama.core.plan import Decode, Prefill, SetBlocks, Verify
-    from llama.formats.demo import write_random_checkpoint
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    tok = REPO.parent / "shared/tokenizers/llama2/tokenizer.model"
-    params = {"dim": args.dim, "n_layers": args.layers, "n_heads": args.dim // 64, "n_kv_heads": args.dim // 128,
-              "multiple_of": 256, "norm_eps": 1e-5, "vocab_size": 32000}
     if args.gguf:
+        if args.threads:
+            torch.set_num_threads(args.threads)
         g = Llama.build(args.gguf, None, max_seq_len=256, max_batch_size=1, compile=False, prefix_cache="off")
         what = f"{Path(args.gguf).name}, {torch.get_num_threads()} threads"
     else:
-        with tempfile.TemporaryDirectory() as d:
-            write_random_checkpoint(d, params, tokenizer_path=tok, dtype=torch.bfloat16)
-            g = Llama.build(d, str(Path(d) / "tokenizer.model"), max_seq_len=256, max_batch_size=1,
-                            dtype="bfloat16", compile=False, prefix_cache="off")
+        g = random_llama(args.dim, args.layers, args.dim // 64, args.dim // 128, args.threads, compile=False)
         what = f"dim {args.dim}, {args.layers} layers, bf16, {torch.get_num_threads()} threads"
     start = 100
     with g.cache.hold():

@@ -13,7 +13,6 @@
 
 import argparse
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,19 +25,12 @@ K = range(1, 9)
 
 
 def cost(args) -> None:
-    from llama import Llama
     from llama.core.plan import Decode, Prefill, SetBlocks, Verify
-    from llama.formats.demo import write_random_checkpoint
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    tok = REPO.parent / "shared/tokenizers/llama2/tokenizer.model"
-    params = {"dim": args.dim, "n_layers": args.layers, "n_heads": args.dim // 128, "n_kv_heads": args.dim // 128,
-              "multiple_of": 256, "norm_eps": 1e-5, "vocab_size": 32000}
-    with tempfile.TemporaryDirectory() as d:
-        write_random_checkpoint(d, params, tokenizer_path=tok, dtype=torch.bfloat16)
-        g = Llama.build(d, str(Path(d) / "tokenizer.model"), max_seq_len=256, max_batch_size=1, dtype="bfloat16",
-                        compile=True, quantize=args.quantize, prefix_cache="off")
+    from benchmarks.speculative import random_llama
+
+    heads = args.dim // 128  # Llama 2 7B's head_dim, no GQA
+    g = random_llama(args.dim, args.layers, heads, heads, args.threads, compile=True, quantize=args.quantize)
     what = (f"dim {args.dim}, {args.layers} layers, {args.quantize or 'bf16'}, {torch.get_num_threads()} threads, "
             f"kernels outside the graph: {g.runner.compiled.outside}")
     start, compiled = 100, g.runner.compiled
