@@ -53,9 +53,21 @@ def random_llama(dim: int, layers: int, n_heads: int, n_kv_heads: int, threads: 
                            prefix_cache="off", **{"dtype": "bfloat16", **build})
 
 
+def verify_ops(g, ks, start: int = 100) -> dict:
+    """Row 0 of g's cache prefilled to `start` positions (call inside g.cache.hold()), and the ops to time there:
+    {0: a 1-token Decode, k: a Verify of k + 1 rows for each k in ks}."""
+    from llama.core.plan import Decode, Prefill, SetBlocks, Verify
+
+    g.runner.execute([SetBlocks(rows=[0], blocks=[g.cache.pool.allocate(16)]),
+                      Prefill(tokens=[list(range(3, 3 + start))], start=0, rows=[0], last=[start - 1], kv_len=start)])
+    ops = {0: Decode(tokens=[5], pos=[start], active=[0])}
+    ops.update({k: Verify(tokens=[5] * (k + 1), pos=list(range(start, start + k + 1)), rows=[0] * (k + 1))
+                for k in ks})
+    return ops
+
+
 def cost(args) -> None:
     from llama import Llama
-    from llama.core.plan import Decode, Prefill, SetBlocks, Verify
 
     if args.gguf:
         if args.threads:
@@ -65,14 +77,8 @@ def cost(args) -> None:
     else:
         g = random_llama(args.dim, args.layers, args.dim // 64, args.dim // 128, args.threads, compile=False)
         what = f"dim {args.dim}, {args.layers} layers, bf16, {torch.get_num_threads()} threads"
-    start = 100
     with g.cache.hold():
-        g.runner.execute([SetBlocks(rows=[0], blocks=[g.cache.pool.allocate(16)]),
-                          Prefill(tokens=[list(range(3, 3 + start))], start=0, rows=[0], last=[start - 1],
-                                  kv_len=start)])
-        ops = {0: Decode(tokens=[5], pos=[start], active=[0])}
-        ops.update({k: Verify(tokens=[5] * (k + 1), pos=list(range(start, start + k + 1)), rows=[0] * (k + 1))
-                    for k in range(1, 8)})
+        ops = verify_ops(g, range(1, 8))
         times = {k: [] for k in ops}
         for _ in tqdm(range(args.reps), desc="reps"):
             for k, op in ops.items():

@@ -25,22 +25,15 @@ K = range(1, 9)
 
 
 def cost(args) -> None:
-    from llama.core.plan import Decode, Prefill, SetBlocks, Verify
-
-    from benchmarks.speculative import random_llama
+    from benchmarks.speculative import random_llama, verify_ops
 
     heads = args.dim // 128  # Llama 2 7B's head_dim, no GQA
     g = random_llama(args.dim, args.layers, heads, heads, args.threads, compile=True, quantize=args.quantize)
     what = (f"dim {args.dim}, {args.layers} layers, {args.quantize or 'bf16'}, {torch.get_num_threads()} threads, "
             f"kernels outside the graph: {g.runner.compiled.outside}")
-    start, compiled = 100, g.runner.compiled
+    compiled = g.runner.compiled
     with g.cache.hold():
-        g.runner.execute([SetBlocks(rows=[0], blocks=[g.cache.pool.allocate(16)]),
-                          Prefill(tokens=[list(range(3, 3 + start))], start=0, rows=[0], last=[start - 1],
-                                  kv_len=start)])
-        ops = {0: Decode(tokens=[5], pos=[start], active=[0])}
-        ops.update({k: Verify(tokens=[5] * (k + 1), pos=list(range(start, start + k + 1)), rows=[0] * (k + 1))
-                    for k in K})
+        ops = verify_ops(g, K)
         for op in tqdm(ops.values(), desc="compiling"):  # first calls compile (or load) each graph
             g.runner.execute([op])
         times = {(v, k): [] for v in ("eager", "compiled") for k in ops}
