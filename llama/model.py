@@ -1,9 +1,8 @@
 """The Llama transformer: Meta's reference architecture with a per-row KV cache.
 
-Same parameter names and model-parallel layers (fairscale) as Meta's reference, so its checkpoints load
-unchanged. Differences that matter: positions may differ per batch row (continuous batching, ragged prompts),
-the cache rows a batch uses can be chosen (slots), and attention is PyTorch's SDPA with grouped-query heads
-left unexpanded.
+Same parameter names and model-parallel layers (fairscale) as Meta's reference, so its checkpoints load unchanged.
+Differences that matter: positions may differ per batch row (continuous batching, ragged prompts), the cache rows a
+batch uses can be chosen (slots), and attention is PyTorch's SDPA with grouped-query heads left unexpanded.
 """
 
 import json
@@ -197,8 +196,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     q (B, 1, H, D); keys/values (B, Hkv, S, D); mask (B, 1, 1, S) bool. Query heads that share a KV head are
     grouped instead of repeating keys. Scores and softmax in fp32; scale None is D ** -0.5. Returns (B, H, 1, D).
     """
-    B, _, H, D = q.shape
-    kv_heads = keys.shape[1]
+    (B, _, H, D), kv_heads = q.shape, keys.shape[1]
     qg = q.view(B, kv_heads, H // kv_heads, D).float()  # head h uses KV head h // (H / Hkv), as enable_gqa does
     scores = (qg @ keys.float().transpose(-1, -2)) * (D**-0.5 if scale is None else scale)  # (B, Hkv, G, S)
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
