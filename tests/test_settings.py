@@ -30,7 +30,7 @@ def clean(monkeypatch):
 def test_defaults(clean):
     s = settings.reload()
     assert s == settings.Settings(cache=Path.home() / ".cache" / "llama", device=None, dtype=None, memory_limit=None,
-                                  cpu_kernels=True, fused_decode=True, gguf_blocks=True, ggml_arith=True, int4_cache=True,
+                                  cpu_kernels=True, fused_decode=True, gguf_blocks=True, ggml_arith=False, int4_cache=True,
                                   compile_cache=True,
                                   offline=False, api_key=None, async_decode=None)
     assert settings.cache_dir() == Path.home() / ".cache" / "llama"

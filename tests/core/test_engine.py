@@ -303,6 +303,7 @@ def test_compiled_decode_step_spans_the_slots_in_use(gen, monkeypatch, cuda):
     class Step:  # CompiledDecode's interface, already compiled for every size
         lazy = False
         cuda = False
+        seen = {}  # the graphs compiled so far (Runner.compiles): none during the run
 
         def key(self, batch, rows):
             return batch, rows is not None
