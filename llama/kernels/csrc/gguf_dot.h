@@ -317,11 +317,20 @@ void linear_rows(const Act& a, const uint8_t* w, const Format& f, int64_t M, int
   });
 }
 
-// y (M, N) = the activations a times the weight w of ggml type `type` (one of the formats format_of knows).
+#include "gguf_rows.h"
+
+// y (M, N) = the activations a times the weight w of ggml type `type` (one of the formats format_of knows): 2 to
+// kShareRows rows of gguf_rows.h's formats there, else (and for the other formats below gguf_gemm's rows) here.
+template <int64_t TYPE>
+void linear_of(const Act& a, const uint8_t* w, const Format& f, int64_t M, int64_t K, int64_t N, float* y) {
+  if constexpr (shares_rows(TYPE))
+    if (M >= 2 && M <= kShareRows) return linear_shared<TYPE>(a, w, f, M, K, N, y);
+  linear_rows<TYPE>(a, w, f, M, K, N, y);
+}
 inline void linear(int64_t type, const Act& a, const uint8_t* w, const Format& f, int64_t M, int64_t K, int64_t N,
                    float* y) {
   switch (type) {
-#define CASE(T) case T: linear_rows<T>(a, w, f, M, K, N, y); break;
+#define CASE(T) case T: linear_of<T>(a, w, f, M, K, N, y); break;
     CASE(Q8_0) CASE(Q4_0) CASE(Q4_1) CASE(Q5_0) CASE(Q5_1) CASE(IQ4_NL) CASE(Q4_K) CASE(Q5_K) CASE(Q6_K) CASE(IQ4_XS)
     CASE(Q2_K) CASE(Q3_K)
 #undef CASE
