@@ -7,9 +7,10 @@
 //
 // Exactness: each (row, output) gets the same 8 int32 lanes per block as block_dot (the same instructions on the
 // same bytes) and then the same fp32 operations in the same order, into that row's own accumulators: acc = fma(lanes,
-// d * dx, acc) (Q8_0, Q5_0, Q4_1, Q5_1), acc1 += e * (q8_1 sum) (Q4_1, Q5_1), or linear_rows' block pairs' integer
-// totals by one fma each into acc1 (Q4_0, IQ4_NL), and y = hsum(acc) + acc1. So every row's result is the one-row
-// product's bit for bit, whatever rows come with it (tests/kernels/test_gguf_rows.py). A change to block_dot's
+// d * dx, acc) (Q8_0, Q5_0, Q4_1, Q5_1), acc1 += e * (q8_1 sum) (Q4_1, Q5_1), or each block's integer total by one fma
+// into acc1 (Q4_0, IQ4_NL, as linear_rows' block pairs), and y = hsum(acc) + acc1. The rows' scalar steps (d * dx,
+// acc1) run as 8-lane vectors, lane r for row r: lane by lane the same fp32 operations. So every row's result is the
+// one-row product's bit for bit, whatever rows come with it (tests/kernels/test_gguf_rows.py). A change to block_dot's
 // arithmetic must be made here too.
 
 // Rows m0 .. m0 + MR's activations, 32-value blocks. Codes: row r's block i at q + 32 * (r * nb + i). The rest
