@@ -10,8 +10,9 @@ enum : int64_t {
 // Q4_K with its rows repacked 8 at a time (gguf_x8.h): not a ggml type, our kernels' own id for that layout
 constexpr int64_t kX8 = 0x100, Q4_K_X8 = kX8 | Q4_K;
 
-// gguf_rows.h's formats: their products of 2 to kShareRows rows share each weight block's unpacking across the rows
-// (gguf_gemm takes them from kShareRows + 1 rows)
+// gguf_rows.h's formats: their products of 2 rows or more share each weight block's unpacking across kShareRows
+// rows at a time (gguf_gemm does not take them: with K = 576 to 2048 its panels cost 2x to 3x as much at 9 to 64
+// rows, docs/performance.md)
 constexpr int64_t kShareRows = 8;
 constexpr bool shares_rows(int64_t type) {
   return type == Q8_0 || type == Q4_0 || type == IQ4_NL || type == Q4_1 || type == Q5_0 || type == Q5_1;

@@ -236,12 +236,14 @@ constexpr int64_t kGemmMinRows = 4;
 
 // y (M, N) = the activation rows (gguf_blocks.cpp's quantize_act: codes xq, scales xd, 16-sums s16, q8_1 sums xs)
 // times the GGUF weight w (N, row bytes) of `type`, as its one-row loop gives each row. False (y untouched) where
-// it does not take the product: fewer than kGemmMinRows rows (kShareRows + 1 for gguf_rows.h's formats, whose fewer
-// rows share each block's unpacking there), or activation blocks other than the weight's.
+// it does not take the product: fewer than kGemmMinRows rows, gguf_rows.h's formats (their rows share each block's
+// unpacking there), Q4_K_X8 (whose own loop, gguf_x8_dot.h, feeds 8 outputs from each activation load: 8 rows of a
+// 4096x2048 product took 1.45 ms there and 7.8 ms here, 256 rows 42 and 51 ms, one thread, docs/performance.md),
+// or activation blocks other than the weight's.
 bool gguf_gemm(int64_t layout, const int8_t* xq, const float* xd, const int32_t* s16, const float* xs,
                const uint8_t* w, int64_t M, int64_t K, int64_t N, float* y, bool use_vnni) {
   Format f;
-  if (M < (shares_rows(layout) ? kShareRows + 1 : kGemmMinRows) || !format_of(layout, f) || f.act_block != f.values || K % f.values != 0) return false;
+  if (M < kGemmMinRows || shares_rows(layout) || layout == Q4_K_X8 || !format_of(layout, f) || f.act_block != f.values || K % f.values != 0) return false;
   const bool x8 = layout == Q4_K_X8;
   const int64_t type = x8 ? Q4_K : layout;
   const int64_t nb = K / f.values, groups = f.values / 16;

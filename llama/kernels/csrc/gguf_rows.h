@@ -1,5 +1,5 @@
-// Products of 2 to kShareRows activation rows (a speculative verify step's k + 1 tokens) with weights of the 32-value
-// GGUF formats, included by gguf_dot.h and so compiled as its AVX2 copy and its AVX-512 VNNI copy.
+// Products of 2 or more activation rows (a speculative verify step's k + 1 tokens, a prompt) with weights of the
+// 32-value GGUF formats, included by gguf_dot.h and so compiled as its AVX2 copy and its AVX-512 VNNI copy.
 //
 // Why: linear_rows runs block_dot once per (row, output), so each weight block is unpacked (nibbles split, fifth
 // bits, the sign of signed codes, fp16 scales) once per row, and those steps are most of block_dot's work. Here each
@@ -114,12 +114,15 @@ void shared_rows(const Act& a, const uint8_t* w, const Format& f, int64_t m0, in
   });
 }
 
-// y (M, N) for 2 <= M <= kShareRows (gguf_format.h) rows of a format that shares_rows
+// y (M, N) for M >= 2 rows of a format that shares_rows (gguf_format.h): in chunks of kShareRows rows, the last the
+// rest (one row alone as linear_rows does: the same arithmetic)
 template <int64_t TYPE>
 void linear_shared(const Act& a, const uint8_t* w, const Format& f, int64_t M, int64_t K, int64_t N, float* y) {
-  switch (M) {
-#define ROWS(R) case R: shared_rows<TYPE, R>(a, w, f, 0, K, N, y); break;
-    ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+  for (int64_t m0 = 0; m0 < M; m0 += kShareRows) {
+    switch (std::min(M - m0, kShareRows)) {
+#define ROWS(R) case R: shared_rows<TYPE, R>(a, w, f, m0, K, N, y); break;
+      ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 #undef ROWS
+    }
   }
 }
