@@ -34,43 +34,11 @@ constexpr X8Spread kX8Spread;
 #endif
 
 // Rows 0..7's integer totals (lane r) of group block b with activation codes xq; msum: the mins' sums, from pairs
-// (sub-blocks 2p and 2p + 1's 32-value code sums, as int16 in one int32 per p).
+// (sub-blocks 2p and 2p + 1's 32-value code sums, as int16 in one int32 per p). The AVX2 copy's; the AVX-512 copy
+// runs x8_block_sums_rows.
 inline void x8_block_sums(const uint8_t* b, const int8_t* xq, const int32_t* pairs, __m256i& total, __m256i& msum) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
   const uint8_t* codes = b + 128;
-#ifdef GGUF_VNNI
-  const __m512i low4x = _mm512_set1_epi8(0x0F);
-  const __m512i q = _mm512_loadu_si512(b + 32);
-  const __m256i h = load32(b + 96);
-  const __m512i hlo = join(_mm256_and_si256(h, three), _mm256_and_si256(_mm256_srli_epi16(h, 2), three));
-  const __m512i hhi = join(_mm256_and_si256(_mm256_srli_epi16(h, 4), three), _mm256_and_si256(_mm256_srli_epi16(h, 6), three));
-  const __m512i sc = _mm512_or_si512(_mm512_and_si512(q, low4x), _mm512_slli_epi16(hlo, 4));
-  const __m512i mn = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q, 4), low4x), _mm512_slli_epi16(hhi, 4));
-  const __m512i sw[2] = {_mm512_cvtepu8_epi16(_mm512_castsi512_si256(sc)), _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(sc, 1))};
-  // the mins: words (r, i) of p = 0, 1 (then 2, 3) times (bs[2p], bs[2p + 1]): lane (p % 2) * 8 + r
-  const __m512i pv = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pairs)));
-  const __m512i i01 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m512i ms = _mm512_add_epi32(
-      _mm512_madd_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(mn)), _mm512_permutexvar_epi32(i01, pv)),
-      _mm512_madd_epi16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(mn, 1)),
-                        _mm512_permutexvar_epi32(_mm512_add_epi32(i01, _mm512_set1_epi32(2)), pv)));
-  msum = fold(ms);
-  __m512i tot = _mm512_setzero_si512();
-  for (int p = 0; p < 4; ++p) {
-    // sub-block j's scale in words 4 r .. 4 r + 3 (row r's 8 codes of a chunk)
-    const __m512i s0 = _mm512_permutexvar_epi16(_mm512_load_si512(kX8Spread.idx[(2 * p) % 4]), sw[p / 2]);
-    const __m512i s1 = _mm512_permutexvar_epi16(_mm512_load_si512(kX8Spread.idx[(2 * p + 1) % 4]), sw[p / 2]);
-    for (int c = 0; c < 4; ++c) {
-      const __m512i raw = _mm512_loadu_si512(codes + (4 * p + c) * 64);
-      const __m512i lo = _mm512_and_si512(raw, low4x), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4x);
-      int64_t xl, xh;
-      std::memcpy(&xl, xq + 64 * p + 8 * c, 8), std::memcpy(&xh, xq + 64 * p + 32 + 8 * c, 8);
-      tot = _mm512_dpwssd_epi32(tot, _mm512_maddubs_epi16(lo, _mm512_set1_epi64(xl)), s0);
-      tot = _mm512_dpwssd_epi32(tot, _mm512_maddubs_epi16(hi, _mm512_set1_epi64(xh)), s1);
-    }
-  }
-  total = _mm512_cvtepi64_epi32(_mm512_add_epi32(tot, _mm512_srli_epi64(tot, 32)));  // lanes 2r + 2r+1
-#else
   const __m256i q0 = load32(b + 32), q1 = load32(b + 64), h = load32(b + 96);
   // scales, values 0..63 (j * 8 + r)
   alignas(32) uint8_t sc[64];
@@ -110,7 +78,81 @@ inline void x8_block_sums(const uint8_t* b, const int8_t* xq, const int32_t* pai
     }
   }
   total = _mm256_permute4x64_epi64(_mm256_hadd_epi32(t0, t1), 0xD8);
+}
+
+#ifdef GGUF_VNNI
+// x8_block_sums for R rows at once (xq[r], pairs[r]): the block's scales, mins and code nibbles unpacked once for
+// them, each row's integers summed in the same lanes as x8_block_sums sums them
+template <int R>
+inline void x8_block_sums_rows(const uint8_t* b, const int8_t* const* xq, const int32_t* const* pairs,
+                               __m256i* total, __m256i* msum) {
+  const __m256i three = _mm256_set1_epi8(3);
+  const __m512i low4x = _mm512_set1_epi8(0x0F);
+  const __m512i q = _mm512_loadu_si512(b + 32);
+  const __m256i h = load32(b + 96);
+  const __m512i hlo = join(_mm256_and_si256(h, three), _mm256_and_si256(_mm256_srli_epi16(h, 2), three));
+  const __m512i hhi = join(_mm256_and_si256(_mm256_srli_epi16(h, 4), three), _mm256_and_si256(_mm256_srli_epi16(h, 6), three));
+  const __m512i sc = _mm512_or_si512(_mm512_and_si512(q, low4x), _mm512_slli_epi16(hlo, 4));
+  const __m512i mn = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q, 4), low4x), _mm512_slli_epi16(hhi, 4));
+  const __m512i sw[2] = {_mm512_cvtepu8_epi16(_mm512_castsi512_si256(sc)), _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(sc, 1))};
+  const __m512i mw0 = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(mn)), mw1 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(mn, 1));
+  const __m512i i01 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i i23 = _mm512_add_epi32(i01, _mm512_set1_epi32(2));
+  __m512i tot[R];
+  for (int r = 0; r < R; ++r) {
+    const __m512i pv = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pairs[r])));
+    msum[r] = fold(_mm512_add_epi32(_mm512_madd_epi16(mw0, _mm512_permutexvar_epi32(i01, pv)),
+                                    _mm512_madd_epi16(mw1, _mm512_permutexvar_epi32(i23, pv))));
+    tot[r] = _mm512_setzero_si512();
+  }
+  for (int p = 0; p < 4; ++p) {
+    const __m512i s0 = _mm512_permutexvar_epi16(_mm512_load_si512(kX8Spread.idx[(2 * p) % 4]), sw[p / 2]);
+    const __m512i s1 = _mm512_permutexvar_epi16(_mm512_load_si512(kX8Spread.idx[(2 * p + 1) % 4]), sw[p / 2]);
+    for (int c = 0; c < 4; ++c) {
+      const __m512i raw = _mm512_loadu_si512(b + 128 + (4 * p + c) * 64);
+      const __m512i lo = _mm512_and_si512(raw, low4x), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4x);
+      for (int r = 0; r < R; ++r) {
+        int64_t xl, xh;
+        std::memcpy(&xl, xq[r] + 64 * p + 8 * c, 8), std::memcpy(&xh, xq[r] + 64 * p + 32 + 8 * c, 8);
+        tot[r] = _mm512_dpwssd_epi32(tot[r], _mm512_maddubs_epi16(lo, _mm512_set1_epi64(xl)), s0);
+        tot[r] = _mm512_dpwssd_epi32(tot[r], _mm512_maddubs_epi16(hi, _mm512_set1_epi64(xh)), s1);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) total[r] = _mm512_cvtepi64_epi32(_mm512_add_epi32(tot[r], _mm512_srli_epi64(tot[r], 32)));
+}
 #endif
+
+// Group g's 8 outputs for rows m0 .. m0 + R: per block the integer sums (R rows at once in the VNNI copy), then each
+// row's fp32 steps in order, lane r for output r: acc = fma(total, d * dx), acc1 = acc1 - msum * (dmin * dx).
+template <int R>
+inline void x8_group_rows(const Act& a, const int32_t* pairs, const uint8_t* wg, int64_t m0, int64_t K, int64_t N,
+                          int64_t g, float* y) {
+  const int64_t nb = K / 256;
+  __m256 acc[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), acc1[r] = _mm256_setzero_ps();
+  for (int64_t kb = 0; kb < nb; ++kb) {
+    const uint8_t* b = wg + kb * kX8Bytes;
+    // every line of the block two ahead: on this VM prefetching only some lines of it was slower than the
+    // file layout's loop when memory is busy (docs/performance.md)
+    for (int64_t l = 0; l < kX8Bytes; l += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(b) + 2 * kX8Bytes + l, _MM_HINT_T0);
+    __m256i total[R], msum[R];
+    const int8_t* xq[R];
+    const int32_t* pr[R];
+    for (int r = 0; r < R; ++r) xq[r] = a.q.data() + (m0 + r) * K + kb * 256, pr[r] = pairs + ((m0 + r) * nb + kb) * 4;
+#ifdef GGUF_VNNI
+    x8_block_sums_rows<R>(b, xq, pr, total, msum);
+#else
+    for (int r = 0; r < R; ++r) x8_block_sums(b, xq[r], pr[r], total[r], msum[r]);
+#endif
+    for (int r = 0; r < R; ++r) {
+      const __m256 dx = _mm256_set1_ps(a.d[(m0 + r) * nb + kb]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[r]), _mm256_mul_ps(halves8(b), dx), acc[r]);
+      acc1[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum[r]), _mm256_mul_ps(halves8(b + 16), dx), acc1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (m0 + r) * N + g * kX8Rows, _mm256_add_ps(acc[r], acc1[r]));
 }
 
 // y (M, N) for a Q4_K_X8 weight w: groups of 8 rows here, the last N % 8 rows by block_dot<Q4_K>. pairs (M, nb, 4):
@@ -121,22 +163,12 @@ inline void linear_x8(const Act& a, const int32_t* pairs, const uint8_t* w, int6
   at::parallel_for(0, groups, std::max<int64_t>(1, 8 / std::max<int64_t>(M, 1)), [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* wg = w + g * kX8Rows * row_bytes;
-      for (int64_t m = 0; m < M; ++m) {
-        __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-        for (int64_t kb = 0; kb < nb; ++kb) {
-          const uint8_t* b = wg + kb * kX8Bytes;
-          // every line of the block two ahead: on this VM prefetching only some lines of it was slower than the
-          // file layout's loop when memory is busy (docs/performance.md)
-          for (int64_t l = 0; l < kX8Bytes; l += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(b) + 2 * kX8Bytes + l, _MM_HINT_T0);
-          __m256i total, msum;
-          x8_block_sums(b, a.q.data() + m * K + kb * 256, pairs + (m * nb + kb) * 4, total, msum);
-          const __m256 dx = _mm256_set1_ps(a.d[m * nb + kb]);
-          acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(halves8(b), dx), acc);
-          acc1 = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(halves8(b + 16), dx), acc1);
-        }
-        _mm256_storeu_ps(y + m * N + g * kX8Rows, _mm256_add_ps(acc, acc1));
-      }
+      int64_t m = 0;
+#ifdef GGUF_VNNI
+      for (; m + 4 <= M; m += 4) x8_group_rows<4>(a, pairs, wg, m, K, N, g, y);  // each block unpacked once for 4
+      if (M - m >= 2) x8_group_rows<2>(a, pairs, wg, m, K, N, g, y), m += 2;
+#endif
+      for (; m < M; ++m) x8_group_rows<1>(a, pairs, wg, m, K, N, g, y);
     }
   });
   for (int64_t n = groups * kX8Rows; n < N; ++n)  // the rows past the last group, as the file holds them
