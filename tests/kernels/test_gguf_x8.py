@@ -1,6 +1,6 @@
 """Q4_K repacked 8 rows at a time (llama/kernels/csrc/gguf_x8.h, what a GGUF load holds Q4_K weights in): the
 layout converts back to the file's bytes exactly, dequantizes as gguf's numpy code does, and its products equal the
-file layout's bit for bit (one row, a few rows, the many-row GEMM; the AVX2 and the AVX-512 VNNI copies; row counts
+file layout's bit for bit (one row, a few rows, more than 8; the AVX2 and the AVX-512 VNNI copies; row counts
 that leave rows past the last group of 8)."""
 
 import pytest
@@ -38,7 +38,7 @@ def test_products_equal_the_file_layouts_bit_for_bit(n, k, copy, monkeypatch):
     w = torch.from_numpy(random_blocks("Q4_K", n, k, seed=k + n))
     packed = cpu_kernels.gguf_repack(w)
     g = torch.Generator().manual_seed(n)
-    for m in (1, 2, 3, 5, 9):  # the one-row loop up to 3 rows, the many-row GEMM from 4
+    for m in (1, 2, 3, 5, 9):  # one row, and 4- and 2-row steps with a row alone (gguf_x8_dot.h's linear_x8)
         x = torch.randn(m, k, generator=g) * torch.logspace(-3, 3, m)[:, None]
         x[0, :256] = 0.0  # an all-zero activation block
         ours, ref = cpu_kernels.gguf_linear(x, packed, cpu_kernels.Q4_K_X8), cpu_kernels.gguf_linear(x, w, Q4_K)
