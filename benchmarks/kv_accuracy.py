@@ -122,6 +122,52 @@ def measure(gen, toks, variants, window: int, stride: int):
     return torch.cat(out["nll"]), torch.cat(out["window"]), cat, err
 
 
+def llama_cpp_run(args) -> None:
+    """The anchor: llama.cpp's own q8_0 keys and values (type_k/type_v GGML_TYPE_Q8_0, flash attention, which a
+    quantized V needs) against its f16 cache, on the same GGUF file, text and windows, paired per token
+    (`--llama-cpp`; llama-cpp-python); and f32 keys and values, its noise floor. Its products round activations to
+    q8_1 codes (as our GGUF block kernels do), which amplify any change in keys and values."""
+    import llama_cpp
+    import numpy as np
+    from llama.cli.perplexity import windows
+    from tqdm import tqdm
+
+    kw = dict(n_ctx=args.window, n_batch=args.window, n_ubatch=args.window, logits_all=True, flash_attn=True,
+              verbose=False, seed=0)
+    kinds = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "f32 (noise floor)":
+             llama_cpp.GGML_TYPE_F32}
+    llms = {n: llama_cpp.Llama(args.model, type_k=t, type_v=t, **kw) for n, t in kinds.items()}
+    ref_llm = llms.pop("f16")
+    toks = ref_llm.tokenize(read_texts(args.text).encode(), add_bos=False, special=False)[: args.tokens]
+    nll, window_of, out, start = [], [], {n: ([], []) for n in llms}, time.perf_counter()
+
+    def logprobs(llm, ids):
+        llm.reset()
+        llm.eval(ids)
+        return torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32)).log_softmax(-1)
+
+    for w, (b, e, first) in enumerate(tqdm(windows(len(toks), args.window, args.stride), desc="windows")):
+        ids = [ref_llm.token_bos()] + toks[b:e]
+        target = torch.tensor(toks[first:e])[:, None]
+        ref = logprobs(ref_llm, ids)[first - b : e - b]
+        nll.append(-ref.gather(1, target)[:, 0])
+        window_of.append(torch.full((e - first,), w))
+        for n, llm in llms.items():
+            got = logprobs(llm, ids)[first - b : e - b]
+            out[n][0].append(ref.gather(1, target)[:, 0] - got.gather(1, target)[:, 0])
+            out[n][1].append((ref.exp() * (ref - got)).sum(-1))
+    nll, window_of = torch.cat(nll), torch.cat(window_of)
+    ppl = math.exp(float(nll.mean()))
+    rows = [{"keys and values": "llama.cpp f16", "perplexity": round(ppl, 4)}]
+    for n, (d, kld) in out.items():
+        d, kld = torch.cat(d), torch.cat(kld)
+        rows.append({"keys and values": f"llama.cpp {n}", "perplexity": round(ppl * math.exp(float(d.mean())), 4),
+                     **stats(d, window_of, ppl), "mean KL divergence": round(float(kld.mean()), 6)})
+    print(f"llama.cpp {llama_cpp.__version__}: {args.model}, {len(nll)} tokens scored, windows of {args.window} "
+          f"stride {args.stride}, {time.perf_counter() - start:.0f} s: paired against f16 keys and values")
+    print_results("int8-kv-paired-llama-cpp", rows, extra={"tokens": len(nll)})
+
+
 def read_texts(paths) -> str:
     return "\n\n".join(Path(p).read_text() for p in paths) if paths else CORPUS.read_text()
 
@@ -129,6 +175,8 @@ def read_texts(paths) -> str:
 def run(args) -> None:
     from llama import Llama
 
+    if args.llama_cpp:
+        return llama_cpp_run(args)
     variants = pick(args.forms)
     gen = Llama.build(args.model, None, max_seq_len=args.window, max_batch_size=len(variants) + 1, dtype=args.dtype,
                       compile=False, prefix_cache="off")
@@ -160,5 +208,7 @@ def add_parser(sub) -> None:
     p.add_argument("--tokens", type=int, default=None, help="score only the text's first N tokens")
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--stride", type=int, default=128)
+    p.add_argument("--llama-cpp", action="store_true", help="llama.cpp's q8_0 against its f16 keys and values instead "
+                   "(a GGUF file; llama-cpp-python)")
     p.add_argument("--forms", default=DEFAULT_FORMS, help=f"comma-separated, of: {DEFAULT_FORMS},perhead,rot16,"
                    "rotasym")

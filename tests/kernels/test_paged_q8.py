@@ -159,3 +159,20 @@ def test_the_scheme_is_part_of_a_prefix_blocks_key(monkeypatch):
     monkeypatch.setattr(paged, "ROTATE", False)
     assert pool_salt(model, torch.int8, 16, (0, 0)) != rotated
     assert pool_salt(model, torch.float32, 16, (0, 0)) == pool_salt(model, torch.float32, 16, (0, 0))
+
+
+def test_the_exact_modes_kernel_and_sdpa_read_the_rotated_pool_alike():
+    """stories260K (head_dim 8, rotated) in fp32: the exact mode's kernel over the dequantized blocks
+    (llama/kernels/exact_attention.py) and the SDPA path each rotate queries in and the output back, so both score
+    a text as the fp32 cache does, to int8's error, and as each other."""
+    from conftest import STORIES
+
+    from llama import Llama
+
+    d = str(need(STORIES))
+    kw = dict(max_seq_len=128, max_batch_size=2, dtype="fp32", compile=False)
+    text = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park."
+    ref, sdpa, kernel = (Llama.build(d, d + "/tokenizer.model", prefix_cache=mode, kv_cache_dtype=kv, **kw).score(
+        [text])[0]["logprobs"] for mode, kv in (("off", None), ("on", "int8"), ("exact", "int8")))
+    diff = lambda a, b: max(abs(x - y) for x, y in zip(a, b))  # noqa: E731
+    assert 0 < diff(ref, sdpa) < 0.05 and 0 < diff(ref, kernel) < 0.05 and diff(sdpa, kernel) < 0.01
