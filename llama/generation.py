@@ -153,8 +153,8 @@ class Llama:
         cached prefix of every prompt, "exact" too, with every position computed by row-invariant arithmetic so a
         cached one is bitwise a fresh prefill's (eager: compile="auto" means False with it, compile=True is
         refused), "off" none (llama/core/paging.py).
-        kv_cache_dtype="int8": keys and values as int8, q8_0's fp16 scale per 32 of a position's head (about half of
-        bf16; read by the torch paths, eager: docs/architecture.md).
+        kv_cache_dtype="int8": keys and values as int8, each head rotated (Hadamard), then q8_0's fp16 scale per 32
+        of a position's head (about half of bf16; read by the torch paths, eager: docs/architecture.md).
         tool_style: Meta Llama 3 checkpoints' tool-call syntax, "llama3_json" (3.1) or "pythonic" (3.2, 3.3);
         default by the checkpoint's shape (3.2's 1B/3B pythonic; 3.3 70B cannot be told from 3.1 70B).
         speculative="ngram": prompt-lookup speculative decoding, outputs identical to plain decoding (greedy and

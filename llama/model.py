@@ -306,7 +306,7 @@ class Attention(Fusable):
                 out = exact_attention.attend(q, self.cache_k, self.cache_v, table, positions, kv_len,
                                              self.args.attention_multiplier, self.args.sliding_window)
                 return self.wo(out.view(B, T, -1))
-            keys, values = paged.read(self.cache_k, self.cache_v, table, kv_len, x.dtype)
+            keys, values, q = paged.attending(q, self.cache_k, self.cache_v, table, kv_len)  # an int8 pool's basis
         elif rows is None:  # rows 0..B-1: read the cache in place
             keys, values = ck[:B, :, :kv_len], cv[:B, :, :kv_len]
         else:
@@ -317,7 +317,7 @@ class Attention(Fusable):
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=self.n_local_kv_heads != self.n_local_heads,
                 scale=self.args.attention_multiplier)
-        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+        return self.wo(paged.from_stored(out.transpose(1, 2), self.cache_k).reshape(B, T, -1))
 
 
 class FeedForward(Fusable):

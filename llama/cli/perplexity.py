@@ -103,7 +103,7 @@ def cli(argv=None) -> None:
     p.add_argument("--max_batch_size", type=int, default=4, help="windows per forward pass")
     p.add_argument("--pipeline_parallel_size", type=int, default=1, help="pipeline stages under torchrun")
     p.add_argument("--kv-cache-dtype", "--kv_cache_dtype", default=None, choices=["int8"], dest="kv_cache_dtype",
-                   help="int8 keys/values, q8_0: a scale per 32 of a position's head (default: the model's dtype)")
+                   help="int8 keys/values: each head rotated, then q8_0 (default: the model's dtype)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 (default: the loader's choice)")
     a = p.parse_args(argv)
     try:

@@ -63,7 +63,8 @@ def pool_salt(model, dtype: torch.dtype, block_size: int, place: Tuple[int, int]
     Blocks never leave their pool, so today the pool's own identity already separates these; the salt keeps keys
     apart should blocks ever be shared or stored beyond one pool."""
     params = ",".join(f"{n}:{tuple(t.shape)}:{t.dtype}:{id(t)}" for n, t in list(model.named_parameters())[:4])
-    return repr((params, str(dtype), block_size, repr(model.params), place)).encode()
+    form = paged.scheme(model.params.head_dim) if dtype == torch.int8 else ""  # int8: q8_0, rotated or not
+    return repr((params, str(dtype), form, block_size, repr(model.params), place)).encode()
 
 
 KV_DTYPES = {"int8": torch.int8}

@@ -24,7 +24,8 @@ def takes(q: torch.Tensor, cache: torch.Tensor) -> bool:
 
 
 def dequantized(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Blocks of an int8 pool as (len(blocks), kv_heads, block_size, head_dim) in dtype (paged.read's arithmetic)."""
+    """Blocks of an int8 pool as (len(blocks), kv_heads, block_size, head_dim) in dtype, in the pool's basis
+    (paged.read's arithmetic, stored=True)."""
     return paged.dequantize(cache[blocks], cache.scales[blocks], dtype).contiguous()
 
 
@@ -35,7 +36,7 @@ def attend(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, table:
     head_dim) in q's dtype. Token (b, t) attends its row's positions 0..positions[b, t] (at most kv_len - 1), the
     newest `window` of them if given, scores scaled by `scale` (None: head_dim ** -0.5), as cpu.decode_attention."""
     B, T, H, D = q.shape
-    bs = cache_k.shape[2]
+    q, bs = paged.into_stored(q, cache_k), cache_k.shape[2]  # the pool's basis (paged.attending), out of it below
     used = table[:, : -(-kv_len // bs)]
     blocks, local = torch.unique(used, return_inverse=True)
     keys, values = dequantized(cache_k, blocks, q.dtype), dequantized(cache_v, blocks, q.dtype)
@@ -47,6 +48,7 @@ def attend(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, table:
     v = values[slot_block, :, slot].reshape(B * T, -1)
     cos = torch.ones(B * T, D // 2, dtype=torch.float32)
     sin = torch.zeros(B * T, D // 2, dtype=torch.float32)
-    return torch.ops.llama_cpu.decode_attention(q.reshape(B * T, H * D).contiguous(), k, v, cos, sin, keys, values,
-                                                at, rows, 0, pos.contiguous(), kv_len,
-                                                0.0 if scale is None else float(scale), window or 0)
+    out = torch.ops.llama_cpu.decode_attention(q.reshape(B * T, H * D).contiguous(), k, v, cos, sin, keys, values,
+                                               at, rows, 0, pos.contiguous(), kv_len,
+                                               0.0 if scale is None else float(scale), window or 0)
+    return paged.from_stored(out.view(B * T, H, D), cache_k).view(B * T, H * D)

@@ -4,23 +4,90 @@ decode kernel (which reads the blocks in place): SDPA prefill, the compiled deco
 The pool's caches are (blocks, kv_heads, block_size, head_dim); `table` holds the blocks of each row of a pass
 (B, blocks per row), so row b's position p is in block table[b, p // block_size] at offset p % block_size.
 
-An int8 pool (kv_cache_dtype="int8") is llama.cpp's q8_0 per position (its scales bitwise): each group of GROUP
-values within a head (a whole head where head_dim is not a multiple of GROUP) has int8 codes and an fp16 scale,
-amax / 127, in the cache tensor's `scales` attribute (blocks, kv_heads, block_size, head_dim // group). A
-position's bytes never depend on its neighbours, so a cached block holds what a fresh prefill would write. Groups
-of 32 rather than one scale per head: a head's few largest values set its scale, too coarse for the rest (SmolLM2:
-25 % less error in keys and values; the same bytes at head_dim 64, +3 % at 128; docs/performance.md, "int8 keys
-and values"). A code times an fp16 scale is exact in fp32, so dequantizing rounds once, to the activations' dtype.
+An int8 pool (kv_cache_dtype="int8") holds each position's head rotated, then as llama.cpp's q8_0 (its scales
+bitwise): each group of GROUP values (a whole head where head_dim is not a multiple of GROUP) has int8 codes and an
+fp16 scale, amax / 127, in the cache tensor's `scales` attribute (blocks, kv_heads, block_size, head_dim // group).
+The rotation (rotate(): fixed signs, then a normalized Walsh-Hadamard transform of head_dim, as QuaRot and
+llama.cpp's and vLLM's rotated KV caches do) spreads a head's few outlier channels over all of them, so they no
+longer set a group's step: SmolLM2's keys and values come back with 34 % less error (0.0051 relative RMS against
+q8_0's 0.0078), the same bytes (docs/performance.md, "int8 keys and values"). Attention needs no unrotation of the
+pool: q.k = (Rq).(Rk) and softmax(qK)V = R^T (softmax(qK)(RV)), so the model rotates its queries into the stored
+basis and its output back (attending()/unrotate()); read() gives the model's basis to anyone else. head_dims that
+are not a power of two keep plain q8_0. The butterflies are elementwise fp32 adds in one fixed order, so a
+position's bytes never depend on its neighbours or its batch: a cached block holds what a fresh prefill would write.
+A code times an fp16 scale is exact in fp32, so dequantizing rounds once, to the activations' dtype.
 """
+
+import random
 
 import torch
 
 
 GROUP = 32  # values per scale within a head: q8_0's block
+ROTATE = True  # rotate heads of a power-of-two head_dim before quantizing (False: plain q8_0, for comparisons)
+_SIGNS: dict = {}
 
 
 def group_size(head_dim: int) -> int:
     return GROUP if head_dim % GROUP == 0 else head_dim
+
+
+def rotates(head_dim: int) -> bool:
+    """Whether an int8 pool of this head_dim stores its heads rotated: a power of two (SmolLM2's 64, Llama's 128)."""
+    return ROTATE and head_dim > 1 and head_dim & (head_dim - 1) == 0
+
+
+def scheme(head_dim: int) -> str:
+    """The int8 pool's stored form, part of every prefix block's key (core/kv_cache.py pool_salt): blocks of one
+    form are never read as another."""
+    return f"q8_0/{group_size(head_dim)}" + ("+signs-hadamard-v1" if rotates(head_dim) else "")
+
+
+def _signs(n: int, device) -> torch.Tensor:
+    """n fixed signs (Python's Mersenne Twister from seed n: the same in every process): they keep a vector that
+    happens to lie along one Walsh function (a constant one, say) from collapsing onto a single channel."""
+    key = (n, str(device))
+    if key not in _SIGNS:
+        bits = random.Random(n).getrandbits(n)
+        _SIGNS[key] = torch.tensor([1.0 - 2.0 * (bits >> i & 1) for i in range(n)], device=device)
+    return _SIGNS[key]
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """The normalized Walsh-Hadamard transform of x's last dim (a power of two) in fp32: log2(n) butterflies of
+    elementwise adds, each output's sums in one fixed order whatever x's other dims (no GEMM's blocking)."""
+    n, h = x.shape[-1], 1
+    x = x.float()
+    while h < n:
+        y = x.unflatten(-1, (-1, 2, h))
+        a, b = y.select(-2, 0), y.select(-2, 1)
+        x = torch.stack((a + b, a - b), dim=-2).flatten(-3)
+        h *= 2
+    return x * (1.0 / n**0.5)  # exact for n a power of four (64); one fp32 rounding otherwise
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """R x (fp32) for heads x (..., head_dim): the stored basis. R = H diag(signs) is orthonormal."""
+    return hadamard(x.float() * _signs(x.shape[-1], x.device)) if rotates(x.shape[-1]) else x.float()
+
+
+def unrotate(y: torch.Tensor) -> torch.Tensor:
+    """R^T y (fp32): back to the model's basis (H is symmetric)."""
+    return hadamard(y) * _signs(y.shape[-1], y.device) if rotates(y.shape[-1]) else y.float()
+
+
+def into_stored(x: torch.Tensor, cache) -> torch.Tensor:
+    """Queries (..., head_dim) into the basis of the pool's keys, in x's dtype (x itself for a float pool)."""
+    return rotate(x).to(x.dtype) if _rotated(cache) else x
+
+
+def from_stored(y: torch.Tensor, cache) -> torch.Tensor:
+    """Attention output (..., head_dim) over the pool's values back to the model's basis (y for a float pool)."""
+    return unrotate(y).to(y.dtype) if _rotated(cache) else y
+
+
+def _rotated(cache) -> bool:
+    return cache is not None and cache.dtype == torch.int8 and rotates(cache.shape[-1])
 
 
 def quantize(x: torch.Tensor):
@@ -42,9 +109,19 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype) -> torch.Tensor
     return (codes.float().unflatten(-1, (-1, g)) * scales.float()[..., None]).flatten(-2).to(dtype)
 
 
+def encode(x: torch.Tensor):
+    """What an int8 pool stores of heads x (..., head_dim): codes and scales of x rotated (quantize(rotate(x)))."""
+    return quantize(rotate(x))
+
+
+def decode(codes: torch.Tensor, scales: torch.Tensor, dtype) -> torch.Tensor:
+    """encode()'s inverse: heads in the model's basis, in dtype."""
+    return unrotate(dequantize(codes, scales, torch.float32)).to(dtype)
+
+
 def write(cache: torch.Tensor, blocks, offsets, x: torch.Tensor) -> None:
     if cache.dtype == torch.int8:
-        codes, scale = quantize(x)
+        codes, scale = encode(x)
         cache[blocks, :, offsets] = codes
         cache.scales[blocks, :, offsets] = scale
     else:
@@ -62,19 +139,27 @@ def store(cache_k: torch.Tensor, cache_v: torch.Tensor, table: torch.Tensor, k: 
     write(cache_v, blocks, pos % bs, v)
 
 
-def read(cache_k: torch.Tensor, cache_v: torch.Tensor, table: torch.Tensor, kv_len: int, dtype=None):
+def read(cache_k: torch.Tensor, cache_v: torch.Tensor, table: torch.Tensor, kv_len: int, dtype=None,
+         stored: bool = False):
     """Keys and values (B, kv_heads, kv_len, head_dim) of positions 0..kv_len-1 of the table's rows (a gather);
-    an int8 pool's dequantized to dtype."""
+    an int8 pool's dequantized to dtype, in the model's basis (stored=True: the pool's, as attending() uses)."""
     bs = cache_k.shape[2]
     table = table[:, : -(-kv_len // bs)]
     out = []
     for cache in (cache_k, cache_v):
         g = cache[table]  # (B, blocks, kv_heads, block_size, head_dim)
         if cache.dtype == torch.int8:
-            g = dequantize(g, cache.scales[table], dtype)
+            g = (dequantize if stored else decode)(g, cache.scales[table], dtype)
         g = g.transpose(1, 2)
         out.append(g.reshape(g.shape[0], g.shape[1], -1, g.shape[-1])[:, :, :kv_len])
     return out
+
+
+def attending(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, table: torch.Tensor, kv_len: int):
+    """(keys, values, queries) for attention over the pool, in the basis its keys and values are stored in: an int8
+    pool's as dequantized, q (B, T, heads, head_dim) rotated into it; the output then goes through from_stored()."""
+    keys, values = read(cache_k, cache_v, table, kv_len, q.dtype, stored=True)
+    return keys, values, into_stored(q, cache_k)
 
 
 def flat_rows(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, rows, B: int, T: int):

@@ -54,7 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a smaller checkpoint with the same tokenizer drafts for speculative decoding, outputs "
                         "unchanged (llama/core/draft_model.py)")
     p.add_argument("--kv-cache-dtype", "--kv_cache_dtype", default=None, choices=["int8"], dest="kv_cache_dtype",
-                   help="int8 keys/values, q8_0: a scale per 32 of a position's head (default: the model's dtype)")
+                   help="int8 keys/values: each head rotated, then q8_0 (default: the model's dtype)")
     p.add_argument("--share-prefix-cache", action="store_true", dest="share_prefix_cache",
                    help="API keys share cached prefixes (default: each key its own, as timing leaks between them)")
     p.add_argument("--tool-style", "--tool_style", default=None, choices=["llama3_json", "pythonic"], dest="tool_style",

@@ -97,7 +97,8 @@ def test_gemm_tiles_give_every_pass_the_same_rows(dtype, tmp_path, monkeypatch):
         assert calls and set(calls) == {tiled.TILE}
 
 
-@pytest.mark.parametrize("quantize,dtype,kv", [("int8-dynamic", "bf16", "int8"), ("int4", "fp32", None)])
+@pytest.mark.parametrize("quantize,dtype,kv", [("int8-dynamic", "bf16", "int8"), ("int4", "fp32", None),
+                                               (None, "fp32", "int8")])
 def test_logprobs_are_a_cold_caches_in_any_company_and_chunking(quantize, dtype, kv):
     prompts = ["Once upon a time there was a little cat who liked to play in the park with her friend the dog.",
                "Once upon a time there was a little cat who liked to sleep.", "The bird sang a song."]
