@@ -281,39 +281,63 @@ inline void block_dot(const uint8_t* b, const int8_t* xq, float dx, const int32_
   }
 }
 
+// y[r] = weight rows wr, wr + row_bytes, ... (R outputs) times activation row m, each as block_dot sums it alone:
+// its own acc and acc1 get the same fp32 operations in the same order whatever R is. R > 1 interleaves outputs so
+// that one output's fma chain does not wait on its last step (a one-row product is latency-bound, not
+// bandwidth-bound, on SmolLM2's small matrices).
+template <int64_t TYPE, int R>
+inline void outputs_dot(const Act& a, const uint8_t* wr, const Format& f, int64_t nblocks, int64_t row_bytes,
+                        int64_t m, int64_t K, float* y) {
+  __m256 acc[R];
+  float acc1[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), acc1[r] = 0.f;
+  int64_t i = 0;
+  if constexpr (TYPE == Q4_0 || TYPE == IQ4_NL) {  // two blocks a step, one reduction (block_dot's sums)
+    for (; i + 1 < nblocks; i += 2) {
+      const int64_t j = m * K / 32 + i;  // the activation block
+      const int32_t* s16 = a.s16.data() + 2 * j;
+      const int8_t* xq = a.q.data() + 32 * j;
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* b = wr + r * row_bytes + i * f.bytes;
+        _mm_prefetch(reinterpret_cast<const char*>(b) + 1024, _MM_HINT_T0);
+        int32_t s0, s1;
+        hsum_i32_pair(b32_lanes<TYPE>(b, xq), b32_lanes<TYPE>(b + f.bytes, xq + 32), s0, s1);
+        acc1[r] = std::fma(float(s0 + b32_offset<TYPE>(s16)), half(b) * a.d[j], acc1[r]);
+        acc1[r] = std::fma(float(s1 + b32_offset<TYPE>(s16 + 2)), half(b + f.bytes) * a.d[j + 1], acc1[r]);
+      }
+    }
+  }
+  for (; i < nblocks; ++i) {
+    const int64_t k = m * K + i * f.values;
+    const int8_t* xq = a.q.data() + k;
+    const float dx = a.d[k / f.act_block], xs = a.s.empty() ? 0.f : a.s[k / 32];
+    const int32_t* s16 = a.s16.data() + k / 16;
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* b = wr + r * row_bytes + i * f.bytes;
+      _mm_prefetch(reinterpret_cast<const char*>(b) + 1024, _MM_HINT_T0);
+      block_dot<TYPE>(b, xq, dx, s16, xs, acc[r], acc1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r] = hsum(acc[r]) + acc1[r];
+}
+
+// One row (M == 1, a decode step) kOutputs outputs at a time (SmolLM2 Q4_1's decode step 0.93x the time of one
+// output at a time, docs/performance.md); more rows (below gguf_gemm's, formats gguf_rows.h does not take) one
+// (output, row) at a time.
+constexpr int kOutputs = 2;
+
 template <int64_t TYPE>
 void linear_rows(const Act& a, const uint8_t* w, const Format& f, int64_t M, int64_t K, int64_t N, float* y) {
   const int64_t nblocks = K / f.values, row_bytes = nblocks * f.bytes;
   const int64_t grain = std::max<int64_t>(1, 64 / std::max<int64_t>(M, 1));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* wr = w + n * row_bytes;
-      for (int64_t m = 0; m < M; ++m) {
-        __m256 acc = _mm256_setzero_ps();
-        float acc1 = 0.f;
-        int64_t i = 0;
-        if constexpr (TYPE == Q4_0 || TYPE == IQ4_NL) {  // two blocks a step, one reduction (block_dot's sums)
-          for (; i + 1 < nblocks; i += 2) {
-            const uint8_t* b = wr + i * f.bytes;
-            _mm_prefetch(reinterpret_cast<const char*>(b) + 1024, _MM_HINT_T0);
-            const int64_t j = m * K / 32 + i;  // the activation block
-            const int32_t* s16 = a.s16.data() + 2 * j;
-            int32_t s0, s1;
-            const int8_t* xq = a.q.data() + 32 * j;
-            hsum_i32_pair(b32_lanes<TYPE>(b, xq), b32_lanes<TYPE>(b + f.bytes, xq + 32), s0, s1);
-            acc1 = std::fma(float(s0 + b32_offset<TYPE>(s16)), half(b) * a.d[j], acc1);
-            acc1 = std::fma(float(s1 + b32_offset<TYPE>(s16 + 2)), half(b + f.bytes) * a.d[j + 1], acc1);
-          }
-        }
-        for (; i < nblocks; ++i) {
-          _mm_prefetch(reinterpret_cast<const char*>(wr + i * f.bytes) + 1024, _MM_HINT_T0);
-          const int64_t k = i * f.values;
-          block_dot<TYPE>(wr + i * f.bytes, a.q.data() + m * K + k, a.d[(m * K + k) / f.act_block],
-                          a.s16.data() + (m * K + k) / 16, a.s.empty() ? 0.f : a.s[(m * K + k) / 32], acc, acc1);
-        }
-        y[m * N + n] = hsum(acc) + acc1;
-      }
-    }
+    int64_t n = n0;
+    if (M == 1)
+      for (; n + kOutputs <= n1; n += kOutputs)
+        outputs_dot<TYPE, kOutputs>(a, w + n * row_bytes, f, nblocks, row_bytes, 0, K, y + n);
+    for (; n < n1; ++n)
+      for (int64_t m = 0; m < M; ++m)
+        outputs_dot<TYPE, 1>(a, w + n * row_bytes, f, nblocks, row_bytes, m, K, y + m * N + n);
   });
 }
 

@@ -1,5 +1,5 @@
-// Products of many activation rows (a prompt's prefill) with GGUF block weights, equal bit for bit to the one-row
-// product of gguf_blocks.cpp for every row.
+// Products of many activation rows (a prompt's prefill) with the 256-value GGUF block weights (Q2_K, Q3_K, Q4_K,
+// Q5_K, Q6_K, IQ4_XS; takes_gemm), equal bit for bit to the one-row product of gguf_blocks.cpp for every row.
 //
 // Why: the one-row loop (gguf_dot.h) unpacks every weight block again for every row: Q4_K's nibbles and 6-bit
 // scales, Q6_K's split codes. That is most of its work, and it is repeated M times. Here a panel of kPanel output
@@ -8,10 +8,10 @@
 // several columns and each weight load several rows.
 //
 // Exactness: every (row, output) gets the same 8 int32 lanes per block as block_dot (integer sums are exact, so how
-// they are grouped does not matter; Q4_0, Q5_0 and Q3_K as signed values, Q6_K less its per-lane offsets), then the
-// same fp32 operations in the same order as block_dot's llama.cpp arithmetic (gguf_gemm.h's Sum: the 8 lanes into
-// acc by fma; or the lanes' total by one fma per block, into lane 0 (Q4_K, Q2_K) or into acc1 (Q4_0, IQ4_NL)); the
-// mins' acc1 = fma(float(integer sum), e * dx, acc1), or acc1 += e * (q8_1 sum), per block; y = hsum(acc) + acc1. So
+// they are grouped does not matter; Q3_K as signed values, Q6_K less its per-lane offsets), then the same fp32
+// operations in the same order as block_dot's llama.cpp arithmetic (gguf_gemm.h's Sum: the 8 lanes into acc by fma;
+// or the lanes' total by one fma per block into lane 0 (Q4_K, Q2_K)); the mins' acc1 = fma(float(integer sum),
+// e * dx, acc1) per block; y = hsum(acc) + acc1. So
 // a row's result does not depend on how many rows come with it, and tests/kernels/test_gguf_gemm.py checks this
 // against the one-row product for every format. A change to block_dot's arithmetic must be made here too.
 #include <ATen/Parallel.h>
@@ -27,7 +27,6 @@ namespace {
 
 #include "gguf_format.h"
 #include "gguf_simd.h"
-#include "gguf_x8.h"
 
 constexpr int64_t kPanel = 16;  // output columns unpacked at a time (a multiple of 8: corrections() takes 8 at once)
 
@@ -36,13 +35,12 @@ struct Gemm {
   const int8_t* xq;   // (M, K) codes
   const float* xd;    // (M, nb) scales, one per weight block
   const int32_t* xp;  // (M, nb, groups / 2) sums of 16 codes, two int16 to an int32
-  const float* xs;    // (M, nb) q8_1's sums (32-value blocks)
   const int32_t* s16;  // (M, nb, groups) the same 16-value sums as int32 (Q6_K's lane offsets)
   int64_t M, K, N, nb, groups;  // groups: 16-value groups per block
 };
 
 // kPanel (or fewer) output columns, unpacked: for block kb and column n, codes[(kb * nt + n) * values ...] are the
-// weight codes in value order (unsigned, or signed for Q8_0 and the IQ4s), scales the int16 weights of their pairs
+// weight codes in value order (unsigned, or signed for Q3_K and IQ4_XS), scales the int16 weights of their pairs
 // (16 per 32 values: the group's scale), d the block scale, wg (kb, groups / 2, n, 2) the integer weights of the
 // 16-sums in the scalar part, e its fp32 scale.
 struct Panel {
@@ -52,27 +50,11 @@ struct Panel {
   std::vector<float> d, e;
 };
 
-enum Scalar { NONE, INTEGER, SUMS };  // the scalar part: none; float(sum wg * s16) * (e * dx); e * xs
-
-
 // One block b of `type`: codes (values, in value order), group scales sg and scalar weights wg (values / 16 each),
 // d and e.
 void unpack_block(int64_t type, const uint8_t* b, uint8_t* codes, int16_t* sg, int16_t* wg, float& d, float& e) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1), three = _mm256_set1_epi8(3);
   switch (type) {
-    case Q8_0: case IQ4_NL: case Q4_0: case Q4_1: case Q5_0: case Q5_1: {
-      const bool mins = type == Q4_1 || type == Q5_1, five = type == Q5_0 || type == Q5_1;
-      d = half_to_float(b), e = mins ? half_to_float(b + 2) : d;
-      const uint8_t* qs = b + (mins ? 4 : 2) + (five ? 4 : 0);
-      __m256i q = type == Q8_0 ? load32(b + 2) : nibbles_split(qs);
-      if (type == IQ4_NL) q = iq4_lookup(q);
-      if (five) q = _mm256_or_si256(q, bits_to_16(b + (mins ? 4 : 2)));
-      if (type == Q4_0 || type == Q5_0)  // the signed values q - 8 / q - 16, as the one-row dot sums them
-        q = _mm256_sub_epi8(q, _mm256_set1_epi8(type == Q4_0 ? 8 : 16));
-      store32(codes, q);
-      sg[0] = sg[1] = 1, wg[0] = wg[1] = 0;
-      return;
-    }
     case Q4_K: case Q5_K: {
       d = half_to_float(b), e = half_to_float(b + 2);
       uint8_t sc[8], m[8];
@@ -138,10 +120,9 @@ void unpack_block(int64_t type, const uint8_t* b, uint8_t* codes, int16_t* sg, i
   }
 }
 
-// Columns n0 .. n0 + nt of w (row_bytes per column) unpacked into p; x8: w is Q4_K_X8 (type Q4_K), its blocks
-// rebuilt as the file holds them (gguf_x8.h).
+// Columns n0 .. n0 + nt of w (row_bytes per column) unpacked into p.
 void unpack(int64_t type, const Format& f, const uint8_t* w, int64_t row_bytes, const Gemm& g, int64_t n0,
-            int64_t nt, Panel& p, bool x8) {
+            int64_t nt, Panel& p) {
   const int64_t chunks = f.values / 32, G = g.groups;
   p.n0 = n0, p.nt = nt;
   p.codes.resize(g.nb * nt * f.values), p.scales.resize(g.nb * nt * chunks * 16);
@@ -151,25 +132,24 @@ void unpack(int64_t type, const Format& f, const uint8_t* w, int64_t row_bytes, 
   for (int64_t n = 0; n < nt; ++n)
     for (int64_t kb = 0; kb < g.nb; ++kb) {
       const int64_t at = kb * nt + n;
-      uint8_t rebuilt[144];
-      const uint8_t* b = x8 ? x8_block(w, g.N, g.nb, n0 + n, kb, rebuilt) : w + (n0 + n) * row_bytes + kb * f.bytes;
+      const uint8_t* b = w + (n0 + n) * row_bytes + kb * f.bytes;
       unpack_block(type, b, p.codes.data() + at * f.values, sg, wg, p.d[at], p.e[at]);
-      if (chunks > 1)  // chunk c's pairs: lanes 0-7 group 2c's scale, lanes 8-15 group 2c + 1's
-        for (int64_t c = 0; c < chunks; ++c)
-          store32(p.scales.data() + (at * chunks + c) * 16, _mm256_set_m128i(_mm_set1_epi16(sg[2 * c + 1]),
-                                                                             _mm_set1_epi16(sg[2 * c])));
+      for (int64_t c = 0; c < chunks; ++c)  // chunk c's pairs: lanes 0-7 group 2c's scale, lanes 8-15 group 2c + 1's
+        store32(p.scales.data() + (at * chunks + c) * 16, _mm256_set_m128i(_mm_set1_epi16(sg[2 * c + 1]),
+                                                                           _mm_set1_epi16(sg[2 * c])));
       for (int64_t q = 0; q < G / 2; ++q)
         for (int t = 0; t < 2; ++t) p.wg[((kb * (G / 2) + q) * nt + n) * 2 + t] = wg[2 * q + t];
       if (type == Q6_K) std::memcpy(p.sc16.data() + at * 16, sg, sizeof sg);
     }
 }
 
-// y[m][panel columns] = acc1, the scalar part of block_dot summed over the blocks in order, 8 columns at a time (the
-// same fp32 operations per column as one at a time). PAIRS: 16-value group pairs per block.
-template <Scalar KIND, int PAIRS>
+// y[m][panel columns] = acc1, the mins' part of block_dot (Q2_K, Q4_K, Q5_K; MINS false: none) summed over the
+// blocks in order, 8 columns at a time (the same fp32 operations per column as one at a time).
+template <bool MINS>
 void corrections(const Gemm& g, const Panel& p, float* y) {
+  constexpr int PAIRS = 8;  // 16-value group pairs per 256-value block
   const int64_t nt = p.nt, nb = g.nb;
-  const float *e = p.e.data(), *xd = g.xd, *xs = g.xs;
+  const float *e = p.e.data(), *xd = g.xd;
   const int16_t* wg = p.wg.data();
   const int32_t* xp = g.xp;
   for (int64_t m = 0; m < g.M; ++m) {
@@ -177,49 +157,42 @@ void corrections(const Gemm& g, const Panel& p, float* y) {
     int64_t n = 0;
     for (; n + 8 <= nt; n += 8) {
       __m256 a1 = _mm256_setzero_ps();
-      for (int64_t kb = 0; kb < nb && KIND != NONE; ++kb) {
+      for (int64_t kb = 0; kb < nb && MINS; ++kb) {
         const __m256 ev = _mm256_loadu_ps(e + kb * nt + n);
-        if constexpr (KIND == SUMS) {
-          a1 = _mm256_add_ps(a1, _mm256_mul_ps(ev, _mm256_set1_ps(xs[m * nb + kb])));
-        } else {
-          __m256i c = _mm256_setzero_si256();
-          const int16_t* wq = wg + (kb * PAIRS * nt + n) * 2;
-          const int32_t* xq = xp + (m * nb + kb) * PAIRS;
-          for (int q = 0; q < PAIRS; ++q)
-            c = _mm256_add_epi32(c, _mm256_madd_epi16(load32(wq + q * nt * 2), _mm256_set1_epi32(xq[q])));
-          const __m256 edx = _mm256_mul_ps(ev, _mm256_set1_ps(xd[m * nb + kb]));
-          a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), edx, a1);
-        }
+        __m256i c = _mm256_setzero_si256();
+        const int16_t* wq = wg + (kb * PAIRS * nt + n) * 2;
+        const int32_t* xq = xp + (m * nb + kb) * PAIRS;
+        for (int q = 0; q < PAIRS; ++q)
+          c = _mm256_add_epi32(c, _mm256_madd_epi16(load32(wq + q * nt * 2), _mm256_set1_epi32(xq[q])));
+        const __m256 edx = _mm256_mul_ps(ev, _mm256_set1_ps(xd[m * nb + kb]));
+        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), edx, a1);
       }
       _mm256_storeu_ps(out + n, a1);
     }
     for (; n < nt; ++n) {
       float a1 = 0.f;
-      for (int64_t kb = 0; kb < nb && KIND != NONE; ++kb) {
-        if constexpr (KIND == SUMS) {
-          a1 += e[kb * nt + n] * xs[m * nb + kb];
-        } else {
-          int32_t c = 0;
-          for (int q = 0; q < PAIRS; ++q) {
-            const int32_t packed = xp[(m * nb + kb) * PAIRS + q];
-            const int16_t* wq = wg + ((kb * PAIRS + q) * nt + n) * 2;
-            c += int32_t(wq[0]) * int16_t(packed & 0xFFFF) + int32_t(wq[1]) * int16_t(packed >> 16);
-          }
-          a1 = std::fma(float(c), e[kb * nt + n] * xd[m * nb + kb], a1);
+      for (int64_t kb = 0; kb < nb && MINS; ++kb) {
+        int32_t c = 0;
+        for (int q = 0; q < PAIRS; ++q) {
+          const int32_t packed = xp[(m * nb + kb) * PAIRS + q];
+          const int16_t* wq = wg + ((kb * PAIRS + q) * nt + n) * 2;
+          c += int32_t(wq[0]) * int16_t(packed & 0xFFFF) + int32_t(wq[1]) * int16_t(packed >> 16);
         }
+        a1 = std::fma(float(c), e[kb * nt + n] * xd[m * nb + kb], a1);
       }
       out[n] = a1;
     }
   }
 }
 
+// The formats gguf_gemm takes: the 256-value K-quants and IQ4_XS in the file's layout.
+bool takes_gemm(int64_t type) {
+  return type == Q2_K || type == Q3_K || type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS;
+}
+
 void scalar_parts(int64_t type, const Gemm& g, const Panel& p, float* y) {
-  switch (type) {
-    case Q8_0: case IQ4_NL: case IQ4_XS: case Q4_0: case Q5_0: case Q6_K: case Q3_K:
-      corrections<NONE, 1>(g, p, y); break;
-    case Q4_1: case Q5_1: corrections<SUMS, 1>(g, p, y); break;
-    default: corrections<INTEGER, 8>(g, p, y); break;  // the mins of Q2_K, Q4_K, Q5_K
-  }
+  if (type == Q2_K || type == Q4_K || type == Q5_K) corrections<true>(g, p, y);
+  else corrections<false>(g, p, y);  // IQ4_XS, Q3_K, Q6_K
 }
 
 #define GGUF_INNER "gguf_gemm.h"
@@ -234,29 +207,30 @@ namespace llama_cpu {
 // 4096x4096 product of 4 rows took half the one-row loop's time here; not tuned finely on this loaded machine).
 constexpr int64_t kGemmMinRows = 4;
 
-// y (M, N) = the activation rows (gguf_blocks.cpp's quantize_act: codes xq, scales xd, 16-sums s16, q8_1 sums xs)
-// times the GGUF weight w (N, row bytes) of `type`, as its one-row loop gives each row. False (y untouched) where
-// it does not take the product: fewer than kGemmMinRows rows, gguf_rows.h's formats (their rows share each block's
-// unpacking there), Q4_K_X8 (whose own loop, gguf_x8_dot.h, feeds 8 outputs from each activation load: 8 rows of a
-// 4096x2048 product took 1.45 ms there and 7.8 ms here, 256 rows 42 and 51 ms, one thread, docs/performance.md),
-// or activation blocks other than the weight's.
-bool gguf_gemm(int64_t layout, const int8_t* xq, const float* xd, const int32_t* s16, const float* xs,
+// y (M, N) = the activation rows (gguf_blocks.cpp's quantize_act: codes xq, scales xd, 16-sums s16; xs, the q8_1
+// sums of 32-value blocks, is unused here) times the GGUF weight w (N, row bytes) of `layout`, as its one-row loop
+// gives each row. False (y untouched) where it does not take the product: fewer than kGemmMinRows rows, formats
+// other than takes_gemm's: gguf_rows.h's (their rows share each block's unpacking there), Q4_K_X8 (whose own loop,
+// gguf_x8_dot.h, feeds 8 outputs from each activation load: 8 rows of a 4096x2048 product took 1.45 ms there and
+// 7.8 ms here, 256 rows 42 and 51 ms, one thread, docs/performance.md), or activation blocks other than the weight's.
+bool gguf_gemm(int64_t layout, const int8_t* xq, const float* xd, const int32_t* s16, const float* /*xs*/,
                const uint8_t* w, int64_t M, int64_t K, int64_t N, float* y, bool use_vnni) {
   Format f;
-  if (M < kGemmMinRows || shares_rows(layout) || layout == Q4_K_X8 || !format_of(layout, f) || f.act_block != f.values || K % f.values != 0) return false;
-  const bool x8 = layout == Q4_K_X8;
-  const int64_t type = x8 ? Q4_K : layout;
+  if (M < kGemmMinRows || !takes_gemm(layout) || !format_of(layout, f) || f.act_block != f.values ||
+      K % f.values != 0)
+    return false;
+  const int64_t type = layout;
   const int64_t nb = K / f.values, groups = f.values / 16;
   std::vector<int32_t> packed(M * nb * groups / 2);  // s16 in int16 pairs (each at most 16 * 127 in magnitude)
   for (int64_t i = 0; i < int64_t(packed.size()); ++i)
     packed[i] = int32_t(uint32_t(uint16_t(s16[2 * i])) | (uint32_t(uint16_t(s16[2 * i + 1])) << 16));
-  const Gemm g{xq, xd, packed.data(), xs, s16, M, K, N, nb, groups};
+  const Gemm g{xq, xd, packed.data(), s16, M, K, N, nb, groups};
   const int64_t panels = (N + kPanel - 1) / kPanel;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     Panel p;
     for (int64_t i = p0; i < p1; ++i) {
       const int64_t n0 = i * kPanel;
-      unpack(type, f, w, nb * f.bytes, g, n0, std::min(kPanel, N - n0), p, x8);
+      unpack(type, f, w, nb * f.bytes, g, n0, std::min(kPanel, N - n0), p);
       scalar_parts(type, g, p, y);
       (use_vnni ? vnni::products : avx2::products)(type, g, p, 0, M, y);
     }

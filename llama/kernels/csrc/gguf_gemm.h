@@ -5,9 +5,9 @@
 // the helpers they share are gguf_simd.h's).
 
 // How a block's int32 lanes reach the fp32 sums, as block_dot does per format: LANES: acc = fma(lanes, d * dx, acc);
-// LANE0: the lanes' total by one fma into lane 0 of acc (Q4_K, Q2_K: llama.cpp's repacked layouts); ACC1: likewise
-// into the scalar acc1 (Q4_0, IQ4_NL); Q6: LANES less Q6_K's offsets per lane, 32 * (bsum * scale) of two groups.
-enum Sum { LANES, LANE0, ACC1, Q6 };
+// LANE0: the lanes' total by one fma into lane 0 of acc (Q4_K, Q2_K: llama.cpp's repacked layouts); Q6: LANES less
+// Q6_K's offsets per lane, 32 * (bsum * scale) of two groups.
+enum Sum { LANES, LANE0, Q6 };
 
 #ifdef GGUF_VNNI
 constexpr int kRows = 4;  // rows x columns of one tile: its int32 and fp32 accumulators stay in registers
@@ -17,33 +17,26 @@ constexpr int kRows = 2;
 constexpr int kCols = 2;
 
 // isum += the 8 int32 lanes of 32 weight codes w times 32 activation codes x (lane i: values 4i .. 4i + 3), each
-// pair of products times its int16 weight in sc (SCALED: the code's scale), as block_dot's dot_scaled / dot_us /
-// dot_ss sum them. SIGNED codes multiply as |w| * (x with w's sign).
-template <bool SIGNED, bool SCALED>
+// pair of products times its int16 weight in sc (the code's scale), as block_dot's dot_scaled sums them. SIGNED
+// codes multiply as |w| * (x with w's sign).
+template <bool SIGNED>
 inline __m256i lanes(__m256i isum, __m256i u, __m256i w, __m256i x, const int16_t* sc) {
   const __m256i xs = SIGNED ? _mm256_sign_epi8(x, w) : x;
-  if constexpr (SCALED) {
 #ifdef GGUF_VNNI
-    return _mm256_dpwssd_epi32(isum, _mm256_maddubs_epi16(u, xs), load32(sc));
+  return _mm256_dpwssd_epi32(isum, _mm256_maddubs_epi16(u, xs), load32(sc));
 #else
-    return _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(u, xs), load32(sc)));
+  return _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(u, xs), load32(sc)));
 #endif
-  } else {
-#ifdef GGUF_VNNI
-    return _mm256_dpbusd_epi32(isum, u, xs);
-#else
-    return _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(u, xs), _mm256_set1_epi16(1)));
-#endif
-  }
 }
 
 
 // y[m][n] = hsum(acc) + y[m][n] (y holds the scalar part, acc1) for rows m0 .. m0 + MB and panel columns n0 .. n0 + NB:
 // per block, the int32 lanes, then the fp32 steps of SUM, as linear_rows does for one (row, output).
-template <bool SIGNED, bool SCALED, int CH, Sum SUM, int MB, int NB>
+template <bool SIGNED, Sum SUM, int MB, int NB>
 void tile(const Gemm& g, const Panel& p, int64_t m0, int64_t n0, float* y) {
+  constexpr int CH = 8;  // 32-value chunks per 256-value block
   __m256 acc[MB][NB];
-  float one[MB][NB];  // LANE0 / ACC1: the per-block fma chain
+  float one[MB][NB];  // LANE0: the per-block fma chain
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps(), one[i][j] = 0.f;
   for (int64_t kb = 0; kb < g.nb; ++kb) {
@@ -52,7 +45,7 @@ void tile(const Gemm& g, const Panel& p, int64_t m0, int64_t n0, float* y) {
       for (int j = 0; j < NB; ++j) isum[i][j] = _mm256_setzero_si256();
     const int8_t* x = g.xq + m0 * g.K + kb * 32 * CH;
     const uint8_t* w = p.codes.data() + (kb * p.nt + n0) * 32 * CH;
-    const int16_t* s = SCALED ? p.scales.data() + (kb * p.nt + n0) * CH * 16 : nullptr;
+    const int16_t* s = p.scales.data() + (kb * p.nt + n0) * CH * 16;
 #pragma GCC unroll 8
     for (int c = 0; c < CH; ++c) {
       __m256i xv[MB];
@@ -61,14 +54,14 @@ void tile(const Gemm& g, const Panel& p, int64_t m0, int64_t n0, float* y) {
         const __m256i wv = load32(w + (j * CH + c) * 32);
         const __m256i u = SIGNED ? _mm256_sign_epi8(wv, wv) : wv;
         for (int i = 0; i < MB; ++i)
-          isum[i][j] = lanes<SIGNED, SCALED>(isum[i][j], u, wv, xv[i], SCALED ? s + (j * CH + c) * 16 : nullptr);
+          isum[i][j] = lanes<SIGNED>(isum[i][j], u, wv, xv[i], s + (j * CH + c) * 16);
       }
     }
     for (int i = 0; i < MB; ++i) {  // d * dx in every lane: the one-row loop's scalar product, broadcast
       const __m256 dx = _mm256_broadcast_ss(g.xd + (m0 + i) * g.nb + kb);
       for (int j = 0; j < NB; ++j) {
         const __m256 dd = _mm256_mul_ps(_mm256_broadcast_ss(p.d.data() + kb * p.nt + n0 + j), dx);
-        if constexpr (SUM == LANE0 || SUM == ACC1) {
+        if constexpr (SUM == LANE0) {
           one[i][j] = std::fma(float(hsum_i32(isum[i][j])), _mm256_cvtss_f32(dd), one[i][j]);
         } else {
           __m256i lanes_ = isum[i][j];
@@ -83,33 +76,30 @@ void tile(const Gemm& g, const Panel& p, int64_t m0, int64_t n0, float* y) {
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) {
       float& out = y[(m0 + i) * g.N + p.n0 + n0 + j];
-      // LANE0: acc is (one, 0, ..., 0), whose hsum is one; ACC1: acc is zero and the scalar part nothing
-      out = SUM == LANE0 ? one[i][j] + out : SUM == ACC1 ? hsum(acc[i][j]) + one[i][j] : hsum(acc[i][j]) + out;
+      // LANE0: acc is (one, 0, ..., 0), whose hsum is one
+      out = SUM == LANE0 ? one[i][j] + out : hsum(acc[i][j]) + out;
     }
 }
 
 // The panel's columns for rows m0 .. m1: whole tiles, then the remaining rows and columns one at a time.
-template <bool SIGNED, bool SCALED, int CH, Sum SUM = LANES>
+template <bool SIGNED, Sum SUM = LANES>
 void panel_rows(const Gemm& g, const Panel& p, int64_t m0, int64_t m1, float* y) {
   int64_t m = m0;
   for (; m + kRows <= m1; m += kRows) {
     int64_t n = 0;
-    for (; n + kCols <= p.nt; n += kCols) tile<SIGNED, SCALED, CH, SUM, kRows, kCols>(g, p, m, n, y);
-    for (; n < p.nt; ++n) tile<SIGNED, SCALED, CH, SUM, kRows, 1>(g, p, m, n, y);
+    for (; n + kCols <= p.nt; n += kCols) tile<SIGNED, SUM, kRows, kCols>(g, p, m, n, y);
+    for (; n < p.nt; ++n) tile<SIGNED, SUM, kRows, 1>(g, p, m, n, y);
   }
   for (; m < m1; ++m)
-    for (int64_t n = 0; n < p.nt; ++n) tile<SIGNED, SCALED, CH, SUM, 1, 1>(g, p, m, n, y);
+    for (int64_t n = 0; n < p.nt; ++n) tile<SIGNED, SUM, 1, 1>(g, p, m, n, y);
 }
 
 // The integer products of the panel with rows m0 .. m1 (after corrections() wrote the scalar parts into y).
 inline void products(int64_t type, const Gemm& g, const Panel& p, int64_t m0, int64_t m1, float* y) {
   switch (type) {
-    case Q8_0: case Q5_0: panel_rows<true, false, 1>(g, p, m0, m1, y); break;
-    case IQ4_NL: case Q4_0: panel_rows<true, false, 1, ACC1>(g, p, m0, m1, y); break;
-    case Q4_1: case Q5_1: panel_rows<false, false, 1>(g, p, m0, m1, y); break;
-    case IQ4_XS: case Q3_K: panel_rows<true, true, 8>(g, p, m0, m1, y); break;
-    case Q4_K: case Q2_K: panel_rows<false, true, 8, LANE0>(g, p, m0, m1, y); break;
-    case Q6_K: panel_rows<false, true, 8, Q6>(g, p, m0, m1, y); break;
-    default: panel_rows<false, true, 8>(g, p, m0, m1, y); break;  // Q5_K
+    case IQ4_XS: case Q3_K: panel_rows<true>(g, p, m0, m1, y); break;
+    case Q4_K: case Q2_K: panel_rows<false, LANE0>(g, p, m0, m1, y); break;
+    case Q6_K: panel_rows<false, Q6>(g, p, m0, m1, y); break;
+    default: panel_rows<false>(g, p, m0, m1, y); break;  // Q5_K
   }
 }
