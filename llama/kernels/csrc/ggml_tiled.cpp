@@ -32,6 +32,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #include "check.h"
@@ -235,6 +236,17 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& w, int64_t type, bool 
 }
 
 at::Tensor tiled(const at::Tensor& x, const at::Tensor& w, int64_t type) { return product(x, w, type, false); }
+
+// x (M, K) as q8_K blocks, one row at a time or (x4) as the 4-row quantizer does: (codes (M, K) int8, d (M, K / 256)).
+std::tuple<at::Tensor, at::Tensor> q8k(const at::Tensor& x, bool x4) {
+  LLAMA_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % QK == 0,
+              "ggml_tiled q8k: x must be a contiguous float32 (rows, multiple of 256) tensor");
+  const Q8K a = quantize(x.data_ptr<float>(), x.size(0), x.size(1), x4);
+  at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kChar)), d = at::empty({x.size(0), x.size(1) / QK}, x.options());
+  std::memcpy(q.data_ptr<int8_t>(), a.q.data(), a.q.size());
+  std::memcpy(d.data_ptr<float>(), a.d.data(), a.d.size() * sizeof(float));
+  return {q, d};
+}
 at::Tensor q4k_x4(const at::Tensor& x, const at::Tensor& w, int64_t type) { return product(x, w, type, true); }
 
 }  // namespace
@@ -242,9 +254,11 @@ at::Tensor q4k_x4(const at::Tensor& x, const at::Tensor& w, int64_t type) { retu
 TORCH_LIBRARY(llama_ggml_mm, m) {
   m.def("tiled(Tensor x, Tensor weight, int type) -> Tensor");
   m.def("q4k_x4(Tensor x, Tensor weight, int type) -> Tensor");
+  m.def("q8k(Tensor x, bool x4) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(llama_ggml_mm, CPU, m) {
   m.impl("tiled", tiled);
   m.impl("q4k_x4", q4k_x4);
+  m.impl("q8k", q8k);
 }
