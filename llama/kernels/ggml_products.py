@@ -19,6 +19,8 @@ our product. With row-invariant arithmetic on (prefix_cache="exact") every produ
 attention is (llama.cpp fed one token at a time).
 """
 
+from contextlib import contextmanager
+
 import torch
 
 from llama.kernels import cpu as cpu_kernels
@@ -38,22 +40,49 @@ def kernel(qtype: int, out_rows: int, tokens: int) -> str:
 
 
 def product(method, layer, x: torch.Tensor) -> torch.Tensor:
-    """layer's product with x (..., T, K) as llama.cpp multiplies a batch of T tokens (method: its GGUFBlocks)."""
+    """layer's product with x (..., T, K) as llama.cpp multiplies each sequence's T tokens, or its own count of
+    tokens where the pass says it (sequence_tokens: the rest of its row is padding) (method: its GGUFBlocks)."""
     T = x.shape[-2] if x.dim() >= 2 else 1
     w = layer.weight
-    how = "one" if invariant.active() or w.device.type != "cpu" else kernel(method.qtype, w.shape[0], T)
-    if how == "one":
+    if invariant.active() or w.device.type != "cpu":
         return cpu_kernels.gguf_linear(x, w, method.layout)
     rows = x.reshape(-1, T, x.shape[-1]).to(torch.float32)
-    if how == "tiled":
-        y = torch.ops.llama_ggml_mm.tiled(rows.reshape(-1, rows.shape[-1]).contiguous(), w, method.layout)
-        return y.view(*x.shape[:-1], -1).to(x.dtype)
-    full = T - T % 4  # the gemm's rows; the rest go through the gemv, which our one-row product equals
-    y = torch.ops.llama_ggml_mm.q4k_x4(rows[:, :full].reshape(-1, rows.shape[-1]).contiguous(), w, method.layout)
-    y = y.view(rows.shape[0], full, -1)
-    if full < T:
-        y = torch.cat([y, cpu_kernels.gguf_linear(rows[:, full:], w, method.layout)], dim=1)
+    counts = _counts if _counts is not None and len(_counts) == rows.shape[0] else [T] * rows.shape[0]
+    hows = [kernel(method.qtype, w.shape[0], min(c, T)) for c in counts]
+    if all(h == "one" for h in hows):
+        return cpu_kernels.gguf_linear(x, w, method.layout)
+    if len(set(counts)) == 1 or all(h == "tiled" for h in hows):  # one call for the whole batch
+        y = _rows(method, w, rows, hows[0], min(counts[0], T))
+    else:
+        y = torch.cat([_rows(method, w, rows[b : b + 1], h, min(c, T)) for b, (h, c) in enumerate(zip(hows, counts))])
     return y.reshape(*x.shape[:-1], -1).to(x.dtype)
+
+
+def _rows(method, w, rows: torch.Tensor, how: str, count: int) -> torch.Tensor:
+    """rows (B, T, K) fp32 times w by kernel `how` for sequences of `count` tokens: (B, T, N)."""
+    B, T, K = rows.shape
+    if how == "one":
+        return cpu_kernels.gguf_linear(rows, w, method.layout)
+    if how == "tiled":
+        return torch.ops.llama_ggml_mm.tiled(rows.reshape(-1, K).contiguous(), w, method.layout).view(B, T, -1)
+    full = count - count % 4  # the gemm's rows; the rest go through the gemv, which our one-row product equals
+    y = torch.ops.llama_ggml_mm.q4k_x4(rows[:, :full].reshape(-1, K).contiguous(), w, method.layout)
+    y = y.view(B, full, -1)
+    return torch.cat([y, cpu_kernels.gguf_linear(rows[:, full:], w, method.layout)], dim=1) if full < T else y
+
+
+_counts = None  # tokens per sequence of the pass in progress, where it says them (sequence_tokens)
+
+
+@contextmanager
+def sequence_tokens(counts):
+    """Within: the pass's rows hold counts[b] tokens each (padded to its width), which decide their products."""
+    global _counts
+    old, _counts = _counts, None if counts is None else [int(c) for c in counts]
+    try:
+        yield
+    finally:
+        _counts = old
 
 
 def _class(base: type) -> type:
@@ -72,7 +101,9 @@ _classes: dict = {}
 def install(model) -> int:
     """Give every GGUF-block layer of model whose type llama.cpp multiplies otherwise in a batch llama.cpp's batched
     products (a method of its own class with that apply; llama/quantization/gguf_blocks.py's GGUFBlocks, known here
-    by its qtype and layout, as kernels sit below quantization); returns how many layers."""
+    by its qtype and layout, as kernels sit below quantization), and model's forward the tokens per row where it
+    has them (logit_index: each row's last token, so a prompt padded beside a longer one is multiplied as alone);
+    returns how many layers."""
     n = 0
     for layer in model.modules():
         m = getattr(layer, "method", None)
@@ -80,4 +111,13 @@ def install(model) -> int:
                 and not getattr(m, "ggml_products", False):
             layer.method = _class(type(m))()
             n += 1
+    if n and "forward" not in vars(model):
+        inner = model.forward
+
+        def forward(tokens, *args, **kwargs):
+            last = kwargs.get("logit_index", args[2] if len(args) > 2 else None)  # Transformer.forward's 4th
+            with sequence_tokens(None if last is None else (last.reshape(-1) + 1).tolist()):
+                return inner(tokens, *args, **kwargs)
+
+        model.forward = forward
     return n

@@ -107,3 +107,21 @@ def test_kernel_choice_follows_llama_cpps_dispatch():
     for qtype in (11, 13, 14, 23):
         assert [kernel(qtype, 576, t) for t in (1, 7, 8, 37)] == ["one", "one", "tiled", "tiled"]
     assert kernel(8, 576, 37) == kernel(6, 576, 37) == kernel(10, 576, 37) == "one"
+
+
+def test_engine_requests_match_alone_on_k_quants(files):
+    """The engine pads prompts of one prefill to the longest: each row's products are chosen by its own token count
+    (the prefill's last index per row), so a request's greedy tokens and logprobs are those it gets alone, on
+    either side of Q4_K's 4-token and the tiled kernel's 8-token thresholds. Without a prefix cache: a prompt whose
+    start was cached is prefilled from there, in other batches (as llama.cpp's own reuse of its KV cache does)."""
+    from llama import Llama
+
+    gen = Llama.build(str(files("Q4_K_M")), None, max_seq_len=96, max_batch_size=4, compile=False,
+                      prefix_cache="off")
+    prompts = ["Hi", "The capital of France is", "Once upon a time, in a land far away", CHAT]
+    assert [len(gen.tokenizer.encode(p, bos=False, eos=False)) for p in prompts][:3] == [1, 5, 10]
+    params = dict(temperature=0.0, max_gen_len=8, logprobs=True)
+    batch = gen.text_completion(prompts, **params)
+    for prompt, got in zip(prompts, batch):
+        alone = gen.text_completion([prompt], **params)[0]
+        assert got["tokens"] == alone["tokens"] and got["logprobs"] == alone["logprobs"], prompt

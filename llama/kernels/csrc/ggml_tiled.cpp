@@ -103,7 +103,8 @@ void decode(int64_t type, const uint8_t* b, KBlock& k) {
       k.d = half_to_float(b), k.dmin = 0.f, k.sub = 32, k.has_min = false;
       for (int j = 0; j < 8; ++j) {
         k.sc[j] = iq4xs_scale(b, j), k.mn[j] = 0;
-        for (int l = 0; l < 16; ++l) k.v[32 * j + l] = kIQ4[qs[16 * j + l] & 0x0F], k.v[32 * j + 16 + l] = kIQ4[qs[16 * j + l] >> 4];
+        for (int l = 0; l < 16; ++l)
+          k.v[32 * j + l] = kIQ4[qs[16 * j + l] & 0x0F], k.v[32 * j + 16 + l] = kIQ4[qs[16 * j + l] >> 4];
       }
       return;
     }
@@ -242,7 +243,8 @@ std::tuple<at::Tensor, at::Tensor> q8k(const at::Tensor& x, bool x4) {
   LLAMA_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % QK == 0,
               "ggml_tiled q8k: x must be a contiguous float32 (rows, multiple of 256) tensor");
   const Q8K a = quantize(x.data_ptr<float>(), x.size(0), x.size(1), x4);
-  at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kChar)), d = at::empty({x.size(0), x.size(1) / QK}, x.options());
+  at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kChar));
+  at::Tensor d = at::empty({x.size(0), x.size(1) / QK}, x.options());
   std::memcpy(q.data_ptr<int8_t>(), a.q.data(), a.q.size());
   std::memcpy(d.data_ptr<float>(), a.d.data(), a.d.size() * sizeof(float));
   return {q, d};
