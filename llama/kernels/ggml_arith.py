@@ -18,15 +18,17 @@ from functools import lru_cache
 
 import torch
 
-from llama.kernels import cpu, invariant, paged
+from llama.kernels import cpu, ggml_products, invariant, paged
 
-SOURCE = cpu.CSRC / "ggml_arith.cpp"
+SOURCES = (cpu.CSRC / "ggml_arith.cpp", cpu.CSRC / "ggml_tiled.cpp")  # the ops; llama.cpp's batched K-quant products
+HEADERS = ("check.h", "gguf_format.h", "gguf_x8.h")
 FLAGS = ("-O2", "-std=c++20", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp", "-w")
 
 
 @lru_cache(maxsize=None)
 def available() -> bool:
-    """Whether the ops are loaded into torch.ops.llama_ggml (built the first time on this machine)."""
+    """Whether the ops are loaded into torch.ops.llama_ggml and torch.ops.llama_ggml_mm (built the first time on this
+    machine)."""
     if not cpu.available():
         return False
     import hashlib
@@ -37,7 +39,7 @@ def available() -> bool:
     from torch.utils import cpp_extension
 
     cxx = cpu._compiler()
-    h = hashlib.sha256(SOURCE.read_bytes() + (cpu.CSRC / "check.h").read_bytes())
+    h = hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, *(cpu.CSRC / n for n in HEADERS))))
     h.update(f"|{torch.__version__}|{FLAGS}|{torch._C._GLIBCXX_USE_CXX11_ABI}".encode())
     out = cpu.cache_dir() / "kernels" / h.hexdigest()[:24] / "ggml_arith.so"
     try:
@@ -46,7 +48,7 @@ def available() -> bool:
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
             os.close(fd)
             cmd = [cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
-            cmd += [f"-I{p}" for p in cpp_extension.include_paths()] + [str(SOURCE), "-o", tmp]
+            cmd += [f"-I{p}" for p in cpp_extension.include_paths()] + [*map(str, SOURCES), "-o", tmp]
             cmd += [a for p in cpp_extension.library_paths() for a in (f"-L{p}", f"-Wl,-rpath,{p}")]
             done = subprocess.run(cmd + ["-lc10", "-ltorch_cpu"], capture_output=True, text=True)
             if done.returncode != 0:
@@ -141,12 +143,14 @@ def follows(args) -> bool:
 
 
 def enable(model) -> bool:
-    """Turn llama.cpp's arithmetic on for model's norms, attention and FFNs, where the architecture follows() and
-    the model computes in fp32 on CPU; False (nothing changed) otherwise."""
+    """Turn llama.cpp's arithmetic on for model's norms, attention and FFNs, and its batched K-quant products
+    (llama/kernels/ggml_products.py), where the architecture follows() and the model computes in fp32 on CPU;
+    False (nothing changed) otherwise."""
     ref = model.norm.weight
     if not (follows(model.params) and ref.dtype == torch.float32 and ref.device.type == "cpu" and available()):
         return False
     for module in model.modules():
         if hasattr(module, "ggml_arith"):
             module.ggml_arith = True
+    ggml_products.install(model)
     return True

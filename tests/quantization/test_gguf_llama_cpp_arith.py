@@ -122,7 +122,7 @@ def test_each_op_equals_llama_cpps_tensor_bit_for_bit(smollm):
         start += T
 
 
-def compare(gen, path, tokens: int, n_batch: int):
+def compare(gen, path, tokens: int, n_batch: int, prompts=PROMPTS):
     """Per prompt: llama-cpp-python's logits at every prompt position (its prompt in batches of n_batch) and then
     along its greedy continuation, against ours fed the same tokens in the same passes; asserts bitwise equality
     and returns the continuations."""
@@ -131,7 +131,7 @@ def compare(gen, path, tokens: int, n_batch: int):
     llm = llama_cpp.Llama(str(path), n_ctx=128, n_batch=n_batch, n_threads=2, logits_all=True, verbose=False)
     model = gen.model
     assert model.layers[0].attention.cache_k.dtype == torch.float16  # llama.cpp's KV type, from the cache owner
-    for prompt in PROMPTS:
+    for prompt in prompts:
         ids = gen.tokenizer.encode(prompt, bos=False, eos=False)
         llm.reset()
         llm.eval(ids)
@@ -158,12 +158,11 @@ def test_logits_and_greedy_ids_equal_llama_cpps(smollm):
     compare(smollm, SMOLLM, 64, n_batch=256)
 
 
-@pytest.mark.parametrize("ftype,n_batch", [("Q6_K", 256), ("Q4_K_M", 1)])
+@pytest.mark.parametrize("ftype,n_batch", [("Q6_K", 256), ("Q4_K_M", 256), ("Q4_K_M", 1)])
 def test_k_quant_files_logits_equal_llama_cpps(ftype, n_batch, tmp_path_factory):
-    """llama.cpp's own Q6_K and Q4_K_M quantizations of the model, 64 greedy tokens. The prompts are under 8 tokens:
-    from 8 tokens on llama.cpp multiplies K-quants in its tiled kernel (ggml-cpu/tiled), whose order of sums our
-    block products do not follow yet. Q4_K_M feeds its prompt one token at a time: llama.cpp's repacked Q4_K gemm
-    takes 4 tokens at a time in another order too (tests/quantization/test_gguf_llama_cpp.py)."""
+    """llama.cpp's own Q6_K and Q4_K_M quantizations of the model, 64 greedy tokens, the prompts in one batch (Q4_K_M's
+    4+ tokens go through llama.cpp's repacked Q4_K gemm: llama/kernels/ggml_products.py) and one token at a time.
+    Prompts of 8 tokens or more: tests/quantization/test_gguf_llama_cpp_batched.py."""
     from llama import Llama
 
     path = requantized(tmp_path_factory, ftype)
