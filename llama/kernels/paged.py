@@ -7,15 +7,15 @@ The pool's caches are (blocks, kv_heads, block_size, head_dim); `table` holds th
 An int8 pool (kv_cache_dtype="int8") holds each position's head rotated, then as llama.cpp's q8_0 (its scales
 bitwise): each group of GROUP values (a whole head where head_dim is not a multiple of GROUP) has int8 codes and an
 fp16 scale, amax / 127, in the cache tensor's `scales` attribute (blocks, kv_heads, block_size, head_dim // group).
-The rotation (rotate(): fixed signs, then a normalized Walsh-Hadamard transform of head_dim, as QuaRot and
-llama.cpp's and vLLM's rotated KV caches do) spreads a head's few outlier channels over all of them, so they no
-longer set a group's step: SmolLM2's keys and values come back with 34 % less error (0.0051 relative RMS against
-q8_0's 0.0078), the same bytes (docs/performance.md, "int8 keys and values"). Attention needs no unrotation of the
-pool: q.k = (Rq).(Rk) and softmax(qK)V = R^T (softmax(qK)(RV)), so the model rotates its queries into the stored
-basis and its output back (attending()/unrotate()); read() gives the model's basis to anyone else. head_dims that
-are not a power of two keep plain q8_0. The butterflies are elementwise fp32 adds in one fixed order, so a
-position's bytes never depend on its neighbours or its batch: a cached block holds what a fresh prefill would write.
-A code times an fp16 scale is exact in fp32, so dequantizing rounds once, to the activations' dtype.
+The rotation (rotate(): fixed signs, then a normalized Walsh-Hadamard transform of head_dim, as QuaRot does and
+llama.cpp for its quantized KV types, ggml-org/llama.cpp#21038) spreads a head's few outlier channels over all of
+them, so they no longer set a group's step: less error in the same bytes (measured in docs/performance.md, "int8
+keys and values"). Attention needs no unrotation of the pool: q.k = (Rq).(Rk) and softmax(qK)V = R^T
+(softmax(qK)(RV)), so the model rotates its queries into the stored basis and its output back
+(attending()/unrotate()); read() gives the model's basis to anyone else. head_dims that are not a power of two keep
+plain q8_0. The butterflies are elementwise fp32 adds in one fixed order, so a position's bytes never depend on its
+neighbours or its batch: a cached block holds what a fresh prefill would write. A code times an fp16 scale is exact
+in fp32, so dequantizing rounds once, to the activations' dtype.
 """
 
 import random
