@@ -160,14 +160,14 @@ def test_logits_and_greedy_ids_equal_llama_cpps(smollm):
 
 @pytest.mark.parametrize("ftype,n_batch", [("Q6_K", 256), ("Q4_K_M", 256), ("Q4_K_M", 1)])
 def test_k_quant_files_logits_equal_llama_cpps(ftype, n_batch, tmp_path_factory):
-    """llama.cpp's own Q6_K and Q4_K_M quantizations of the model, 64 greedy tokens, the prompts in one batch (Q4_K_M's
+    """llama.cpp's own Q6_K and Q4_K_M quantizations of the model, 32 greedy tokens, the prompts in one batch (Q4_K_M's
     4+ tokens go through llama.cpp's repacked Q4_K gemm: llama/kernels/ggml_products.py) and one token at a time.
     Prompts of 8 tokens or more: tests/quantization/test_gguf_llama_cpp_batched.py."""
     from llama import Llama
 
     path = requantized(tmp_path_factory, ftype)
     gen = Llama.build(str(path), None, max_seq_len=128, max_batch_size=1, compile=False)
-    compare(gen, path, 64, n_batch)
+    compare(gen, path, 32, n_batch)
 
 
 @pytest.mark.parametrize("value", [None, "0"], ids=["default", "0"])

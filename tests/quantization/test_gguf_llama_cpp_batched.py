@@ -2,7 +2,7 @@
 prompt of 8 tokens or more fed in one batch (4 or more for Q4_K, which llama.cpp repacks) goes through llama.cpp's
 tiled kernel or its repacked Q4_K gemm, and our products follow them: each K-quant product fed llama.cpp's input
 equals llama.cpp's tensor at every token count, and a 37-token chat prompt in one batch gives llama-cpp-python's
-logits bit for bit at every position, then 64 greedy tokens agree. llama.cpp's own quantizations of the shared
+logits bit for bit at every position, then 32 greedy tokens agree. llama.cpp's own quantizations of the shared
 SmolLM2 (its K-quant products are ffn_down: the other tensors have 576 inputs, not whole super-blocks)."""
 
 import ctypes
@@ -62,11 +62,11 @@ def test_ffn_down_equals_llama_cpps_tensor_at_each_token_count(ftype, files):
                                          (y - ref).abs().max().item())
 
 
-@pytest.mark.parametrize("ftype", FILES)
+@pytest.mark.parametrize("ftype", FILES[:2])  # Q5_K's tiled product: the ffn_down test above (suite time)
 def test_chat_prompt_in_one_batch_logits_and_greedy_ids_equal_llama_cpps(ftype, files):
     """The 37-token chat prompt in one batch (llama.cpp: n_batch 256, n_ubatch 512), every position's logits, then
-    64 greedy tokens one at a time, each step's logits bit for bit."""
-    compare(build(files(ftype)), files(ftype), 64, n_batch=256, prompts=[CHAT])
+    32 greedy tokens one at a time, each step's logits bit for bit."""
+    compare(build(files(ftype)), files(ftype), 32, n_batch=256, prompts=[CHAT])
 
 
 def test_four_row_q8_k_is_llama_cpps():
