@@ -321,9 +321,9 @@ inline void outputs_dot(const Act& a, const uint8_t* wr, const Format& f, int64_
   for (int r = 0; r < R; ++r) y[r] = hsum(acc[r]) + acc1[r];
 }
 
-// One row (M == 1, a decode step) kOutputs outputs at a time (SmolLM2 Q4_1's decode step 0.93x the time of one
-// output at a time, docs/performance.md); more rows (below gguf_gemm's, formats gguf_rows.h does not take) one
-// (output, row) at a time.
+// One row (M == 1, a decode step) of the 32-value formats kOutputs outputs at a time (SmolLM2 Q4_1's decode step
+// 0.93x the time of one output at a time, docs/performance.md; the K-quants' larger block_dot lost with it at 7B);
+// the rest, and more rows (below gguf_gemm's, formats gguf_rows.h does not take), one (output, row) at a time.
 constexpr int kOutputs = 2;
 
 template <int64_t TYPE>
@@ -332,9 +332,10 @@ void linear_rows(const Act& a, const uint8_t* w, const Format& f, int64_t M, int
   const int64_t grain = std::max<int64_t>(1, 64 / std::max<int64_t>(M, 1));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     int64_t n = n0;
-    if (M == 1)
-      for (; n + kOutputs <= n1; n += kOutputs)
-        outputs_dot<TYPE, kOutputs>(a, w + n * row_bytes, f, nblocks, row_bytes, 0, K, y + n);
+    if constexpr (shares_rows(TYPE))
+      if (M == 1)
+        for (; n + kOutputs <= n1; n += kOutputs)
+          outputs_dot<TYPE, kOutputs>(a, w + n * row_bytes, f, nblocks, row_bytes, 0, K, y + n);
     for (; n < n1; ++n)
       for (int64_t m = 0; m < M; ++m)
         outputs_dot<TYPE, 1>(a, w + n * row_bytes, f, nblocks, row_bytes, m, K, y + m * N + n);
