@@ -346,7 +346,7 @@ void linear_rows(const Act& a, const uint8_t* w, const Format& f, int64_t M, int
 #include "gguf_krows.h"
 
 // y (M, N) = the activations a times the weight w of ggml type `type` (one of the formats format_of knows): 2 rows
-// or more of gguf_rows.h's formats there, else (and for the other formats below gguf_gemm's rows) here.
+// or more of gguf_rows.h's formats there, of the K-quants (below gguf_gemm's rows) in gguf_krows.h, one row here.
 template <int64_t TYPE>
 void linear_of(const Act& a, const uint8_t* w, const Format& f, int64_t M, int64_t K, int64_t N, float* y) {
   if constexpr (shares_rows(TYPE))

@@ -34,8 +34,8 @@ constexpr X8Spread kX8Spread;
 #endif
 
 // Rows 0..7's integer totals (lane r) of group block b with activation codes xq; msum: the mins' sums, from pairs
-// (sub-blocks 2p and 2p + 1's 32-value code sums, as int16 in one int32 per p). The AVX2 copy's; the AVX-512 copy
-// runs x8_block_sums_rows.
+// (sub-blocks 2p and 2p + 1's 32-value code sums, as int16 in one int32 per p). The AVX2 copy's one row; several
+// rows (and the AVX-512 copy's every row) run x8_block_sums_rows.
 inline void x8_block_sums(const uint8_t* b, const int8_t* xq, const int32_t* pairs, __m256i& total, __m256i& msum) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
   const uint8_t* codes = b + 128;
@@ -176,7 +176,7 @@ inline void x8_block_sums_rows(const uint8_t* b, const int8_t* const* xq, const 
 }
 #endif
 
-// Group g's 8 outputs for rows m0 .. m0 + R: per block the integer sums (R rows at once in the VNNI copy), then each
+// Group g's 8 outputs for rows m0 .. m0 + R: per block the integer sums (R rows at once), then each
 // row's fp32 steps in order, lane r for output r: acc = fma(total, d * dx), acc1 = acc1 - msum * (dmin * dx).
 template <int R>
 inline void x8_group_rows(const Act& a, const int32_t* pairs, const uint8_t* wg, int64_t m0, int64_t K, int64_t N,
