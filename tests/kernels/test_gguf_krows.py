@@ -78,3 +78,41 @@ def test_both_copies_give_the_same_rows(kind, monkeypatch):
         monkeypatch.setenv("LLAMA_CPU_AVX512", avx512)
         out[avx512] = [cpu_kernels.gguf_linear(x[:m], w, qtype) for m in (2, 3, 5, 8)]
     assert all(torch.equal(a, b) for a, b in zip(out["0"], out["1"]))
+
+
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q5_K_M", "Q6_K"])
+def test_a_k_quant_files_verify_rows_are_its_one_token_steps_bitwise(ftype, monkeypatch, tmp_path):
+    """llama.cpp's quantizations of SmolLM2-135M (their ffn_down is Q6_K, Q5_K or Q4_K -> Q4_K_X8; its 576 inputs
+    are not whole super-blocks, so the rest is 32-value types) through the whole step, both copies: each row of a
+    1..8-row Verify pass gives exactly the logits of the one-token Decode step at its position."""
+    import ctypes
+
+    from conftest import SHARED, need
+
+    from llama import Llama
+    from llama.core.plan import Decode, Prefill, SetBlocks, Verify
+
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    src = need(SHARED / "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf")
+    path = tmp_path / f"SmolLM2-135M-Instruct.{ftype}.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.allow_requantize, params.nthread = True, 1
+    assert llama_cpp.llama_model_quantize(str(src).encode(), str(path).encode(), ctypes.byref(params)) == 0
+    g = Llama.build(str(path), None, max_seq_len=64, max_batch_size=1, compile=False, prefix_cache="off")
+    prompt = list(range(100, 120))
+    feed = torch.randint(3, 49152, (8,), generator=torch.Generator().manual_seed(3)).tolist()
+    for avx512 in COPIES:
+        monkeypatch.setenv("LLAMA_CPU_AVX512", avx512)
+        with g.cache.hold():
+            blocks = [g.cache.pool.allocate(4)]
+            g.runner.execute([SetBlocks(rows=[0], blocks=blocks),
+                              Prefill(tokens=[prompt], start=0, rows=[0], last=[len(prompt) - 1], kv_len=len(prompt))])
+            want = [g.runner.execute([Decode(tokens=[t], pos=[len(prompt) + i], active=[0])])[0][0]
+                    for i, t in enumerate(feed)]
+            for rows in range(1, 9):
+                got = g.runner.execute([Verify(tokens=feed[:rows], pos=[len(prompt) + i for i in range(rows)],
+                                               rows=[0] * rows)])[0]
+                for i in range(rows):
+                    assert torch.equal(got[i], want[i]), (ftype, avx512, rows, i, (got[i] - want[i]).abs().max().item())
+            g.cache.pool.release(blocks[0])
