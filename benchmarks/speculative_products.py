@@ -43,6 +43,14 @@ def products(path: str) -> dict:
     out = {}
     for name, parts in groups.items():
         ts = [[by[f"blk.{i}.{p}.weight"] for p in parts] for i in layers]
+        if len({(int(t.tensor_type), np.asarray(t.data).shape[1]) for g in ts for t in g}) > 1:  # mixed types
+            for j, part in enumerate(parts):  # (a Q4_K_M file's attn_v, some layers' ffn_down): each part alone
+                by_type = {}
+                for g in ts:
+                    by_type.setdefault(int(g[j].tensor_type), []).append(torch.from_numpy(np.asarray(g[j].data).copy()))
+                for qtype, ws in by_type.items():
+                    out[f"{part}:{gguf.GGMLQuantizationType(qtype).name}"] = (qtype, ws)
+            continue
         out[name] = (int(ts[0][0].tensor_type), [torch.from_numpy(np.concatenate([np.asarray(t.data) for t in g]))
                                                   for g in ts])
     head = by.get("output.weight", by["token_embd.weight"])
@@ -59,7 +67,7 @@ def time_products(path: str, rows: list, reps: int) -> dict:
 
     cpu_kernels.available()
     prods = products(path)
-    layers = len(prods["qkv"][1])
+    layers = max(len(ws) for _, ws in prods.values())
     times = {p: {m: [] for m in rows} for p in prods}
     g = torch.Generator().manual_seed(0)
     xs = {(p, m): torch.randn(m, cpu_kernels.gguf_values(q, ws[0].shape[1]), generator=g)
@@ -124,7 +132,7 @@ def report(name: str, runs: list, rows: list) -> None:
           "t(1 row))")
     for p in runs[0]["products"]:
         t = {m: statistics.median(r["products"][p][str(m)] for r in runs) for m in rows}
-        print(f"{p:8s} {t[rows[0]] * 1e3:7.3f} ms  " + " ".join(f"{m}:{t[m] / t[rows[0]]:.2f}" for m in rows[1:]))
+        print(f"{p:16s} {t[rows[0]] * 1e3:7.3f} ms  " + " ".join(f"{m}:{t[m] / t[rows[0]]:.2f}" for m in rows[1:]))
     if "cost" in runs[0]:
         c = {k: statistics.median(r["cost"][str(k)] for r in runs) for k in range(8)}
         print(f"step     {c[0] * 1e3:7.2f} ms  " + " ".join(f"c({k})={c[k]:.2f}" for k in range(1, 8)))

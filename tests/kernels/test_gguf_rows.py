@@ -1,7 +1,7 @@
 """Products of a few activation rows (a speculative verify step's k + 1 tokens: llama/kernels/csrc/gguf_rows.h for
-the 32-value formats, gguf_gemm.cpp and the one-row loops for the others) give every row the one-row product's
-result bit for bit, for every row count 1..9, every native format and both copies of the inner loops (AVX2 and
-AVX-512 VNNI): a verify row's logits are the one-token step's, which speculation's exactness needs."""
+the 32-value formats, gguf_krows.h and gguf_gemm.cpp for the K-quants, also test_gguf_krows.py) give every row the
+one-row product's result bit for bit, for every row count 1..9, every native format and both copies of the inner
+loops (AVX2 and AVX-512 VNNI): a verify row's logits are the one-token step's, which speculation's exactness needs."""
 
 import pytest
 import torch

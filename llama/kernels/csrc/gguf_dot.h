@@ -343,13 +343,16 @@ void linear_rows(const Act& a, const uint8_t* w, const Format& f, int64_t M, int
 }
 
 #include "gguf_rows.h"
+#include "gguf_krows.h"
 
 // y (M, N) = the activations a times the weight w of ggml type `type` (one of the formats format_of knows): 2 rows
-// or more of gguf_rows.h's formats there, else (and for the other formats below gguf_gemm's rows) here.
+// or more of gguf_rows.h's formats there, of the K-quants (below gguf_gemm's rows) in gguf_krows.h, one row here.
 template <int64_t TYPE>
 void linear_of(const Act& a, const uint8_t* w, const Format& f, int64_t M, int64_t K, int64_t N, float* y) {
   if constexpr (shares_rows(TYPE))
     if (M >= 2) return linear_shared<TYPE>(a, w, f, M, K, N, y);
+  if constexpr (shares_krows(TYPE))
+    if (M >= 2) return linear_kshared<TYPE>(a, w, f, M, K, N, y);
   linear_rows<TYPE>(a, w, f, M, K, N, y);
 }
 inline void linear(int64_t type, const Act& a, const uint8_t* w, const Format& f, int64_t M, int64_t K, int64_t N,

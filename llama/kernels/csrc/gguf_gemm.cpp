@@ -203,20 +203,23 @@ void scalar_parts(int64_t type, const Gemm& g, const Panel& p, float* y) {
 
 namespace llama_cpu {
 
-// From this many rows a product goes to gguf_gemm: each unpacked block then serves 4 rows or more (a Q4_K
-// 4096x4096 product of 4 rows took half the one-row loop's time here; not tuned finely on this loaded machine).
-constexpr int64_t kGemmMinRows = 4;
+// From this many rows a product goes to gguf_gemm; below, the one-row loop's shared-unpack copy (gguf_krows.h) runs
+// it. One thread, 4096x4096 and 11008x4096, both copies: the shared loop took 0.55x-0.85x gguf_gemm's time at 2 to 7
+// rows and 0.6x-1.0x at 8 (Q2_K 1.1x-1.2x), gguf_gemm 0.9x-1.0x the shared loop's at 9 (8 rows and 1), and less
+// from there on (docs/performance.md).
+constexpr int64_t kGemmMinRows = 9;
+int64_t gemm_min_rows(int64_t type) { return type == Q2_K ? 8 : kGemmMinRows; }
 
 // y (M, N) = the activation rows (gguf_blocks.cpp's quantize_act: codes xq, scales xd, 16-sums s16; xs, the q8_1
 // sums of 32-value blocks, is unused here) times the GGUF weight w (N, row bytes) of `layout`, as its one-row loop
-// gives each row. False (y untouched) where it does not take the product: fewer than kGemmMinRows rows, formats
+// gives each row. False (y untouched) where it does not take the product: fewer than gemm_min_rows, formats
 // other than takes_gemm's: gguf_rows.h's (their rows share each block's unpacking there), Q4_K_X8 (whose own loop,
 // gguf_x8_dot.h, feeds 8 outputs from each activation load: 8 rows of a 4096x2048 product took 1.45 ms there and
 // 7.8 ms here, 256 rows 42 and 51 ms, one thread, docs/performance.md), or activation blocks other than the weight's.
 bool gguf_gemm(int64_t layout, const int8_t* xq, const float* xd, const int32_t* s16, const float* /*xs*/,
                const uint8_t* w, int64_t M, int64_t K, int64_t N, float* y, bool use_vnni) {
   Format f;
-  if (M < kGemmMinRows || !takes_gemm(layout) || !format_of(layout, f) || f.act_block != f.values ||
+  if (M < gemm_min_rows(layout) || !takes_gemm(layout) || !format_of(layout, f) || f.act_block != f.values ||
       K % f.values != 0)
     return false;
   const int64_t type = layout;

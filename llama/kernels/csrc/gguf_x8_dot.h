@@ -34,8 +34,8 @@ constexpr X8Spread kX8Spread;
 #endif
 
 // Rows 0..7's integer totals (lane r) of group block b with activation codes xq; msum: the mins' sums, from pairs
-// (sub-blocks 2p and 2p + 1's 32-value code sums, as int16 in one int32 per p). The AVX2 copy's; the AVX-512 copy
-// runs x8_block_sums_rows.
+// (sub-blocks 2p and 2p + 1's 32-value code sums, as int16 in one int32 per p). The AVX2 copy's one row; several
+// rows (and the AVX-512 copy's every row) run x8_block_sums_rows.
 inline void x8_block_sums(const uint8_t* b, const int8_t* xq, const int32_t* pairs, __m256i& total, __m256i& msum) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
   const uint8_t* codes = b + 128;
@@ -80,6 +80,59 @@ inline void x8_block_sums(const uint8_t* b, const int8_t* xq, const int32_t* pai
   total = _mm256_permute4x64_epi64(_mm256_hadd_epi32(t0, t1), 0xD8);
 }
 
+#ifndef GGUF_VNNI
+// x8_block_sums for R rows at once (xq[r], pairs[r]), the AVX2 copy's: the block's scales, mins and code nibbles
+// unpacked once for them, each row's integers summed in the same lanes as x8_block_sums sums them (one half of the
+// 8 outputs at a time: the rows' sums stay in registers)
+template <int R>
+inline void x8_block_sums_rows(const uint8_t* b, const int8_t* const* xq, const int32_t* const* pairs,
+                               __m256i* total, __m256i* msum) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
+  const uint8_t* codes = b + 128;
+  const __m256i q0 = load32(b + 32), q1 = load32(b + 64), h = load32(b + 96);
+  alignas(32) uint8_t sc[64];
+  store32(sc, _mm256_or_si256(_mm256_and_si256(q0, low4), _mm256_slli_epi16(_mm256_and_si256(h, three), 4)));
+  store32(sc + 32, _mm256_or_si256(_mm256_and_si256(q1, low4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), three), 4)));
+  const __m256i mn0 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q0, 4), low4),
+                                      _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), three), 4));
+  const __m256i mn1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q1, 4), low4),
+                                      _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), three), 4));
+  const __m256i mins[4] = {_mm256_cvtepu8_epi16(_mm256_castsi256_si128(mn0)), _mm256_cvtepu8_epi16(_mm256_extracti128_si256(mn0, 1)),
+                           _mm256_cvtepu8_epi16(_mm256_castsi256_si128(mn1)), _mm256_cvtepu8_epi16(_mm256_extracti128_si256(mn1, 1))};
+  for (int r = 0; r < R; ++r) {
+    msum[r] = _mm256_setzero_si256();
+    for (int p = 0; p < 4; ++p) msum[r] = _mm256_add_epi32(msum[r], _mm256_madd_epi16(mins[p], _mm256_set1_epi32(pairs[r][p])));
+  }
+  const __m128i rep = _mm_set_epi8(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  __m256i th[2][R];  // [rows 0-3, rows 4-7][row]: x8_block_sums' t0, t1
+  for (int half = 0; half < 2; ++half) {
+    __m256i t[R];
+    for (int r = 0; r < R; ++r) t[r] = _mm256_setzero_si256();
+    for (int p = 0; p < 4; ++p) {
+      __m256i s[2];  // sub-blocks 2p, 2p + 1: the scale in words 4 r' .. 4 r' + 3
+      for (int i = 0; i < 2; ++i) {
+        int32_t four;
+        std::memcpy(&four, sc + (2 * p + i) * 8 + 4 * half, 4);
+        s[i] = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_cvtsi32_si128(four), rep));
+      }
+      for (int c = 0; c < 4; ++c) {
+        const __m256i raw = load32(codes + (4 * p + c) * 64 + 32 * half);
+        const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+        for (int r = 0; r < R; ++r) {
+          int64_t x0, x1;
+          std::memcpy(&x0, xq[r] + 64 * p + 8 * c, 8), std::memcpy(&x1, xq[r] + 64 * p + 32 + 8 * c, 8);
+          t[r] = _mm256_add_epi32(t[r], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi64x(x0)), s[0]));
+          t[r] = _mm256_add_epi32(t[r], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_set1_epi64x(x1)), s[1]));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) th[half][r] = t[r];
+  }
+  for (int r = 0; r < R; ++r) total[r] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(th[0][r], th[1][r]), 0xD8);
+}
+#endif
+
 #ifdef GGUF_VNNI
 // x8_block_sums for R rows at once (xq[r], pairs[r]): the block's scales, mins and code nibbles unpacked once for
 // them, each row's integers summed in the same lanes as x8_block_sums sums them
@@ -123,7 +176,7 @@ inline void x8_block_sums_rows(const uint8_t* b, const int8_t* const* xq, const 
 }
 #endif
 
-// Group g's 8 outputs for rows m0 .. m0 + R: per block the integer sums (R rows at once in the VNNI copy), then each
+// Group g's 8 outputs for rows m0 .. m0 + R: per block the integer sums (R rows at once), then each
 // row's fp32 steps in order, lane r for output r: acc = fma(total, d * dx), acc1 = acc1 - msum * (dmin * dx).
 template <int R>
 inline void x8_group_rows(const Act& a, const int32_t* pairs, const uint8_t* wg, int64_t m0, int64_t K, int64_t N,
@@ -141,11 +194,11 @@ inline void x8_group_rows(const Act& a, const int32_t* pairs, const uint8_t* wg,
     const int8_t* xq[R];
     const int32_t* pr[R];
     for (int r = 0; r < R; ++r) xq[r] = a.q.data() + (m0 + r) * K + kb * 256, pr[r] = pairs + ((m0 + r) * nb + kb) * 4;
-#ifdef GGUF_VNNI
-    x8_block_sums_rows<R>(b, xq, pr, total, msum);
-#else
-    for (int r = 0; r < R; ++r) x8_block_sums(b, xq[r], pr[r], total[r], msum[r]);
+#ifndef GGUF_VNNI
+    if constexpr (R == 1) x8_block_sums(b, xq[0], pr[0], total[0], msum[0]);
+    else
 #endif
+      x8_block_sums_rows<R>(b, xq, pr, total, msum);
     for (int r = 0; r < R; ++r) {
       const __m256 dx = _mm256_set1_ps(a.d[(m0 + r) * nb + kb]);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[r]), _mm256_mul_ps(halves8(b), dx), acc[r]);
@@ -164,11 +217,10 @@ inline void linear_x8(const Act& a, const int32_t* pairs, const uint8_t* w, int6
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* wg = w + g * kX8Rows * row_bytes;
       int64_t m = 0;
-#ifdef GGUF_VNNI
       for (; m + 4 <= M; m += 4) x8_group_rows<4>(a, pairs, wg, m, K, N, g, y);  // each block unpacked once for 4
-      if (M - m >= 2) x8_group_rows<2>(a, pairs, wg, m, K, N, g, y), m += 2;
-#endif
-      for (; m < M; ++m) x8_group_rows<1>(a, pairs, wg, m, K, N, g, y);
+      if (M - m == 3) x8_group_rows<3>(a, pairs, wg, m, K, N, g, y), m += 3;
+      if (M - m == 2) x8_group_rows<2>(a, pairs, wg, m, K, N, g, y), m += 2;
+      if (M - m == 1) x8_group_rows<1>(a, pairs, wg, m, K, N, g, y);
     }
   });
   for (int64_t n = groups * kX8Rows; n < N; ++n)  // the rows past the last group, as the file holds them
