@@ -31,6 +31,7 @@ using namespace llama_cpu;
 
 constexpr int64_t kBlock = 32;  // activation block (q8_0's)
 constexpr int64_t kTile = 4;    // rows of x multiplied per load of a weight block
+constexpr int64_t kTileVnni4 = 8;  // int4's VNNI tile: a row costs it 1 register (int4_tiles.h)
 
 // Weights are read once, front to back: asking for the bytes kPrefetch ahead keeps more of the stream in flight
 // than the hardware prefetcher alone, and the non-temporal hint keeps them from evicting what is reused (x, the
@@ -337,14 +338,15 @@ bool use_bf16_dot() {
 constexpr int64_t kChunkBytes = 128 << 10;
 
 template <typename Tile>
-at::Tensor run_tiles(int64_t M, int64_t N, int64_t row_bytes, const at::Tensor& like, Tile tile) {
+at::Tensor run_tiles(int64_t M, int64_t N, int64_t row_bytes, const at::Tensor& like, Tile tile,
+                     int64_t tile_rows = kTile) {
   at::Tensor y = at::empty({M, N}, like.options().dtype(at::kFloat));
   float* out = y.data_ptr<float>();
-  const int64_t chunk = M <= kTile ? N : std::max<int64_t>(4, kChunkBytes / std::max<int64_t>(row_bytes, 1));
+  const int64_t chunk = M <= tile_rows ? N : std::max<int64_t>(4, kChunkBytes / std::max<int64_t>(row_bytes, 1));
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
       const int64_t c1 = std::min(n1, c0 + chunk);
-      for (int64_t m0 = 0; m0 < M; m0 += kTile) tile(m0, std::min(kTile, M - m0), c0, c1, out);
+      for (int64_t m0 = 0; m0 < M; m0 += tile_rows) tile(m0, std::min(tile_rows, M - m0), c0, c1, out);
     }
   });
   return y;
@@ -356,6 +358,17 @@ at::Tensor run_tiles(int64_t M, int64_t N, int64_t row_bytes, const at::Tensor& 
     case 2: CALL(2); break;     \
     case 3: CALL(3); break;     \
     default: CALL(4); break;    \
+  }
+#define DISPATCH_TILE8(T_, CALL) \
+  switch (T_) {                  \
+    case 1: CALL(1); break;      \
+    case 2: CALL(2); break;      \
+    case 3: CALL(3); break;      \
+    case 4: CALL(4); break;      \
+    case 5: CALL(5); break;      \
+    case 6: CALL(6); break;      \
+    case 7: CALL(7); break;      \
+    default: CALL(8); break;     \
   }
 
 }  // namespace
@@ -381,9 +394,9 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   if (vnni)
     return run_tiles(M, N, row_bytes, x, [&](int64_t m0, int64_t t, int64_t n0, int64_t n1, float* y) {
 #define CALL(T) q4_tile_vnni<T>(xb, m0, K, N, c, s, groups, bpg, n0, n1, y)
-      DISPATCH_TILE(t, CALL)
+      DISPATCH_TILE8(t, CALL)
 #undef CALL
-    });
+    }, kTileVnni4);
   if (nb % 8 == 0)
     return run_tiles(M, N, row_bytes, x, [&](int64_t m0, int64_t t, int64_t n0, int64_t n1, float* y) {
 #define CALL(T) q4_tile<T>(xb, m0, K, N, c, s, groups, bpg, n0, n1, y)

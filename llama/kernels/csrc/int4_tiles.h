@@ -4,8 +4,10 @@
 // Rows of 8-block multiples run "transposed": 8 (AVX2) or 16 (AVX-512) blocks' codes are shuffled once, shared by
 // every row of the tile, so that each 32-bit lane of the integer dot products holds 4 codes of one block, and
 // summing the 8 vectors of a group lane by lane gives each block's exact integer total. A row then pays one
-// conversion and one fma for 8 or 16 blocks instead of one per block (AVX2) or block pair (VNNI): extra rows of a
-// tile cost little more than their activations' loads and integer dot products (docs/performance.md, "int4 rows").
+// conversion and two fmas (its products, its offsets' terms) for 8 or 16 blocks instead of a conversion and an fma
+// per block (AVX2) or block pair (VNNI, and a permute): extra rows of a tile cost little more than their
+// activations' loads and integer dot products, and a row takes one register, so the VNNI tile holds 8 rows
+// (docs/performance.md, "int4 rows").
 // The activation codes are stored in the same shuffled order (code_slots). A row's fp32 sums run in the same order
 // whatever the tile, so a row's result never depends on the other rows of its batch.
 #pragma once
@@ -103,8 +105,8 @@ void q4_tile(const Blocks& xb, int64_t m0, int64_t K, int64_t N, const uint8_t* 
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* c = codes + n * (K / 2);
     const uint32_t* pairs = reinterpret_cast<const uint32_t*>(scales + n * groups * 2);  // (s, z) as one word
-    __m256 acc[T], corr[T];
-    for (int t = 0; t < T; ++t) acc[t] = corr[t] = _mm256_setzero_ps();
+    __m256 acc[T];  // the products' terms, then the offsets' (lane b: block b; one register a row)
+    for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
     int64_t g = 0, in_group = 0;
     for (int64_t b8 = 0; b8 < nb; b8 += 8) {
       prefetch(c + b8 * 16);
@@ -118,10 +120,10 @@ void q4_tile(const Blocks& xb, int64_t m0, int64_t K, int64_t N, const uint8_t* 
         const int64_t i = (m0 + t) * nb + b8;
         const __m256 ds = _mm256_mul_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(xb.d.data() + i), lanes), s);
         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_totals(w, xb.q.data() + i * kBlock)), ds, acc[t]);
-        corr[t] = _mm256_fmadd_ps(_mm256_loadu_ps(xb.sum.data() + i), zs, corr[t]);
+        acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(xb.sum.data() + i), zs, acc[t]);
       }
     }
-    for (int t = 0; t < T; ++t) y[(m0 + t) * N + n] = hsum(acc[t]) + hsum(corr[t]);
+    for (int t = 0; t < T; ++t) y[(m0 + t) * N + n] = hsum(acc[t]);
   }
 }
 
@@ -189,10 +191,10 @@ LLAMA_AVX512 inline __m256i group_totals8(const __m256i w[8], const int8_t* xq) 
   return _mm256_add_epi32(a, b);
 }
 
-// The last 8 blocks of a row of 16-block groups plus 8 (from block b8), added into acc and corr.
+// The last 8 blocks of a row of 16-block groups plus 8 (from block b8), added into acc.
 template <int T>
 LLAMA_AVX512 void q4_last8_vnni(const Blocks& xb, int64_t m0, int64_t nb, const uint8_t* c, __m256i pairs8,
-                                int64_t b8, __m256 acc[T], __m256 corr[T]) {
+                                int64_t b8, __m256 acc[T]) {
   const __m256i lanes = lanes8();
   __m256 s, zs;
   scale_offset(pairs8, s, zs);
@@ -203,10 +205,12 @@ LLAMA_AVX512 void q4_last8_vnni(const Blocks& xb, int64_t m0, int64_t nb, const 
     const int64_t i = (m0 + t) * nb + b8;
     const __m256 ds = _mm256_mul_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(xb.d.data() + i), lanes), s);
     acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_totals8(w, xb.q.data() + i * kBlock)), ds, acc[t]);
-    corr[t] = _mm256_fmadd_ps(_mm256_loadu_ps(xb.sum.data() + i), zs, corr[t]);
+    acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(xb.sum.data() + i), zs, acc[t]);
   }
 }
 
+// Up to 8 rows a tile: a row's sums (the products, then the offsets' terms, both into one accumulator) take a
+// register, and the 8 weight vectors are shared.
 template <int T>
 LLAMA_AVX512 void q4_tile_vnni(const Blocks& xb, int64_t m0, int64_t K, int64_t N, const uint8_t* codes,
                                const uint16_t* scales, int64_t groups, int64_t blocks_per_group, int64_t n0,
@@ -217,10 +221,9 @@ LLAMA_AVX512 void q4_tile_vnni(const Blocks& xb, int64_t m0, int64_t K, int64_t 
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* c = codes + n * (K / 2);
     const uint32_t* pairs = reinterpret_cast<const uint32_t*>(scales + n * groups * 2);
-    __m512 acc[T], corr[T];
-    __m256 acc8[T], corr8[T];
-    for (int t = 0; t < T; ++t)
-      acc[t] = corr[t] = _mm512_setzero_ps(), acc8[t] = corr8[t] = _mm256_setzero_ps();
+    __m512 acc[T];
+    __m256 acc8[T];
+    for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps(), acc8[t] = _mm256_setzero_ps();
     int64_t g = 0, in_group = 0;
     for (int64_t b16 = 0; b16 < whole; b16 += 16) {
       for (int p = 0; p < 256; p += 64) prefetch(c + b16 * 16 + p);
@@ -228,18 +231,17 @@ LLAMA_AVX512 void q4_tile_vnni(const Blocks& xb, int64_t m0, int64_t K, int64_t 
       scale_offset(group_pairs.load(pairs, b16, g, in_group), s0, zs0);
       scale_offset(group_pairs.load(pairs, b16 + 8, g, in_group), s1, zs1);
       const __m512 s = _mm512_permutexvar_ps(lanes, _mm512_insertf32x8(_mm512_castps256_ps512(s0), s1, 1));
-      const __m512 zs = _mm512_insertf32x8(_mm512_castps256_ps512(zs0), zs1, 1);
+      const __m512 zs = _mm512_insertf32x8(_mm512_castps256_ps512(zs0), zs1, 1);  // the blocks' order, as sum's
       __m512i w[8];
       unpack_groups16(c + b16 * 16, w);
       for (int t = 0; t < T; ++t) {
         const int64_t i = (m0 + t) * nb + b16;
         const __m512 ds = _mm512_mul_ps(_mm512_permutexvar_ps(lanes, _mm512_loadu_ps(xb.d.data() + i)), s);
         acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(group_totals16(w, xb.q.data() + i * kBlock)), ds, acc[t]);
-        corr[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xb.sum.data() + i), zs, corr[t]);
+        acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xb.sum.data() + i), zs, acc[t]);
       }
     }
-    if (whole < nb) q4_last8_vnni<T>(xb, m0, nb, c, group_pairs.load(pairs, whole, g, in_group), whole, acc8, corr8);
-    for (int t = 0; t < T; ++t)
-      y[(m0 + t) * N + n] = (_mm512_reduce_add_ps(acc[t]) + hsum(acc8[t])) + (_mm512_reduce_add_ps(corr[t]) + hsum(corr8[t]));
+    if (whole < nb) q4_last8_vnni<T>(xb, m0, nb, c, group_pairs.load(pairs, whole, g, in_group), whole, acc8);
+    for (int t = 0; t < T; ++t) y[(m0 + t) * N + n] = _mm512_reduce_add_ps(acc[t]) + hsum(acc8[t]);
   }
 }
