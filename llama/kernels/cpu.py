@@ -36,7 +36,8 @@ from llama.settings import cache_dir
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "decode_ops.cpp", CSRC / "decode_layers.cpp",
            CSRC / "gguf_blocks.cpp", CSRC / "gguf_gemm.cpp")  # one library
-HEADERS = (CSRC / "simd.h", CSRC / "ops.h", CSRC / "gguf_dot.h", CSRC / "gguf_format.h", CSRC / "gguf_simd.h",
+HEADERS = (CSRC / "simd.h", CSRC / "ops.h", CSRC / "int4_tiles.h", CSRC / "gguf_dot.h", CSRC / "gguf_format.h",
+           CSRC / "gguf_simd.h",
            CSRC / "gguf_copies.h", CSRC / "gguf_gemm.h", CSRC / "check.h",
            CSRC / "gguf_x8.h", CSRC / "gguf_x8_dot.h", CSRC / "gguf_rows.h", CSRC / "gguf_krows.h")
 FLAGS = ("-O3", "-std=c++20", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp", "-w")

@@ -31,6 +31,7 @@ using namespace llama_cpu;
 
 constexpr int64_t kBlock = 32;  // activation block (q8_0's)
 constexpr int64_t kTile = 4;    // rows of x multiplied per load of a weight block
+constexpr int64_t kTileVnni4 = 8;  // int4's VNNI tile: a row costs it 1 register (int4_tiles.h)
 
 // Weights are read once, front to back: asking for the bytes kPrefetch ahead keeps more of the stream in flight
 // than the hardware prefetcher alone, and the non-temporal hint keeps them from evicting what is reused (x, the
@@ -65,8 +66,8 @@ struct LineAligned {
 template <typename T>
 using aligned_vector = std::vector<T, LineAligned<T>>;
 
-// Activation rows quantized in blocks of 32. `interleave` stores each block as its 16 even elements then its 16
-// odd ones, the order in which the int4 storage layout's low and high nibbles unpack.
+// Activation rows quantized in blocks of 32, each row's codes in the order its product reads them (Layout,
+// int4_tiles.h).
 struct Blocks {
   aligned_vector<int8_t> q;   // (M, K)
   aligned_vector<float> d;    // (M, K / 32) scales
@@ -79,24 +80,40 @@ inline __m256 block_dot(__m256i w, const Blocks& xb, int64_t i) {
   return _mm256_cvtepi32_ps(dot_u8_s8(w, xv));
 }
 
-Blocks quantize_blocks(const float* x, int64_t M, int64_t K, bool interleave) {
+// AVX-512 VNNI tiles (int4's and int8's) are compiled for it and run only where use_vnni() says so.
+#define LLAMA_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+
+#include "int4_tiles.h"
+
+// One block of 32 values quantized: its codes (round half to even of v / d, as std::nearbyint; vector division and
+// rounding are IEEE's, the same as scalar) stored at slot, and d * their sum.
+inline void quantize_block(const float* v, int8_t* q, const int64_t slot[kBlock], float& d_out, float& sum_out) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 amax = _mm256_setzero_ps();
+  for (int j = 0; j < kBlock; j += 8) amax = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(v + j)), amax);
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  const float d = std::fmax(_mm_cvtss_f32(m), _mm_cvtss_f32(_mm_movehdup_ps(m))) / 127.f;
+  alignas(32) int32_t c[kBlock] = {};
+  if (d > 0.f)
+    for (int j = 0; j < kBlock; j += 8)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(c + j),
+                         _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(v + j), _mm256_set1_ps(d)),
+                                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+  int32_t total = 0;
+  for (int j = 0; j < kBlock; ++j) total += c[j], q[slot[j]] = int8_t(c[j]);
+  d_out = d;
+  sum_out = d * float(total);
+}
+
+Blocks quantize_blocks(const float* x, int64_t M, int64_t K, Layout layout) {
   const int64_t nb = K / kBlock;
   Blocks out{aligned_vector<int8_t>(M * K), aligned_vector<float>(M * nb), aligned_vector<float>(M * nb)};
   at::parallel_for(0, M * nb, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float* v = x + i * kBlock;  // row m, block b: (m * nb + b) * 32 == m * K + b * 32
-      float amax = 0.f;
-      for (int64_t j = 0; j < kBlock; ++j) amax = std::fmax(amax, std::fabs(v[j]));
-      const float d = amax / 127.f;
-      int8_t* q = out.q.data() + i * kBlock;
-      int32_t total = 0;
-      for (int64_t j = 0; j < kBlock; ++j) {
-        const int32_t c = d > 0.f ? int32_t(std::nearbyint(v[j] / d)) : 0;
-        total += c;
-        q[interleave ? (j % 2) * 16 + j / 2 : j] = int8_t(c);
-      }
-      out.d[i] = d;
-      out.sum[i] = d * float(total);
+    int64_t slot[kBlock];
+    for (int64_t i = begin; i < end; ++i) {  // row i / nb, block i % nb: x + i * 32 == x + m * K + b * 32
+      code_slots(layout, nb, i % nb, slot);
+      quantize_block(x + i * kBlock, out.q.data() + (i / nb) * K, slot, out.d[i], out.sum[i]);
     }
   });
   return out;
@@ -109,111 +126,6 @@ void check_rows(const at::Tensor& x, int64_t K, const char* op) {
   LLAMA_CHECK(K % kBlock == 0, op, ": the input size must be a multiple of 32, got ", K);
 }
 
-// The (scale, zero) pairs of 8 consecutive blocks' groups, as 8 32-bit words (the bf16 scale in the low half),
-// for a row whose block count is a multiple of 8. Groups of 2 or 4 blocks load their 4 or 2 pairs and repeat each
-// over its blocks; groups of 8 or more blocks broadcast one; other sizes walk the groups (no division per block).
-struct GroupPairs {
-  int64_t blocks_per_group;
-  __m256i block_group, first_groups;
-  explicit GroupPairs(int64_t bpg) : blocks_per_group(bpg) {
-    alignas(32) int32_t lanes[8], loads[8];  // block j's group among the loaded ones; which groups to load
-    for (int j = 0; j < 8; ++j) lanes[j] = j / int32_t(bpg), loads[j] = j < 8 / bpg ? -1 : 0;
-    block_group = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
-    first_groups = _mm256_load_si256(reinterpret_cast<const __m256i*>(loads));
-  }
-  // pairs: the row's (s, z) words; b8: the first of the 8 blocks; g, in_group: the walk's state, from 0, 0.
-  __m256i load(const uint32_t* pairs, int64_t b8, int64_t& g, int64_t& in_group) const {
-    if (blocks_per_group == 1) {
-      prefetch(pairs + b8);
-      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs + b8));
-    }
-    if (8 % blocks_per_group == 0) {
-      const uint32_t* gp = pairs + (b8 >> 3) * (8 / blocks_per_group);
-      prefetch(gp);
-      return _mm256_permutevar8x32_epi32(_mm256_maskload_epi32(reinterpret_cast<const int*>(gp), first_groups),
-                                         block_group);
-    }
-    if (blocks_per_group % 8 == 0) return _mm256_set1_epi32(int32_t(pairs[b8 / blocks_per_group]));
-    alignas(32) uint32_t block_pairs[8];
-    for (int j = 0; j < 8; ++j) {
-      block_pairs[j] = pairs[g];
-      if (++in_group == blocks_per_group) in_group = 0, ++g;
-    }
-    return _mm256_load_si256(reinterpret_cast<const __m256i*>(block_pairs));
-  }
-};
-
-// The scale and the offset (zero - 8 * scale) of 8 blocks' groups, from their (s, z) words.
-inline void scale_offset(__m256i pairs, __m256& s, __m256& zs) {
-  s = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
-  zs = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s,
-                        _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(int32_t(0xFFFF0000u)))));
-}
-
-// Rows [n0, n1) of y for rows m0 .. m0 + T of x: int4 weights, storage layout of llama/quant_int4.py.
-template <int T>
-void q4_tile(const Blocks& xb, const std::vector<float>& group_sum, int64_t m0, int64_t K, int64_t N,
-             const uint8_t* codes, const uint16_t* scales, int64_t groups, int64_t blocks_per_group, int64_t n0,
-             int64_t n1, float* y) {
-  const int64_t nb = K / kBlock;
-  const GroupPairs group_pairs(blocks_per_group);
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* c = codes + n * (K / 2);
-    const uint16_t* sz = scales + n * groups * 2;
-    __m256 acc[T][2];
-    float corr[T];
-    for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps(), corr[t] = 0.f;
-    if (nb % 8 == 0) {  // the scales of 8 blocks at a time, in vectors
-      const uint32_t* pairs = reinterpret_cast<const uint32_t*>(sz);  // (s, z) of group g as one 32-bit word
-      __m256 corr_v[T];
-      for (int t = 0; t < T; ++t) corr_v[t] = _mm256_setzero_ps();
-      int64_t g = 0, in_group = 0;
-      for (int64_t b8 = 0; b8 < nb; b8 += 8) {
-        prefetch(c + b8 * 16);
-        prefetch(c + b8 * 16 + 64);
-        __m256 s, zs;
-        scale_offset(group_pairs.load(pairs, b8, g, in_group), s, zs);
-        alignas(32) float ds[T][8];
-        for (int t = 0; t < T; ++t) {
-          const int64_t i = (m0 + t) * nb + b8;
-          _mm256_store_ps(ds[t], _mm256_mul_ps(_mm256_loadu_ps(xb.d.data() + i), s));
-          corr_v[t] = _mm256_fmadd_ps(_mm256_loadu_ps(xb.sum.data() + i), zs, corr_v[t]);
-        }
-        for (int j = 0; j < 8; ++j) {
-          const __m256i w = unpack_nibbles(c + (b8 + j) * 16);
-          for (int t = 0; t < T; ++t)
-            acc[t][j & 1] = _mm256_fmadd_ps(block_dot(w, xb, (m0 + t) * nb + b8 + j), _mm256_broadcast_ss(ds[t] + j),
-                                            acc[t][j & 1]);
-        }
-      }
-      for (int t = 0; t < T; ++t) corr[t] = hsum(corr_v[t]);
-    } else for (int64_t g = 0; g < groups; ++g) {  // inputs not a multiple of 256: a group at a time
-      const float s = bf16_to_float(sz[2 * g]);
-      const float zs = bf16_to_float(sz[2 * g + 1]) - 8.f * s;  // w = code * s + (zero - 8 s)
-      for (int t = 0; t < T; ++t) corr[t] += group_sum[(m0 + t) * groups + g] * zs;
-      const int64_t b1 = std::min(nb, (g + 1) * blocks_per_group);
-      prefetch(sz + 2 * g);
-      for (int64_t b = g * blocks_per_group; b < b1; ++b) {
-        if (b % 4 == 0) prefetch(c + b * 16);
-        const __m256i w = unpack_nibbles(c + b * 16);
-        for (int t = 0; t < T; ++t) {
-          const int64_t i = (m0 + t) * nb + b;
-          acc[t][b & 1] = _mm256_fmadd_ps(block_dot(w, xb, i), _mm256_set1_ps(xb.d[i] * s), acc[t][b & 1]);
-        }
-      }
-    }
-    for (int t = 0; t < T; ++t) y[(m0 + t) * N + n] = hsum(_mm256_add_ps(acc[t][0], acc[t][1])) + corr[t];
-  }
-}
-
-// q4_tile for rows of 8-block multiples on CPUs with AVX-512 VNNI: two blocks per 512-bit vector, and one vpdpbusd
-// for each block pair's integer dot product (AVX2 needs two instructions per block, and 4 to unpack its codes).
-// At batch 1 the AVX2 tile is bound by instructions, not memory, on such a CPU (groups of 64 read 10 % fewer bytes
-// in the same time). The integer sums are the same; the fp32 sums run in another order (two accumulators of 16
-// lanes), so results differ from the AVX2 tile's in the last bits, and a row's result still never depends on the
-// other rows of its batch.
-#define LLAMA_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
-
 // The VNNI tiles' per-block scales: 8 blocks' scales in the low half of a vector, spread so that block pair p gets
 // block 2p's scale in lanes 0-7 and block 2p + 1's in lanes 8-15, as the pair's dot products lie.
 struct PairScales {
@@ -224,50 +136,6 @@ struct PairScales {
   }
   LLAMA_AVX512 __m512 of(int p, __m512 eight) const { return _mm512_permutexvar_ps(pick[p], eight); }
 };
-
-template <int T>
-LLAMA_AVX512 void q4_tile_vnni(const Blocks& xb, int64_t m0, int64_t K, int64_t N, const uint8_t* codes,
-                               const uint16_t* scales, int64_t groups, int64_t blocks_per_group, int64_t n0,
-                               int64_t n1, float* y) {
-  const int64_t nb = K / kBlock;
-  const GroupPairs group_pairs(blocks_per_group);
-  const __m512i twice = _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0);  // 128-bit lanes: block 0, block 0, 1, 1
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  const PairScales pair_scales;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* c = codes + n * (K / 2);
-    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(scales + n * groups * 2);
-    __m512 acc[T][2];
-    __m256 corr_v[T];
-    for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps(), corr_v[t] = _mm256_setzero_ps();
-    int64_t g = 0, in_group = 0;
-    for (int64_t b8 = 0; b8 < nb; b8 += 8) {
-      prefetch(c + b8 * 16);
-      prefetch(c + b8 * 16 + 64);
-      __m256 s, zs;
-      scale_offset(group_pairs.load(pairs, b8, g, in_group), s, zs);
-      __m512 ds[T];
-      for (int t = 0; t < T; ++t) {
-        const int64_t i = (m0 + t) * nb + b8;
-        ds[t] = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_loadu_ps(xb.d.data() + i), s));
-        corr_v[t] = _mm256_fmadd_ps(_mm256_loadu_ps(xb.sum.data() + i), zs, corr_v[t]);
-      }
-      for (int p = 0; p < 4; ++p) {
-        // blocks 2p and 2p + 1 as [low nibbles, high nibbles] each, the order of the activation blocks
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + (b8 + 2 * p) * 16));
-        __m512i w = _mm512_permutexvar_epi64(twice, _mm512_castsi256_si512(raw));
-        w = _mm512_and_si512(_mm512_mask_srli_epi16(w, __mmask32(0xFF00FF00u), w, 4), low4);
-        for (int t = 0; t < T; ++t) {
-          const __m512i xv = _mm512_loadu_si512(xb.q.data() + ((m0 + t) * nb + b8 + 2 * p) * kBlock);
-          const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv));
-          acc[t][p & 1] = _mm512_fmadd_ps(dot, pair_scales.of(p, ds[t]), acc[t][p & 1]);
-        }
-      }
-    }
-    for (int t = 0; t < T; ++t)
-      y[(m0 + t) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1])) + hsum(corr_v[t]);
-  }
-}
 
 // Whether q4_tile_vnni may run: the CPU has AVX-512 (F, BW, DQ, VL) and VNNI, and LLAMA_CPU_AVX512 is not "0" (read
 // on every call, so a test can compare both tiles in one process).
@@ -470,14 +338,15 @@ bool use_bf16_dot() {
 constexpr int64_t kChunkBytes = 128 << 10;
 
 template <typename Tile>
-at::Tensor run_tiles(int64_t M, int64_t N, int64_t row_bytes, const at::Tensor& like, Tile tile) {
+at::Tensor run_tiles(int64_t M, int64_t N, int64_t row_bytes, const at::Tensor& like, Tile tile,
+                     int64_t tile_rows = kTile) {
   at::Tensor y = at::empty({M, N}, like.options().dtype(at::kFloat));
   float* out = y.data_ptr<float>();
-  const int64_t chunk = M <= kTile ? N : std::max<int64_t>(4, kChunkBytes / std::max<int64_t>(row_bytes, 1));
+  const int64_t chunk = M <= tile_rows ? N : std::max<int64_t>(4, kChunkBytes / std::max<int64_t>(row_bytes, 1));
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
       const int64_t c1 = std::min(n1, c0 + chunk);
-      for (int64_t m0 = 0; m0 < M; m0 += kTile) tile(m0, std::min(kTile, M - m0), c0, c1, out);
+      for (int64_t m0 = 0; m0 < M; m0 += tile_rows) tile(m0, std::min(tile_rows, M - m0), c0, c1, out);
     }
   });
   return y;
@@ -489,6 +358,17 @@ at::Tensor run_tiles(int64_t M, int64_t N, int64_t row_bytes, const at::Tensor& 
     case 2: CALL(2); break;     \
     case 3: CALL(3); break;     \
     default: CALL(4); break;    \
+  }
+#define DISPATCH_TILE8(T_, CALL) \
+  switch (T_) {                  \
+    case 1: CALL(1); break;      \
+    case 2: CALL(2); break;      \
+    case 3: CALL(3); break;      \
+    case 4: CALL(4); break;      \
+    case 5: CALL(5); break;      \
+    case 6: CALL(6); break;      \
+    case 7: CALL(7); break;      \
+    default: CALL(8); break;     \
   }
 
 }  // namespace
@@ -504,22 +384,30 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   LLAMA_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() && scales.dim() == 3 &&
                   scales.size(0) == N && scales.size(1) == groups && scales.size(2) == 2,
               "int4_linear: scales must be contiguous bf16 of shape (", N, ", ", groups, ", 2)");
-  const int64_t M = x.size(0);
-  const Blocks xb = quantize_blocks(x.data_ptr<float>(), M, K, true);
-  const int64_t nb = K / kBlock, bpg = group_size / kBlock;
-  std::vector<float> group_sum(M * groups, 0.f);  // sum over a group of d * sum of codes, per row
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < nb; ++b) group_sum[m * groups + b / bpg] += xb.sum[m * nb + b];
+  const int64_t M = x.size(0), nb = K / kBlock, bpg = group_size / kBlock;
+  const bool vnni = nb % 8 == 0 && use_vnni();
+  const Layout layout = vnni ? Layout::Groups16 : nb % 8 == 0 ? Layout::Groups8 : Layout::Interleave;
+  const Blocks xb = quantize_blocks(x.data_ptr<float>(), M, K, layout);
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
-  if (nb % 8 == 0 && use_vnni())
-    return run_tiles(M, N, K / 2 + groups * 4, x, [&](int64_t m0, int64_t t, int64_t n0, int64_t n1, float* y) {
+  const int64_t row_bytes = K / 2 + groups * 4;
+  if (vnni)
+    return run_tiles(M, N, row_bytes, x, [&](int64_t m0, int64_t t, int64_t n0, int64_t n1, float* y) {
 #define CALL(T) q4_tile_vnni<T>(xb, m0, K, N, c, s, groups, bpg, n0, n1, y)
+      DISPATCH_TILE8(t, CALL)
+#undef CALL
+    }, kTileVnni4);
+  if (nb % 8 == 0)
+    return run_tiles(M, N, row_bytes, x, [&](int64_t m0, int64_t t, int64_t n0, int64_t n1, float* y) {
+#define CALL(T) q4_tile<T>(xb, m0, K, N, c, s, groups, bpg, n0, n1, y)
       DISPATCH_TILE(t, CALL)
 #undef CALL
     });
-  return run_tiles(M, N, K / 2 + groups * 4, x, [&](int64_t m0, int64_t t, int64_t n0, int64_t n1, float* y) {
-#define CALL(T) q4_tile<T>(xb, group_sum, m0, K, N, c, s, groups, bpg, n0, n1, y)
+  std::vector<float> group_sum(M * groups, 0.f);  // sum over a group of d * sum of codes, per row
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) group_sum[m * groups + b / bpg] += xb.sum[m * nb + b];
+  return run_tiles(M, N, row_bytes, x, [&](int64_t m0, int64_t t, int64_t n0, int64_t n1, float* y) {
+#define CALL(T) q4_tile_groups<T>(xb, group_sum, m0, K, N, c, s, groups, bpg, n0, n1, y)
     DISPATCH_TILE(t, CALL)
 #undef CALL
   });
@@ -532,7 +420,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   LLAMA_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N,
               "int8_linear: scales must be ", N, " contiguous float32 values");
   const int64_t M = x.size(0);
-  const Blocks xb = quantize_blocks(x.data_ptr<float>(), M, K, false);
+  const Blocks xb = quantize_blocks(x.data_ptr<float>(), M, K, Layout::Plain);
   const int8_t* w = weight.data_ptr<int8_t>();
   const float* s = scales.data_ptr<float>();
   if ((K / kBlock) % 8 == 0 && use_vnni())
