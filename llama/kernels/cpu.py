@@ -36,10 +36,9 @@ from llama.settings import cache_dir
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "decode_ops.cpp", CSRC / "decode_layers.cpp",
            CSRC / "gguf_blocks.cpp", CSRC / "gguf_gemm.cpp")  # one library
-HEADERS = (CSRC / "simd.h", CSRC / "ops.h", CSRC / "int4_tiles.h", CSRC / "gguf_dot.h", CSRC / "gguf_format.h",
-           CSRC / "gguf_simd.h",
-           CSRC / "gguf_copies.h", CSRC / "gguf_gemm.h", CSRC / "check.h",
-           CSRC / "gguf_x8.h", CSRC / "gguf_x8_dot.h", CSRC / "gguf_rows.h", CSRC / "gguf_krows.h")
+HEADERS = tuple(CSRC / name for name in (
+    "simd.h", "ops.h", "float_tiles.h", "int4_tiles.h", "gguf_dot.h", "gguf_format.h", "gguf_simd.h",
+    "gguf_copies.h", "gguf_gemm.h", "check.h", "gguf_x8.h", "gguf_x8_dot.h", "gguf_rows.h", "gguf_krows.h"))
 FLAGS = ("-O3", "-std=c++20", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp", "-w")
 BLOCK = 32  # activation block of the quantized kernels: inputs must be a multiple of it
 
