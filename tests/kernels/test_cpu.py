@@ -23,7 +23,7 @@ from llama.quantization.int8 import quantize_weight
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
                                 reason="llama's CPU kernels need x86-64 with AVX2/FMA and a C++ compiler")
 
-BATCHES = (1, 2, 3, 5, 9)  # tiles of 4 rows: whole, partial and mixed
+BATCHES = (1, 2, 3, 5, 8, 9)  # tiles of 4 rows: whole, partial and mixed; bf16: one pass of up to 8 rows
 
 
 def block_dequantized(x: torch.Tensor) -> torch.Tensor:

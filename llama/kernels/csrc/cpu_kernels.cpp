@@ -32,6 +32,7 @@ using namespace llama_cpu;
 constexpr int64_t kBlock = 32;  // activation block (q8_0's)
 constexpr int64_t kTile = 4;    // rows of x multiplied per load of a weight block
 constexpr int64_t kTileVnni4 = 8;  // int4's VNNI tile: a row costs it 1 register (int4_tiles.h)
+constexpr int64_t kTileBf16Stream = 8;  // bf16 products of up to 8 rows: one pass (float_tiles.h)
 
 // Weights are read once, front to back: asking for the bytes kPrefetch ahead keeps more of the stream in flight
 // than the hardware prefetcher alone, and the non-temporal hint keeps them from evicting what is reused (x, the
@@ -324,8 +325,14 @@ at::Tensor float_linear(const at::Tensor& x_in, const at::Tensor& weight) {
   if (x_in.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && use_bf16_dot()) {
     const uint16_t* xp = reinterpret_cast<const uint16_t*>(x_in.data_ptr<at::BFloat16>());
     const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+    if (x_in.size(0) <= kTileBf16Stream)  // a decode or verify step: one tile, the weights streamed once
+      return run_tiles(x_in.size(0), N, K * 2, x_in, [&](int64_t m0, int64_t t, int64_t n0, int64_t n1, float* y) {
+#define CALL(T) bf16_tile_dot<T>(xp, m0, K, N, w, n0, n1, y, true)
+        DISPATCH_TILE8(t, CALL)
+#undef CALL
+      }, kTileBf16Stream);
     return run_tiles(x_in.size(0), N, K * 2, x_in, [&](int64_t m0, int64_t t, int64_t n0, int64_t n1, float* y) {
-#define CALL(T) bf16_tile_dot<T>(xp, m0, K, N, w, n0, n1, y)
+#define CALL(T) bf16_tile_dot<T>(xp, m0, K, N, w, n0, n1, y, false)
       DISPATCH_TILE(t, CALL)
 #undef CALL
     });

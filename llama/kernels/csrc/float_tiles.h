@@ -78,7 +78,7 @@ LLAMA_AVX512_BF16 inline void bf16_rows_dot(const uint16_t* x, int64_t m0, int64
     __m512i w[R];
     for (int r = 0; r < R; ++r) {
       const uint16_t* wp = weight + (n + r) * K + v * 32;
-      if (T > 1) prefetch(wp);  // one row of x: the hardware prefetcher alone (below)
+      if (R > 1) prefetch(wp);  // one weight row at a time: the hardware prefetcher alone (below)
       w[r] = masked ? _mm512_maskz_loadu_epi16(last, wp) : _mm512_loadu_si512(wp);
     }
     for (int t = 0; t < T; ++t) {
@@ -98,14 +98,17 @@ LLAMA_AVX512_BF16 inline void bf16_rows_dot(const uint16_t* x, int64_t m0, int64
 
 // One row of x (batch-1 decode) reads the weights as a single stream, one row after the next, and leaves the
 // prefetching to the hardware: pairs of rows 8 KB apart (K = 4096) and the software prefetch each cost a third of
-// the 7B model's batch-1 rate on this machine (docs/performance.md, "At 7B"). Tiles of several rows are
-// compute-bound, and there several weight rows per pass and the prefetch pay.
+// the 7B model's batch-1 rate on this machine (docs/performance.md, "At 7B"). So does a product of up to 8 rows
+// (`stream`: a speculative verify step, whose weights also come from memory once; 4 rows of a 7B-width step cost
+// 1.30 one-row steps this way, 1.60 with three weight rows per pass). Only the tiles of a prefill, whose weights
+// come from L2 again for every tile (run_tiles), run several weight rows per pass with the prefetch. A row's sums
+// run in the same order either way.
 template <int T>
 LLAMA_AVX512_BF16 void bf16_tile_dot(const uint16_t* x, int64_t m0, int64_t K, int64_t N, const uint16_t* weight,
-                                     int64_t n0, int64_t n1, float* y) {
+                                     int64_t n0, int64_t n1, float* y, bool stream) {
   int64_t n = n0;
-  if (T == 1) {
-    for (; n < n1; ++n) bf16_rows_dot<1, 1>(x, m0, K, N, weight, n, y);
+  if (T == 1 || stream) {
+    for (; n < n1; ++n) bf16_rows_dot<T, 1>(x, m0, K, N, weight, n, y);
     return;
   }
   // Three weight rows per pass: 24 accumulators, 3 weight vectors and one of x fill 28 of the 32 registers, and
