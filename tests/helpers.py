@@ -260,3 +260,26 @@ def logprobs_in_any_company(llm, prompts, opts, longer: str) -> tuple:
         reqs = [engine.submit(p, **opts) for p in [longer] + list(prompts)]
         chunked = pick([r.result(timeout=120) for r in reqs[1:]])
     return alone, batch, cached, chunked
+
+
+def assert_verify_rows_are_decode_steps(g, tag=()):
+    """Each row of a 1..8-row Verify pass of `g` (a built Llama, prefix cache off) after a 20-token prompt gives
+    exactly the logits of the one-token Decode step at its position: what speculation's exactness needs."""
+    import torch
+
+    from llama.core.plan import Decode, Prefill, SetBlocks, Verify
+
+    prompt = list(range(100, 120))
+    feed = torch.randint(3, g.model.params.vocab_size, (8,), generator=torch.Generator().manual_seed(3)).tolist()
+    with g.cache.hold():
+        blocks = [g.cache.pool.allocate(4)]
+        g.runner.execute([SetBlocks(rows=[0], blocks=blocks),
+                          Prefill(tokens=[prompt], start=0, rows=[0], last=[len(prompt) - 1], kv_len=len(prompt))])
+        want = [g.runner.execute([Decode(tokens=[t], pos=[len(prompt) + i], active=[0])])[0][0]
+                for i, t in enumerate(feed)]
+        for rows in range(1, 9):
+            got = g.runner.execute([Verify(tokens=feed[:rows], pos=[len(prompt) + i for i in range(rows)],
+                                           rows=[0] * rows)])[0]
+            for i in range(rows):
+                assert torch.equal(got[i], want[i]), (*tag, rows, i, (got[i] - want[i]).abs().max().item())
+        g.cache.pool.release(blocks[0])

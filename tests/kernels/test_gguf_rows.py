@@ -71,23 +71,10 @@ def test_a_real_models_verify_rows_are_its_one_token_steps_bitwise():
     gives exactly the logits of the one-token Decode step at its position, what speculation's exactness needs."""
     from conftest import SHARED, need
 
+    from helpers import assert_verify_rows_are_decode_steps
+
     from llama import Llama
-    from llama.core.plan import Decode, Prefill, SetBlocks, Verify
 
     path = need(SHARED / "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf")
     g = Llama.build(str(path), None, max_seq_len=64, max_batch_size=1, compile=False, prefix_cache="off")
-    prompt = list(range(100, 120))
-    feed = torch.randint(3, 49152, (8,), generator=torch.Generator().manual_seed(3)).tolist()
-    with g.cache.hold():
-        blocks = [g.cache.pool.allocate(4)]
-        prefill = [SetBlocks(rows=[0], blocks=blocks),
-                   Prefill(tokens=[prompt], start=0, rows=[0], last=[len(prompt) - 1], kv_len=len(prompt))]
-        g.runner.execute(prefill)
-        want = [g.runner.execute([Decode(tokens=[t], pos=[len(prompt) + i], active=[0])])[0][0]
-                for i, t in enumerate(feed)]
-        for rows in range(1, 9):
-            got = g.runner.execute([Verify(tokens=feed[:rows], pos=[len(prompt) + i for i in range(rows)],
-                                           rows=[0] * rows)])[0]
-            for i in range(rows):
-                assert torch.equal(got[i], want[i]), (rows, i, (got[i] - want[i]).abs().max().item())
-        g.cache.pool.release(blocks[0])
+    assert_verify_rows_are_decode_steps(g)

@@ -33,15 +33,11 @@ struct X8Spread {
 constexpr X8Spread kX8Spread;
 #endif
 
-// Rows 0..7's integer totals (lane r) of group block b with activation codes xq; msum: the mins' sums, from pairs
-// (sub-blocks 2p and 2p + 1's 32-value code sums, as int16 in one int32 per p). The AVX2 copy's one row; several
-// rows (and the AVX-512 copy's every row) run x8_block_sums_rows.
-inline void x8_block_sums(const uint8_t* b, const int8_t* xq, const int32_t* pairs, __m256i& total, __m256i& msum) {
+// An X8 group block's 64 six-bit scales (sc, value j * 8 + r: sub-block j of row r) and 8 rows' mins, as words
+// (mins[p]: sub-blocks 2p and 2p + 1), unpacked from its 96 bytes of packed scales: what every row's sums share.
+inline void x8_scales_mins(const uint8_t* b, uint8_t sc[64], __m256i mins[4]) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
-  const uint8_t* codes = b + 128;
   const __m256i q0 = load32(b + 32), q1 = load32(b + 64), h = load32(b + 96);
-  // scales, values 0..63 (j * 8 + r)
-  alignas(32) uint8_t sc[64];
   store32(sc, _mm256_or_si256(_mm256_and_si256(q0, low4), _mm256_slli_epi16(_mm256_and_si256(h, three), 4)));
   store32(sc + 32, _mm256_or_si256(_mm256_and_si256(q1, low4),
                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), three), 4)));
@@ -49,8 +45,21 @@ inline void x8_block_sums(const uint8_t* b, const int8_t* xq, const int32_t* pai
                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), three), 4));
   const __m256i mn1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q1, 4), low4),
                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), three), 4));
-  const __m256i mins[4] = {_mm256_cvtepu8_epi16(_mm256_castsi256_si128(mn0)), _mm256_cvtepu8_epi16(_mm256_extracti128_si256(mn0, 1)),
-                           _mm256_cvtepu8_epi16(_mm256_castsi256_si128(mn1)), _mm256_cvtepu8_epi16(_mm256_extracti128_si256(mn1, 1))};
+  mins[0] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(mn0));
+  mins[1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(mn0, 1));
+  mins[2] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(mn1));
+  mins[3] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(mn1, 1));
+}
+
+// Rows 0..7's integer totals (lane r) of group block b with activation codes xq; msum: the mins' sums, from pairs
+// (sub-blocks 2p and 2p + 1's 32-value code sums, as int16 in one int32 per p). The AVX2 copy's one row; several
+// rows (and the AVX-512 copy's every row) run x8_block_sums_rows.
+inline void x8_block_sums(const uint8_t* b, const int8_t* xq, const int32_t* pairs, __m256i& total, __m256i& msum) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const uint8_t* codes = b + 128;
+  alignas(32) uint8_t sc[64];
+  __m256i mins[4];
+  x8_scales_mins(b, sc, mins);
   msum = _mm256_setzero_si256();
   for (int p = 0; p < 4; ++p) msum = _mm256_add_epi32(msum, _mm256_madd_epi16(mins[p], _mm256_set1_epi32(pairs[p])));
   const __m128i rep = _mm_set_epi8(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
@@ -87,19 +96,11 @@ inline void x8_block_sums(const uint8_t* b, const int8_t* xq, const int32_t* pai
 template <int R>
 inline void x8_block_sums_rows(const uint8_t* b, const int8_t* const* xq, const int32_t* const* pairs,
                                __m256i* total, __m256i* msum) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
   const uint8_t* codes = b + 128;
-  const __m256i q0 = load32(b + 32), q1 = load32(b + 64), h = load32(b + 96);
   alignas(32) uint8_t sc[64];
-  store32(sc, _mm256_or_si256(_mm256_and_si256(q0, low4), _mm256_slli_epi16(_mm256_and_si256(h, three), 4)));
-  store32(sc + 32, _mm256_or_si256(_mm256_and_si256(q1, low4),
-                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), three), 4)));
-  const __m256i mn0 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q0, 4), low4),
-                                      _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), three), 4));
-  const __m256i mn1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q1, 4), low4),
-                                      _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), three), 4));
-  const __m256i mins[4] = {_mm256_cvtepu8_epi16(_mm256_castsi256_si128(mn0)), _mm256_cvtepu8_epi16(_mm256_extracti128_si256(mn0, 1)),
-                           _mm256_cvtepu8_epi16(_mm256_castsi256_si128(mn1)), _mm256_cvtepu8_epi16(_mm256_extracti128_si256(mn1, 1))};
+  __m256i mins[4];
+  x8_scales_mins(b, sc, mins);
   for (int r = 0; r < R; ++r) {
     msum[r] = _mm256_setzero_si256();
     for (int p = 0; p < 4; ++p) msum[r] = _mm256_add_epi32(msum[r], _mm256_madd_epi16(mins[p], _mm256_set1_epi32(pairs[r][p])));
