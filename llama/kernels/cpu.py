@@ -37,8 +37,8 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "decode_ops.cpp", CSRC / "decode_layers.cpp",
            CSRC / "gguf_blocks.cpp", CSRC / "gguf_gemm.cpp")  # one library
 HEADERS = tuple(CSRC / name for name in (
-    "simd.h", "ops.h", "float_tiles.h", "int4_tiles.h", "int8_tiles.h", "gguf_dot.h", "gguf_format.h",
-    "gguf_simd.h", "gguf_copies.h", "gguf_gemm.h", "check.h", "gguf_x8.h", "gguf_x8_dot.h", "gguf_rows.h", "gguf_krows.h"))
+    "simd.h", "ops.h", "float_tiles.h", "int4_tiles.h", "gguf_dot.h", "gguf_format.h", "gguf_simd.h",
+    "gguf_copies.h", "gguf_gemm.h", "check.h", "gguf_x8.h", "gguf_x8_dot.h", "gguf_rows.h", "gguf_krows.h"))
 FLAGS = ("-O3", "-std=c++20", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp", "-w")
 BLOCK = 32  # activation block of the quantized kernels: inputs must be a multiple of it
 

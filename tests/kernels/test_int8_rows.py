@@ -1,8 +1,8 @@
-"""The int8 product's row tiles (llama/kernels/csrc/int8_tiles.h), on each copy (AVX2, and AVX-512 VNNI where the
-CPU has it): a row's result is bitwise the same alone and within batches of 2 to 9 rows (tiles of 4 or 8: whole,
-partial and mixed), which speculative decoding's exactness needs (a verify step's rows equal the decode steps'), and
-it is the int8 weight times its row scale times the block-quantized activations, summed in float64, within fp32
-rounding."""
+"""The int8 product's row tiles (q8_tile and q8_tile_vnni in llama/kernels/csrc/cpu_kernels.cpp), on each copy
+(AVX2, and AVX-512 VNNI where the CPU has it): a row's result is bitwise the same alone and within batches of 2 to 9
+rows (tiles of 4: whole, partial and mixed), which speculative decoding's exactness needs (a verify step's rows equal
+the decode steps'), and it is the int8 weight times its row scale times the block-quantized activations, summed in
+float64, within fp32 rounding."""
 
 import pytest
 import torch

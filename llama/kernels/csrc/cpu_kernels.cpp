@@ -32,7 +32,6 @@ using namespace llama_cpu;
 constexpr int64_t kBlock = 32;  // activation block (q8_0's)
 constexpr int64_t kTile = 4;    // rows of x multiplied per load of a weight block
 constexpr int64_t kTileVnni4 = 8;  // int4's VNNI tile: a row costs it 1 register (int4_tiles.h)
-constexpr int64_t kTileVnni8 = 8;  // int8's likewise (int8_tiles.h)
 constexpr int64_t kTileBf16Stream = 8;  // bf16 products of up to 8 rows: one pass (float_tiles.h)
 
 // Weights are read once, front to back: asking for the bytes kPrefetch ahead keeps more of the stream in flight
@@ -74,7 +73,6 @@ struct Blocks {
   aligned_vector<int8_t> q;   // (M, K)
   aligned_vector<float> d;    // (M, K / 32) scales
   aligned_vector<float> sum;  // (M, K / 32) d * sum of the block's codes
-  aligned_vector<int32_t> total;  // (M, K / 32) sum of the block's codes
 };
 
 // One block's integer dot product of unsigned codes w with row block i of xb, as 8 fp32 lanes.
@@ -90,8 +88,7 @@ inline __m256 block_dot(__m256i w, const Blocks& xb, int64_t i) {
 
 // One block of 32 values quantized: its codes (round half to even of v / d, as std::nearbyint; vector division and
 // rounding are IEEE's, the same as scalar) stored at slot, and d * their sum.
-inline void quantize_block(const float* v, int8_t* q, const int64_t slot[kBlock], float& d_out, float& sum_out,
-                           int32_t& total_out) {
+inline void quantize_block(const float* v, int8_t* q, const int64_t slot[kBlock], float& d_out, float& sum_out) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 amax = _mm256_setzero_ps();
   for (int j = 0; j < kBlock; j += 8) amax = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(v + j)), amax);
@@ -108,27 +105,19 @@ inline void quantize_block(const float* v, int8_t* q, const int64_t slot[kBlock]
   for (int j = 0; j < kBlock; ++j) total += c[j], q[slot[j]] = int8_t(c[j]);
   d_out = d;
   sum_out = d * float(total);
-  total_out = total;
-}
-
-// slots(nb, b, slot): where block b's codes go in a row (code_slots, int8_slots).
-template <typename Slots>
-Blocks quantize_blocks(const float* x, int64_t M, int64_t K, Slots slots) {
-  const int64_t nb = K / kBlock;
-  Blocks out{aligned_vector<int8_t>(M * K), aligned_vector<float>(M * nb), aligned_vector<float>(M * nb),
-             aligned_vector<int32_t>(M * nb)};
-  at::parallel_for(0, M * nb, 64, [&](int64_t begin, int64_t end) {
-    int64_t slot[kBlock];
-    for (int64_t i = begin; i < end; ++i) {  // row i / nb, block i % nb: x + i * 32 == x + m * K + b * 32
-      slots(nb, i % nb, slot);
-      quantize_block(x + i * kBlock, out.q.data() + (i / nb) * K, slot, out.d[i], out.sum[i], out.total[i]);
-    }
-  });
-  return out;
 }
 
 Blocks quantize_blocks(const float* x, int64_t M, int64_t K, Layout layout) {
-  return quantize_blocks(x, M, K, [layout](int64_t nb, int64_t b, int64_t* slot) { code_slots(layout, nb, b, slot); });
+  const int64_t nb = K / kBlock;
+  Blocks out{aligned_vector<int8_t>(M * K), aligned_vector<float>(M * nb), aligned_vector<float>(M * nb)};
+  at::parallel_for(0, M * nb, 64, [&](int64_t begin, int64_t end) {
+    int64_t slot[kBlock];
+    for (int64_t i = begin; i < end; ++i) {  // row i / nb, block i % nb: x + i * 32 == x + m * K + b * 32
+      code_slots(layout, nb, i % nb, slot);
+      quantize_block(x + i * kBlock, out.q.data() + (i / nb) * K, slot, out.d[i], out.sum[i]);
+    }
+  });
+  return out;
 }
 
 void check_rows(const at::Tensor& x, int64_t K, const char* op) {
@@ -137,6 +126,17 @@ void check_rows(const at::Tensor& x, int64_t K, const char* op) {
   LLAMA_CHECK(x.size(1) == K, op, ": x has ", x.size(1), " inputs, the weight ", K);
   LLAMA_CHECK(K % kBlock == 0, op, ": the input size must be a multiple of 32, got ", K);
 }
+
+// The VNNI tiles' per-block scales: 8 blocks' scales in the low half of a vector, spread so that block pair p gets
+// block 2p's scale in lanes 0-7 and block 2p + 1's in lanes 8-15, as the pair's dot products lie.
+struct PairScales {
+  __m512i pick[4];
+  LLAMA_AVX512 PairScales() {
+    for (int p = 0; p < 4; ++p)
+      pick[p] = _mm512_inserti64x4(_mm512_set1_epi32(2 * p), _mm256_set1_epi32(2 * p + 1), 1);
+  }
+  LLAMA_AVX512 __m512 of(int p, __m512 eight) const { return _mm512_permutexvar_ps(pick[p], eight); }
+};
 
 // Whether q4_tile_vnni may run: the CPU has AVX-512 (F, BW, DQ, VL) and VNNI, and LLAMA_CPU_AVX512 is not "0" (read
 // on every call, so a test can compare both tiles in one process).
@@ -148,7 +148,64 @@ bool use_vnni() {
   return cpu && !(env && std::strcmp(env, "0") == 0);
 }
 
-#include "int8_tiles.h"
+// Rows [n0, n1) of y for rows m0 .. m0 + T of x: int8 weights with one scale per output row.
+template <int T>
+void q8_tile(const Blocks& xb, int64_t m0, int64_t K, int64_t N, const int8_t* weight, const float* scales,
+             int64_t n0, int64_t n1, float* y) {
+  const int64_t nb = K / kBlock;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* wr = weight + n * K;
+    __m256 acc[T][2];
+    for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      prefetch(wr + b * kBlock);
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + b * kBlock));
+      const __m256i aw = _mm256_sign_epi8(w, w);  // |w|, with the sign moved onto x: |w| * (x * sign(w))
+      for (int t = 0; t < T; ++t) {
+        const int64_t i = (m0 + t) * nb + b;
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.q.data() + i * kBlock));
+        const __m256 p = _mm256_cvtepi32_ps(dot_u8_s8(aw, _mm256_sign_epi8(xv, w)));
+        acc[t][b & 1] = _mm256_fmadd_ps(p, _mm256_set1_ps(xb.d[i]), acc[t][b & 1]);
+      }
+    }
+    for (int t = 0; t < T; ++t) y[(m0 + t) * N + n] = hsum(_mm256_add_ps(acc[t][0], acc[t][1])) * scales[n];
+  }
+}
+
+// q8_tile on CPUs with AVX-512 VNNI, rows of 8-block multiples: two blocks per 512-bit vector. vpdpbusd multiplies
+// unsigned by signed bytes, so, as in q8_tile, |w| is the unsigned side and x takes w's sign (a masked negation;
+// x's codes are within +-127). The integer sums are q8_tile's; the fp32 sums run in another order.
+template <int T>
+LLAMA_AVX512 void q8_tile_vnni(const Blocks& xb, int64_t m0, int64_t K, int64_t N, const int8_t* weight,
+                               const float* scales, int64_t n0, int64_t n1, float* y) {
+  const int64_t nb = K / kBlock;
+  const PairScales pair_scales;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* wr = weight + n * K;
+    __m512 acc[T][2];
+    for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+    for (int64_t b8 = 0; b8 < nb; b8 += 8) {
+      __m512 ds[T];
+      for (int t = 0; t < T; ++t) ds[t] = _mm512_castps256_ps512(_mm256_loadu_ps(xb.d.data() + (m0 + t) * nb + b8));
+      for (int p = 0; p < 4; ++p) {
+        const int8_t* wp = wr + (b8 + 2 * p) * kBlock;
+        if (T > 1) prefetch(wp);  // one row of x: the hardware prefetcher alone is faster (bf16_tile_dot's note)
+        const __m512i w = _mm512_loadu_si512(wp);
+        const __mmask64 negative = _mm512_movepi8_mask(w);
+        const __m512i aw = _mm512_abs_epi8(w);
+        for (int t = 0; t < T; ++t) {
+          const __m512i xv = _mm512_loadu_si512(xb.q.data() + ((m0 + t) * nb + b8 + 2 * p) * kBlock);
+          const __m512i sx = _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv);
+          const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, sx));
+          acc[t][p & 1] = _mm512_fmadd_ps(dot, pair_scales.of(p, ds[t]), acc[t][p & 1]);
+        }
+      }
+    }
+    for (int t = 0; t < T; ++t)
+      y[(m0 + t) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1])) * scales[n];
+  }
+}
+
 #include "float_tiles.h"
 
 // Splits the output rows over threads, and each thread's rows over tiles of x's rows. With more rows of x than one
@@ -240,18 +297,15 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   LLAMA_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N,
               "int8_linear: scales must be ", N, " contiguous float32 values");
   const int64_t M = x.size(0);
+  const Blocks xb = quantize_blocks(x.data_ptr<float>(), M, K, Layout::Plain);
   const int8_t* w = weight.data_ptr<int8_t>();
   const float* s = scales.data_ptr<float>();
-  if ((K / kBlock) % 8 == 0 && use_vnni()) {
-    const Blocks xb = quantize_blocks(x.data_ptr<float>(), M, K, int8_slots);
-    const LaneRows lr = lane_rows(xb, M, K / kBlock);
+  if ((K / kBlock) % 8 == 0 && use_vnni())
     return run_tiles(M, N, K, x, [&](int64_t m0, int64_t t, int64_t n0, int64_t n1, float* y) {
-#define CALL(T) q8_tile_vnni<T>(xb, lr, m0, K, N, w, s, n0, n1, y)
-      DISPATCH_TILE8(t, CALL)
+#define CALL(T) q8_tile_vnni<T>(xb, m0, K, N, w, s, n0, n1, y)
+      DISPATCH_TILE(t, CALL)
 #undef CALL
-    }, kTileVnni8);
-  }
-  const Blocks xb = quantize_blocks(x.data_ptr<float>(), M, K, Layout::Plain);
+    });
   return run_tiles(M, N, K, x, [&](int64_t m0, int64_t t, int64_t n0, int64_t n1, float* y) {
 #define CALL(T) q8_tile<T>(xb, m0, K, N, w, s, n0, n1, y)
     DISPATCH_TILE(t, CALL)
