@@ -283,3 +283,26 @@ def assert_verify_rows_are_decode_steps(g, tag=()):
             for i in range(rows):
                 assert torch.equal(got[i], want[i]), (*tag, rows, i, (got[i] - want[i]).abs().max().item())
         g.cache.pool.release(blocks[0])
+
+
+def block_quantized(x):
+    """x's codes times their block's scale, in float64, as our int8/int4 kernels quantize activations: blocks of 32,
+    scale amax / 127 (fp32), codes rounded half to even."""
+    import torch
+
+    m, k = x.shape
+    blocks = x.view(m, k // 32, 32)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    codes = torch.where(d > 0, torch.round(blocks / torch.where(d > 0, d, 1)), 0)
+    return (codes.double() * d.double()).view(m, k)
+
+
+def assert_rows_batch_invariant(product, x):
+    """product(x[a:b]) is bitwise each row's product alone, for every leading and trailing batch of 2..len(x) rows."""
+    import torch
+
+    n = x.shape[0]
+    alone = torch.cat([product(x[i : i + 1]) for i in range(n)])
+    for m in range(2, n + 1):
+        assert torch.equal(product(x[:m]), alone[:m]), f"{m} rows"
+        assert torch.equal(product(x[n - m :]), alone[n - m :]), f"the last {m} rows"

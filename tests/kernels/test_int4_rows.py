@@ -5,6 +5,7 @@ the dequantized weight times the block-quantized activations, summed in float64,
 
 import pytest
 import torch
+from helpers import assert_rows_batch_invariant, block_quantized
 
 from llama.kernels import cpu as cpu_kernels
 from llama.quantization.int4 import dequantize_codes
@@ -48,19 +49,7 @@ def test_a_row_is_the_same_alone_and_in_any_batch(n, k, g, copy):
     codes, scales = weight(n, k, g)
     x = rows(9, k)
     product = lambda v: torch.ops.llama_cpu.int4_linear(v.contiguous(), codes, scales, g)
-    alone = torch.cat([product(x[i : i + 1]) for i in range(9)])
-    for m in range(2, 10):
-        assert torch.equal(product(x[:m]), alone[:m]), f"{m} rows"
-        assert torch.equal(product(x[9 - m :]), alone[9 - m :]), f"the last {m} rows"
-
-
-def block_quantized(x: torch.Tensor) -> torch.Tensor:
-    """x's codes times their block's scale, in float64: blocks of 32, scale amax / 127 (fp32), round half to even."""
-    m, k = x.shape
-    blocks = x.view(m, k // 32, 32)
-    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
-    codes = torch.where(d > 0, torch.round(blocks / torch.where(d > 0, d, 1)), 0)
-    return (codes.double() * d.double()).view(m, k)
+    assert_rows_batch_invariant(product, x)
 
 
 @pytest.mark.parametrize("n, k, g", SHAPES)

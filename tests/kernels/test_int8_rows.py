@@ -6,6 +6,7 @@ float64, within fp32 rounding."""
 
 import pytest
 import torch
+from helpers import assert_rows_batch_invariant, block_quantized
 
 from llama.kernels import cpu as cpu_kernels
 
@@ -49,19 +50,7 @@ def test_a_row_is_the_same_alone_and_in_any_batch(n, k, copy):
     w, s = weight(n, k)
     x = rows(9, k)
     product = lambda v: torch.ops.llama_cpu.int8_linear(v.contiguous(), w, s)
-    alone = torch.cat([product(x[i : i + 1]) for i in range(9)])
-    for m in range(2, 10):
-        assert torch.equal(product(x[:m]), alone[:m]), f"{m} rows"
-        assert torch.equal(product(x[9 - m :]), alone[9 - m :]), f"the last {m} rows"
-
-
-def block_quantized(x: torch.Tensor) -> torch.Tensor:
-    """x's codes times their block's scale, in float64: blocks of 32, scale amax / 127 (fp32), round half to even."""
-    m, k = x.shape
-    blocks = x.view(m, k // 32, 32)
-    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
-    codes = torch.where(d > 0, torch.round(blocks / torch.where(d > 0, d, 1)), 0)
-    return (codes.double() * d.double()).view(m, k)
+    assert_rows_batch_invariant(product, x)
 
 
 @pytest.mark.parametrize("n, k", SHAPES)
