@@ -196,3 +196,16 @@ def two_ranks(stories_dir, tmp_path):
         return [json.loads((tmp_path / f"out.{r}.json").read_text()) for r in range(2)]
 
     return run
+
+
+@pytest.fixture(params=["avx2", "avx512-vnni"])
+def kernel_copy(request, monkeypatch):
+    """Each copy of our quantized CPU kernels in turn: AVX2, and AVX-512 VNNI where the CPU has it
+    (LLAMA_CPU_AVX512 picks the copy at call time)."""
+    import torch
+
+    vnni = all(torch.cpu.get_capabilities().get(f"avx512_{f}", False) for f in ("f", "bw", "dq", "vl", "vnni"))
+    if request.param == "avx512-vnni" and not vnni:
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    monkeypatch.setenv("LLAMA_CPU_AVX512", "0" if request.param == "avx2" else "1")
+    return request.param

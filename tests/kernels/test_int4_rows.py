@@ -13,19 +13,9 @@ from llama.quantization.int4 import dequantize_codes
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
                                 reason="llama's CPU kernels need x86-64 with AVX2/FMA and a C++ compiler")
 
-VNNI = all(torch.cpu.get_capabilities().get(f"avx512_{f}", False) for f in ("f", "bw", "dq", "vl", "vnni"))
-
 # (outputs, inputs, group): 16-block groups plus a last 8 (768 = 24 blocks; 11008's 344 blocks at 7B), only 8
 # blocks, only 16-block groups, one scale for 8 blocks, and inputs not a multiple of 8 blocks (the group loop)
 SHAPES = [(24, 768, 32), (16, 256, 64), (12, 1024, 128), (10, 768, 256), (8, 11008, 32), (9, 320, 64)]
-
-
-@pytest.fixture(params=["avx2", "avx512-vnni"])
-def copy(request, monkeypatch):
-    if request.param == "avx512-vnni" and not VNNI:
-        pytest.skip("this CPU has no AVX-512 VNNI")
-    monkeypatch.setenv("LLAMA_CPU_AVX512", "0" if request.param == "avx2" else "1")
-    return request.param
 
 
 def weight(n: int, k: int, g: int):
@@ -45,7 +35,7 @@ def rows(m: int, k: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("n, k, g", SHAPES)
-def test_a_row_is_the_same_alone_and_in_any_batch(n, k, g, copy):
+def test_a_row_is_the_same_alone_and_in_any_batch(n, k, g, kernel_copy):
     codes, scales = weight(n, k, g)
     x = rows(9, k)
     product = lambda v: torch.ops.llama_cpu.int4_linear(v.contiguous(), codes, scales, g)
@@ -53,7 +43,7 @@ def test_a_row_is_the_same_alone_and_in_any_batch(n, k, g, copy):
 
 
 @pytest.mark.parametrize("n, k, g", SHAPES)
-def test_the_product_is_the_dequantized_one_within_fp32_rounding(n, k, g, copy):
+def test_the_product_is_the_dequantized_one_within_fp32_rounding(n, k, g, kernel_copy):
     """Within 4 units of fp32's last place (2^-24) of the sum of the terms' magnitudes: measured at most 0.25 here; an
     error the size of bf16's rounding (2^-8) would be 2^16 units."""
     codes, scales = weight(n, k, g)

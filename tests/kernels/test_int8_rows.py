@@ -13,20 +13,10 @@ from llama.kernels import cpu as cpu_kernels
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
                                 reason="llama's CPU kernels need x86-64 with AVX2/FMA and a C++ compiler")
 
-VNNI = all(torch.cpu.get_capabilities().get(f"avx512_{f}", False) for f in ("f", "bw", "dq", "vl", "vnni"))
-
 # (outputs, inputs): 16-block groups plus a last 8 (768 = 24 blocks; 11008's 344 blocks at 7B), only 8 blocks, only
 # 16-block groups (4096's 128 blocks: spans of 128 and a second one), more outputs than a span of 8, and inputs not
 # a multiple of 8 blocks (the AVX2 tile on both copies)
 SHAPES = [(24, 768), (16, 256), (12, 4608), (20, 1024), (8, 11008), (9, 320)]
-
-
-@pytest.fixture(params=["avx2", "avx512-vnni"])
-def copy(request, monkeypatch):
-    if request.param == "avx512-vnni" and not VNNI:
-        pytest.skip("this CPU has no AVX-512 VNNI")
-    monkeypatch.setenv("LLAMA_CPU_AVX512", "0" if request.param == "avx2" else "1")
-    return request.param
 
 
 def weight(n: int, k: int):
@@ -46,7 +36,7 @@ def rows(m: int, k: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("n, k", SHAPES)
-def test_a_row_is_the_same_alone_and_in_any_batch(n, k, copy):
+def test_a_row_is_the_same_alone_and_in_any_batch(n, k, kernel_copy):
     w, s = weight(n, k)
     x = rows(9, k)
     product = lambda v: torch.ops.llama_cpu.int8_linear(v.contiguous(), w, s)
@@ -54,7 +44,7 @@ def test_a_row_is_the_same_alone_and_in_any_batch(n, k, copy):
 
 
 @pytest.mark.parametrize("n, k", SHAPES)
-def test_the_product_is_the_dequantized_one_within_fp32_rounding(n, k, copy):
+def test_the_product_is_the_dequantized_one_within_fp32_rounding(n, k, kernel_copy):
     """Within 4 units of fp32's last place (2^-24) of the sum of the terms' magnitudes (each block's integer total
     is exact; only its fp32 scaling and summing round); an error in one block's total is far larger."""
     w, s = weight(n, k)
