@@ -49,7 +49,7 @@ def llama_cpp_tensors(path, tokens):
     cb = llama_cpp.ggml_backend_sched_eval_callback(callback)
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
     params = llama_cpp.llama_context_default_params()
-    params.n_ctx, params.n_threads, params.n_threads_batch = 64, 2, 2
+    params.n_ctx, params.n_threads, params.n_threads_batch = 64, 1, 1  # 2 would spin against the other pytest worker
     params.cb_eval, params.cb_eval_user_data = cb, None
     ctx = llama_cpp.llama_init_from_model(model, params)
     try:
