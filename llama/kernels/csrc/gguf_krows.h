@@ -230,15 +230,8 @@ void shared_krows(const Act& a, const uint8_t* w, const Format& f, int64_t m0, i
   });
 }
 
-// y (M, N) for M >= 2 rows of a format that shares_krows: in chunks of kShareRows rows, the last the rest (one row
-// alone as linear_rows does: the same arithmetic)
+// y (M, N) for M >= 2 rows of a format that shares_krows, kShareRows at a time (in_row_chunks, gguf_rows.h)
 template <int64_t TYPE>
 void linear_kshared(const Act& a, const uint8_t* w, const Format& f, int64_t M, int64_t K, int64_t N, float* y) {
-  for (int64_t m0 = 0; m0 < M; m0 += kShareRows) {
-    switch (std::min(M - m0, kShareRows)) {
-#define ROWS(R) case R: shared_krows<TYPE, R>(a, w, f, m0, K, N, y); break;
-      ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
-#undef ROWS
-    }
-  }
+  in_row_chunks(M, [&]<int R>(int64_t m0) { shared_krows<TYPE, R>(a, w, f, m0, K, N, y); });
 }

@@ -114,15 +114,21 @@ void shared_rows(const Act& a, const uint8_t* w, const Format& f, int64_t m0, in
   });
 }
 
-// y (M, N) for M >= 2 rows of a format that shares_rows (gguf_format.h): in chunks of kShareRows rows, the last the
-// rest (one row alone as linear_rows does: the same arithmetic)
-template <int64_t TYPE>
-void linear_shared(const Act& a, const uint8_t* w, const Format& f, int64_t M, int64_t K, int64_t N, float* y) {
+// run.template operator()<R>(m0) over M rows in chunks of kShareRows rows, the last the rest (one row alone as
+// linear_rows does: the same arithmetic): the row-count dispatch of this file's and gguf_krows.h's shared loops.
+template <typename Run>
+void in_row_chunks(int64_t M, Run run) {
   for (int64_t m0 = 0; m0 < M; m0 += kShareRows) {
     switch (std::min(M - m0, kShareRows)) {
-#define ROWS(R) case R: shared_rows<TYPE, R>(a, w, f, m0, K, N, y); break;
+#define ROWS(R) case R: run.template operator()<R>(m0); break;
       ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 #undef ROWS
     }
   }
+}
+
+// y (M, N) for M >= 2 rows of a format that shares_rows (gguf_format.h)
+template <int64_t TYPE>
+void linear_shared(const Act& a, const uint8_t* w, const Format& f, int64_t M, int64_t K, int64_t N, float* y) {
+  in_row_chunks(M, [&]<int R>(int64_t m0) { shared_rows<TYPE, R>(a, w, f, m0, K, N, y); });
 }
