@@ -31,6 +31,7 @@ class Settings:
     fused_decode: bool  # LLAMA_FUSED_DECODE
     gguf_blocks: bool  # LLAMA_GGUF_BLOCKS
     ggml_arith: bool  # LLAMA_GGML_ARITH
+    gguf_activations: str  # LLAMA_GGUF_ACTIVATIONS: "float" (default) or "int8" (llama.cpp's activation blocks)
     int4_cache: bool  # LLAMA_INT4_CACHE
     compile_cache: bool  # LLAMA_COMPILE_CACHE
     offline: bool  # LLAMA_OFFLINE: never fetch the default model
@@ -92,6 +93,16 @@ def _dtype(name: str) -> Optional[torch.dtype]:
     return DTYPES[text] if text else None
 
 
+GGUF_ACTIVATIONS = ("float", "int8")
+
+
+def _choice(name: str, choices, default: str) -> str:
+    text = _text(name).lower()
+    if text and text not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)} (or unset), got {os.environ[name]!r}")
+    return text or default
+
+
 def read() -> Settings:
     """The settings as the environment says now (every variable checked)."""
     cache = _text("LLAMA_CACHE")
@@ -104,6 +115,7 @@ def read() -> Settings:
         fused_decode=flag("LLAMA_FUSED_DECODE", True),
         gguf_blocks=flag("LLAMA_GGUF_BLOCKS", True),
         ggml_arith=flag("LLAMA_GGML_ARITH", False),
+        gguf_activations=_choice("LLAMA_GGUF_ACTIVATIONS", GGUF_ACTIVATIONS, "float"),
         int4_cache=flag("LLAMA_INT4_CACHE", True),
         compile_cache=flag("LLAMA_COMPILE_CACHE", True),
         offline=flag("LLAMA_OFFLINE", False),

@@ -28,6 +28,14 @@ def runs_natively(reader, quantize: Optional[str], device) -> bool:
             and cpu_kernels.available() and any(native_type(t) is not None for t in reader.tensors))
 
 
+def activations() -> str:
+    """The arithmetic of the blocks' products, read once per load: LLAMA_GGUF_ACTIVATIONS ("float" by default,
+    chosen by measured quality; "int8" is llama.cpp's), and always "int8" under LLAMA_GGML_ARITH, whose point is
+    llama.cpp's logits bit for bit."""
+    s = settings.get()
+    return "int8" if s.ggml_arith else s.gguf_activations
+
+
 def native_type(t) -> Optional[int]:
     qtype = int(t.tensor_type)
     return qtype if qtype in gguf_blocks.NAMES else None
@@ -160,7 +168,7 @@ def load_tensors(module, tensors: List, prefix: str, path, dtype, rank: int, wor
     the rest dequantized or cast by gguf_file.read_tensors; the FFN's cut at `bounds` (ffn_bounds), attention's at
     `heads` (gguf_heads.head_bounds)."""
     hd = module.attention.head_dim if heads is not None else 0
-    plain, state = [], {}
+    plain, state, acts = [], {}, activations()
     for t in tensors:
         name = gguf_file.meta_name(t.name, path)
         qtype = native_type(t)
@@ -172,7 +180,7 @@ def load_tensors(module, tensors: List, prefix: str, path, dtype, rank: int, wor
             module.tok_embeddings = gguf_blocks.BlockEmbedding(b, qtype, world)
         else:
             module.get_submodule(name[len(prefix) : -len(".weight")]).take(
-                gguf_blocks.method(qtype), shard(name, t, b, rank, world, path, bounds, heads, hd))
+                gguf_blocks.method(qtype, acts), shard(name, t, b, rank, world, path, bounds, heads, hd))
     for name, value in gguf_file.read_tensors(plain, path, dtype).items():
         part = split_float(name, value, rank, world, bounds, heads, hd)
         layer_name, kind = name[len(prefix):].rsplit(".", 1)
@@ -199,7 +207,7 @@ def tie_output(model, globals_, path, dtype, rank: int, world: int) -> None:
         b = emb.weight.data if isinstance(emb, gguf_blocks.BlockEmbedding) else blocks(t)
         rows = b.shape[0] // world
         part = b if world == 1 else b[rank * rows : (rank + 1) * rows].clone()
-        model.output.take(gguf_blocks.method(qtype), part)
+        model.output.take(gguf_blocks.method(qtype, activations()), part)
         return
     full = gguf_file.read_tensors([t], path, dtype)["tok_embeddings.weight"]
     model.output.weight = torch.nn.Parameter(split_tensor("output.weight", full, rank, world), requires_grad=False)

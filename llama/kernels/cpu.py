@@ -35,7 +35,7 @@ from llama.settings import cache_dir
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "decode_ops.cpp", CSRC / "decode_layers.cpp",
-           CSRC / "gguf_blocks.cpp", CSRC / "gguf_gemm.cpp")  # one library
+           CSRC / "gguf_blocks.cpp", CSRC / "gguf_gemm.cpp", CSRC / "gguf_float.cpp")  # one library
 HEADERS = tuple(CSRC / name for name in (
     "simd.h", "ops.h", "float_tiles.h", "int4_tiles.h", "gguf_dot.h", "gguf_format.h", "gguf_simd.h",
     "gguf_copies.h", "gguf_gemm.h", "check.h", "gguf_x8.h", "gguf_x8_dot.h", "gguf_rows.h", "gguf_krows.h"))
@@ -140,6 +140,7 @@ def _register_fakes() -> None:
                        ("int8_linear", lambda x, weight, scales: rows_out(x, weight.shape[0])),
                        ("float_linear", lambda x, weight: rows_out(x, weight.shape[0])),
                        ("gguf_linear", lambda x, weight, type: rows_out(x, weight.shape[0])),
+                       ("gguf_linear_float", lambda x, weight, type: rows_out(x, weight.shape[0])),
                        ("gguf_rows", lambda weight, ids, type: weight.new_empty(
                            (ids.numel(), gguf_values(type, weight.shape[1])), dtype=torch.float32))):
         try:
@@ -227,6 +228,14 @@ def gguf_linear(x: torch.Tensor, weight: torch.Tensor, qtype: int) -> torch.Tens
     """x @ W.T for W held as GGUF blocks of ggml type qtype, (N, row bytes) uint8; x quantized to int8 blocks as
     llama.cpp does (32 values for the 32-value formats, 256 for the K- and i-quants); result in x's dtype."""
     y = torch.ops.llama_cpu.gguf_linear(_rows(x), weight, qtype)
+    return y.view(*x.shape[:-1], -1).to(x.dtype)
+
+
+def gguf_linear_float(x: torch.Tensor, weight: torch.Tensor, qtype: int) -> torch.Tensor:
+    """x @ W.T for W held as GGUF blocks, each weight row unpacked to fp32 in cache and multiplied by x in fp32
+    (csrc/gguf_float.cpp): the dequantized file's product, with nothing quantized on the activations' side;
+    result in x's dtype. Each row's result is the same at any batch size."""
+    y = torch.ops.llama_cpu.gguf_linear_float(_rows(x), weight, qtype)
     return y.view(*x.shape[:-1], -1).to(x.dtype)
 
 

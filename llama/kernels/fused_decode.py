@@ -24,9 +24,9 @@ from llama import settings
 from llama.kernels import cpu as cpu_kernels
 from llama.kernels import invariant
 
-# the op's schemes: a bf16 or fp32 weight, group-wise int4, int8 with per-row scales, GGUF blocks (group: the
-# ggml type)
-FLOAT, INT4, INT8, GGUF = 0, 1, 2, 3
+# the op's schemes: a bf16 or fp32 weight, group-wise int4, int8 with per-row scales, GGUF blocks with int8
+# activation blocks (llama.cpp's) or fp32 activations (group: the ggml type)
+FLOAT, INT4, INT8, GGUF, GGUF_FLOAT = 0, 1, 2, 3, 4
 
 
 def route(linear, rows: int, dtype: torch.dtype) -> Optional[Tuple[int, int, Tuple[torch.Tensor, ...]]]:

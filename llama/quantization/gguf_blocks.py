@@ -1,11 +1,16 @@
 """Weights in GGUF's own block formats (Q8_0, Q4_K, Q6_K ... as llama.cpp's files hold them), multiplied in our CPU
 kernels without dequantizing: a layer holds its (N, row bytes) uint8 blocks, memory-mapped from the file or sliced
-from it, and its method knows their ggml type (llama/kernels/csrc/gguf_blocks.cpp).
+from it, and its method knows their ggml type and the activations' arithmetic.
 
 Why: a Q4_K_M file of a 7B model is 4 GB; dequantized it is 13.5 GB in bf16 and runs at bf16's speed. Kept as the
-file's blocks, it is read at its own size, as llama.cpp reads it. Activations are quantized to int8 blocks as llama.cpp
-does (Q8_0 for the 32-value formats, Q8_K for the super-block formats), so a product is the dequantized weights times
-those activations, to fp32 rounding, and a row's result never depends on its batch.
+file's blocks, it is read at its own size, as llama.cpp reads it. Two arithmetics, chosen at load
+(LLAMA_GGUF_ACTIVATIONS):
+- "float" (the default): each weight row is unpacked to fp32 in cache and multiplied by fp32 activations
+  (csrc/gguf_float.cpp), the dequantized file's product to fp32 rounding. Chosen by measured quality: llama.cpp's
+  int8 activations make small models answer worse (docs/performance.md, "Quality of the default arithmetic").
+- "int8": activations quantized to int8 blocks as llama.cpp does (Q8_0 for the 32-value formats, Q8_K for the
+  super-block formats; csrc/gguf_blocks.cpp), llama.cpp's products bit for bit.
+Either way a row's result never depends on its batch.
 
 Each type has its own method class, so fusing (llama/layers.py fuse_columns) only concatenates projections of one
 type: a Q4_K_M file keeps its Q6_K projections apart from its Q4_K ones.
@@ -32,12 +37,18 @@ class GGUFBlocks(LinearMethod):
     quantized = True
     qtype = -1
     layout = -1  # the id our kernels take: qtype, or cpu_kernels.Q4_K_X8
+    activations = "float"  # "float": fp32 activations (gguf_linear_float); "int8": llama.cpp's int8 blocks
 
     def apply(self, layer, x):
-        return cpu_kernels.gguf_linear(x, layer.weight, self.layout)
+        if self.activations == "int8":
+            return cpu_kernels.gguf_linear(x, layer.weight, self.layout)
+        return cpu_kernels.gguf_linear_float(x, layer.weight, self.layout)
 
     def route(self, layer, rows, dtype):
-        return (fused_decode.GGUF, self.layout, (layer.weight,)) if layer.weight.device.type == "cpu" else None
+        if layer.weight.device.type != "cpu":
+            return None
+        scheme = fused_decode.GGUF if self.activations == "int8" else fused_decode.GGUF_FLOAT
+        return scheme, self.layout, (layer.weight,)
 
     def in_our_kernels(self, layer):
         return layer.weight.device.type == "cpu"
@@ -49,26 +60,31 @@ class GGUFBlocks(LinearMethod):
         return cpu_kernels.gguf_repack(layer.weight.data, self.qtype, back=True)
 
     def __repr__(self) -> str:
-        return f"GGUFBlocks({NAMES[self.qtype]}{', repacked' if self.layout != self.qtype else ''})"
+        repacked = ", repacked" if self.layout != self.qtype else ""
+        return f"GGUFBlocks({NAMES[self.qtype]}{repacked}, {self.activations} activations)"
 
 
 @lru_cache(maxsize=None)
-def method_class(qtype: int, layout: int = -1) -> type:
+def method_class(qtype: int, layout: int = -1, activations: str = "float") -> type:
     layout = qtype if layout < 0 else layout
-    name = f"GGUFBlocks_{NAMES[qtype]}" + ("_x8" if layout != qtype else "")
+    name = f"GGUFBlocks_{NAMES[qtype]}" + ("_x8" if layout != qtype else "") + f"_{activations}"
     # a repacked weight's rows are not the file's: it is neither concatenated nor cut into Meta's layers
     extra = {} if layout == qtype else {"concatenates": False, "splits_state": False}
-    return type(name, (GGUFBlocks,), {"qtype": qtype, "layout": layout, **extra})
+    return type(name, (GGUFBlocks,), {"qtype": qtype, "layout": layout, "activations": activations, **extra})
 
 
-def method(qtype: int) -> GGUFBlocks:
-    """The method for weights of ggml type qtype (one class per type, so only equal types fuse)."""
+def method(qtype: int, activations: str = "float") -> GGUFBlocks:
+    """The method for weights of ggml type qtype multiplied with `activations` ("float" or "int8"); one class per
+    type and arithmetic, so only equal ones fuse."""
     if qtype not in NAMES:
         raise ValueError(f"ggml type {qtype} is not run natively (natively: {', '.join(NAMES.values())})")
-    return method_class(qtype)()
+    if activations not in ("float", "int8"):
+        raise ValueError(f"GGUF activations must be 'float' or 'int8', got {activations!r}")
+    return method_class(qtype, -1, activations)()
 
 
-REPACKS = {12: cpu_kernels.Q4_K_X8}  # file type -> the layout our kernels run it in faster
+# file type -> the layout our int8-activation kernels run it in faster (the fp32 unpack reads the file's layout)
+REPACKS = {12: cpu_kernels.Q4_K_X8}
 
 
 def repack(layer) -> bool:
@@ -77,11 +93,12 @@ def repack(layer) -> bool:
     bit for bit; a decode step's Q4_K products then take about 0.6x the CPU time (docs/performance.md).
     False where the layer is not file-layout Q4_K on CPU."""
     m = getattr(layer, "method", None)
-    if not isinstance(m, GGUFBlocks) or m.layout != m.qtype or m.qtype not in REPACKS:
+    if not isinstance(m, GGUFBlocks) or m.layout != m.qtype or m.qtype not in REPACKS or m.activations != "int8":
         return False
     if layer.weight.device.type != "cpu":
         return False
-    layer.take(method_class(m.qtype, REPACKS[m.qtype])(), cpu_kernels.gguf_repack(layer.weight.data, m.qtype))
+    layer.take(method_class(m.qtype, REPACKS[m.qtype], m.activations)(),
+               cpu_kernels.gguf_repack(layer.weight.data, m.qtype))
     return True
 
 

@@ -20,8 +20,9 @@ namespace {
 using namespace llama_cpu;
 
 // How a product's weight is held, and the tensors it takes from the weight list.
-enum Scheme : int64_t { kFloat = 0, kInt4 = 1, kInt8 = 2, kGGUF = 3 };  // kGGUF: group is the ggml type
-int64_t tensors_of(int64_t scheme) { return scheme == kFloat || scheme == kGGUF ? 1 : 2; }
+// kGGUF (int8 activation blocks, llama.cpp's) and kGGUFFloat (fp32 activations): group is the ggml type
+enum Scheme : int64_t { kFloat = 0, kInt4 = 1, kInt8 = 2, kGGUF = 3, kGGUFFloat = 4 };
+int64_t tensors_of(int64_t scheme) { return scheme == kInt4 || scheme == kInt8 ? 2 : 1; }
 
 // 8 floats rounded to bf16 as PyTorch rounds (nearest even; NaN as 0x7FC0): store_f's rule, 8 lanes at a time.
 inline __m128i round_bf16(__m256 v) {
@@ -93,8 +94,10 @@ struct Products {
       y = int4_linear(x.to(at::kFloat), w[0], w[1], group);
     else if (scheme == kInt8)
       y = int8_linear(x.to(at::kFloat), w[0], w[1]);
-    else
+    else if (scheme == kGGUF)
       y = gguf_linear(x.to(at::kFloat).contiguous(), w[0], group);
+    else
+      y = gguf_linear_float(x.to(at::kFloat).contiguous(), w[0], group);
     return rounded(y, x.scalar_type());
   }
 };
@@ -104,7 +107,8 @@ struct Products {
 // place). weights: every product's tensors, layer by layer in the order attention inputs (qkv_products: 1 for a
 // fused q/k/v, or 3), output, feed-forward inputs (ffn_products: 1 for a fused gate/up, or 2), down; schemes holds
 // one entry per product (0: a bf16 or fp32 weight; 1: int4 codes and scales, groups[i] the group size; 2: int8
-// weight and scales) and says how many tensors it takes (1, 2, 2). cos, sin, table, rows, row0, positions and kv_len
+// weight and scales; 3 and 4: GGUF blocks, groups[i] the ggml type, with int8 or fp32 activations) and says how
+// many tensors it takes (1, 2, 2, 1, 1). cos, sin, table, rows, row0, positions and kv_len
 // are decode_attention's (one block table for every layer's paged pool). Returns the last layer's output (B, D).
 at::Tensor decode_layers(const at::Tensor& x, at::TensorList norms, double eps, at::TensorList weights,
                          c10::IntArrayRef schemes, c10::IntArrayRef groups, int64_t qkv_products,
@@ -124,7 +128,7 @@ at::Tensor decode_layers(const at::Tensor& x, at::TensorList norms, double eps, 
               " group sizes");
   size_t tensors = 0;
   for (const int64_t scheme : schemes) {
-    LLAMA_CHECK(scheme >= kFloat && scheme <= kGGUF, "decode_layers: unknown scheme ", scheme);
+    LLAMA_CHECK(scheme >= kFloat && scheme <= kGGUFFloat, "decode_layers: unknown scheme ", scheme);
     tensors += tensors_of(scheme);
   }
   LLAMA_CHECK(tensors == weights.size(), "decode_layers: the schemes take ", tensors, " weight tensors, got ",

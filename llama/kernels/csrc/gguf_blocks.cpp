@@ -245,6 +245,9 @@ std::vector<int32_t> x8_pairs(const Act& a, int64_t M, int64_t K) {
 
 namespace llama_cpu {
 
+// One block's values as fp32 (gguf_float.cpp unpacks the formats it has no vector code for with this).
+void gguf_dequantize_block(int64_t type, const uint8_t* b, float* out) { dequantize_block(type, b, out); }
+
 bool gguf_gemm(int64_t type, const int8_t* xq, const float* xd, const int32_t* s16, const float* xs,
                const uint8_t* w, int64_t M, int64_t K, int64_t N, float* y, bool use_vnni);  // gguf_gemm.cpp
 

@@ -1,0 +1,71 @@
+"""gguf_linear_float (llama/kernels/csrc/gguf_float.cpp): GGUF block weights times fp32 activations, the default
+arithmetic of a GGUF file on CPU. Checked against gguf's own numpy dequantization times the activations in
+float64, for every block format our kernels run, and for batch invariance: a row's result is bitwise the same
+alone, in any batch, and in the fused decode op."""
+
+import pytest
+import torch
+
+from llama.kernels import cpu as cpu_kernels
+from tests.gguf_blocks_data import dequantized, random_blocks
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="llama's CPU kernels are not built here")
+
+KINDS = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS"]
+
+
+def _qtype(kind: str) -> int:
+    import gguf
+
+    return int(gguf.GGMLQuantizationType[kind])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_equals_the_dequantized_product(kind):
+    """Within fp32 rounding of the float64 product of gguf's dequantized weights (no activation quantization:
+    int8 activation blocks would miss by ~1e-2 relative)."""
+    N, K = 37, 512  # N not a multiple of the 4-row tile
+    blocks = random_blocks(kind, N, K, seed=3)
+    w = torch.from_numpy(blocks)
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(1))
+    got = cpu_kernels.gguf_linear_float(x, w, _qtype(kind))
+    want = (x.double() @ dequantized(blocks, kind).double().T)
+    scale = (x.double().abs() @ dequantized(blocks, kind).double().abs().T)
+    assert torch.all((got.double() - want).abs() <= 4e-6 * scale + 1e-30), kind
+    int8 = cpu_kernels.gguf_linear(x, w, _qtype(kind))  # the other arithmetic really is further away
+    assert (int8.double() - want).abs().max() > 10 * (got.double() - want).abs().max()
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_K", "Q6_K", "Q3_K"])
+def test_rows_are_batch_invariant(kind):
+    """Each row's result is the same bits alone, in batches of 2..9 and 64 rows, and under one or two threads."""
+    N, K = 21, 768
+    w = torch.from_numpy(random_blocks(kind, N, K, seed=5))
+    x = torch.randn(64, K, generator=torch.Generator().manual_seed(2))
+    alone = torch.cat([cpu_kernels.gguf_linear_float(x[i : i + 1], w, _qtype(kind)) for i in range(64)])
+    for rows in (2, 3, 8, 9, 64):
+        assert torch.equal(cpu_kernels.gguf_linear_float(x[:rows], w, _qtype(kind)), alone[:rows]), rows
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        assert torch.equal(cpu_kernels.gguf_linear_float(x, w, _qtype(kind)), alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_repacked_q4_k_reads_the_same_values():
+    """Q4_K_X8 (the int8 kernels' 8-row layout) unpacks to the same values as the file's layout."""
+    N, K = 16, 512
+    w = torch.from_numpy(random_blocks("Q4_K", N, K, seed=7))
+    x = torch.randn(3, K)
+    x8 = cpu_kernels.gguf_repack(w)
+    assert torch.equal(cpu_kernels.gguf_linear_float(x, x8, cpu_kernels.Q4_K_X8),
+                       cpu_kernels.gguf_linear_float(x, w, _qtype("Q4_K")))
+
+
+def test_bad_inputs_are_refused():
+    w = torch.from_numpy(random_blocks("Q4_0", 4, 64))
+    with pytest.raises(RuntimeError, match="inputs"):
+        cpu_kernels.gguf_linear_float(torch.randn(1, 96), w, _qtype("Q4_0"))
+    with pytest.raises(RuntimeError, match="not run natively"):
+        cpu_kernels.gguf_linear_float(torch.randn(1, 64), w, 99)
