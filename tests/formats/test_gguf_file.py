@@ -20,9 +20,8 @@ GOLDENS = SHARED / "goldens" / "smollm2_greedy.json"
 
 @contextlib.contextmanager
 def dequantizing():
-    """Loads that dequantize the file's blocks (LLAMA_GGUF_BLOCKS=0): the fp32 model the goldens and transformers
-    compute, where running the blocks natively quantizes activations to int8 as llama.cpp does
-    (tests/quantization/test_gguf_blocks.py)."""
+    """Loads that dequantize the file's blocks (LLAMA_GGUF_BLOCKS=0): the path a GPU takes, and the one whose
+    memory use a test compares."""
     from llama import settings
 
     old = os.environ.get("LLAMA_GGUF_BLOCKS")
@@ -37,9 +36,9 @@ def dequantizing():
 
 @pytest.fixture(scope="module")
 def smol():
+    """The default path: the file's blocks in our kernels with fp32 activations (what a user gets)."""
     pytest.importorskip("gguf", reason="the gguf package reads GGUF files")
-    with dequantizing():
-        return Llama.build(str(need(GGUF)), None, max_seq_len=256, max_batch_size=3, compile=False)
+    return Llama.build(str(need(GGUF)), None, max_seq_len=256, max_batch_size=3)
 
 
 @pytest.fixture(scope="module")
