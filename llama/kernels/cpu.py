@@ -110,8 +110,8 @@ def available() -> bool:
         return False
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False  # other CPUs: PyTorch's kernels, as expected (no note)
-    if not {"avx2", "fma"} <= cpu_flags():
-        _note("they need AVX2 and FMA, which this CPU lacks")
+    if not {"avx2", "fma", "f16c"} <= cpu_flags():
+        _note("they need AVX2, FMA and F16C, which this CPU lacks")
         return False
     cxx = _compiler()
     if cxx is None:
@@ -141,6 +141,8 @@ def _register_fakes() -> None:
                        ("float_linear", lambda x, weight: rows_out(x, weight.shape[0])),
                        ("gguf_linear", lambda x, weight, type: rows_out(x, weight.shape[0])),
                        ("gguf_linear_float", lambda x, weight, type: rows_out(x, weight.shape[0])),
+                       ("gguf_unpack", lambda weight, type: weight.new_empty(
+                           (weight.shape[0], gguf_values(type, weight.shape[1])), dtype=torch.float32)),
                        ("gguf_rows", lambda weight, ids, type: weight.new_empty(
                            (ids.numel(), gguf_values(type, weight.shape[1])), dtype=torch.float32))):
         try:
@@ -232,11 +234,29 @@ def gguf_linear(x: torch.Tensor, weight: torch.Tensor, qtype: int) -> torch.Tens
 
 
 def gguf_linear_float(x: torch.Tensor, weight: torch.Tensor, qtype: int) -> torch.Tensor:
-    """x @ W.T for W held as GGUF blocks, each weight row unpacked to fp32 in cache and multiplied by x in fp32
+    """x @ W.T for W held as GGUF blocks, each block decoded to fp32 in registers and multiplied by x in fp32
     (csrc/gguf_float.cpp): the dequantized file's product, with nothing quantized on the activations' side;
-    result in x's dtype. Each row's result is the same at any batch size."""
+    result in x's dtype. Each row's result is the same at any batch size. A prompt's pass (x (B, T, dim) with T > 1)
+    of more than GGUF_FLOAT_MAX_ROWS rows unpacks the weight to fp32 a slice at a time and multiplies it in a GEMM,
+    faster there but not row-invariant: never while invariant.active(), and never for decode steps (T == 1) or
+    their verify passes, whose rows must be bitwise the one-token step's at any batch size."""
+    rows = x.numel() // x.shape[-1]
+    prompt = x.dim() == 3 and x.shape[1] > 1
+    if prompt and rows > GGUF_FLOAT_MAX_ROWS and not invariant.active() and not torch.compiler.is_compiling():
+        n = weight.shape[0]
+        step = max(16, SLICE_BYTES // (4 * x.shape[-1]))
+        flat = _rows(x)
+        y = torch.empty(rows, n, dtype=torch.float32)
+        for n0 in range(0, n, step):
+            y[:, n0 : n0 + step] = F.linear(flat, torch.ops.llama_cpu.gguf_unpack(weight[n0 : n0 + step], qtype))
+        return y.view(*x.shape[:-1], n).to(x.dtype)
     y = torch.ops.llama_cpu.gguf_linear_float(_rows(x), weight, qtype)
     return y.view(*x.shape[:-1], -1).to(x.dtype)
+
+
+# Past this many rows of a prompt, gguf_linear_float multiplies unpacked fp32 slices in a GEMM (MKL's sgemm), faster
+# than our row kernel there.
+GGUF_FLOAT_MAX_ROWS = 16
 
 
 def gguf_repack(weight: torch.Tensor, qtype: int = 12, back: bool = False) -> torch.Tensor:

@@ -28,7 +28,7 @@ def test_equals_the_dequantized_product(kind):
     blocks = random_blocks(kind, N, K, seed=3)
     w = torch.from_numpy(blocks)
     x = torch.randn(5, K, generator=torch.Generator().manual_seed(1))
-    got = cpu_kernels.gguf_linear_float(x, w, _qtype(kind))
+    got = torch.ops.llama_cpu.gguf_linear_float(x, w, _qtype(kind))
     want = (x.double() @ dequantized(blocks, kind).double().T)
     scale = (x.double().abs() @ dequantized(blocks, kind).double().abs().T)
     assert torch.all((got.double() - want).abs() <= 4e-6 * scale + 1e-30), kind
@@ -44,23 +44,38 @@ def test_rows_are_batch_invariant(kind):
     x = torch.randn(64, K, generator=torch.Generator().manual_seed(2))
     alone = torch.cat([cpu_kernels.gguf_linear_float(x[i : i + 1], w, _qtype(kind)) for i in range(64)])
     for rows in (2, 3, 8, 9, 64):
-        assert torch.equal(cpu_kernels.gguf_linear_float(x[:rows], w, _qtype(kind)), alone[:rows]), rows
+        assert torch.equal(torch.ops.llama_cpu.gguf_linear_float(x[:rows], w, _qtype(kind)), alone[:rows]), rows
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1 if threads > 1 else 2)
-        assert torch.equal(cpu_kernels.gguf_linear_float(x, w, _qtype(kind)), alone)
+        assert torch.equal(torch.ops.llama_cpu.gguf_linear_float(x, w, _qtype(kind)), alone)
     finally:
         torch.set_num_threads(threads)
 
 
-def test_repacked_q4_k_reads_the_same_values():
-    """Q4_K_X8 (the int8 kernels' 8-row layout) unpacks to the same values as the file's layout."""
-    N, K = 16, 512
-    w = torch.from_numpy(random_blocks("Q4_K", N, K, seed=7))
-    x = torch.randn(3, K)
-    x8 = cpu_kernels.gguf_repack(w)
-    assert torch.equal(cpu_kernels.gguf_linear_float(x, x8, cpu_kernels.Q4_K_X8),
-                       cpu_kernels.gguf_linear_float(x, w, _qtype("Q4_K")))
+@pytest.mark.parametrize("kind", KINDS)
+def test_unpack_gives_the_dequantized_weights(kind):
+    """gguf_unpack (a prompt's products multiply its slices) gives gguf's dequantized values to fp32 rounding."""
+    blocks = random_blocks(kind, 19, 512, seed=4)
+    want = dequantized(blocks, kind)
+    got = torch.ops.llama_cpu.gguf_unpack(torch.from_numpy(blocks), _qtype(kind))
+    assert torch.allclose(got, want, rtol=2e-7, atol=1e-9), (got - want).abs().max()
+
+
+def test_a_prompt_s_rows_go_through_the_gemm_and_decode_rows_never_do():
+    """A prompt's pass of more than GGUF_FLOAT_MAX_ROWS rows runs as a GEMM on unpacked slices, within fp32
+    rounding of the row kernel; a decode step of as many rows (B, 1, dim), and a prompt under row-invariant
+    arithmetic, stay in the row kernel, bitwise."""
+    from llama.kernels import invariant
+
+    w = torch.from_numpy(random_blocks("Q4_1", 300, 1024, seed=8))
+    x = torch.randn(1, cpu_kernels.GGUF_FLOAT_MAX_ROWS + 7, 1024)
+    rows = torch.ops.llama_cpu.gguf_linear_float(x[0], w, _qtype("Q4_1"))
+    gemm = cpu_kernels.gguf_linear_float(x, w, _qtype("Q4_1"))[0]
+    assert torch.allclose(gemm, rows, rtol=1e-5, atol=1e-5) and not torch.equal(gemm, rows)
+    assert torch.equal(cpu_kernels.gguf_linear_float(x.transpose(0, 1), w, _qtype("Q4_1"))[:, 0], rows)
+    with invariant.rows():
+        assert torch.equal(cpu_kernels.gguf_linear_float(x, w, _qtype("Q4_1"))[0], rows)
 
 
 def test_bad_inputs_are_refused():
@@ -69,3 +84,6 @@ def test_bad_inputs_are_refused():
         cpu_kernels.gguf_linear_float(torch.randn(1, 96), w, _qtype("Q4_0"))
     with pytest.raises(RuntimeError, match="not run natively"):
         cpu_kernels.gguf_linear_float(torch.randn(1, 64), w, 99)
+    with pytest.raises(RuntimeError, match="file's layout"):
+        cpu_kernels.gguf_linear_float(torch.randn(1, 256), torch.from_numpy(random_blocks("Q4_K", 8, 256)),
+                                      cpu_kernels.Q4_K_X8)
