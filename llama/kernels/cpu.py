@@ -1,5 +1,5 @@
-"""Our own CPU kernels (llama/kernels/csrc/: matrix-vector products, a decode step's attention and RMSNorm), built on first
-use and kept on disk.
+"""Our own CPU kernels (llama/kernels/csrc/: matrix-vector products, a decode step's attention and RMSNorm), built at
+install (or on first use) and kept on disk.
 
 Why: on AVX2 CPUs PyTorch's kernels for the weights decoding reads stream them well below the memory's rate (its
 int4 GEMM, bf16 GEMV and int8 GEMM; docs/performance.md), and batch-1 decode speed is that rate. The kernels
@@ -8,20 +8,17 @@ Two more ops do a decode step's attention (rotary embedding, cache write and att
 and RMSNorm, each in one call instead of many small ones, and one runs a decode step's layers whole from all of
 these (llama/kernels/fused_decode.py).
 
-The library is compiled with the system's C++ compiler against the installed PyTorch (about 15 s, once) into
-`$LLAMA_CACHE/kernels/<key>/` (default ~/.cache/llama), keyed by the source, PyTorch and the compiler; later
-processes load it in milliseconds. Where it cannot be had (no AVX2/FMA, no compiler, a failed build, or
+The library is compiled with the system's C++ compiler against the installed PyTorch by `pip install` into the
+package (llama/kernels/build.py: one object per source, in parallel); where that build is missing or stale (no
+compiler at install, a source edited since, another PyTorch) the first use builds it into
+`$LLAMA_CACHE/kernels/cpu/` (default ~/.cache/llama), recompiling only the sources that changed; later processes
+load it in milliseconds. Where it cannot be had (no AVX2/FMA, no compiler, a failed build, or
 `LLAMA_CPU_KERNELS=0`) every caller falls back to PyTorch's kernels; an x86 CPU that was expected to run them
 prints one line on stderr saying why.
 """
 
-import hashlib
-import os
 import platform
-import shutil
-import subprocess
 import sys
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional
@@ -30,16 +27,11 @@ import torch
 import torch.nn.functional as F
 
 from llama import settings
-from llama.kernels import invariant
+from llama.kernels import build, invariant
 from llama.settings import cache_dir
 
-CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "decode_ops.cpp", CSRC / "decode_layers.cpp",
-           CSRC / "gguf_blocks.cpp", CSRC / "gguf_gemm.cpp", CSRC / "gguf_float.cpp")  # one library
-HEADERS = tuple(CSRC / name for name in (
-    "simd.h", "ops.h", "float_tiles.h", "int4_tiles.h", "gguf_dot.h", "gguf_format.h", "gguf_simd.h",
-    "gguf_copies.h", "gguf_gemm.h", "check.h", "gguf_x8.h", "gguf_x8_dot.h", "gguf_rows.h", "gguf_krows.h"))
-FLAGS = ("-O3", "-std=c++20", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp", "-w")
+CSRC = build.CSRC
+SOURCES, HEADERS, FLAGS = build.CPU_KERNELS.sources, build.CPU_KERNELS.headers, build.CPU_KERNELS.flags
 BLOCK = 32  # activation block of the quantized kernels: inputs must be a multiple of it
 
 
@@ -61,43 +53,13 @@ def _note(why: str) -> None:
 
 
 def _compiler() -> Optional[str]:
-    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    return build.compiler()
 
 
 def library_path(cxx: str) -> Path:
-    h = hashlib.sha256()
-    for path in (*SOURCES, *HEADERS):
-        h.update(path.read_bytes())
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    h.update(f"|{torch.__version__}|{version}|{FLAGS}|{torch._C._GLIBCXX_USE_CXX11_ABI}".encode())
-    return cache_dir() / "kernels" / h.hexdigest()[:24] / "cpu_kernels.so"
-
-
-def _build(cxx: str, out: Path) -> None:
-    import fcntl  # POSIX; only reached on x86 with a compiler
-
-    from torch.utils import cpp_extension
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / "build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same library
-        if out.exists():
-            return
-        print(f"note: compiling llama's CPU kernels into {out.parent} (once, about 15 s)", file=sys.stderr)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-        os.close(fd)
-        cmd = [cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
-        cmd += [f"-I{p}" for p in cpp_extension.include_paths()] + [str(p) for p in SOURCES] + ["-o", tmp]
-        cmd += [a for p in cpp_extension.library_paths() for a in (f"-L{p}", f"-Wl,-rpath,{p}")]
-        cmd += ["-lc10", "-ltorch_cpu"]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
-            os.replace(tmp, out)  # whole or absent: a reader never sees half a library
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+    """Where the library comes from: the package's own build (`pip install`), where current, else the cache's."""
+    return build.packaged(build.CPU_KERNELS, cxx) or cache_dir() / "kernels" / build.library_key(
+        build.CPU_KERNELS, cxx) / "cpu_kernels.so"
 
 
 _loaded = False  # set once available() has loaded the ops: what torch.compile's tracing reads instead of calling it
@@ -118,9 +80,9 @@ def available() -> bool:
         _note("no C++ compiler found: install g++ or set CXX")
         return False
     try:
-        path = library_path(cxx)
-        if not path.exists():
-            _build(cxx, path)
+        path = build.packaged(build.CPU_KERNELS, cxx)
+        if path is None:  # no build at install, or a stale one: build (or reuse) the cache's
+            path = build.locked_build(build.CPU_KERNELS, cache_dir() / "kernels" / "cpu", cxx)
         torch.ops.load_library(str(path))
     except Exception as e:  # a failed build or load costs speed, never the run
         _note(f"{e.__class__.__name__}: {e}")

@@ -8,8 +8,9 @@ keys, values, queries and softmax probabilities in fp16, its exp polynomial, its
 follows is llama-cpp-python's `Llama` default, attention without flash attention (`flash_attn=False`), on an
 AVX-512 build; llama.cpp's own CLI defaults to flash attention on CPU, which rounds otherwise.
 
-The ops are a small library of their own (built like llama/kernels/cpu.py's, into $LLAMA_CACHE/kernels/), so the
-product kernels' library is untouched. `enable(model)` turns the path on for one model; every module keeps its
+The ops are a small library of their own (built like llama/kernels/cpu.py's: at install into the package, else
+at first use into $LLAMA_CACHE/kernels/ggml/; llama/kernels/build.py), so the product kernels' library is
+untouched. `enable(model)` turns the path on for one model; every module keeps its
 fp32/bf16 arithmetic otherwise.
 """
 
@@ -18,11 +19,9 @@ from functools import lru_cache
 
 import torch
 
-from llama.kernels import cpu, ggml_products, invariant, paged
+from llama.kernels import build, cpu, ggml_products, invariant, paged
 
-SOURCES = (cpu.CSRC / "ggml_arith.cpp", cpu.CSRC / "ggml_tiled.cpp")  # the ops; llama.cpp's batched K-quant products
-HEADERS = ("check.h", "gguf_format.h", "gguf_x8.h")
-FLAGS = ("-O2", "-std=c++20", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp", "-w")
+SOURCES, HEADERS, FLAGS = build.GGML_ARITH.sources, build.GGML_ARITH.headers, build.GGML_ARITH.flags
 
 
 @lru_cache(maxsize=None)
@@ -31,30 +30,10 @@ def available() -> bool:
     machine)."""
     if not cpu.available():
         return False
-    import hashlib
-    import os
-    import subprocess
-    import tempfile
-
-    from torch.utils import cpp_extension
-
     cxx = cpu._compiler()
-    h = hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, *(cpu.CSRC / n for n in HEADERS))))
-    h.update(f"|{torch.__version__}|{FLAGS}|{torch._C._GLIBCXX_USE_CXX11_ABI}".encode())
-    out = cpu.cache_dir() / "kernels" / h.hexdigest()[:24] / "ggml_arith.so"
     try:
-        if not out.exists():
-            out.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-            os.close(fd)
-            cmd = [cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
-            cmd += [f"-I{p}" for p in cpp_extension.include_paths()] + [*map(str, SOURCES), "-o", tmp]
-            cmd += [a for p in cpp_extension.library_paths() for a in (f"-L{p}", f"-Wl,-rpath,{p}")]
-            done = subprocess.run(cmd + ["-lc10", "-ltorch_cpu"], capture_output=True, text=True)
-            if done.returncode != 0:
-                os.unlink(tmp)
-                raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
-            os.replace(tmp, out)
+        out = build.packaged(build.GGML_ARITH, cxx) or build.locked_build(
+            build.GGML_ARITH, cpu.cache_dir() / "kernels" / "ggml", cxx)
         torch.ops.load_library(str(out))
     except Exception as e:  # noqa: BLE001 - the model then keeps its own arithmetic
         print(f"note: llama.cpp's arithmetic is not available ({e.__class__.__name__}: {e})", file=sys.stderr)

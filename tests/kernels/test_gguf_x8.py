@@ -52,8 +52,13 @@ def test_only_q4_k_repacks():
         cpu_kernels.gguf_repack(torch.zeros(8, 100, dtype=torch.uint8))
 
 
-def test_a_load_holds_q4_k_repacked_and_a_tied_output_shares_the_embedding(tmp_path):
-    from llama import Llama
+def test_a_load_holds_q4_k_repacked_and_a_tied_output_shares_the_embedding(tmp_path, monkeypatch):
+    """Q4_K_X8 is the int8 kernels' layout: the load repacks for LLAMA_GGUF_ACTIVATIONS=int8 (fp32 activations read
+    the file's layout, which test_gguf_float.py covers)."""
+    from llama import Llama, settings
+
+    monkeypatch.setenv("LLAMA_GGUF_ACTIVATIONS", "int8")
+    settings.reload()
     from llama.formats import gguf_quants
     from llama.quantization import gguf_blocks
 

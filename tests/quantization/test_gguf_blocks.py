@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 from conftest import CPU_KERNELS_ONLY, HOST_MEMORY, REPO, STORIES, need, rank_env
-from gguf_blocks_data import Q4_K_M, reference_product, write_block_gguf
+from gguf_blocks_data import Q4_K_M, dequantized, reference_product, write_block_gguf
 
 from llama import Llama
 from llama.formats import gguf_quants
@@ -33,10 +33,15 @@ def build(path, **kw):
 
 
 def reference_apply(self, layer, x):
-    """A block layer's product as gguf's dequantized weights times our int8 activations, in fp64 (the weight's
-    blocks as the file holds them: Q4_K's are repacked at load)."""
+    """A block layer's product as gguf's dequantized weights times the activations, in fp64: our int8 activation
+    codes with int8 activations, x itself with fp32 ones (the default) (the weight's blocks as the file holds them:
+    Q4_K's are repacked at load for int8)."""
     rows = x.reshape(-1, x.shape[-1])
-    ref = reference_product(rows, self.file_blocks(layer).numpy(), gguf_blocks.NAMES[self.qtype])
+    blocks, kind = self.file_blocks(layer).numpy(), gguf_blocks.NAMES[self.qtype]
+    if self.activations == "float":
+        ref = rows.double() @ dequantized(blocks, kind).double().T
+        return ref.float().view(*x.shape[:-1], -1).to(x.dtype)
+    ref = reference_product(rows, blocks, kind)
     return ref.float().view(*x.shape[:-1], -1).to(x.dtype)
 
 
@@ -87,12 +92,22 @@ def test_a_q4_k_m_file_runs_in_its_blocks_exactly_and_greedy_ids_equal_the_dequa
 
 
 @CPU_KERNELS_ONLY
+@pytest.mark.parametrize("activations", ["float", "int8"])
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q6_K", "Q5_K", "Q4_0", "IQ4_XS", "IQ4_NL", "Q5_0", "Q4_1",
                                   "Q5_1", "Q2_K", "Q3_K"])
-def test_every_native_format_gives_dequantized_weights_times_int8_activations(kind, tmp_path, monkeypatch):
+def test_every_native_format_gives_dequantized_weights_times_the_activations(kind, activations, tmp_path,
+                                                                              monkeypatch):
+    """The default (fp32 activations) and llama.cpp's int8 activations (LLAMA_GGUF_ACTIVATIONS=int8), each against
+    its own fp64 reference."""
+    from llama import settings
+
+    monkeypatch.setenv("LLAMA_GGUF_ACTIVATIONS", activations)
+    settings.reload()
     path = write_block_gguf(tmp_path / f"{kind}.gguf", PARAMS, need(STORIES / "tokenizer.model"), kind, tied=True)
     gen = build(path)
     assert gguf_quants.summary(gen.model) == {kind: 9}  # wqkv, wo, w13, w2 in 2 layers, and the tied output
+    assert {m.method.activations for m in gen.model.modules() if isinstance(getattr(m, "method", None),
+                                                                             gguf_blocks.GGUFBlocks)} == {activations}
     assert gen.model.output.weight.data_ptr() == gen.model.tok_embeddings.weight.data_ptr()
     check_exact(gen, monkeypatch, PROMPT + list(range(50, 60)))
 

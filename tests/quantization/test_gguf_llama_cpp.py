@@ -64,6 +64,19 @@ def llama_cpp_tensors(path, tokens):
     return got
 
 
+@pytest.fixture(autouse=True)
+def int8_activations(monkeypatch):
+    """llama.cpp's arithmetic (LLAMA_GGUF_ACTIVATIONS=int8): these tests compare its products bit for bit, where
+    the default multiplies fp32 activations (closer to the file's weights, docs/performance.md)."""
+    from llama import settings
+
+    monkeypatch.setenv("LLAMA_GGUF_ACTIVATIONS", "int8")
+    settings.reload()
+    yield
+    monkeypatch.undo()
+    settings.reload()
+
+
 def test_every_block_product_equals_llama_cpps_bit_for_bit():
     from llama import Llama
 
