@@ -22,6 +22,8 @@ MEASUREMENTS = {
     "paired-llamacpp": ("paired", "batch-1 decode or prefill against llama.cpp in one process, alternating blocks: "
                                   "ratios the machine's drift cancels"),
     "first-token": ("first_token", "time to the first token from a fresh process, weights preloaded or mapped"),
+    "first-run": ("first_run", "a newcomer's first `python example_chat_completion.py` from a fresh $LLAMA_CACHE: "
+                               "model fetch, kernels, compile=\"auto\" and three answers, timed end to end"),
     "compile-auto": ("bench_compile_auto", "total time of a generation, compile included, for compile=False, "
                                            "True and \"auto\""),
     "serve-load": ("bench_serve", "the HTTP server under N concurrent streaming clients (TTFT p50/p99, tokens/s), "

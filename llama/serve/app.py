@@ -27,6 +27,7 @@ from llama.serve.metrics import CONTENT_TYPE, Metrics
 from llama.serve.protocol import APIError
 
 STATIC = Path(__file__).parent / "static"
+PAGE_SCRIPTS = ("chat.js", "markdown.js")  # what the chat page loads from /static/
 _END = object()
 
 
@@ -398,6 +399,12 @@ def routes(state: State) -> List[Route]:
     async def page(request):
         return FileResponse(STATIC / "chat.html", media_type="text/html")
 
+    async def page_script(request):
+        name = request.path_params["name"]
+        if name not in PAGE_SCRIPTS:
+            return error_response(APIError(404, f"no page script {name!r}", code="not_found"))
+        return FileResponse(STATIC / name, media_type="text/javascript")
+
     async def page_config(request):
         return JSONResponse({"model": state.model_name, "api_key_required": bool(state.api_keys)})
 
@@ -411,6 +418,7 @@ def routes(state: State) -> List[Route]:
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/", page, methods=["GET"]),
+        Route("/static/{name}", page_script, methods=["GET"]),
         Route("/config", page_config, methods=["GET"]),
     ]
 

@@ -95,6 +95,9 @@ def test_chat_page_streams_stops_and_keeps_conversations(server, page, tmp_path)
     page.click("#send")
     page.wait_for_function("() => !document.getElementById('send').disabled && "
                            "document.querySelectorAll('.msg.assistant').length == 2", timeout=30000)
+    last = page.query_selector_all(".msg.assistant")[-1]
+    stats = last.query_selector(".stats").inner_text()  # the server's usage count, and the measured speed
+    assert stats.startswith("20 tokens · ") and " tok/s · first token " in stats, stats
     stored = page.evaluate("() => JSON.parse(localStorage.getItem('llama-chat-v1'))")
     conv = next(c for c in stored["convs"] if c["id"] == stored["current"])
     assert [m["role"] for m in conv["messages"]] == ["user", "assistant", "user", "assistant"]
