@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from llama import Llama
+from llama.kernels.cpu import cpu_flags
 
 LILY = ", there was a little girl named Lily. She loved to play outside in the park."
 
@@ -193,8 +194,10 @@ def test_bf16_runs_on_cpu_close_to_fp32(stories_dir, stories, goldens):
         assert worst <= 4 * eps * want.abs().max().item(), f"bf16 logits differ by {worst} ({worst / eps:.1f} eps)"
         n = len(expected)
         argmax = got[-n - 1 : -1].argmax(-1).tolist()
-        if seq.device.type == "cpu":
+        if seq.device.type == "cpu" and "avx512_bf16" in cpu_flags():
             assert argmax == expected
+        elif seq.device.type == "cpu":  # no AVX-512 BF16: 1 near-tie of 128 differs (index 114, the AVX2 EPYC)
+            assert sum(a != b for a, b in zip(argmax, expected)) <= 1, (argmax, expected)
         else:  # cuBLAS rounds bf16 products its own way: 1 near-tie of 128 differed on an H200
             assert sum(a != b for a, b in zip(argmax, expected)) <= 2, (argmax, expected)
         tokens, _ = g.generate([prompt], max_gen_len=64, temperature=0)

@@ -336,8 +336,13 @@ def test_quantized_load_streams_layer_by_layer_to_the_same_weights_as_quantizing
     seq, n = g["prompt_tokens"] + g["generated_tokens"], len(g["generated_tokens"])
     logits = q.model(torch.tensor([seq]), 0)[0, -n - 1 : -1]
     agree = (logits.argmax(-1) == torch.tensor(g["generated_tokens"])).sum().item()
-    # (4 bits diverge from fp32's greedy text within a few tokens, so int4 is checked teacher-forced only)
-    assert agree >= {"int8": n - 1, "int4": 48}[scheme], f"{agree} of {n}"
+    # (4 bits diverge from fp32's greedy text within a few tokens, so int4 is checked teacher-forced only). On a CPU
+    # without AVX-512 BF16 (the 2-core AVX2 EPYC, 2026-11-28, before and after issue 48's changes) one more
+    # position flips: 62 of 64, where an AVX-512 BF16 CPU gives 63.
+    from llama.kernels import cpu as cpu_kernels
+
+    int8_floor = n - 1 if "avx512_bf16" in cpu_kernels.cpu_flags() else n - 2
+    assert agree >= {"int8": int8_floor, "int4": 48}[scheme], f"{agree} of {n}"
 
 
 PEAK_PROBE = """
