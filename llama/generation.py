@@ -132,10 +132,12 @@ class Llama:
         "int8-dynamic" (CPU): int8 weights times int8 activations quantized on the fly, as llama.cpp's q8_0
         (llama/quantization/cli.py); "int4" (CPU): group-wise 4-bit weights, group_size inputs per scale (default 32;
         llama/quantization/int4.py), activations fp32 unless dtype says otherwise. On x86 CPUs with AVX2 both run in
-        our own kernels (llama/kernels/cpu.py, compiled once on first use), as do bf16 weights.
+        our own kernels (llama/kernels/cpu.py, compiled at install, else once on first use), as do bf16 weights.
         A checkpoint written by `python -m llama.quantize` loads without requantizing: int4 as int4, int8 as the
         fastest int8 scheme the device runs (int8-dynamic in our CPU kernels, else weight-only; quantize="int8"
         asks for weight-only).
+        A GGUF file's quantized tensors run in their own blocks on CPU, multiplied with fp32 activations (the
+        dequantized file's products; LLAMA_GGUF_ACTIVATIONS=int8 gives llama.cpp's int8 activations instead).
         A configuration whose weights and KV cache would not fit in available memory (or LLAMA_MEMORY_LIMIT
         bytes) is refused before loading, naming what would fit (llama/formats/memory.py).
         compile="auto" (default): on CPU, models of 50M+ parameters compile their one-token decode step once eager
