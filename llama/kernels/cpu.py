@@ -12,7 +12,7 @@ The library is compiled with the system's C++ compiler against the installed PyT
 package (llama/kernels/build.py: one object per source, in parallel); where that build is missing or stale (no
 compiler at install, a source edited since, another PyTorch) the first use builds it into
 `$LLAMA_CACHE/kernels/cpu/` (default ~/.cache/llama), recompiling only the sources that changed; later processes
-load it in milliseconds. Where it cannot be had (no AVX2/FMA, no compiler, a failed build, or
+load it in milliseconds. Where it cannot be had (no AVX2/FMA/F16C, no compiler, a failed build, or
 `LLAMA_CPU_KERNELS=0`) every caller falls back to PyTorch's kernels; an x86 CPU that was expected to run them
 prints one line on stderr saying why.
 """
@@ -20,7 +20,6 @@ prints one line on stderr saying why.
 import platform
 import sys
 from functools import lru_cache
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -30,8 +29,6 @@ from llama import settings
 from llama.kernels import build, invariant
 from llama.settings import cache_dir
 
-CSRC = build.CSRC
-SOURCES, HEADERS, FLAGS = build.CPU_KERNELS.sources, build.CPU_KERNELS.headers, build.CPU_KERNELS.flags
 BLOCK = 32  # activation block of the quantized kernels: inputs must be a multiple of it
 
 
@@ -54,12 +51,6 @@ def _note(why: str) -> None:
 
 def _compiler() -> Optional[str]:
     return build.compiler()
-
-
-def library_path(cxx: str) -> Path:
-    """Where the library comes from: the package's own build (`pip install`), where current, else the cache's."""
-    return build.packaged(build.CPU_KERNELS, cxx) or cache_dir() / "kernels" / build.library_key(
-        build.CPU_KERNELS, cxx) / "cpu_kernels.so"
 
 
 _loaded = False  # set once available() has loaded the ops: what torch.compile's tracing reads instead of calling it

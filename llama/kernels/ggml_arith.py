@@ -21,9 +21,6 @@ import torch
 
 from llama.kernels import build, cpu, ggml_products, invariant, paged
 
-SOURCES, HEADERS, FLAGS = build.GGML_ARITH.sources, build.GGML_ARITH.headers, build.GGML_ARITH.flags
-
-
 @lru_cache(maxsize=None)
 def available() -> bool:
     """Whether the ops are loaded into torch.ops.llama_ggml and torch.ops.llama_ggml_mm (built the first time on this
