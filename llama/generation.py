@@ -136,8 +136,7 @@ class Llama:
         A checkpoint written by `python -m llama.quantize` loads without requantizing: int4 as int4, int8 as the
         fastest int8 scheme the device runs (int8-dynamic in our CPU kernels, else weight-only; quantize="int8"
         asks for weight-only).
-        A GGUF file's quantized tensors run in their own blocks on CPU, multiplied with fp32 activations (the
-        dequantized file's products; LLAMA_GGUF_ACTIVATIONS=int8 gives llama.cpp's int8 activations instead).
+        GGUF blocks multiply fp32 activations on CPU (LLAMA_GGUF_ACTIVATIONS=int8: llama.cpp's int8 ones).
         A configuration whose weights and KV cache would not fit in available memory (or LLAMA_MEMORY_LIMIT
         bytes) is refused before loading, naming what would fit (llama/formats/memory.py).
         compile="auto" (default): on CPU, models of 50M+ parameters compile their one-token decode step once eager
