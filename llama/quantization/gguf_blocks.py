@@ -5,8 +5,8 @@ from it, and its method knows their ggml type and the activations' arithmetic.
 Why: a Q4_K_M file of a 7B model is 4 GB; dequantized it is 13.5 GB in bf16 and runs at bf16's speed. Kept as the
 file's blocks, it is read at its own size, as llama.cpp reads it. Two arithmetics, chosen at load
 (LLAMA_GGUF_ACTIVATIONS):
-- "float" (the default): each weight row is unpacked to fp32 in cache and multiplied by fp32 activations
-  (csrc/gguf_float.cpp), the dequantized file's product to fp32 rounding. Chosen by measured quality: llama.cpp's
+- "float" (the default): each 32-value chunk of a weight row is decoded to fp32 in registers and multiplied by
+  fp32 activations (csrc/gguf_float.cpp), the dequantized file's product to fp32 rounding. Chosen by measured quality: llama.cpp's
   int8 activations make small models answer worse (docs/performance.md, "Quality of the default arithmetic").
 - "int8": activations quantized to int8 blocks as llama.cpp does (Q8_0 for the 32-value formats, Q8_K for the
   super-block formats; csrc/gguf_blocks.cpp), llama.cpp's products bit for bit.
@@ -21,6 +21,7 @@ from functools import lru_cache
 import torch
 from torch import nn
 
+from llama import settings
 from llama.kernels import cpu as cpu_kernels
 from llama.kernels import fused_decode
 from llama.layers import LinearMethod
@@ -78,8 +79,8 @@ def method(qtype: int, activations: str = "float") -> GGUFBlocks:
     type and arithmetic, so only equal ones fuse."""
     if qtype not in NAMES:
         raise ValueError(f"ggml type {qtype} is not run natively (natively: {', '.join(NAMES.values())})")
-    if activations not in ("float", "int8"):
-        raise ValueError(f"GGUF activations must be 'float' or 'int8', got {activations!r}")
+    if activations not in settings.GGUF_ACTIVATIONS:
+        raise ValueError(f"GGUF activations must be one of {settings.GGUF_ACTIVATIONS}, got {activations!r}")
     return method_class(qtype, -1, activations)()
 
 
