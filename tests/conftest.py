@@ -64,16 +64,16 @@ for _change in ("setenv", "delenv", "undo"):
     setattr(pytest.MonkeyPatch, _change, _settings_follow(getattr(pytest.MonkeyPatch, _change)))
 
 
-CPU_ONLY = pytest.mark.skipif(ON_CUDA, reason="int8-dynamic runs on the CPU only (oneDNN); CUDA uses int8")
+CPU_ONLY = pytest.mark.skipif(ON_CUDA, reason="hardware: int8-dynamic runs on the CPU only (oneDNN); CUDA uses int8")
 # GGUF block formats and the one-call decode step run in our CPU kernels; on CUDA a GGUF file is dequantized at load
 # and the step is the model's (tests/quantization/test_gguf_blocks.py::test_the_gpu_path_dequantizes_instead).
-CPU_KERNELS_ONLY = pytest.mark.skipif(ON_CUDA, reason="runs in our CPU kernels; CUDA dequantizes GGUF blocks and "
+CPU_KERNELS_ONLY = pytest.mark.skipif(ON_CUDA, reason="hardware: runs in our CPU kernels; CUDA dequantizes GGUF blocks and "
                                                        "decodes with the model's own step")
 # Speculative decoding and predictions are exact only in our CPU kernels: refused (ignored) on CUDA.
-CPU_SPECULATION = pytest.mark.skipif(ON_CUDA, reason="speculative decoding runs on the CPU only (a CUDA verify pass "
+CPU_SPECULATION = pytest.mark.skipif(ON_CUDA, reason="hardware: speculative decoding runs on the CPU only (a CUDA verify pass "
                                                       "is not bitwise the one-token step)")
 # Where the host's memory is measured (a load's peak RSS), a CUDA load puts the weights on the GPU instead.
-HOST_MEMORY = pytest.mark.skipif(ON_CUDA, reason="measures host memory of a CPU load; on CUDA the weights go to the GPU")
+HOST_MEMORY = pytest.mark.skipif(ON_CUDA, reason="hardware: measures host memory of a CPU load; on CUDA the weights go to the GPU")
 
 
 # The files that take minutes (compiles, torchrun launches, servers), heaviest first (measured with --durations,
@@ -91,6 +91,37 @@ SLOW_FIRST = (
 )
 
 
+# .ci/run sets LLAMA_CI=1: then a skip whose reason is not missing hardware (tests/hardware.py) fails the run.
+IN_CI = os.environ.get("LLAMA_CI") == "1"
+
+
+def _skip_reason(longrepr) -> str:
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def _fail_unless_hardware(report) -> None:
+    from hardware import allowed
+
+    if IN_CI and report.skipped and not hasattr(report, "wasxfail"):
+        reason = _skip_reason(report.longrepr)
+        if not allowed(reason):
+            report.outcome = "failed"
+            report.longrepr = f"LLAMA_CI=1 allows skips for missing hardware only; this one was: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _fail_unless_hardware(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    _fail_unless_hardware(outcome.get_result())
+
+
 def pytest_configure(config):
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the collection order (SLOW_FIRST)
         config.option.loadscopereorder = False
@@ -98,7 +129,7 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     if ON_CUDA and not torch.cuda.is_available():
-        skip = pytest.mark.skip(reason=f"LLAMA_TEST_DEVICE={DEVICE} but this PyTorch sees no CUDA device")
+        skip = pytest.mark.skip(reason=f"hardware: LLAMA_TEST_DEVICE={DEVICE} but this PyTorch sees no CUDA device")
         for item in items:
             item.add_marker(skip)
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
@@ -206,6 +237,6 @@ def kernel_copy(request, monkeypatch):
 
     vnni = all(torch.cpu.get_capabilities().get(f"avx512_{f}", False) for f in ("f", "bw", "dq", "vl", "vnni"))
     if request.param == "avx512-vnni" and not vnni:
-        pytest.skip("this CPU has no AVX-512 VNNI")
+        pytest.skip("hardware: this CPU has no AVX-512 VNNI")
     monkeypatch.setenv("LLAMA_CPU_AVX512", "0" if request.param == "avx2" else "1")
     return request.param

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import hardware
 import pytest
 import torch
 from conftest import error_lines, rank_env
@@ -42,8 +43,7 @@ def greedy(g, n=20):
 def test_the_fused_step_runs_where_it_computes_the_family_and_declines_otherwise(dirs, name, fused, monkeypatch):
     """Rope scalings only change the tables, so the one-call step takes them; q/k/v biases, Granite's multipliers
     and a window the keys pass are declined, and the layers run one by one, with the same ids as transformers."""
-    if not cpu_kernels.available():
-        pytest.skip("our CPU kernels are not built here")
+    hardware.require_kernels()
     d, model = dirs(name)
     g = Llama.build(str(d), None, max_seq_len=128, max_batch_size=2, compile=False, dtype=torch.float32)
     calls = []

@@ -10,13 +10,19 @@ import io
 import shutil
 import textwrap
 
+import hardware
 import pytest
 import torch
 from conftest import CPU_ONLY
 
 from llama import Llama
 from llama.compilation import compiled_decode as compilation
-from llama.compilation.compiled_decode import CompiledDecode, bucket, compile_decode, own_storage
+from llama.compilation.compiled_decode import (
+    CompiledDecode,
+    bucket,
+    compile_decode,
+    own_storage,
+)
 from llama.core.kv_cache import KVCache
 from llama.quantization.schemes import quantize_int8, quantize_int8_dynamic
 
@@ -198,8 +204,7 @@ def test_compiled_step_reads_the_models_own_float_weights(dtype):
 
     from llama.kernels import cpu as cpu_kernels
 
-    if not cpu_kernels.available():
-        pytest.skip("llama's CPU kernels are not available here: frozen graphs copy the weights")
+    hardware.require_kernels()
     model = random_model(dtype=dtype, multiple_of=32)
     KVCache(model, 2, 32)
     step = CompiledDecode(model)  # compile=True's mode choice
@@ -239,8 +244,7 @@ def test_large_fp32_batches_stay_eager(kernels, monkeypatch):
 
     if not kernels:
         monkeypatch.setattr(cpu_kernels, "available", lambda: False)
-    elif not cpu_kernels.available():
-        pytest.skip("llama's CPU kernels are not available here")
+    elhardware.require_kernels()
     model = random_model(max_batch=32, multiple_of=32)
     step = CompiledDecode(model, "auto")  # fp32: max-autotune on frozen weights, or our kernels
     assert step.mode == ("default" if kernels else "max-autotune")

@@ -27,7 +27,7 @@ from llama.kernels import cpu as cpu_kernels
 pytestmark = [
     pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
                        reason="AOTInductor's CPU backend needs a C++ compiler (g++/clang++) on PATH"),
-    pytest.mark.skipif(ON_CUDA, reason="compiled steps are kept on disk on the CPU only"),
+    pytest.mark.skipif(ON_CUDA, reason="hardware: compiled steps are kept on disk on the CPU only"),
 ]
 
 LOAD = r'''

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 
+import hardware
 import pytest
 import torch
 from conftest import ON_CUDA, REPO, SHARED, error_lines, fresh_cache
@@ -20,7 +21,7 @@ from llama.kernels import cpu as cpu_kernels
 pytestmark = [
     pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
                        reason="AOTInductor's CPU backend needs a C++ compiler (g++/clang++) on PATH"),
-    pytest.mark.skipif(ON_CUDA, reason="compiled steps are kept on disk on the CPU only"),
+    pytest.mark.skipif(ON_CUDA, reason="hardware: compiled steps are kept on disk on the CPU only"),
 ]
 
 
@@ -28,8 +29,7 @@ pytestmark = [
 def kernel_cache(tmp_path_factory, stories_dir, goldens):
     """A cache directory holding stories260K's batch-2 step compiled with our CPU kernels on: the step calls them
     on the model's weights, so the package holds none."""
-    if not cpu_kernels.available():
-        pytest.skip("llama's CPU kernels are not available here")
+    hardware.require_kernels()
     path = fresh_cache(tmp_path_factory.mktemp("llama-cache"))  # run_load's process: the kernels, not a build
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LLAMA_CACHE", str(path))
@@ -66,11 +66,10 @@ def test_a_stored_int4_step_gives_what_torch_compile_gives(tmp_path, monkeypatch
     from test_model import random_model
 
     from llama.core.kv_cache import KVCache
-    from llama.quantization.int4 import quantize_int4
     from llama.layers import kernel_model
+    from llama.quantization.int4 import quantize_int4
 
-    if not cpu_kernels.available():
-        pytest.skip("llama's CPU kernels are not available here")
+    hardware.require_kernels()
     monkeypatch.setenv("LLAMA_CACHE", str(tmp_path))
     model = quantize_int4(random_model(multiple_of=32).fuse(), 32)
     assert kernel_model(model)
@@ -133,8 +132,7 @@ def test_a_tied_model_loads_its_stored_step_in_a_new_process(tmp_path):
     """A tied model's output.weight is its embedding's Parameter: the stored step (which calls our kernels on the
     model's weights) binds it by alias, so a second process loads the step the first compiled, with the same
     logits."""
-    if not cpu_kernels.available():
-        pytest.skip("llama's CPU kernels are not available here (a frozen step holds its own copy of the weights)")
+    hardware.require_kernels()
     first, second = run_twice(TIED, lambda i: [str(REPO / "tests"), str(tmp_path / f"logits{i}.pt")], tmp_path)
     assert "freezing False packages [(2, False)] loaded []" in first
     assert "freezing False packages [(2, False)] loaded [(2, False)]" in second
@@ -146,8 +144,7 @@ def test_smollm2_gguf_loads_its_stored_step_in_a_new_process(tmp_path):
     gguf = SHARED / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not gguf.is_file():
         pytest.skip(f"{gguf} is absent (../shared holds the SmolLM2 GGUF)")
-    if not cpu_kernels.available():
-        pytest.skip("llama's CPU kernels are not available here")
+    hardware.require_kernels()
     first, second = run_twice(SMOLLM2, lambda i: [str(gguf)], tmp_path)
     assert "packages [(1, False)] loaded []" in first
     assert "packages [(1, False)] loaded [(1, False)]" in second and "Compiling" not in second

@@ -3,12 +3,13 @@ cache: a position's logits and sampled tokens' logprobs are bitwise the same whe
 from chunks of any size, or ran beside other rows, and a decode step's row is a prefill's (llama/kernels/invariant.py,
 llama/kernels/exact_attention.py). compile=True is refused with it, before loading."""
 
+import hardware
 import numpy as np
 import pytest
 import torch
 from conftest import STORIES, need
-from helpers import logprobs_in_any_company
 from gguf_blocks_data import Q4_K_M, random_blocks, write_block_gguf
+from helpers import logprobs_in_any_company
 from test_exact_invariance import OTHER, PROMPT, Rows
 
 from llama.kernels import cpu as cpu_kernels
@@ -17,7 +18,7 @@ from llama.quantization import gguf_blocks
 from llama.quantization.int4 import quantize_codes
 from llama.quantization.int8 import quantize_weight, weight_only_linear
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="our CPU kernels are not built here")
+pytestmark = hardware.KERNELS
 
 
 def build(path=None, **kw):

@@ -6,6 +6,7 @@ fp16, head_dim not a multiple of 8, no kernels) it is refused (llama/core/exact.
 
 from types import SimpleNamespace
 
+import hardware
 import pytest
 import torch
 from conftest import ON_CUDA, STORIES, need
@@ -15,8 +16,8 @@ from test_exact_quantized import assert_rows_invariant
 
 from llama.kernels import cpu as cpu_kernels
 
-pytestmark = [pytest.mark.skipif(not cpu_kernels.available(), reason="our CPU kernels are not built here"),
-              pytest.mark.skipif(ON_CUDA, reason="prefix_cache='exact' runs on the CPU only")]
+pytestmark = [hardware.KERNELS,
+              pytest.mark.skipif(ON_CUDA, reason="hardware: prefix_cache='exact' runs on the CPU only")]
 
 WINDOW = 20  # PROMPT is 71 tokens: the window cuts from position 20 on
 SHAPE = {"dim": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 256, "norm_eps": 1e-5,
@@ -100,7 +101,7 @@ def fake(device="cpu", dtype=torch.float32, head_dim=64):
 
 
 @pytest.mark.parametrize("model,message", [
-    (fake(device="meta"), r"prefix_cache='exact' runs on the CPU only, got a model on meta"),
+    (fake(device="meta"), r"hardware: prefix_cache='exact' runs on the CPU only, got a model on meta"),
     (fake(dtype=torch.float16), r"fp32 or bf16 activations, got torch.float16"),
     (fake(head_dim=12), r"head_dim a multiple of 8, got 12"),
 ])

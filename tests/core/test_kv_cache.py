@@ -1,16 +1,15 @@
 """The paged KV pool: block bookkeeping (refcounts, LRU eviction, prefix keys), block tables, the kernels that read
 through them, and the scheduler's use of them (admission by free blocks, moves and twins as table edits)."""
 
+import hardware
 import pytest
 import torch
-
 from test_model import random_model
 
 from llama.core.block_pool import SCRATCH, BlockPool, chain_keys
 from llama.core.kv_cache import KVCache, bytes_per_block, pool_blocks
 from llama.kernels import cpu as cpu_kernels
 from llama.kernels import paged
-
 
 
 def test_pool_allocates_refcounts_and_frees():
@@ -73,8 +72,7 @@ def test_pool_sizes_by_memory_and_refuses_less_than_one_row():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_kernel_reads_through_the_block_table(dtype):
     """Our C++ decode attention on a paged pool (blocks scattered, shuffled) equals the slot layout's."""
-    if not cpu_kernels.available():
-        pytest.skip("our CPU kernels are not built here")
+    hardware.require_kernels()
     g = torch.Generator().manual_seed(0)
     B, H, Hkv, D, S, bs = 3, 4, 2, 16, 64, 16
     M = S // bs

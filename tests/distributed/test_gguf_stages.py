@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import hardware
 import pytest
 import torch
 from conftest import SHARED, STORIES, need, rank_env
@@ -20,7 +21,7 @@ from gguf_blocks_data import Q4_K_M, write_block_gguf
 
 from llama.kernels import cpu as cpu_kernels
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="our CPU kernels are not built here")
+pytestmark = hardware.KERNELS
 
 TESTS = Path(__file__).resolve().parent
 Q4_1 = SHARED / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"

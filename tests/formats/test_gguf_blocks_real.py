@@ -6,6 +6,7 @@ positions or more (our activations are int8, as llama.cpp's are)."""
 import ctypes
 import json
 
+import hardware
 import pytest
 import torch
 from conftest import SHARED, need
@@ -17,7 +18,7 @@ from llama.kernels import cpu as cpu_kernels
 Q4_1 = SHARED / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 GOLDENS = SHARED / "goldens" / "smollm2_greedy.json"
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="our CPU kernels are not built here")
+pytestmark = hardware.KERNELS
 
 
 def requantized(tmp_path_factory, ftype: str):

@@ -1,13 +1,13 @@
 """Each family's Hugging Face directory (tests/families.py) converted to GGUF by llama.cpp's own
-convert_hf_to_gguf.py (from llama-cpp-python's source distribution, fetched with pip into the cache once): the
+convert_hf_to_gguf.py (from llama-cpp-python's source distribution, unpacked by tests/peers.py at install): the
 file loads with Llama.build(path, None) to transformers' logits on the original directory, alone and at world size
 2; and it serves. qwen2 and phi3 files keep Hugging Face's NeoX q/k order, so this is what proves the permutation."""
 
 import json
 import subprocess
 import sys
-import tarfile
 
+import peers
 import pytest
 import torch
 from conftest import error_lines, rank_env
@@ -17,32 +17,13 @@ from llama import Llama
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("sentencepiece")
-VERSION = "0.3.36"
-ROOT = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
 
 
 @pytest.fixture(scope="session")
 def converter():
-    """Path of llama.cpp's convert_hf_to_gguf.py (with its conversion package and gguf-py), extracted from
-    llama-cpp-python's sdist, which pip fetches from the registry into the cache once; skips when it cannot."""
-    from llama import settings
-
-    target = settings.cache_dir() / f"llama.cpp-convert-{VERSION}"
-    script = target / ROOT / "convert_hf_to_gguf.py"
-    if not script.is_file():
-        target.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-                               f"llama-cpp-python=={VERSION}", "-d", str(target)], capture_output=True, text=True,
-                              timeout=600)
-        sdist = target / f"llama_cpp_python-{VERSION}.tar.gz"
-        if proc.returncode != 0 or not sdist.is_file():
-            pytest.skip(f"could not fetch llama-cpp-python=={VERSION}'s sdist with pip: {proc.stderr[-300:]}")
-        with tarfile.open(sdist) as tar:
-            members = [m for m in tar.getmembers() if m.name == ROOT + "convert_hf_to_gguf.py"
-                       or m.name.startswith((ROOT + "conversion/", ROOT + "gguf-py/"))]
-            tar.extractall(target, members=members, filter="data")
-        sdist.unlink()
-    return script
+    """Path of llama.cpp's convert_hf_to_gguf.py (with its conversion package and gguf-py) in llama-cpp-python's
+    sdist, unpacked by `python tests/peers.py` at install."""
+    return peers.llama_cpp_tree() / "convert_hf_to_gguf.py"
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import hardware
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,8 +21,7 @@ from llama.model import apply_rotary, rope_tables
 from llama.quantization.int4 import dequantize_codes, quantize_codes
 from llama.quantization.int8 import quantize_weight
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
-                                reason="llama's CPU kernels need x86-64 with AVX2/FMA and a C++ compiler")
+pytestmark = hardware.KERNELS
 
 BATCHES = (1, 2, 3, 5, 8, 9)  # tiles of 4 rows: whole, partial and mixed; bf16: one pass of up to 8 rows
 
@@ -52,7 +52,7 @@ def tile(request, monkeypatch):
     """Each tile of the int4 and int8 kernels in turn: AVX2, and AVX-512 VNNI (rows of 8-block multiples, where the
     CPU has it)."""
     if request.param == "avx512-vnni" and not VNNI:
-        pytest.skip("this CPU has no AVX-512 VNNI")
+        pytest.skip("hardware: this CPU has no AVX-512 VNNI")
     monkeypatch.setenv("LLAMA_CPU_AVX512", "0" if request.param == "avx2" else "1")
     return request.param
 
@@ -89,7 +89,7 @@ def float_tile(request, monkeypatch):
     """Each tile of float_linear for bf16 weights and activations in turn: AVX2 (in fp32), and AVX-512 BF16 dot
     products where the CPU has them."""
     if request.param == "avx512-bf16" and not BF16_DOT:
-        pytest.skip("this CPU has no AVX-512 BF16")
+        pytest.skip("hardware: this CPU has no AVX-512 BF16")
     monkeypatch.setenv("LLAMA_CPU_AVX512", "0" if request.param == "avx2" else "1")
     return request.param
 
@@ -106,7 +106,7 @@ def test_float_weights_are_the_float_product(n, k, x_dtype, w_dtype, float_tile)
         check_rows(lambda v: torch.ops.llama_cpu.float_linear(v, w), x, x.double() @ w.double().T)
 
 
-@pytest.mark.skipif(not BF16_DOT, reason="int4_to_bf16 and int8_to_bf16 need AVX-512 BF16")
+@pytest.mark.skipif(not BF16_DOT, reason="hardware: int4_to_bf16 and int8_to_bf16 need AVX-512 BF16")
 @pytest.mark.parametrize("n, k, g", [(48, 256, 32), (33, 512, 64), (20, 512, 256), (16, 320, 128), (12, 768, 64)])
 def test_to_bf16_is_the_dequantized_weight_rounded(n, k, g):  # 320 / 128: a partial last group
     torch.manual_seed(n + k)

@@ -1,6 +1,7 @@
 """A decode step's layers in one call (llama/kernels/fused_decode.py, llama/csrc/decode_layers.cpp): bitwise the
 layer-by-layer step in every scheme and layout it takes, and the layer-by-layer step wherever it does not."""
 
+import hardware
 import pytest
 import torch
 from test_model import random_model
@@ -11,7 +12,7 @@ from llama.layers import linear_layers
 from llama.quantization.int4 import quantize_int4
 from llama.quantization.schemes import quantize_int8, quantize_int8_dynamic
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="llama's CPU kernels are not available here")
+pytestmark = hardware.KERNELS
 
 # dim and FFN width multiples of 32 (the quantized kernels' block); head_dim 16 (a multiple of 8)
 SHAPE = dict(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, multiple_of=32)
@@ -173,8 +174,9 @@ def test_kept_arguments_follow_changes_to_the_model(monkeypatch):
 
 def test_importing_the_package_installs_no_global_hooks():
     """The kept arguments are forgotten explicitly (fused_decode.forget), not by process-wide module hooks."""
-    import llama  # noqa: F401
     from torch.nn.modules import module as nn_module
+
+    import llama  # noqa: F401
 
     for name in ("_global_parameter_registration_hooks", "_global_buffer_registration_hooks",
                  "_global_module_registration_hooks"):

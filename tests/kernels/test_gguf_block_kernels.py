@@ -2,14 +2,21 @@
 rows dequantize bit-exactly, products equal (gguf's dequantized weights) x (our int8 activations) to fp32 rounding,
 and a row's result does not depend on the batch it is in."""
 
+import hardware
 import numpy as np
 import pytest
 import torch
-from gguf_blocks_data import act_block, dequantized, quantized_activations, random_blocks, reference_product
+from gguf_blocks_data import (
+    act_block,
+    dequantized,
+    quantized_activations,
+    random_blocks,
+    reference_product,
+)
 
 from llama.kernels import cpu as cpu_kernels
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="our CPU kernels are not built here")
+pytestmark = hardware.KERNELS
 
 NATIVE = ["Q8_0", "Q4_K", "Q6_K", "Q5_K", "Q4_0", "IQ4_XS", "IQ4_NL", "Q5_0", "Q4_1", "Q5_1", "Q2_K", "Q3_K"]
 
@@ -64,7 +71,7 @@ def test_a_rows_result_does_not_depend_on_its_batch(kind):
 VNNI = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu_kernels.cpu_flags()
 
 
-@pytest.mark.skipif(not VNNI, reason="this CPU lacks AVX-512 VNNI: only the AVX2 path runs here")
+@pytest.mark.skipif(not VNNI, reason="hardware: this CPU lacks AVX-512 VNNI: only the AVX2 path runs here")
 @pytest.mark.parametrize("kind", NATIVE)
 def test_the_avx512_path_gives_the_avx2_paths_results_bitwise(kind, monkeypatch):
     """The AVX-512 VNNI copy (gguf_dot.h) sums the same integers in the same lanes and the same fp32 operations in

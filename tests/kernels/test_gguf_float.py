@@ -3,13 +3,14 @@ arithmetic of a GGUF file on CPU. Checked against gguf's own numpy dequantizatio
 float64, for every block format our kernels run, and for batch invariance: a row's result is bitwise the same
 alone, in any batch, and in the fused decode op."""
 
+import hardware
 import pytest
 import torch
 
 from llama.kernels import cpu as cpu_kernels
 from tests.gguf_blocks_data import dequantized, random_blocks
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="llama's CPU kernels are not built here")
+pytestmark = hardware.KERNELS
 
 KINDS = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS"]
 

@@ -3,13 +3,14 @@ product's result bit for bit, on both copies of its inner loops (AVX2 and AVX-51
 a request's output does not depend on how many rows share its product. (The 32-value formats' many-row products
 are gguf_rows.h's, tested in test_gguf_rows.py; Q4_K_X8's, test_gguf_x8.py.)"""
 
+import hardware
 import pytest
 import torch
 from gguf_blocks_data import random_blocks
 
 from llama.kernels import cpu as cpu_kernels
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="our CPU kernels are not built here")
+pytestmark = hardware.KERNELS
 
 GEMM = ["Q4_K", "Q6_K", "Q5_K", "IQ4_XS", "Q2_K", "Q3_K"]  # gguf_gemm.cpp's takes_gemm
 VNNI = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu_kernels.cpu_flags()

@@ -4,13 +4,14 @@ copies), and gguf_gemm.cpp takes 9 rows and more (Q2_K 8): every row count 1..9,
 copies of the inner loops (AVX2 and AVX-512 VNNI) give every row the one-row product bit for bit, and that product
 is gguf's numpy dequantization times our int8 activations."""
 
+import hardware
 import pytest
 import torch
 from gguf_blocks_data import dequantized, quantized_activations, random_blocks
 
 from llama.kernels import cpu as cpu_kernels
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="our CPU kernels are not built here")
+pytestmark = hardware.KERNELS
 
 KQUANTS = ["Q6_K", "Q5_K", "Q4_K", "Q4_K_X8", "Q3_K", "Q2_K", "IQ4_XS"]
 VNNI = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu_kernels.cpu_flags()
@@ -68,7 +69,7 @@ def test_many_row_products_are_gguf_dequantized_weights_times_our_int8_activatio
             assert (err <= bound).all(), (kind, avx512, m, (err / bound).max().item())
 
 
-@pytest.mark.skipif(not VNNI, reason="one copy of the inner loops on this CPU")
+@pytest.mark.skipif(not VNNI, reason="hardware: one copy of the inner loops on this CPU")
 @pytest.mark.parametrize("kind", KQUANTS)
 def test_both_copies_give_the_same_rows(kind, monkeypatch):
     w, qtype, _ = weight(kind, seed=11)
@@ -88,7 +89,6 @@ def test_a_k_quant_files_verify_rows_are_its_one_token_steps_bitwise(ftype, monk
     import ctypes
 
     from conftest import SHARED, need
-
     from helpers import assert_verify_rows_are_decode_steps
 
     from llama import Llama

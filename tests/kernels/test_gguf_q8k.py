@@ -7,6 +7,7 @@ Each format to fp32 rounding, and bitwise in the order llama.cpp's x86 CPU code 
 AVX-512: its repacked q4_K_8x8 / q2_K_8x8 products, one fp32 sum per output; Q3_K, Q5_K, Q6_K, IQ4_XS: its AVX2
 dots, 8 fp32 lanes), on our AVX-512 and AVX2 copies alike."""
 
+import hardware
 import numpy as np
 import pytest
 import torch
@@ -14,7 +15,7 @@ from gguf_blocks_data import random_blocks
 
 from llama.kernels import cpu as cpu_kernels
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="our CPU kernels are not built here")
+pytestmark = hardware.KERNELS
 gguf = pytest.importorskip("gguf")
 
 # bytes per block, and where its fp16 d and dmin sit (dmin None: no mins)

@@ -3,13 +3,14 @@ the 32-value formats, gguf_krows.h and gguf_gemm.cpp for the K-quants, also test
 one-row product's result bit for bit, for every row count 1..9, every native format and both copies of the inner
 loops (AVX2 and AVX-512 VNNI): a verify row's logits are the one-token step's, which speculation's exactness needs."""
 
+import hardware
 import pytest
 import torch
 from gguf_blocks_data import random_blocks
 
 from llama.kernels import cpu as cpu_kernels
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="our CPU kernels are not built here")
+pytestmark = hardware.KERNELS
 
 NATIVE = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q4_K_X8", "Q5_K", "Q6_K", "IQ4_XS", "Q2_K",
           "Q3_K"]
@@ -53,7 +54,7 @@ def test_each_row_count_gives_every_row_the_one_row_product_bitwise(kind, monkey
                     assert torch.equal(got, want), (kind, avx512, m, start + i, (got - want).abs().max().item())
 
 
-@pytest.mark.skipif(not VNNI, reason="one copy of the inner loops on this CPU")
+@pytest.mark.skipif(not VNNI, reason="hardware: one copy of the inner loops on this CPU")
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_1", "IQ4_NL"])
 def test_both_copies_agree_on_few_rows(kind, monkeypatch):
     K = 800
@@ -70,7 +71,6 @@ def test_a_real_models_verify_rows_are_its_one_token_steps_bitwise():
     """SmolLM2-135M's Q4_1 file (Q8_0 output product) through the whole step: each row of a 1..8-row Verify pass
     gives exactly the logits of the one-token Decode step at its position, what speculation's exactness needs."""
     from conftest import SHARED, need
-
     from helpers import assert_verify_rows_are_decode_steps
 
     from llama import Llama

@@ -3,6 +3,7 @@ layout converts back to the file's bytes exactly, dequantizes as gguf's numpy co
 file layout's bit for bit (one row, a few rows, more than 8; the AVX2 and the AVX-512 VNNI copies; row counts
 that leave rows past the last group of 8)."""
 
+import hardware
 import pytest
 import torch
 from conftest import STORIES, need
@@ -10,7 +11,7 @@ from gguf_blocks_data import dequantized, random_blocks, write_block_gguf
 
 from llama.kernels import cpu as cpu_kernels
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="our CPU kernels are not built here")
+pytestmark = hardware.KERNELS
 
 Q4_K = 12
 VNNI = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu_kernels.cpu_flags()

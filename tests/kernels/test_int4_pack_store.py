@@ -14,7 +14,7 @@ from llama.kernels import cpu as cpu_kernels
 from llama.kernels import int4_pack_store as pack_cache
 from llama.quantization.cli import quantize_checkpoint
 
-pytestmark = pytest.mark.skipif(ON_CUDA, reason="int4 runs on the CPU only (PyTorch's CPU int4 kernel)")
+pytestmark = pytest.mark.skipif(ON_CUDA, reason="hardware: int4 runs on the CPU only (PyTorch's CPU int4 kernel)")
 
 PARAMS = {"dim": 128, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 64, "vocab_size": 512,
           "norm_eps": 1e-5}

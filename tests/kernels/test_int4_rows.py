@@ -3,6 +3,7 @@ CPU has it): a row's result is bitwise the same alone and within batches of 2 to
 and mixed), which speculative decoding's exactness needs (a verify step's rows equal the decode steps'), and it is
 the dequantized weight times the block-quantized activations, summed in float64, within fp32 rounding."""
 
+import hardware
 import pytest
 import torch
 from helpers import assert_rows_batch_invariant, block_quantized
@@ -10,8 +11,7 @@ from helpers import assert_rows_batch_invariant, block_quantized
 from llama.kernels import cpu as cpu_kernels
 from llama.quantization.int4 import dequantize_codes
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
-                                reason="llama's CPU kernels need x86-64 with AVX2/FMA and a C++ compiler")
+pytestmark = hardware.KERNELS
 
 # (outputs, inputs, group): 16-block groups plus a last 8 (768 = 24 blocks; 11008's 344 blocks at 7B), only 8
 # blocks, only 16-block groups, one scale for 8 blocks, and inputs not a multiple of 8 blocks (the group loop)

@@ -4,14 +4,14 @@ rows (tiles of 4: whole, partial and mixed), which speculative decoding's exactn
 the decode steps'), and it is the int8 weight times its row scale times the block-quantized activations, summed in
 float64, within fp32 rounding."""
 
+import hardware
 import pytest
 import torch
 from helpers import assert_rows_batch_invariant, block_quantized
 
 from llama.kernels import cpu as cpu_kernels
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
-                                reason="llama's CPU kernels need x86-64 with AVX2/FMA and a C++ compiler")
+pytestmark = hardware.KERNELS
 
 # (outputs, inputs): 16-block groups plus a last 8 (768 = 24 blocks; 11008's 344 blocks at 7B), only 8 blocks, only
 # 16-block groups (4096's 128 blocks: spans of 128 and a second one), more outputs than a span of 8, and inputs not

@@ -2,6 +2,7 @@
 row count, so prefix_cache="exact" runs its unquantized products there; a shape whose tiles depend on a row's place
 is found by the probe and left to our kernel."""
 
+import hardware
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 from llama.kernels import cpu as cpu_kernels
 from llama.kernels import dense, invariant, tiled
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="our CPU kernels are not built here")
+pytestmark = hardware.KERNELS
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -18,7 +19,7 @@ def test_tiles_give_a_row_the_same_bits_at_any_row_count(dtype):
     w = torch.randn(384, 2048, generator=g).to(dtype)
     x = torch.randn(150, 2048, generator=g).to(dtype)
     if not tiled.takes(w, dtype):
-        pytest.skip(f"oneDNN does not take {dtype} tiles here")
+        pytest.skip(f"hardware: oneDNN does not take {dtype} tiles here")
     full = tiled.linear(x, w)
     torch.testing.assert_close(full.float(), F.linear(x.float(), w.float()), rtol=2e-2, atol=2e-2)
     for m in (1, 5, 17, 38, tiled.TILE, tiled.TILE + 1, 2 * tiled.TILE + 3):

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import hardware
 import pytest
 import torch
 from conftest import CPU_KERNELS_ONLY, HOST_MEMORY, REPO, STORIES, need, rank_env
@@ -17,7 +18,7 @@ from llama.formats import gguf_quants
 from llama.kernels import cpu as cpu_kernels
 from llama.quantization import gguf_blocks
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="our CPU kernels are not built here")
+pytestmark = hardware.KERNELS
 
 PARAMS = {"dim": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 256, "norm_eps": 1e-5,
           "vocab_size": 512}

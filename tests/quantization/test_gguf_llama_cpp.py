@@ -5,6 +5,7 @@ tensors come from its eval callback (cb_eval)."""
 
 import ctypes
 
+import hardware
 import numpy as np
 import pytest
 import torch
@@ -12,7 +13,7 @@ from conftest import SHARED, need
 
 from llama.kernels import cpu as cpu_kernels
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="our CPU kernels are not built here")
+pytestmark = hardware.KERNELS
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
 
 SMOLLM = SHARED / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -7,6 +7,7 @@ default, flash_attn=False), which is what the ops follow."""
 import ctypes
 import os
 
+import hardware
 import numpy as np
 import pytest
 import torch
@@ -15,10 +16,10 @@ from test_gguf_llama_cpp import SMOLLM, TOKENS, GGMLTensor, requantized
 
 from llama.kernels import cpu as cpu_kernels
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="our CPU kernels are not built here")
+pytestmark = hardware.KERNELS
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
 if b"AVX512 = 1" not in llama_cpp.llama_print_system_info():
-    pytest.skip("llama.cpp here is built without AVX-512, whose 8-lane sums are not the 16-lane ones "
+    pytest.skip("hardware: llama.cpp here is built without AVX-512, whose 8-lane sums are not the 16-lane ones "
                 "llama/kernels/ggml_arith.py follows", allow_module_level=True)
 
 PROMPTS = ["Once upon a time", "def fibonacci(n):"]

@@ -16,7 +16,6 @@ from test_model import random_model
 from llama import Llama
 from llama.formats.demo import write_random_checkpoint
 from llama.formats.memory import NotEnoughMemory, estimate
-from llama.settings import parse_bytes
 from llama.kernels import cpu as cpu_kernels
 from llama.model import ColumnLinear, ModelArgs, RowLinear
 from llama.quantization.cli import main as quantize_main
@@ -32,8 +31,9 @@ from llama.quantization.int4 import (
     unpack_codes,
 )
 from llama.quantization.schemes import activation_dtype
+from llama.settings import parse_bytes
 
-pytestmark = pytest.mark.skipif(ON_CUDA, reason="int4 runs on the CPU only (PyTorch's CPU int4 kernel)")
+pytestmark = pytest.mark.skipif(ON_CUDA, reason="hardware: int4 runs on the CPU only (PyTorch's CPU int4 kernel)")
 
 # A small shape whose every split divides: 2 ranks, groups of 32 on both sides of the row-parallel cut.
 PARAMS = {"dim": 128, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 64, "vocab_size": 512,

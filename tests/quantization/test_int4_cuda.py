@@ -4,15 +4,20 @@ int4 checkpoints."""
 
 import pytest
 import torch
-
 from conftest import STORIES, need
+
 from llama import Llama
 from llama.formats.demo import write_random_checkpoint
 from llama.quantization.cli import quantize_checkpoint
 from llama.quantization.int4 import dequantize_codes, quantize_codes
-from llama.quantization.int4_cuda import Int4Cuda, int4_linear, kernel_inputs, to_cuda_kernel
+from llama.quantization.int4_cuda import (
+    Int4Cuda,
+    int4_linear,
+    kernel_inputs,
+    to_cuda_kernel,
+)
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (tinygemm is a CUDA kernel)")
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="hardware: needs a CUDA device (tinygemm is a CUDA kernel)")
 
 
 def tinygemm_weight(q: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:

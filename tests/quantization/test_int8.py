@@ -4,6 +4,7 @@ stories260K, batch == solo, Meta names kept, and model parallel (each rank quant
 
 import textwrap
 
+import hardware
 import pytest
 import torch
 from conftest import CPU_ONLY
@@ -232,7 +233,7 @@ def _stored(tmp_path, ckpt, tok, quantize, **env):
     return got["method"], got["output"], got["logits"]
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="llama's CPU kernels are not available here")
+@hardware.KERNELS
 def test_a_stored_int8_checkpoint_loads_as_int8_dynamic_by_default(stored_int8):
     """With no quantize=, stored int8 weights run the fastest int8 kernel (our int8-dynamic one), bitwise an
     explicit quantize="int8-dynamic" build; quantize="int8" still means weight-only."""

@@ -4,15 +4,14 @@ split_reasoning=True. The model is the shared SmolLM2 with DeepSeek-R1-Distill-L
 generation prompt opens `<think>\\n`), its reply forced token by token."""
 
 import json
-from pathlib import Path
 
+import peers
 import pytest
 from conftest import SHARED, need
 
 from llama import Llama
 
 GGUF = SHARED / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-TEMPLATE = Path(__file__).resolve().parents[1] / "data" / "templates" / "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja"
 REPLY = "The user wants 12345 + 1.\nAdd one.\n</think>\n\nIt is 12346."
 DIALOG = [{"role": "user", "content": "What is 12345 + 1?"}]
 
@@ -29,7 +28,7 @@ def r1(tmp_path_factory):
     tok.tok.save(str(d / "tokenizer.json"))
     (d / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False,
-        "chat_template": TEMPLATE.read_text(encoding="utf-8")}))
+        "chat_template": peers.template("deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja")}))
     return Llama.build(str(GGUF), str(d / "tokenizer.json"), max_seq_len=256, max_batch_size=2, compile=False)
 
 

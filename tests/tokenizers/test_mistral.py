@@ -8,6 +8,7 @@ import os
 import warnings
 from pathlib import Path
 
+import peers
 import pytest
 from test_pretokenizers import TEXTS
 from vocab_gguf import write_vocab_gguf
@@ -18,7 +19,6 @@ from llama.tokenizers.chat_format import TemplateChatFormat, chat_format_for
 
 mistral_common = pytest.importorskip("mistral_common", reason="pip install mistral-common (the test extra)")
 DATA = Path(os.path.dirname(mistral_common.__file__)) / "data"
-NEMO = Path(__file__).resolve().parents[1] / "data" / "templates" / "mistralai-Mistral-Nemo-Instruct-2407.jinja"
 DIALOGS = [
     [{"role": "user", "content": "What is 12345 + 1?"}],
     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 12345 + 1?"},
@@ -27,7 +27,11 @@ DIALOGS = [
 
 
 def request(dialog):
-    from mistral_common.protocol.instruct.messages import AssistantMessage, SystemMessage, UserMessage
+    from mistral_common.protocol.instruct.messages import (
+        AssistantMessage,
+        SystemMessage,
+        UserMessage,
+    )
     from mistral_common.protocol.instruct.request import ChatCompletionRequest
 
     kinds = {"system": SystemMessage, "user": UserMessage, "assistant": AssistantMessage}
@@ -43,7 +47,7 @@ def test_nemo_tekken_gguf_and_template_give_mistral_common_ids(tmp_path):
     authority = MistralTokenizer.from_file(str(source))
     hf = convert_tekken_tokenizer(str(source)).backend_tokenizer
     path = write_vocab_gguf(tmp_path / "nemo.gguf", hf, "tekken", "<s>", "</s>", add_bos=True,
-                            chat_template=NEMO.read_text(encoding="utf-8"))
+                            chat_template=peers.template("mistralai-Mistral-Nemo-Instruct-2407.jinja"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tok = tokenizer_hf.from_gguf(open_reader(path), path)

@@ -1,11 +1,12 @@
-"""Real models' chat templates (tests/data/templates, from their tokenizer_config.json) rendered by our
-TemplateChatFormat against transformers' apply_chat_template on the same template, text and token for token,
-and the reasoning split of their replies (llama/tokenizers/reasoning.py)."""
+"""Real models' chat templates (llama.cpp's models/templates/, each from the model's tokenizer_config.json, in
+llama-cpp-python's sdist that tests/peers.py unpacks at install) rendered by our TemplateChatFormat against
+transformers' apply_chat_template on the same template, text and token for token, and the reasoning split
+of their replies (llama/tokenizers/reasoning.py)."""
 
 import random
 import warnings
-from pathlib import Path
 
+import peers
 import pytest
 from vocab_gguf import llama_cpp_files
 
@@ -15,7 +16,6 @@ from llama.tokenizers import reasoning
 from llama.tokenizers.chat_format import TemplateChatFormat, chat_format_for
 
 transformers = pytest.importorskip("transformers")
-TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "templates"
 DIALOG = [{"role": "system", "content": "You are terse."},
           {"role": "user", "content": "What is 12345 + 1?"},
           {"role": "assistant", "content": "<think>\nAdd one to the last digit.\n</think>\n\n12346"},
@@ -44,7 +44,7 @@ def vocab():
 def test_our_rendering_equals_transformers_apply_chat_template(vocab, template, vocab_name, opens_think):
     from tokenizers import Tokenizer
 
-    source = (TEMPLATES / f"{template}.jinja").read_text(encoding="utf-8")
+    source = peers.template(f"{template}.jinja")
     tok = vocab(vocab_name)
     tok.chat_template = source  # as a GGUF or tokenizer_config.json carries it
     fmt = chat_format_for(tok)

@@ -1,17 +1,27 @@
 """Tool dialogs rendered token for token as the references render them: Meta's llama-models ChatFormat for Llama 3
 (JSON calls and built-ins for 3.1, the pythonic list for 3.2), and transformers' apply_chat_template(tools=...)
-for the vendored Hugging Face templates (tests/data/templates/); and replies parsed back into calls."""
+for real models' Hugging Face templates (llama.cpp's models/templates/, tests/peers.py); and replies parsed back into calls."""
 
 import json
 from pathlib import Path
 
+import peers
 import pytest
-
 from conftest import SHARED
-from llama.tokenizers.chat_format import Llama3ChatFormat, TemplateChatFormat, template_environment
-from llama.tokenizers.tool_format import ToolDialog, call_text, family_of, meta_system_text, parse
 
-TEMPLATES = Path(__file__).resolve().parent.parent / "data" / "templates"
+from llama.tokenizers.chat_format import (
+    Llama3ChatFormat,
+    TemplateChatFormat,
+    template_environment,
+)
+from llama.tokenizers.tool_format import (
+    ToolDialog,
+    call_text,
+    family_of,
+    meta_system_text,
+    parse,
+)
+
 GGUF = SHARED / "models/smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city <& 'quotes'> é",
@@ -25,9 +35,10 @@ SEARCH = {"type": "function", "function": {"name": "brave_search", "description"
 def meta():
     llama_models = pytest.importorskip("llama_models")
     path = Path(llama_models.__file__).parent / "llama3" / "tokenizer.model"
-    from llama.tokenizers.llama3 import Llama3Tokenizer
     from llama_models.llama3.chat_format import ChatFormat
     from llama_models.llama3.tokenizer import Tokenizer
+
+    from llama.tokenizers.llama3 import Llama3Tokenizer
 
     return Llama3Tokenizer(path), ChatFormat(Tokenizer(path))
 
@@ -45,7 +56,13 @@ def dialog(calls_per_turn=1, ids=("call_a", "call_b")):
 @pytest.mark.parametrize("family", ["llama3_json", "pythonic"])
 def test_meta_llama3_tool_dialog_equals_llama_models(family):
     pytest.importorskip("llama_models")
-    from llama_models.datatypes import BuiltinTool, RawMessage, StopReason, ToolCall, ToolPromptFormat
+    from llama_models.datatypes import (
+        BuiltinTool,
+        RawMessage,
+        StopReason,
+        ToolCall,
+        ToolPromptFormat,
+    )
 
     ours_tok, ref = meta()
     fmt = Llama3ChatFormat(ours_tok, tool_style=family)
@@ -95,9 +112,10 @@ def test_llama32_system_prompt_equals_llama_models_doc():
 @pytest.fixture(scope="module")
 def toks():
     """Our tokenizer and transformers' for the same GGUF file (SmolLM2)."""
+    from transformers import AutoTokenizer
+
     from llama.formats.gguf_file import _Reader
     from llama.tokenizers.huggingface import from_gguf
-    from transformers import AutoTokenizer
 
     gguf = GGUF if GGUF.exists() else pytest.skip(f"{GGUF} is absent")
     return from_gguf(_Reader(str(gguf)), gguf), AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -123,7 +141,7 @@ def openai_messages(msgs):
 ])
 def test_template_tool_dialog_equals_transformers(toks, name, family, calls, ids):
     ours_tok, hf_tok = toks
-    template = (TEMPLATES / name).read_text()
+    template = peers.template(name)
     fmt = TemplateChatFormat(ours_tok, template)
     assert family_of(fmt) == family
     msgs = dialog(calls, ids)

@@ -48,37 +48,10 @@ def write_vocab_gguf(path: Path, tok: Tokenizer, pre: Optional[str], bos: Option
     return path
 
 
-LLAMA_CPP_VERSION = "0.3.36"
-LLAMA_CPP = f"llama_cpp_python-{LLAMA_CPP_VERSION}/vendor/llama.cpp/"
-
-
 def llama_cpp_files() -> Path:
-    """llama.cpp's tree (as in llama-cpp-python's sdist, fetched with pip into the cache once) holding its
-    tokenizer test vocabularies (models/ggml-vocab-*.gguf with .inp texts and the .out ids transformers gave
-    them), the chat templates it tests (models/templates/) and src/llama-vocab.cpp. Skips when pip cannot fetch."""
-    import subprocess
-    import sys
-    import tarfile
+    """llama.cpp's tree (from llama-cpp-python's sdist, unpacked by `python tests/peers.py` at install) holding
+    its tokenizer test vocabularies (models/ggml-vocab-*.gguf with .inp texts and the .out ids transformers gave
+    them), the chat templates it tests (models/templates/) and src/llama-vocab.cpp."""
+    import peers
 
-    import pytest
-
-    from llama import settings
-
-    target = settings.cache_dir() / f"llama.cpp-vocab-{LLAMA_CPP_VERSION}"
-    root = target / LLAMA_CPP
-    if not (root / "src" / "llama-vocab.cpp").is_file():
-        target.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-                               f"llama-cpp-python=={LLAMA_CPP_VERSION}", "-d", str(target)], capture_output=True,
-                              text=True, timeout=600)
-        sdist = target / f"llama_cpp_python-{LLAMA_CPP_VERSION}.tar.gz"
-        if proc.returncode != 0 or not sdist.is_file():
-            pytest.skip(f"could not fetch llama-cpp-python=={LLAMA_CPP_VERSION}'s sdist with pip: "
-                        f"{proc.stderr[-300:]}")
-        with tarfile.open(sdist) as tar:
-            members = [m for m in tar.getmembers() if m.name.startswith(LLAMA_CPP + "models/ggml-vocab-")
-                       or m.name.startswith(LLAMA_CPP + "models/templates/") or m.name == LLAMA_CPP
-                       + "src/llama-vocab.cpp"]
-            tar.extractall(target, members=members, filter="data")
-        sdist.unlink()
-    return root
+    return peers.llama_cpp_tree()
