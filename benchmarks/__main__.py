@@ -35,7 +35,7 @@ MEASUREMENTS = {
                                      "divergence rate, N users sharing a system prompt (TTFT on against off)"),
     "batching": ("bench_batching", "continuous batching (the engine) against static batching"),
     "speculative": ("speculative", "speculative decoding: a verify pass's cost c(k), and what prompt lookup, a "
-                                   "prediction or a draft model gains on SmolLM2 (--llama-cpp: its prompt lookup beside)"),
+                                   "prediction or a draft model gains on SmolLM2 (--llama-cpp: its lookup beside)"),
     "speculative-compiled": ("speculative_compiled", "speculation with a compiled decode step: c(k) eager against "
                                                      "compiled, and greedy tokens that differ with speculation on"),
     "speculative-products": ("speculative_products", "each GGUF weight product's time per row count (a verify's "
