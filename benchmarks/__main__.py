@@ -3,8 +3,9 @@
 Each measurement is a module of this directory with its own arguments (`python -m benchmarks NAME --help`); what
 they share (paths, shapes, --workdir weights, peers, alternating rounds, the results table) is harness.py.
 Measurements spawn fresh worker processes of their own module, so each figure comes from a clean process.
-Every measurement prints its results as markdown tables, each followed by the same rows as one `JSON {...}` line;
-`--json PATH`, taken here for all of them, also writes those lines to PATH (one a table).
+A measurement prints its results as markdown tables, each followed by the same rows as one `JSON {...}` line;
+`--json PATH`, taken here for all of them, also writes those lines to PATH (one a table). A few older probes
+(speculative*, gguf-agreement, -arith, -cpu-time, -load, -perplexity) print their own lines: --json says it wrote none.
 """
 
 import argparse
@@ -33,6 +34,12 @@ MEASUREMENTS = {
     "prefix-cache": ("prefix_cache", "the paged KV pool: sequences per GiB at 7B shapes, prefix caching's "
                                      "divergence rate, N users sharing a system prompt (TTFT on against off)"),
     "batching": ("bench_batching", "continuous batching (the engine) against static batching"),
+    "speculative": ("speculative", "speculative decoding: a verify pass's cost c(k), and what prompt lookup, a "
+                                   "prediction or a draft model gains on SmolLM2 (--llama-cpp: its lookup beside)"),
+    "speculative-compiled": ("speculative_compiled", "speculation with a compiled decode step: c(k) eager against "
+                                                     "compiled, and greedy tokens that differ with speculation on"),
+    "speculative-products": ("speculative_products", "each GGUF weight product's time per row count (a verify's "
+                                                     "rows) on a real file, optionally against another checkout"),
     "parallel-layouts": ("bench_pipeline", "tensor parallel against tensor x pipeline parallel: step time, bytes "
                                            "between ranks"),
     "gpu": ("bench_gpu", "decode and prefill on a CUDA GPU beside transformers and gpt-fast, and its bandwidth"),
@@ -48,10 +55,23 @@ MEASUREMENTS = {
                                      "llama.cpp on the same file, alternating blocks (--layers N: a cut copy)"),
     "gguf-kernels": ("gguf_kernels", "GGUF block products per format on 7B-shaped layers, AVX2 against AVX-512 VNNI, "
                                      "alternating rounds"),
+    "gguf-load": ("gguf_load", "cold load of GGUF files to the first token and peak RSS, ours against llama.cpp, "
+                               "a fresh process per case"),
     "gguf-load-memory": ("gguf_load_memory", "peak RSS of loading a Q8_0 GGUF to bf16 and to int8"),
+    "gguf-agreement": ("gguf_agreement", "where our greedy ids and llama.cpp's part on the same GGUF file "
+                                         "(--make: llama.cpp's own requantizations of the shared file too)"),
+    "gguf-perplexity": ("gguf_perplexity", "perplexity of one GGUF file by ours and by llama.cpp on the same token "
+                                           "ids and windows"),
+    "gguf-arith": ("gguf_arith", "batch-1 decode of a GGUF file with llama.cpp's arithmetic between the products "
+                                 "(LLAMA_GGML_ARITH=1) against our own, fresh processes alternating"),
+    "gguf-cpu-time": ("gguf_cpu_time", "process CPU time of one-row GGUF block products per format, one thread: "
+                                       "checkouts compared on a busy machine (run from each)"),
     "tied-memory": ("tied_memory", "peak RSS with tied against untied embeddings (Llama 3.2's vocabulary)"),
 }
 PROG = "python -m benchmarks"
+# The measurements import the harness as `harness` (this directory on sys.path) or as `benchmarks.harness`: two
+# module objects, so --json is set on both. Some (the gguf-* and speculative* scripts) print their own results.
+HARNESSES = ("harness", "benchmarks.harness")
 JSON_HELP = ("common option, taken by python -m benchmarks for every measurement:\n"
              "  --json PATH           also write each results table's JSON line to PATH (one line a table)")
 
@@ -93,7 +113,9 @@ def run(name: str, argv: list) -> int:
     if here not in sys.path:
         sys.path.insert(0, here)
     argv, json_path = take_json(argv)
-    importlib.import_module("harness").JSON_PATH = json_path  # the module the measurements import as `harness`
+    harnesses = [importlib.import_module(h) for h in HARNESSES]
+    for harness in harnesses:
+        harness.JSON_PATH = json_path
     if name == "int8-agreement":
         argv = ["--accuracy", *argv]
     main = importlib.import_module(module).main
@@ -104,6 +126,9 @@ def run(name: str, argv: list) -> int:
         if e.code in (0, None) and {"-h", "--help"} & set(argv):
             print(f"\n{JSON_HELP}")
         raise
+    if json_path and not any(json_path in harness._written for harness in harnesses):
+        print(f"{PROG} {name}: no results table went through harness.py, so nothing was written to {json_path}",
+              file=sys.stderr)
     return result if isinstance(result, int) else 0  # bench_batching's main returns its results
 
 

@@ -7,6 +7,7 @@ One thread; per format, 3 random-block 4096x4096 weights (tests/gguf_blocks_data
 12 products a repetition, process CPU time per product in ms, the least of 5 repetitions. Prints one JSON line.
 """
 
+import argparse
 import json
 import sys
 import time
@@ -26,11 +27,15 @@ FORMATS = ["Q4_0", "IQ4_NL", "Q5_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ
 def main() -> None:
     import gguf
 
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("formats", nargs="*", default=FORMATS, metavar="FORMAT",
+                   help=f"GGML type names (default: {' '.join(FORMATS)})")
+    formats = p.parse_args().formats
     if not cpu_kernels.available():
         raise SystemExit("our CPU kernels are not built here")
     torch.set_num_threads(1)
     out = {}
-    for kind in sys.argv[1:] or FORMATS:
+    for kind in formats:
         ws = [torch.from_numpy(random_blocks(kind, 4096, 4096, seed=s)) for s in range(3)]
         x, qt = torch.randn(1, 4096), int(gguf.GGMLQuantizationType[kind])
         for w in ws:

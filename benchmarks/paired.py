@@ -5,7 +5,7 @@ drift cancels.
                                 [--compile off|on|auto] [--prompts 16 64 256] [--layer-by-layer]
 
 bench.py runs each engine in its own process, minutes apart, and on a shared machine the memory bandwidth moves
-by a factor of two over minutes (docs/performance.md, "At 7B"). Here one process per scheme loads both models,
+by a factor of two over minutes (docs/performance-history.md, "At 7B"). Here one process per scheme loads both models,
 ours (the `python -m llama.quantize` copy, made as bench.py makes it) and llama.cpp's GGUF (q4_0 / q8_0 from
 llama.cpp's own quantizer), then decodes `--tokens` tokens with each in turn, `--blocks` times, the order
 alternating. Each block gives one ratio of two rates measured seconds apart. With `--prompts`, each block times

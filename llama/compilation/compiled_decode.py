@@ -43,14 +43,14 @@ MODES = ("auto", "max-autotune", "default")
 AUTO_MIN_PARAMS = 50_000_000
 
 # fp32 batches this large stay eager: oneDNN's eager fp32 GEMM beats Inductor's template there, and smaller
-# batches are faster compiled (docs/performance.md, "Why these defaults").
+# batches are faster compiled (docs/performance-history.md, "Why these defaults").
 FP32_EAGER_MIN_BATCH = 32
 
 # compile="auto" keeps batch sizes up to this eager on CPU when our kernels run the whole model (one tile of their
 # rows; unquantized fp32, up to the rows our fp32 kernel takes), for models of EAGER_KERNEL_MIN_BYTES or more, whose
 # eager step is almost all weight streaming in our kernels (a compiled step wins back a few percent, after minutes
 # of compiling), unless the step is stored on disk (compile=True once): then it loads in seconds and takes those
-# few percent. Smaller models, faster compiled, go by the lazy rule (docs/performance.md, "Why these defaults").
+# few percent. Smaller models, faster compiled, go by the lazy rule (docs/performance-history.md, "Why these defaults").
 EAGER_KERNEL_MAX_BATCH = 4
 EAGER_KERNEL_MIN_BYTES = 1 << 30
 
@@ -118,7 +118,7 @@ class CompiledDecode:
     def verifies_exactly(self) -> bool:
         """Whether a speculative Verify pass's rows are bitwise the one-token graph's: our kernels take every product
         and the graph's own arithmetic is fp32 (in bf16 Inductor's graphs of 1 and 4 rows round apart, measured in
-        docs/performance.md, "With a compiled decode step")."""
+        docs/performance-history.md, "With a compiled decode step")."""
         return self.outside and not self.cuda and self.model.norm.weight.dtype == torch.float32
 
     def spent_eager(self, batch: int, rows, seconds: float) -> None:

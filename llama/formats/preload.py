@@ -28,7 +28,7 @@ from llama.formats import libc, memory
 
 _CHUNK = 256 << 20  # bytes touched per call
 # The files are read first, by _READERS readers in _PIECE-byte requests: a virtual disk serves several streams at
-# once faster than the one stream of page faults (7B bf16 from a cold page cache: docs/performance.md, "At 7B").
+# once faster than the one stream of page faults (7B bf16 from a cold page cache: docs/performance-history.md, "At 7B").
 _READERS = 8
 _PIECE = 16 << 20
 _BUFFER = 4 << 20  # each reader's scratch buffer: the readers' buffers add to the load's peak RSS

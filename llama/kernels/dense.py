@@ -13,7 +13,7 @@ ONEDNN_FP32 = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
 
 
 # fp32 products of at most this many rows run in our kernel (it reads the weights at the memory's rate); larger ones
-# are compute-bound and oneDNN's GEMM is faster there (docs/performance.md, "Why these defaults").
+# are compute-bound and oneDNN's GEMM is faster there (docs/performance-history.md, "Why these defaults").
 FP32_KERNEL_MAX_ROWS = 8
 # The same for bf16 activations and weights, eager, where oneDNN has the CPU's own bf16 dot products
 # (cpu_kernels.onednn_bf16()): past this many rows (a prompt's prefill) its GEMM is faster than our kernel. Without

@@ -1,11 +1,11 @@
 """A decode step's transformer layers in one call of our CPU kernel (`llama_cpu::decode_layers`), eager.
 
 Why: in an eager step the Python and PyTorch operators between two weight products run with the caches that the
-weights streaming through have just flushed, and cost several times their warm time (docs/performance.md, "One call
-per decode step"). The op runs every layer of the step with the same kernels, in the same order and with the same
-roundings as model.TransformerBlock, so its result is the layer-by-layer result bit for bit; the model takes it
-where every product of every layer would run in our kernels anyway (each layer's method says so: route() below
-asks the rule its product follows, llama/layers.py), and goes layer by layer otherwise.
+weights streaming through have just flushed, costing several times their warm time (docs/performance-history.md,
+"One call per decode step"). The op runs every layer of the step with the same kernels, in the same order and with
+the same roundings as model.TransformerBlock, so its result is the layer-by-layer result bit for bit; the model
+takes it where every product of every layer would run in our kernels anyway (each layer's method says so: route()
+below asks the rule its product follows, llama/layers.py), and goes layer by layer otherwise.
 
 Gathering the op's arguments from the modules costs Python time on every layer, so they are kept per layer stack
 and batch size, and forgotten by forget(), which whatever replaces the layers' tensors calls: a linear layer taking
