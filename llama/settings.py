@@ -37,6 +37,7 @@ class Settings:
     offline: bool  # LLAMA_OFFLINE: never fetch the default model
     api_key: Optional[str]  # LLAMA_API_KEY: one more bearer key the server accepts
     async_decode: Optional[bool]  # LLAMA_ASYNC_DECODE: None (auto) queues decode steps ahead on CUDA only
+    speculative_timing: str  # LLAMA_SPECULATIVE_TIMING: "prior" drafts by the tokens alone
 
 
 def _text(name: str) -> str:
@@ -94,6 +95,9 @@ def _dtype(name: str) -> Optional[torch.dtype]:
 
 
 GGUF_ACTIVATIONS = ("float", "int8")
+# "measured": whether a draft pays is decided from step times measured on this machine; "prior": from the prior
+# costs alone, so the drafts (and the acceptance counts) depend on the tokens only, whatever the load.
+SPECULATIVE_TIMINGS = ("measured", "prior")
 
 
 def _choice(name: str, choices, default: str) -> str:
@@ -121,6 +125,7 @@ def read() -> Settings:
         offline=flag("LLAMA_OFFLINE", False),
         api_key=_text("LLAMA_API_KEY") or None,
         async_decode=auto_flag("LLAMA_ASYNC_DECODE"),
+        speculative_timing=_choice("LLAMA_SPECULATIVE_TIMING", SPECULATIVE_TIMINGS, "measured"),
     )
 
 

@@ -12,7 +12,7 @@ from llama import settings
 
 VARIABLES = ("LLAMA_CACHE", "LLAMA_DEVICE", "LLAMA_DTYPE", "LLAMA_MEMORY_LIMIT", "LLAMA_CPU_KERNELS",
              "LLAMA_FUSED_DECODE", "LLAMA_GGUF_BLOCKS", "LLAMA_GGML_ARITH", "LLAMA_INT4_CACHE", "LLAMA_COMPILE_CACHE", "LLAMA_OFFLINE", "LLAMA_API_KEY",
-             "LLAMA_ASYNC_DECODE", "LLAMA_GGUF_ACTIVATIONS")
+             "LLAMA_ASYNC_DECODE", "LLAMA_GGUF_ACTIVATIONS", "LLAMA_SPECULATIVE_TIMING")
 FLAGS = {"LLAMA_CPU_KERNELS": ("cpu_kernels", True), "LLAMA_FUSED_DECODE": ("fused_decode", True),
          "LLAMA_GGUF_BLOCKS": ("gguf_blocks", True), "LLAMA_GGML_ARITH": ("ggml_arith", False),
          "LLAMA_INT4_CACHE": ("int4_cache", True), "LLAMA_COMPILE_CACHE": ("compile_cache", True),
@@ -33,7 +33,7 @@ def test_defaults(clean):
                                   cpu_kernels=True, fused_decode=True, gguf_blocks=True, ggml_arith=False,
                                   gguf_activations="float", int4_cache=True,
                                   compile_cache=True,
-                                  offline=False, api_key=None, async_decode=None)
+                                  offline=False, api_key=None, async_decode=None, speculative_timing="measured")
     assert settings.cache_dir() == Path.home() / ".cache" / "llama"
 
 
@@ -57,6 +57,14 @@ def test_gguf_activations_take_float_or_int8(clean):
         assert settings.reload().gguf_activations == want, text
     clean.setenv("LLAMA_GGUF_ACTIVATIONS", "fp16")
     with pytest.raises(ValueError, match=r"LLAMA_GGUF_ACTIVATIONS must be one of \['float', 'int8'\].*'fp16'"):
+        settings.reload()
+
+
+def test_speculative_timing_takes_measured_or_prior(clean):
+    clean.setenv("LLAMA_SPECULATIVE_TIMING", " Prior ")
+    assert settings.reload().speculative_timing == "prior"
+    clean.setenv("LLAMA_SPECULATIVE_TIMING", "never")
+    with pytest.raises(ValueError, match=r"LLAMA_SPECULATIVE_TIMING must be one of \['measured', 'prior'\]"):
         settings.reload()
 
 

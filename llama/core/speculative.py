@@ -44,6 +44,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from llama import settings
 from llama.core.plan import CopyBlocks, Decode, Plan, SetBlocks, Verify
 from llama.core.request import Request
 from llama.core.step_times import StepTimes
@@ -110,7 +111,8 @@ class Memory:
     def __init__(self):
         lockstep = torch.distributed.is_available() and torch.distributed.is_initialized() and \
             torch.distributed.get_world_size() > 1
-        self.times = StepTimes(measure=MEASURE and not lockstep)
+        measure = MEASURE and settings.get().speculative_timing == "measured"
+        self.times = StepTimes(measure=measure and not lockstep)
         self.rates: Dict[str, List[float]] = {}  # draft kind -> [accepted, missed] drafted tokens
         self.idle = 0  # steps since the last Verify
 

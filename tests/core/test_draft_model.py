@@ -94,18 +94,25 @@ def test_outputs_with_another_draft_are_the_outputs_without(off, small_draft, ta
         engine = g.engine(prefill_chunk=8)  # prompts prefilled in chunks beside drafting requests
         try:
             results.append([r.result(timeout=120) for r in [engine.submit(**job) for job in jobs]])
+            stats = engine.stats
         finally:
             engine.close()
     assert results[0] == results[1]
+    assert stats["drafted_tokens"] > 0 and stats["accepted_tokens"] > 0, stats  # the engine drafted too
 
 
-def test_the_cache_end(small_draft, mp):
-    """Generation running into max_seq_len, with drafts cut to the positions left, in both caches."""
+def test_the_cache_end(small_draft, tally):
+    """Generation running into max_seq_len, with drafts cut to the positions left, in both caches: the self-draft
+    is accepted right up to the end."""
     d = str(need(STORIES))
     off, on = (Llama.build(d, d + "/tokenizer.model", max_seq_len=40, max_batch_size=3, compile=False,
                            prefix_cache="off", draft_model=draft) for draft in (None, str(STORIES)))
     for opts in (dict(temperature=0), dict(temperature=1.0, seed=11)):
-        assert on.text_completion(PROMPTS, **opts) == off.text_completion(PROMPTS, **opts)
+        tally.clear()
+        got = on.text_completion(PROMPTS, logprobs=True, **opts)
+        assert got == off.text_completion(PROMPTS, logprobs=True, **opts)
+        lens = [len(on.tokenizer.encode(p, bos=True, eos=False)) + len(g["tokens"]) for p, g in zip(PROMPTS, got)]
+        assert 40 in lens and tally["accepted"] > 0, (lens, opts, dict(tally))
 
 
 def test_a_draft_with_another_vocabulary_is_refused(tmp_path):

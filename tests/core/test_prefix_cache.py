@@ -159,24 +159,30 @@ def test_clear_prefix_cache_and_direct_model_calls_forget_keys(on):
 
 
 def test_concurrent_engine_requests_equal_their_solo_text(on, off):
+    """Concurrent requests from a cold cache, then again from the blocks they left: the second round reuses
+    cached prompt blocks, and both rounds give the cache-off text."""
     on.clear_prefix_cache()
     want = texts(off.text_completion(PROMPTS, **SEEDED))
-    results = [None] * len(PROMPTS)
-    with on.engine() as engine:
-        def run(i):
-            results[i] = engine.submit(PROMPTS[i], **SEEDED).result()["generation"]
+    for round in ("cold", "warm"):
+        hits = on.cache.pool.stats["cached_tokens"]
+        results = [None] * len(PROMPTS)
+        with on.engine() as engine:
+            def run(i):
+                results[i] = engine.submit(PROMPTS[i], **SEEDED).result()["generation"]
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    assert results == want
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        assert results == want, round
+    assert on.cache.pool.stats["cached_tokens"] - hits >= len(PROMPTS) * 16  # the warm round hit the SYSTEM blocks
 
 
 def test_server_reports_cached_tokens_and_the_pool_and_answers_every_request(off):
     """usage.prompt_tokens_details.cached_tokens, /metrics' pool gauges, per-API-key isolation, and a pool with
-    room for one request at a time: concurrent requests all answer 200 with the cache-off text."""
+    room for one request at a time: concurrent requests (preempted, recomputed, hitting each other's blocks) all
+    answer 200 with the cache-off text."""
     pytest.importorskip("starlette", reason="the server needs the serve extra: pip install -e '.[serve]'")
     pytest.importorskip("httpx")
     from concurrent.futures import ThreadPoolExecutor
@@ -198,10 +204,12 @@ def test_server_reports_cached_tokens_and_the_pool_and_answers_every_request(off
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
         assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # another key's blocks
+        wants = [off.text_completion([p], temperature=0.0, max_gen_len=12)[0]["generation"] for p in PROMPTS]
         with ThreadPoolExecutor(6) as pool:
             rs = list(pool.map(lambda i: c.post("/v1/completions", json={**body, "prompt": PROMPTS[i % 3]},
                                                 headers=keys["a"]), range(6)))
         assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+        assert [r.json()["choices"][0]["text"] for r in rs] == [wants[i % 3] for i in range(6)]
         metrics = c.get("/metrics").text
     values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines() if line.startswith("llama_")}
     assert values["llama_prefix_cache_hit_tokens"] >= 32 and values["llama_prefix_cache_prompt_tokens"] > 0

@@ -124,14 +124,15 @@ def test_bad_mode_is_refused(rand_dir):
 # ---------------------------------------------------------------------------------------------- identical outputs
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_greedy_and_seeded_outputs_are_identical(dtype, tally):
+    """Each option set drafts and accepts on its own: one that stopped drafting would fail here, not hide in a sum."""
     off, on = both(dtype)
-    tally.clear()
     for opts in (dict(temperature=0), dict(temperature=1.0, top_p=0.95, seed=7, n=2),
                  dict(temperature=0.8, top_k=20, seed=3, logprobs=True, top_logprobs=3),
                  dict(temperature=0, repetition_penalty=1.1, frequency_penalty=0.2, logprobs=True)):
+        tally.clear()
         assert on.text_completion(PROMPTS, max_gen_len=120, **opts) == off.text_completion(PROMPTS, max_gen_len=120,
                                                                                          **opts), opts
-    assert tally["accepted"] > 20, tally
+        assert tally["accepted"] > 0, (opts, tally)
 
 
 def test_stops_and_max_tokens_inside_accepted_runs(tally):
@@ -151,11 +152,16 @@ def test_stops_and_max_tokens_inside_accepted_runs(tally):
     assert tally["accepted"] > 50, tally
 
 
-def test_the_cache_end():
-    """Generation running into max_seq_len: drafts are cut to the positions left."""
+def test_the_cache_end(tally):
+    """Generation running into max_seq_len: drafts are cut to the positions left, and still accepted."""
     off, on = both(max_seq_len=48)
     for opts in (dict(temperature=0), dict(temperature=1.0, seed=11)):
-        assert on.text_completion(PROMPTS, **opts) == off.text_completion(PROMPTS, **opts)
+        tally.clear()
+        got = on.text_completion(PROMPTS, logprobs=True, **opts)
+        assert got == off.text_completion(PROMPTS, logprobs=True, **opts)
+        prompt_lens = [len(on.tokenizer.encode(p, bos=True, eos=False)) for p in PROMPTS]
+        assert any(n + len(g["tokens"]) == 48 for n, g in zip(prompt_lens, got)), "no request reached the end"
+        assert tally["accepted"] > 0, (opts, tally)
 
 
 def test_logits_processors_see_accepted_prefixes_in_order(tally):
@@ -249,7 +255,8 @@ def test_the_server_flag_and_metrics():
     from serve_util import Server
 
     off, _ = both()
-    s = Server(need(STORIES), "--max_seq_len", "256", "--max_batch_size", "4", "--speculative", "ngram")
+    s = Server(need(STORIES), "--max_seq_len", "256", "--max_batch_size", "4", "--speculative", "ngram",
+               env={"LLAMA_SPECULATIVE_TIMING": "prior"})  # drafts by the tokens alone, whatever the load
     try:
         for prompt, seed in ((PROMPTS[1], None), (PROMPTS[2], 3)):
             got = s.client().completions.create(model="stories260K", prompt=prompt, max_tokens=80, seed=seed,
@@ -260,12 +267,10 @@ def test_the_server_flag_and_metrics():
         text = httpx.get(s.url + "/metrics").text
     finally:
         s.close()
-    # How often the server drafts depends on step times it measures (llama/core/speculative.py), so on a loaded
-    # machine it may verify only a few times: that it verified, and that the counters are served, is what holds.
     metric = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
               if line.startswith("llama_speculative_") and not line.startswith("#")}
     assert metric.get("llama_speculative_verify_steps", 0) > 0, metric
-    assert 0 <= metric["llama_speculative_accepted_tokens"] <= metric["llama_speculative_drafted_tokens"], metric
+    assert 0 < metric["llama_speculative_accepted_tokens"] <= metric["llama_speculative_drafted_tokens"], metric
 
 
 # ---------------------------------------------------------------------------------------------- the speculator's limits
