@@ -176,7 +176,7 @@ def test_concurrent_engine_requests_equal_their_solo_text(on, off):
             for t in threads:
                 t.join()
         assert results == want, round
-    assert on.cache.pool.stats["cached_tokens"] - hits >= len(PROMPTS) * 16  # the warm round hit the SYSTEM blocks
+    assert on.cache.pool.stats["cached_tokens"] - hits >= len(PROMPTS) * 16  # the warm round hit SYSTEM's blocks
 
 
 def test_server_reports_cached_tokens_and_the_pool_and_answers_every_request(off):

@@ -3,7 +3,6 @@ block_pool.py): in a pool too small for every request, drafting requests that sh
 recomputed and reuse cached blocks, and each output is token for token the one without speculation or a cache;
 a rejected draft's positions are never published as a cache key."""
 
-import pytest
 from conftest import CPU_SPECULATION, STORIES, need
 from helpers import draft_tally
 
