@@ -25,7 +25,8 @@ FRAGMENT = 16  # characters of arguments per stream delta
 @dataclass
 class Tools:
     """A request's tools (OpenAI's shape), its choice ("auto", "none", "required" or a function's name) and
-    whether it allows several calls; family is set once the model's chat format is known."""
+    whether it allows several calls (never for a named function); family is set once the model's chat format is
+    known."""
 
     tools: List[Dict]
     choice: str = "auto"
@@ -68,8 +69,12 @@ def parse_request(body: Dict) -> Optional[Tools]:
         names.append(name)
     if parallel is not None and not isinstance(parallel, bool):
         raise bad("parallel_tool_calls", f"parallel_tool_calls must be true or false, got {parallel!r}")
+    choice = _choice(choice, names)
+    # A named function is called exactly once, whatever parallel_tool_calls says (as OpenAI and vLLM answer it):
+    # its grammar then ends after one call.
+    parallel = parallel is not False and choice in ("auto", "required", "none")
     return Tools(tools=[{"type": "function", "function": t["function"]} for t in tools],
-                 choice=_choice(choice, names), parallel=parallel is not False, seed=body.get("seed"))
+                 choice=choice, parallel=parallel, seed=body.get("seed"))
 
 
 def _choice(choice, names: List[str]) -> str:

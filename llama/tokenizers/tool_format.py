@@ -2,9 +2,11 @@
 prompt tokens, and how a reply's text becomes tool calls, one family at a time.
 
 Families (`family_of(formatter)`):
-  llama3_json  Meta's Llama 3.1: tools in the system prompt, calls as {"name": ..., "parameters": ...}, built-ins
-               (brave_search, wolfram_alpha, photogen, code_interpreter) after <|python_tag|>, results as ipython;
-               a Meta checkpoint renders as llama-models' ChatFormat(tool_prompt_format=json) does.
+  llama3_json  Meta's Llama 3.1: Environment: ipython, the built-ins and the date in the system prompt, custom
+               tools in a user message after it (llama-models' own prompt templates), calls as {"name": ...,
+               "parameters": ...}, built-ins (brave_search, wolfram_alpha, photogen, code_interpreter) after
+               <|python_tag|>, results as ipython; a Meta checkpoint renders as llama-models'
+               ChatFormat(tool_prompt_format=json) does.
   pythonic     Meta's Llama 3.2/3.3: calls as a Python list [f(a=1), g(b="x")] (tool_prompt_format=python_list).
   hermes       <tool_call>{"name": ..., "arguments": ...}</tool_call> (Hermes, Qwen 2.5), the template's own text.
   mistral      [TOOL_CALLS][{"name": ..., "arguments": ...}], 9-character call ids.
@@ -19,6 +21,7 @@ import this module).
 import ast
 import json
 import re
+from datetime import datetime
 from typing import Dict, List, Optional, Sequence, Tuple
 
 BUILTINS = ("brave_search", "wolfram_alpha", "photogen", "code_interpreter")
@@ -34,10 +37,14 @@ GENERIC_PROMPT = (
     "tool's \"name\" and its \"arguments\", for example:\n<tool_call>\n{{\"name\": \"tool_name\", \"arguments\": "
     "{{\"argument\": \"value\"}}}}\n</tool_call>\nEach result comes back in a <tool_response></tool_response> "
     "block. When no tool is needed, answer directly.")
-LLAMA31_PROMPT = (
-    "You have access to the following functions. To call a function, please respond with JSON for a function call."
-    'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.'
-    "Do not use variables.\n\n")
+# Llama 3.1's tool prompt as llama-models' own templates write it: llama3/prompt_templates/system_prompts.py
+# (SystemDefaultGenerator, BuiltinToolGenerator, JsonCustomToolGenerator) joined by llama3/api/interface.py's
+# LLama31Interface.system_messages. llama-models moved them to llama-stack (models/llama/llama3/prompt_templates);
+# 0.3.0 ships what they wrote, llama_models/llama3_1/prompt_format.md, which the tests compare with.
+LLAMA31_DATE = "Cutting Knowledge Date: December 2023\nToday Date: {today}"
+LLAMA31_TOOLS = ("Answer the user's question by making use of the following functions if needed.\n"
+                 "If none of the function can be used, please say so.\nHere is a list of functions in JSON format:\n")
+LLAMA31_TOOLS_END = "\nReturn function calls in JSON format."
 LLAMA32_PROMPT = (
     "You are an expert in composing functions. You are given a question and a set of possible functions.\n"
     "Based on the question, you will need to make one or more function/tool calls to achieve the purpose.\n"
@@ -52,9 +59,10 @@ class ToolDialog(list):
     """Messages plus the tools offered (OpenAI's [{"type": "function", "function": {...}}]) and the family whose
     syntax renders them. Messages may carry tool_calls ([{"id", "name", "arguments": dict}]) and tool_call_id."""
 
-    def __init__(self, messages, tools: Sequence[Dict], family: str):
+    def __init__(self, messages, tools: Sequence[Dict], family: str, today: Optional[str] = None):
+        """today: the date Llama 3.1's system prompt states ("21 September 2024"); None: the day it is rendered."""
         super().__init__(messages)
-        self.tools, self.family = list(tools), family
+        self.tools, self.family, self.today = list(tools), family, today
 
     def validate_with(self, fmt, index: int = 0) -> None:
         from llama.tokenizers.chat_format import validate_messages  # same layer; chat_format never imports us
@@ -141,34 +149,64 @@ def _py(value) -> str:
     raise ValueError(f"a tool call argument of type {type(value).__name__} cannot be written as a Python literal")
 
 
-def meta_system_text(family: str, tools: Sequence[Dict], system: Optional[str]) -> str:
+def meta_system_text(family: str, tools: Sequence[Dict], system: Optional[str], today: Optional[str] = None) -> str:
+    """The system message of a Meta Llama 3 tool dialog. 3.1: as LLama31Interface.system_messages writes it
+    (code_interpreter needs no Tools line: Environment: ipython turns it on); today: "%d %B %Y", None for now."""
     fns = functions(tools)
-    custom = [f for f in fns if f["name"] not in BUILTINS]
-    builtin = [f["name"] for f in fns if f["name"] in BUILTINS]
     if family == "pythonic":
-        text = LLAMA32_PROMPT + json.dumps(custom, indent=4)
+        text = LLAMA32_PROMPT + json.dumps([f for f in fns if f["name"] not in BUILTINS], indent=4)
         return text + ("\n\n" + system if system else "")
-    text = "Environment: ipython\n"
-    shown = [b for b in builtin if b != "code_interpreter"]
-    if shown:
-        text += "Tools: " + ", ".join(shown) + "\n\n"
-    if custom:
-        text += LLAMA31_PROMPT + "".join(json.dumps({"type": "function", "function": f}, indent=4) + "\n\n"
-                                         for f in custom)
-    return text + (system or "")
+    text = ""
+    if fns:
+        shown = [f["name"] for f in fns if f["name"] in BUILTINS and f["name"] != "code_interpreter"]
+        text = "Environment: ipython\n" + ("Tools: " + ", ".join(shown) if shown else "") + "\n"
+    text += LLAMA31_DATE.format(today=today or datetime.now().strftime("%d %B %Y"))
+    return text + ("\n\n" + system if system else "") + "\n"
+
+
+def meta_tools_message(family: str, tools: Sequence[Dict]) -> Optional[str]:
+    """Llama 3.1's custom tools, the user message llama-models puts after the system message
+    (JsonCustomToolGenerator), or None. Deliberately unlike it: that template takes llama-models'
+    ToolParamDefinition and lists each parameter as {"name": {"type": "object", "description": ...}}, dropping
+    its type; an OpenAI tool's parameters are a JSON schema, written here as given (the model then sees the
+    types, enums and nesting its grammar enforces). Text is JSON-escaped where the template pastes it raw."""
+    custom = [f for f in functions(tools) if f["name"] not in BUILTINS]
+    if family != "llama3_json" or not custom:
+        return None
+    listed = [{"type": "function", "function": {k: f[k] for k in ("name", "description", "parameters") if k in f}}
+              for f in custom]
+    return LLAMA31_TOOLS + "".join(_meta_json(t) + "\n" for t in listed) + LLAMA31_TOOLS_END
+
+
+def _meta_json(value, depth: int = 0) -> str:
+    """JSON in the layout JsonCustomToolGenerator writes by hand: 4-space indents, a list of plain values on one
+    line ("required": ["n"]), non-ASCII text as is."""
+    pad = "    " * (depth + 1)
+    if isinstance(value, dict) and value:
+        items = [f"{pad}{json.dumps(k, ensure_ascii=False)}: {_meta_json(v, depth + 1)}" for k, v in value.items()]
+    elif isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value):
+        items = [pad + _meta_json(v, depth + 1) for v in value]
+    else:
+        return json.dumps(value, ensure_ascii=False)
+    opening, closing = "{}" if isinstance(value, dict) else "[]"
+    return opening + "\n" + ",\n".join(items) + "\n" + "    " * depth + closing
 
 
 def meta_llama3_tokens(fmt, dialog: ToolDialog, family: str) -> List[int]:
     """As llama-models' ChatFormat.encode_dialog_prompt: an assistant message's calls after its content
     (<|python_tag|> first when the first is code_interpreter, <|eom_id|> when its calls are built-ins), tool
-    results under the ipython header; the tool definitions lead the system message."""
+    results under the ipython header; the tool definitions lead the dialog (meta_system_text, meta_tools_message)."""
     special, tok = fmt.special, fmt.tokenizer
     messages = list(dialog)
     system = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
     if system is not None:
         messages = messages[1:]
     tokens = [special["<|begin_of_text|>"]]
-    tokens += fmt.encode_message({"role": "system", "content": meta_system_text(family, dialog.tools, system)})
+    tokens += fmt.encode_message({"role": "system",
+                                  "content": meta_system_text(family, dialog.tools, system, dialog.today)})
+    listed = meta_tools_message(family, dialog.tools)
+    if listed:
+        tokens += fmt.encode_message({"role": "user", "content": listed})
     for m in messages:
         calls = m.get("tool_calls") or []
         if m["role"] != "assistant" or not calls:

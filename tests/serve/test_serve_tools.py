@@ -111,6 +111,28 @@ def test_round_trip_forced(server, choice):
     assert final.choices[0].finish_reason in ("stop", "length")
 
 
+MANY = ["What is the weather in Paris, London and Rome for the next 3 days?",
+        "Weather for Tokyo, Berlin, Madrid and Oslo this week, one call per city please.",
+        "I need the forecast for Paris and for London, and the local time in Rome."]
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("ask", MANY)
+def test_named_choice_returns_exactly_one_call(server, ask, seed):
+    """A named tool_choice is one call of that function (as OpenAI and vLLM answer it), with parallel_tool_calls
+    left at its default: prompts that ask for several calls still get one, plain and streamed."""
+    client = server.client()
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": ask}], tools=TOOLS, seed=seed, max_tokens=200,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    r = client.chat.completions.create(**kw)
+    calls = r.choices[0].message.tool_calls or []
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert [c.function.name for c in calls] == ["get_weather"], as_dicts(calls)
+    valid(calls[0])
+    content, streamed, finish = reassemble(client.chat.completions.create(stream=True, **kw))
+    assert finish == "tool_calls" and not content and streamed == as_dicts(calls)
+
+
 def test_parallel_calls_are_each_valid(server):
     client = server.client()
     r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,

@@ -1,26 +1,19 @@
 """Tool dialogs rendered token for token as the references render them: Meta's llama-models ChatFormat for Llama 3
-(JSON calls and built-ins for 3.1, the pythonic list for 3.2), and transformers' apply_chat_template(tools=...)
-for real models' Hugging Face templates (llama.cpp's models/templates/, tests/peers.py); and replies parsed back into calls."""
+(JSON calls and built-ins for 3.1, the pythonic list for 3.2), with the tool prompts' text as llama-models' own
+templates wrote it in its prompt-format documents, and transformers' apply_chat_template(tools=...) for real
+models' Hugging Face templates (llama.cpp's models/templates/, unpacked by tests/peers.py); and replies parsed
+back into calls."""
 
 import json
+import re
 from pathlib import Path
 
 import peers
 import pytest
 from conftest import SHARED
 
-from llama.tokenizers.chat_format import (
-    Llama3ChatFormat,
-    TemplateChatFormat,
-    template_environment,
-)
-from llama.tokenizers.tool_format import (
-    ToolDialog,
-    call_text,
-    family_of,
-    meta_system_text,
-    parse,
-)
+from llama.tokenizers.chat_format import Llama3ChatFormat, TemplateChatFormat, template_environment
+from llama.tokenizers.tool_format import ToolDialog, call_text, family_of, meta_system_text, meta_tools_message, parse
 
 GGUF = SHARED / "models/smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 WEATHER = {"type": "function", "function": {
@@ -30,6 +23,11 @@ WEATHER = {"type": "function", "function": {
 SEARCH = {"type": "function", "function": {"name": "brave_search", "description": "Web search",
                                            "parameters": {"type": "object",
                                                           "properties": {"query": {"type": "string"}}}}}
+
+DOC_DATE = "21 September 2024"  # the day llama-models generated its prompt-format document
+DOC_SYSTEM = "You are a helpful assistant."  # its examples' instruction (template_data.INSTRUCTION)
+# The built-ins of its "Builtin Tool Calling" example (BuiltinToolGenerator.data_examples()[0])
+DOC_BUILTINS = ("code_interpreter", "brave_search", "wolfram_alpha")
 
 
 def meta():
@@ -76,7 +74,7 @@ def test_meta_llama3_tool_dialog_equals_llama_models(family):
         {"role": "ipython", "content": "4", "tool_call_id": "c"},
         {"role": "user", "content": "Done?"}]
     tools = [WEATHER, SEARCH]
-    ours = fmt.encode_dialog_prompt(ToolDialog(msgs, tools, family))
+    ours = fmt.encode_dialog_prompt(ToolDialog(msgs, tools, family, today=DOC_DATE))
 
     def raw(m):
         calls = [ToolCall(call_id=c["id"], tool_name=BuiltinTool[c["name"]] if c["name"] in BuiltinTool.__members__
@@ -86,9 +84,11 @@ def test_meta_llama3_tool_dialog_equals_llama_models(family):
         return RawMessage(role=role, content=m["content"], tool_calls=calls,
                           stop_reason=StopReason.end_of_message if builtin else None)
 
-    system = RawMessage(role="system", content=meta_system_text(family, tools, msgs[0]["content"]))
+    lead = [RawMessage(role="system", content=meta_system_text(family, tools, msgs[0]["content"], DOC_DATE))]
+    listed = meta_tools_message(family, tools)  # its text: test_llama31_tool_prompt_equals_llama_models_own_text
+    lead += [RawMessage(role="user", content=listed)] if listed else []
     style = ToolPromptFormat.json if family == "llama3_json" else ToolPromptFormat.python_list
-    expected = ref.encode_dialog_prompt([system] + [raw(m) for m in msgs[1:]], style).tokens
+    expected = ref.encode_dialog_prompt(lead + [raw(m) for m in msgs[1:]], style).tokens
     assert ours == expected
     text = ours_tok.decode(ours)
     assert "<|python_tag|>print(2 + 2)<|eom_id|>" in text and "brave_search.call(query=\"Oslo weather\")<|eom_id|>" in text
@@ -106,6 +106,71 @@ def test_llama32_system_prompt_equals_llama_models_doc():
     expected = doc[start:doc.index("<|eot_id|>", start)]
     fn = json.loads(expected[expected.index("\n["):])[0]
     assert meta_system_text("pythonic", [{"type": "function", "function": fn}], None) == expected
+
+
+# ------------------------------------------------------------------------------------------------ Meta's own text
+def meta_doc(section: str):
+    """(prompt, reply) of an example in llama-models' Llama 3.1 prompt-format document, which llama-models wrote
+    with its own prompt templates (llama3/prompt_templates: SystemDefaultGenerator, BuiltinToolGenerator,
+    JsonCustomToolGenerator, joined by LLama31Interface.system_messages); 0.3.0 ships the document, the templates
+    moved to llama-stack."""
+    llama_models = pytest.importorskip("llama_models")
+    doc = (Path(llama_models.__file__).parent / "llama3_1" / "prompt_format.md").read_text()
+    return tuple(re.findall(r"```\n(.*?)\n```", doc[doc.index(f"## {section}\n"):], re.S)[:2])
+
+
+def doc_turns(prompt: str):
+    """[(role, content)] of a document's prompt, which must be exactly those turns and the assistant header."""
+    turns = re.findall(r"<\|start_header_id\|>(\w+)<\|end_header_id\|>\n\n(.*?)<\|eot_id\|>", prompt, re.S)
+    head = "<|start_header_id|>{}<|end_header_id|>\n\n"
+    assert prompt == ("<|begin_of_text|>" + "".join(head.format(r) + c + "<|eot_id|>" for r, c in turns)
+                      + head.format("assistant"))
+    return turns
+
+
+def listed_functions(text: str):
+    """The function objects a JsonCustomToolGenerator message lists."""
+    body = text[text.index("JSON format:\n") + len("JSON format:\n"):text.rindex("Return function calls")].strip()
+    decoder, pos, out = json.JSONDecoder(), 0, []
+    while pos < len(body):
+        obj, pos = decoder.raw_decode(body, pos)
+        out.append(obj["function"])
+        pos += len(body[pos:]) - len(body[pos:].lstrip())
+    return out
+
+
+@pytest.mark.parametrize("section, calls", [
+    ("JSON based tool calling", [("trending_songs", {"n": "10", "genre": "all"})]),
+    ("Builtin Tool Calling", [("brave_search", {"query": "latest price of 1oz gold"})]),
+])
+def test_llama31_tool_prompt_equals_llama_models_own_text(section, calls):
+    """Meta's 3.1 tool prompt as llama-models' own templates wrote it (the date lines, Environment: ipython, the
+    built-ins' Tools line, custom tools in a user message after the system message, in Meta's JSON layout), text
+    and tokens (llama-models' ChatFormat); the reply the document shows parses to its call. The custom tool is
+    the one the document lists (its parameters in llama-models' own shape, which we write as given)."""
+    from llama_models.datatypes import RawMessage
+
+    prompt, reply = meta_doc(section)
+    turns = doc_turns(prompt)
+    ours_tok, ref = meta()
+    expected = ref.encode_dialog_prompt([RawMessage(role=r, content=c) for r, c in turns]).tokens
+    assert ours_tok.decode(expected) == prompt
+    custom = [c for r, c in turns[1:-1] if r == "user"]
+    fns = listed_functions(custom[0]) if custom else [{"name": n} for n in DOC_BUILTINS]
+    msgs = [{"role": "system", "content": DOC_SYSTEM}, {"role": "user", "content": turns[-1][1]}]
+    dialog = ToolDialog(msgs, [{"type": "function", "function": f} for f in fns], "llama3_json", today=DOC_DATE)
+    ours = Llama3ChatFormat(ours_tok, tool_style="llama3_json").encode_dialog_prompt(dialog)
+    assert ours_tok.decode(ours) == prompt
+    assert ours == expected
+    assert reply.endswith("<|eom_id|>") and parse("llama3_json", reply[:-len("<|eom_id|>")]) == (None, calls)
+
+
+def test_llama31_tools_message_keeps_the_schema():
+    """Where we differ from llama-models on purpose: a tool's parameters are its JSON schema as given (types,
+    nesting, text), not JsonCustomToolGenerator's list of {"name": {"type": "object"}}; its layout stays."""
+    text = meta_tools_message("llama3_json", [WEATHER, SEARCH])
+    assert listed_functions(text) == [WEATHER["function"]]  # the built-in is in the system message's Tools line
+    assert '"required": ["city"]' in text and "é" in text and meta_tools_message("pythonic", [WEATHER]) is None
 
 
 # ------------------------------------------------------------------------------------------------ templates
