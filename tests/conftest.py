@@ -87,7 +87,7 @@ SLOW_FIRST = (
     "quantization/test_gguf_blocks.py", "formats/test_fetch.py", "tokenizers/test_pretokenizers.py",
     "quantization/test_int4.py", "formats/test_gguf_blocks_real.py", "serve/test_serve_tools.py", "cli/test_chat.py",
     "distributed/test_pipeline.py", "quantization/test_int8.py", "test_families.py", "test_llama3.py",
-    "distributed/test_pipeline_nodes.py",
+    "distributed/test_pipeline_nodes.py", "tokenizers/test_tool_vocab.py",
 )
 
 

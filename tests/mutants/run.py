@@ -26,6 +26,7 @@ CASES = {
     "resume_without_output": [
         "tests/core/test_prefix_cache.py::test_server_reports_cached_tokens_and_the_pool_and_answers_every_request",
         "tests/core/test_speculative_paging.py"],
+    "named_choice_parallel": ["tests/serve/test_serve_tools.py::test_named_choice_returns_exactly_one_call"],
 }
 
 

@@ -52,8 +52,23 @@ def _resume_without_output():
     request.Request.context = property(lambda self: self.prompt)
 
 
+def _named_choice_parallel():
+    """A named tool_choice allows several calls unless parallel_tool_calls is false (the old behaviour)."""
+    from llama.serve import tools
+
+    parse_request = tools.parse_request
+
+    def parse(body):
+        t = parse_request(body)
+        if t is not None and t.choice not in ("auto", "none", "required"):
+            t.parallel = body.get("parallel_tool_calls") is not False
+        return t
+
+    tools.parse_request = parse
+
+
 MUTANTS = {"no_drafts": _no_drafts, "no_prefix_hits": _no_prefix_hits, "publish_rejected": _publish_rejected,
-           "resume_without_output": _resume_without_output}
+           "resume_without_output": _resume_without_output, "named_choice_parallel": _named_choice_parallel}
 
 if MUTANT:
     MUTANTS[MUTANT]()
