@@ -210,7 +210,6 @@ def two_ranks(stories_dir, tmp_path):
     The script gets argv: checkpoint dir, tokenizer, goldens path, output prefix, then `extra`; each rank writes
     json to f"{prefix}.{RANK}.json". Returns the two ranks' json.
     """
-    import os
     import subprocess
     import sys
 

@@ -14,7 +14,6 @@ from conftest import error_lines, rank_env
 from families import hf_greedy, sentencepiece_model, sequence, write_hf
 
 from llama import Llama
-from llama.kernels import cpu as cpu_kernels
 from llama.kernels import fused_decode
 
 pytest.importorskip("transformers")

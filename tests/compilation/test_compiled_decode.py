@@ -202,7 +202,6 @@ def test_compiled_step_reads_the_models_own_float_weights(dtype):
     in-place change to a weight after compiling shows in the next compiled step."""
     from test_model import random_model
 
-    from llama.kernels import cpu as cpu_kernels
 
     hardware.require_kernels()
     model = random_model(dtype=dtype, multiple_of=32)
@@ -244,7 +243,8 @@ def test_large_fp32_batches_stay_eager(kernels, monkeypatch):
 
     if not kernels:
         monkeypatch.setattr(cpu_kernels, "available", lambda: False)
-    elhardware.require_kernels()
+    else:
+        hardware.require_kernels()
     model = random_model(max_batch=32, multiple_of=32)
     step = CompiledDecode(model, "auto")  # fp32: max-autotune on frozen weights, or our kernels
     assert step.mode == ("default" if kernels else "max-autotune")

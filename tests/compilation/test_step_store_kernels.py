@@ -16,7 +16,6 @@ from test_step_store import build, run_load
 
 from llama.compilation import step_store as compile_cache
 from llama.compilation.compiled_decode import CompiledDecode
-from llama.kernels import cpu as cpu_kernels
 
 pytestmark = [
     pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),

@@ -19,7 +19,6 @@ import torch
 from conftest import SHARED, STORIES, need, rank_env
 from gguf_blocks_data import Q4_K_M, write_block_gguf
 
-from llama.kernels import cpu as cpu_kernels
 
 pytestmark = hardware.KERNELS
 

@@ -13,7 +13,6 @@ from conftest import SHARED, need
 
 from llama import Llama
 from llama.formats import gguf_quants
-from llama.kernels import cpu as cpu_kernels
 
 Q4_1 = SHARED / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 GOLDENS = SHARED / "goldens" / "smollm2_greedy.json"

@@ -3,7 +3,6 @@ rows dequantize bit-exactly, products equal (gguf's dequantized weights) x (our 
 and a row's result does not depend on the batch it is in."""
 
 import hardware
-import numpy as np
 import pytest
 import torch
 from gguf_blocks_data import (

@@ -8,7 +8,6 @@ import pytest
 import torch
 from helpers import assert_rows_batch_invariant, block_quantized
 
-from llama.kernels import cpu as cpu_kernels
 from llama.quantization.int4 import dequantize_codes
 
 pytestmark = hardware.KERNELS

@@ -9,7 +9,6 @@ import pytest
 import torch
 from helpers import assert_rows_batch_invariant, block_quantized
 
-from llama.kernels import cpu as cpu_kernels
 
 pytestmark = hardware.KERNELS
 

@@ -15,7 +15,6 @@ from gguf_blocks_data import Q4_K_M, dequantized, reference_product, write_block
 
 from llama import Llama
 from llama.formats import gguf_quants
-from llama.kernels import cpu as cpu_kernels
 from llama.quantization import gguf_blocks
 
 pytestmark = hardware.KERNELS

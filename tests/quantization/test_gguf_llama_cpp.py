@@ -11,7 +11,6 @@ import pytest
 import torch
 from conftest import SHARED, need
 
-from llama.kernels import cpu as cpu_kernels
 
 pytestmark = hardware.KERNELS
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")

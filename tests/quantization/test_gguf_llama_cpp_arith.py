@@ -14,7 +14,6 @@ import torch
 from conftest import need
 from test_gguf_llama_cpp import SMOLLM, TOKENS, GGMLTensor, requantized
 
-from llama.kernels import cpu as cpu_kernels
 
 pytestmark = hardware.KERNELS
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
