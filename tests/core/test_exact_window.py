@@ -101,7 +101,7 @@ def fake(device="cpu", dtype=torch.float32, head_dim=64):
 
 
 @pytest.mark.parametrize("model,message", [
-    (fake(device="meta"), r"hardware: prefix_cache='exact' runs on the CPU only, got a model on meta"),
+    (fake(device="meta"), r"prefix_cache='exact' runs on the CPU only, got a model on meta"),
     (fake(dtype=torch.float16), r"fp32 or bf16 activations, got torch.float16"),
     (fake(head_dim=12), r"head_dim a multiple of 8, got 12"),
 ])
