@@ -23,6 +23,8 @@ MEASUREMENTS = {
     "paired-llamacpp": ("paired", "batch-1 decode or prefill against llama.cpp in one process, alternating blocks: "
                                   "ratios the machine's drift cancels"),
     "first-token": ("first_token", "time to the first token from a fresh process, weights preloaded or mapped"),
+    "compile-gguf": ("compile_gguf", "decode of one GGUF file eager against compile=True, fresh processes "
+                                     "alternating: whether compile=\"auto\" should compile GGUF-block models"),
     "first-run": ("first_run", "a newcomer's first `python example_chat_completion.py` from a fresh $LLAMA_CACHE: "
                                "model fetch, kernels, compile=\"auto\" and three answers, timed end to end"),
     "compile-auto": ("bench_compile_auto", "total time of a generation, compile included, for compile=False, "

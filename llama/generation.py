@@ -140,8 +140,8 @@ class Llama:
         A configuration whose weights and KV cache would not fit in available memory (or LLAMA_MEMORY_LIMIT
         bytes) is refused before loading, naming what would fit (llama/formats/memory.py).
         compile="auto" (default): on CPU, models of 50M+ parameters compile their one-token decode step once eager
-        decoding has cost what compiling would, so short runs never wait and long ones end up compiled; True
-        compiles on first use; "max-autotune"/"default" pick Inductor's mode; False never compiles (llama/compilation/compiled_decode.py).
+        decoding has cost what compiling would (a GGUF file's small batches stay eager: no gain); True compiles on
+        first use; "max-autotune"/"default" pick Inductor's mode; False never compiles (llama/compilation/compiled_decode.py).
         rope_scaling_factor: Llama 3.1 rotary scaling with this factor (32 for Llama 3.2 1B/3B, whose params.json
         cannot say so).
         pipeline_parallel_size: P > 1 splits the layers into P stages under torchrun, each tensor-parallel over

@@ -32,6 +32,9 @@ class LinearMethod:
     quantized = False
     concatenates = True  # fusing may concatenate layers' tensors along the output rows (fuse_columns)
     splits_state = True  # state_dict() may cut a fused layer's tensors back into Meta's layers
+    # compile="auto" keeps small batches' decode steps eager for a model of such layers at any size: its eager step
+    # is already one call into our kernels, which a compiled graph only wraps (llama/compilation/compiled_decode.py)
+    eager_decode = False
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T with the layer's local weight."""

@@ -267,13 +267,14 @@ def auto_mode(model) -> str:
 def eager_batches(model) -> int:
     """Batch sizes up to which compile="auto" leaves decoding eager: on CPU, when every product, attention and
     RMSNorm of a decode step run in our kernels (llama/kernels/cpu.py), for models of EAGER_KERNEL_MIN_BYTES or
-    more; 0 otherwise (PyTorch's kernels, other devices, smaller models: the lazy rule decides)."""
+    more, or of GGUF blocks at any size (LinearMethod.eager_decode); 0 otherwise (PyTorch's kernels, other
+    devices, smaller float models: the lazy rule decides)."""
     if (model.norm.weight.device.type != "cpu" or model.norm.weight.dtype not in (torch.float32, torch.bfloat16)
             or model.params.head_dim % 8 or not cpu_kernels.available()):
         return 0
     if not kernel_model(model):
         return 0  # a layer in PyTorch's kernels (oneDNN's int8, aten's int4 layout, int8 weight-only, a strided view)
-    if weight_bytes(model) < EAGER_KERNEL_MIN_BYTES:
+    if weight_bytes(model) < EAGER_KERNEL_MIN_BYTES and not all(m.method.eager_decode for m in linear_layers(model)):
         return 0
     fp32 = not quantized(model) and model.norm.weight.dtype == torch.float32
     return FP32_KERNEL_MAX_ROWS if fp32 else EAGER_KERNEL_MAX_BATCH

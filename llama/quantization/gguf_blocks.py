@@ -39,6 +39,9 @@ class GGUFBlocks(LinearMethod):
     qtype = -1
     layout = -1  # the id our kernels take: qtype, or cpu_kernels.Q4_K_X8
     activations = "float"  # "float": fp32 activations (gguf_linear_float); "int8": llama.cpp's int8 blocks
+    # SmolLM2's Q4_1 decodes no faster compiled (0.98x eager, `python -m benchmarks compile-gguf`, docs/performance.md
+    # "First run"), and compiling mid-run cost a newcomer minutes on a busy machine
+    eager_decode = True
 
     def apply(self, layer, x):
         if self.activations == "int8":

@@ -167,6 +167,26 @@ def test_auto_leaves_batch_sizes_our_cpu_kernels_run_eager(monkeypatch):
     assert compilation.eager_batches(model) == 0
 
 
+def test_auto_keeps_the_default_gguf_model_eager_at_small_batches(monkeypatch):
+    """compile="auto" never compiles the default model's (SmolLM2's GGUF blocks, 135M parameters, far below
+    EAGER_KERNEL_MIN_BYTES) steps of up to EAGER_KERNEL_MAX_BATCH rows: its eager step is one call into our kernels,
+    so a first run never stops to compile."""
+    from conftest import SHARED
+
+    from llama import Llama
+
+    gguf = SHARED / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    hardware.require_kernels()
+    monkeypatch.setenv("LLAMA_GGML_ARITH", "0")
+    g = Llama.build(str(gguf), None, max_seq_len=64, max_batch_size=1, compile="auto")
+    step = g.runner.compiled
+    assert compilation.weight_bytes(g.model) < compilation.EAGER_KERNEL_MIN_BYTES
+    assert step is not None and step.eager_up_to == compilation.EAGER_KERNEL_MAX_BATCH
+    assert not step.ready(step.key(1, None))
+    g.generate([[1, 504, 3575, 282, 4649, 314]], max_gen_len=4, temperature=0)
+    assert not step.packages and not step.seen, (step.packages, step.seen)
+
+
 def test_a_batch_size_that_would_not_fit_in_memory_stays_eager(stories_dir, goldens, monkeypatch, capsys):
     monkeypatch.setattr(compilation, "memory_allows", lambda model: False)
     llama = build(stories_dir, compile=True)
