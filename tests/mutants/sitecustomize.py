@@ -21,6 +21,21 @@ def _no_prefix_hits():
     block_pool.BlockPool.lookup = lambda self, tokens, salt=b"", limit=None: []
 
 
+def _wrong_block():
+    """A cache hit's last block is swapped for another cached block: the hit is counted, the keys and values are
+    another prompt's."""
+    from llama.core import block_pool
+
+    lookup = block_pool.BlockPool.lookup
+
+    def wrong(self, tokens, salt=b"", limit=None):
+        blocks = lookup(self, tokens, salt, limit)
+        others = [b for b in self.key_of if b not in blocks]
+        return blocks[:-1] + [others[0]] if blocks and others else blocks
+
+    block_pool.BlockPool.lookup = wrong
+
+
 def _publish_rejected():
     """When a draft is rejected, its blocks are keyed with the whole draft as fed to the verify pass, as if it had
     been accepted (the keys and values under the key are the draft's: only the tokens keyed are wrong)."""
@@ -68,7 +83,8 @@ def _named_choice_parallel():
 
 
 MUTANTS = {"no_drafts": _no_drafts, "no_prefix_hits": _no_prefix_hits, "publish_rejected": _publish_rejected,
-           "resume_without_output": _resume_without_output, "named_choice_parallel": _named_choice_parallel}
+           "resume_without_output": _resume_without_output, "named_choice_parallel": _named_choice_parallel,
+           "wrong_block": _wrong_block}
 
 if MUTANT:
     MUTANTS[MUTANT]()
