@@ -68,14 +68,6 @@ def cmake_args(flags: set) -> str:
     return " ".join(args)
 
 
-def _cpu_flags() -> set:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        return set()
-
-
 def fetch() -> Path:
     """Download the sdist with pip (a registry download) and unpack it whole into PEERS."""
     if (sdist_root() / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py").is_file():
@@ -104,7 +96,9 @@ def build() -> None:
     if installed_version() == VERSION:
         print(f"llama-cpp-python {VERSION} is installed already")
         return
-    env = {**os.environ, "CMAKE_ARGS": cmake_args(_cpu_flags()), "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count())}
+    from llama.kernels.cpu import cpu_flags  # the package is installed before the peers
+
+    env = {**os.environ, "CMAKE_ARGS": cmake_args(cpu_flags()), "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count())}
     print(f"building llama-cpp-python {VERSION} from source with CMAKE_ARGS={env['CMAKE_ARGS']!r}", flush=True)
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", str(sdist_root())], env=env, check=True)
 

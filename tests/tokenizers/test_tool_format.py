@@ -51,6 +51,18 @@ def dialog(calls_per_turn=1, ids=("call_a", "call_b")):
     return msgs + [{"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "Thanks. And tomorrow?"}]
 
 
+def builtin_turns(search_result: str = "rain") -> list:
+    """A built-in search and a code_interpreter call with their results, then the user's next turn."""
+    return [
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "s", "name": "brave_search",
+                                                             "arguments": {"query": "Oslo weather"}}]},
+        {"role": "tool", "content": search_result, "tool_call_id": "s"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "name": "code_interpreter",
+                                                             "arguments": {"code": "print(2 + 2)"}}]},
+        {"role": "ipython", "content": "4", "tool_call_id": "c"},
+        {"role": "user", "content": "Done?"}]
+
+
 @pytest.mark.parametrize("family", ["llama3_json", "pythonic"])
 def test_meta_llama3_tool_dialog_equals_llama_models(family):
     pytest.importorskip("llama_models")
@@ -65,14 +77,7 @@ def test_meta_llama3_tool_dialog_equals_llama_models(family):
     ours_tok, ref = meta()
     fmt = Llama3ChatFormat(ours_tok, tool_style=family)
     assert family_of(fmt) == family
-    msgs = dialog() + [
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "s", "name": "brave_search",
-                                                             "arguments": {"query": "Oslo weather"}}]},
-        {"role": "tool", "content": "rain", "tool_call_id": "s"},
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "name": "code_interpreter",
-                                                             "arguments": {"code": "print(2 + 2)"}}]},
-        {"role": "ipython", "content": "4", "tool_call_id": "c"},
-        {"role": "user", "content": "Done?"}]
+    msgs = dialog() + builtin_turns()
     tools = [WEATHER, SEARCH]
     ours = fmt.encode_dialog_prompt(ToolDialog(msgs, tools, family, today=DOC_DATE))
 

@@ -12,7 +12,7 @@ import warnings
 import peers
 import pytest
 from conftest import SHARED, need
-from test_tool_format import CALL, SEARCH, WEATHER, dialog, openai_messages
+from test_tool_format import CALL, SEARCH, WEATHER, builtin_turns, dialog, openai_messages
 
 from llama.core.textstream import TextStream
 from llama.sample.tool_grammar import calls_lark, special_ids
@@ -37,14 +37,7 @@ def llama3():
 def tool_dialog():
     """test_tool_format's dialog plus a built-in search and a code_interpreter call; a tool result spells
     <|eot_id|> as text, which must stay text."""
-    return dialog() + [
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "s", "name": "brave_search",
-                                                             "arguments": {"query": "Oslo weather"}}]},
-        {"role": "tool", "content": "rain (the page ends in <|eot_id|>)", "tool_call_id": "s"},
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "name": "code_interpreter",
-                                                             "arguments": {"code": "print(2 + 2)"}}]},
-        {"role": "ipython", "content": "4", "tool_call_id": "c"},
-        {"role": "user", "content": "Done?"}]
+    return dialog() + builtin_turns("rain (the page ends in <|eot_id|>)")
 
 
 def contains(ids, part) -> bool:
