@@ -131,6 +131,7 @@ def weight_gb(model) -> float:
 def run_llama(cfg: dict) -> dict:
     from llama import Llama
     from llama.compilation.compiled_decode import compile_decode
+    from llama.config import memory_config
     from llama.distributed import parallel
     from llama.model import Transformer
     from llama.quantization.schemes import cast_floating, quantize
@@ -153,7 +154,8 @@ def run_llama(cfg: dict) -> dict:
     x = torch.tensor([prompt], device=device)
     out = {}
     for b in cfg["batch"]:  # a generator (KV cache, compiled graph) sized for each batch, as a user would build it
-        llm = Llama(model, tokenizer, b, P + N, compile_decode(model, cfg["compile"]))
+        llm = Llama(model, tokenizer, compiled=compile_decode(model, cfg["compile"]),
+                    config=memory_config(model, b, P + N, compile=cfg["compile"]))
         if "prefill_tps" not in out:
             llm.model(x, 0)
             out["prefill_tps"] = P / min(sync_time(lambda: llm.model(x, 0)) for _ in range(cfg["repeat"]))

@@ -1,5 +1,6 @@
 """llama: Meta's Llama reference API, correct on every device, with serving features."""
 
+from llama.config import BuildArgs, LlamaConfig
 from llama.core.engine import Engine, EngineStopped
 from llama.core.params import SamplingParams
 from llama.core.prefix import Prefix
@@ -13,7 +14,7 @@ from llama.tokenizers.sentencepiece import Tokenizer
 
 __all__ = ["Llama", "ModelArgs", "Transformer", "Tokenizer", "ChatFormat", "Dialog", "Message", "SamplingParams",
            "Prefix", "ChatSession", "Engine", "EngineStopped", "Request", "BatchError", "CompletionPrediction",
-           "ChatPrediction", "Grammar"]
+           "ChatPrediction", "Grammar", "BuildArgs", "LlamaConfig"]
 
 
 def __getattr__(name: str):

@@ -4,11 +4,12 @@ Every method builds Requests (llama/core/inputs.py) and runs them through the on
 holding the KV cache (llama/core/kv_cache.py); the return shapes are the reference's.
 """
 
-import os
+import logging
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypedDict, Union
 
 import torch
 
+from llama.config import BuildArgs, LlamaConfig, memory_config
 from llama.core.decode_core import DecodeCore
 from llama.core.draft_model import DraftModel
 from llama.core.engine import Engine
@@ -19,7 +20,6 @@ from llama.core.prefix import Prefix
 from llama.core.request import BatchError, Request
 from llama.core.runner import Execution, Runner
 from llama.core.session import ChatSession
-from llama.core.speculative import check_mode as check_speculative
 from llama.distributed import parallel, pipeline
 from llama.formats import loader
 from llama.sample.sampling import sample_top_p, token_logprobs
@@ -30,6 +30,8 @@ from llama.tokenizers.chat_format import (B_INST, B_SYS, E_INST, E_SYS, SPECIAL_
 from llama.tokenizers.text import check_text
 
 # Meta's names in its llama.generation (Llama 2's and Llama 3's repositories), for code written against them.
+log = logging.getLogger("llama")
+
 __all__ = ["Llama", "CompletionPrediction", "ChatPrediction", "sample_top_p", "Role", "Message", "Dialog", "B_INST",
            "E_INST", "B_SYS", "E_SYS", "SPECIAL_TAGS", "UNSAFE_ERROR", "Tokenizer", "ChatFormat"]
 
@@ -54,79 +56,28 @@ def execution_for(model) -> Execution:
     return Execution(lockstep=parallel.lockstep_group())
 
 
-def _draft_mode(draft_model, speculative, model_parallel_size, pipeline_parallel_size) -> Optional[str]:
-    """speculative as Llama.build takes it: "draft" where a draft model is given (which drafts in one process)."""
-    if draft_model is None:
-        return speculative
-    if model_parallel_size not in (None, 1) or pipeline_parallel_size != 1 or \
-            int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun's
-        raise ValueError(f"draft_model={draft_model!r} drafts in one process: run without model or pipeline parallel")
-    if check_speculative(speculative) not in (None, "draft"):
-        raise ValueError(f"speculative={speculative!r} and draft_model={draft_model!r} are two sources of drafts: "
-                         "give one (draft_model implies speculative='draft')")
-    return "draft"
-
-
-def _load_draft(draft_model, vocab: int, tokenizer_path, max_seq_len: int, max_batch_size: int,
-                **options) -> DraftModel:
-    """The draft model: on the model's device, in its dtype, eager, with a KV cache of its own; loaded with the
-    model's tokenizer (a draft shares it), or a GGUF draft's own when tokenizer_path is None."""
+def _load_draft(draft: BuildArgs, vocab: int) -> DraftModel:
+    """The draft model (BuildArgs.draft): on the model's device, in its dtype, eager, with a KV cache of its own."""
     try:
-        drafting = Llama.build(draft_model, tokenizer_path, max_seq_len, max_batch_size, compile=False,
-                               prefix_cache="off", **options)
+        drafting = Llama.from_config(draft.resolve())
     except ValueError as e:
-        raise ValueError(f"draft_model={draft_model!r}: {e}") from None
-    return DraftModel(drafting.runner, vocab, f"draft_model={draft_model!r}")
-
-
-def _speculation_compile(speculative, device, compile):
-    """compile as Llama.build takes it: "auto" means False under speculation (its eager-to-compiled switch is timed,
-    so drafts would move it); True or a mode verifies drafts through the compiled step. Refused off the CPU before
-    loading (Llama() refuses it too)."""
-    if check_speculative(speculative) is None:
-        return compile
-    where = torch.device(device) if device is not None else parallel.default_device()
-    if where.type != "cpu":
-        raise ValueError(f"speculative={speculative!r} runs on the CPU only: on {where.type} a verify pass "
-                         "does not give the one-token step's logits bit for bit, so drafts could change outputs")
-    return False if compile == "auto" else compile
-
-
-def exact_compiled(compile) -> str:
-    """Why prefix_cache="exact" and a compiled decode step are refused together."""
-    return (f"prefix_cache='exact' computes every position by the eager passes' row-invariant arithmetic, which a "
-            f"compiled decode step does not match bit for bit (compile={compile!r}): use compile=False with "
-            f"prefix_cache='exact', or prefix_cache='on' with compile")
+        raise ValueError(f"draft_model={draft.ckpt_dir!r}: {e}") from None
+    return DraftModel(drafting.runner, vocab, f"draft_model={draft.ckpt_dir!r}")
 
 
 class Llama:
     @staticmethod
-    def build(
-        ckpt_dir: str,
-        tokenizer_path: Optional[str],
-        max_seq_len: int,
-        max_batch_size: int,
-        model_parallel_size: Optional[int] = None,
-        seed: int = 1,
-        device: Optional[Union[str, torch.device]] = None,
-        dtype: Optional[Union[str, torch.dtype]] = None,
-        verify: bool = False,
-        compile: Union[bool, str, None] = "auto",
-        quantize: Optional[str] = None,
-        rope_scaling_factor: Optional[float] = None,
-        pipeline_parallel_size: int = 1,
-        group_size: Optional[int] = None,
-        preload: Optional[bool] = None,
-        kv_cache_memory: Union[int, str, None] = None,
-        prefix_cache: Union[bool, str] = "on",
-        kv_cache_dtype: Optional[str] = None,
-        tool_style: Optional[str] = None,
-        speculative: Optional[str] = None,
-        draft_model: Optional[str] = None,
-    ) -> "Llama":
-        """Load a checkpoint: a Meta-layout directory, or a GGUF file (or a directory holding one; its embedded
-        tokenizer and chat template are used unless tokenizer_path is given). Works in plain python and under
-        torchrun, on CPU or CUDA.
+    def build(ckpt_dir: str, tokenizer_path: Optional[str], max_seq_len: int, max_batch_size: int,
+              model_parallel_size: Optional[int] = None, seed: int = 1, **options) -> "Llama":
+        """Load a checkpoint: a Meta-layout directory, a Hugging Face directory, or a GGUF file (or a directory
+        holding one; its embedded tokenizer and chat template are used unless tokenizer_path is given). Works in
+        plain python and under torchrun, on CPU or CUDA.
+
+        Meta's arguments, then keyword options: device, dtype, verify, compile, quantize, group_size,
+        rope_scaling_factor, pipeline_parallel_size, preload, kv_cache_memory, prefix_cache, kv_cache_dtype,
+        tool_style, speculative, draft_model (llama.config.BuildArgs). They are checked and resolved once into a
+        LlamaConfig (llama/config/), readable afterwards as Llama.config; options that exclude each other are
+        refused before anything loads.
 
         quantize="int8": int8 weight-only linear layers (activations bf16 unless dtype says otherwise);
         "int8-dynamic" (CPU): int8 weights times int8 activations quantized on the fly, as llama.cpp's q8_0
@@ -165,61 +116,52 @@ class Llama:
         draft_model: a smaller checkpoint with the same tokenizer drafts (speculative="draft", implied; a seeded
         request's drafts with its own seeded draws), outputs as without it (llama/core/draft_model.py).
         """
-        speculative = _draft_mode(draft_model, speculative, model_parallel_size, pipeline_parallel_size)
-        compile = _speculation_compile(speculative, device, compile)
-        if prefix_cache == "exact" and compile not in ("auto", False, None):  # refused before loading
-            raise ValueError(exact_compiled(compile))
-        if prefix_cache == "exact" and compile == "auto":  # its row-invariant arithmetic is the eager passes'
-            compile = False
-        model, tokenizer, compiled = loader.load(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size,
-                                                 model_parallel_size, seed, device, dtype, verify, compile, quantize,
-                                                 rope_scaling_factor, pipeline_parallel_size=pipeline_parallel_size,
-                                                 group_size=group_size, preload=preload)
-        draft = None if draft_model is None else _load_draft(
-            draft_model, model.vocab_size, tokenizer_path, max_seq_len, max_batch_size, seed=seed, device=device,
-            dtype=dtype, preload=preload)
-        return Llama(model, tokenizer, max_batch_size, max_seq_len, compiled, kv_cache_memory=kv_cache_memory,
-                     prefix_cache=prefix_cache, kv_cache_dtype=kv_cache_dtype, tool_style=tool_style,
-                     speculative=speculative, draft=draft)
+        args = BuildArgs.of(ckpt_dir=ckpt_dir, tokenizer_path=tokenizer_path, max_seq_len=max_seq_len,
+                            max_batch_size=max_batch_size, model_parallel_size=model_parallel_size, seed=seed,
+                            **options)
+        config = args.resolve()
+        draft = None if args.draft_model is None else args.draft()
+        return Llama.from_config(config, draft)
 
-    def __init__(self, model, tokenizer, max_batch_size: Optional[int] = None, max_seq_len: Optional[int] = None,
-                 compiled=None, kv_cache_memory: Union[int, str, None] = None, prefix_cache: Union[bool, str] = "on",
-                 kv_cache_dtype: Optional[str] = None, tool_style: Optional[str] = None,
-                 speculative: Optional[str] = None, draft: Optional[DraftModel] = None):
-        """Meta's Llama(model, tokenizer) sizes the KV cache from model.params, as here when the sizes are None."""
-        max_batch_size = model.params.max_batch_size if max_batch_size is None else max_batch_size
-        max_seq_len = model.params.max_seq_len if max_seq_len is None else max_seq_len
+    @staticmethod
+    def from_config(config: LlamaConfig, draft: Optional[BuildArgs] = None) -> "Llama":
+        """A generator as a resolved configuration says (BuildArgs.resolve); draft: the draft model's options."""
+        if parallel.is_main_process():
+            log.info("llama config: %s", config.summary())
+        model, tokenizer, compiled = loader.load(config)
+        drafter = None if draft is None else _load_draft(draft, model.vocab_size)
+        return Llama(model, tokenizer, config=config, compiled=compiled, draft=drafter)
+
+    def __init__(self, model, tokenizer, *, config: Optional[LlamaConfig] = None, compiled=None,
+                 draft: Optional[DraftModel] = None):
+        """Meta's Llama(model, tokenizer) sizes the KV cache from model.params (memory_config); config: the
+        resolved configuration (Llama.build's, or llama.config.memory_config's for a model built by hand);
+        compiled: the model's compiled decode step, if config.compile asks for one; draft: the draft model."""
+        config = memory_config(model) if config is None else config
+        if compiled is not None and config.compile.eager:
+            raise ValueError("a compiled decode step was given with compile=False: pass the configuration that "
+                             "asked for it")
+        if (config.speculative.mode == "draft") != (draft is not None):
+            raise ValueError("speculative='draft' needs the draft model (draft=) and a draft needs it")
+        self.config = config
         self.model = model
         self.tokenizer = tokenizer
-        self.formatter = chat_format_for(tokenizer, model.params, tool_style)
-        self.cache = build_cache(model, max_batch_size, max_seq_len, kv_cache_memory, prefix_cache,
+        self.formatter = chat_format_for(tokenizer, model.params, config.tool_style)
+        self.cache = build_cache(model, config.scheduler, config.cache,
                                  place=(parallel.model_parallel_rank(), parallel.pipeline_parallel_rank()),
-                                 replicated=parallel.model_parallel_size() * parallel.pipeline_parallel_size() > 1,
-                                 kv_dtype=kv_cache_dtype)
-        if compiled is not None and self.cache.pool.mode == "exact":
-            raise ValueError(exact_compiled("a compiled step"))
+                                 replicated=parallel.model_parallel_size() * parallel.pipeline_parallel_size() > 1)
         self.device = self.cache.device
         self.runner = Runner(model, self.cache, compiled, execution_for(model))
-        self.inputs = RequestBuilder(tokenizer, self.formatter, max_seq_len, model.vocab_size)
-        self.core = DecodeCore(self.runner, self.inputs.settle, max_batch_size, max_seq_len)
-        self.core.speculative = check_speculative(speculative)
+        self.inputs = RequestBuilder(tokenizer, self.formatter, config.scheduler.max_seq_len, model.vocab_size)
         # A verify pass's rows are bitwise one-token steps in our CPU kernels only: on CUDA they were 8.6e-6 apart
-        # (docs/performance.md, "The GPU"), so there predictions are ignored and speculation is refused. A compiled
-        # step verifies through its own graph (bitwise where verifies_exactly(): fp32 in our kernels); compile="auto"'s
-        # switch from eager to compiled steps is timed, so there drafts are refused and predictions ignored.
-        on_cpu = self.device.type == "cpu"
+        # (docs/performance.md, "The GPU"), so there predictions are ignored (and speculation refused:
+        # llama/config/checks.py). A compiled step verifies through its own graph (bitwise where
+        # verifies_exactly(): fp32 in our kernels); compile="auto"'s switch from eager to compiled steps is timed,
+        # so there predictions are ignored.
         lazy = compiled is not None and compiled.lazy
-        self.core.predictions = on_cpu and (compiled is None or (not lazy and compiled.verifies_exactly()))
-        if self.core.speculative is not None and lazy:
-            raise ValueError(f"speculative={speculative!r} with compile='auto': its switch from eager to compiled "
-                             "steps is timed, so drafts would move it; use compile=True or compile=False")
-        if self.core.speculative is not None and not on_cpu:
-            raise ValueError(f"speculative={speculative!r} runs on the CPU only: on {self.device.type} a verify pass "
-                             "does not give the one-token step's logits bit for bit, so drafts could change outputs")
-        if self.core.speculative == "draft":  # draft: another Llama's runner, drafting for this one's requests
-            if draft is None:
-                raise ValueError("speculative='draft' drafts with a draft model: build with draft_model=PATH")
-            self.core.drafter = draft
+        predictions = self.device.type == "cpu" and (compiled is None or (not lazy and compiled.verifies_exactly()))
+        self.core = DecodeCore(self.runner, self.inputs.settle, config.scheduler, config.speculative.mode,
+                               predictions, draft)
 
     @property
     def max_seq_len(self) -> int:

@@ -4,6 +4,7 @@ included), dependencies point down the layers below, the command-line entry poin
 limits. Read from the source with `ast`: nothing is imported."""
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,7 @@ LAYERS: List[tuple] = [
     ("llama.quantization", "llama.model"),  # the linear methods; the transformer (which imports neither way)
     ("llama.formats", "llama.tokenizers", "llama.tokenizer", "llama.sample", "llama.compilation",
      "llama.kernels.int4_pack_store"),  # files, text, tokens, compiled steps
+    ("llama.config",),  # the typed configuration: options checked and resolved once, before anything loads
     ("llama.core",),  # requests, plan, scheduler, runner, engine, KV cache
     ("llama.distributed", "llama.formats.loader"),  # pipeline stages (an Execution for the runner); Llama.build
     ("llama.generation",),  # the Llama facade
@@ -190,3 +192,13 @@ def test_no_function_over_80_lines():
     _, functions = sizes()
     over = {f: n for f, n in functions.items() if n > MAX_FUNCTION_LINES}
     assert not over, f"functions over {MAX_FUNCTION_LINES} lines: {over}"
+
+
+def test_the_docs_layer_table_is_this_ones():
+    """docs/architecture.md's layer table lists LAYERS, one row per layer in order (module names without the
+    `llama.` prefix; the last row ends with the leaves, named together)."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    table = text[text.index("| layer (low to high) |"):].split("\n\n", 1)[0].splitlines()[2:]
+    rows = [re.findall(r"`([\w.]+)`", line.split("|")[1]) for line in table]
+    want = [[name.removeprefix("llama.") for name in layer if name not in LEAVES] for layer in LAYERS]
+    assert rows == want, "docs/architecture.md's layer table differs from LAYERS: " + str(list(zip(rows, want)))

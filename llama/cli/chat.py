@@ -9,6 +9,8 @@ import signal
 import sys
 from typing import Iterator, Optional
 
+from llama.cli.build_flags import add_model_flags, model_options
+
 HELP = """commands:
   /system TEXT   start again with this system prompt (/system alone: none)
   /reset         start again, keeping the system prompt
@@ -29,13 +31,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="seeded sampling: the same conversation, the same replies")
     p.add_argument("--max_gen_len", "--max-gen-len", type=int, default=None, help="tokens per reply at most")
     p.add_argument("--max_seq_len", "--max-seq-len", type=int, default=4096, help="the whole conversation's tokens")
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--quantize", default=None, choices=["int8", "int8-dynamic", "int4"])
-    p.add_argument("--speculative", default="off", choices=["off", "ngram"],
-                   help="ngram: prompt-lookup speculative decoding, replies unchanged (llama/core/speculative.py)")
-    p.add_argument("--draft-model", "--draft_model", default=None, dest="draft_model",
-                   help="a smaller checkpoint with the same tokenizer drafts for speculative decoding, replies "
-                        "unchanged (llama/core/draft_model.py)")
+    add_model_flags(p)
     return p
 
 
@@ -126,12 +122,10 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     from llama.cli.launch import build_for_example
 
-    try:
+    try:  # --seed seeds sampling here, not the build
         generator, _ = build_for_example(args.ckpt_dir, args.tokenizer_path, max_seq_len=args.max_seq_len,
-                                         max_batch_size=1, dtype=args.dtype, quantize=args.quantize,
-                                         speculative=None if args.speculative == "off" else args.speculative,
-                                         draft_model=args.draft_model)
-    except (ValueError, FileNotFoundError) as e:
+                                         max_batch_size=1, **model_options(args))
+    except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     options = {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed, "max_gen_len": args.max_gen_len}

@@ -6,6 +6,7 @@ batch is a scheduler with every request queued at once.
 from concurrent.futures import CancelledError
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
+from llama.config.options import SchedulerConfig
 from llama.core.request import Request
 from llama.core.plan import FORWARD, Plan
 from llama.core.runner import Runner
@@ -14,13 +15,15 @@ from llama.core.speculative import Memory, Speculator
 
 
 class DecodeCore:
-    def __init__(self, runner: Runner, settle: Callable[[Request], None], max_batch_size: int, max_seq_len: int):
+    def __init__(self, runner: Runner, settle: Callable[[Request], None], scheduler: SchedulerConfig,
+                 speculative: Optional[str] = None, predictions: bool = False, drafter=None):
+        """speculative: "ngram" or "draft" (its schedulers draft; llama/core/speculative.py); predictions: whether
+        requests' predicted outputs are drafted from (the decode step verifies exactly); drafter: the DraftModel
+        under "draft" (llama/core/draft_model.py)."""
         self.runner, self.settle = runner, settle
-        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
-        self.speculative: Optional[str] = None  # "ngram": schedulers draft by prompt lookup (llama/core/speculative.py)
-        self.predictions = False  # requests' predictions are drafted from (the decode step is eager, one stage)
+        self.max_batch_size, self.max_seq_len = scheduler.max_batch_size, scheduler.max_seq_len
+        self.speculative, self.predictions, self.drafter = speculative, predictions, drafter
         self.drafting = Memory()  # what its schedulers' speculators learned (step times, acceptance)
-        self.drafter = None  # a DraftModel under speculative="draft" (llama/core/draft_model.py)
 
     def scheduler(self, prefill_chunk: Optional[int] = None, slots: Optional[range] = None) -> Scheduler:
         """Fresh slot state; without a chunk limit every prompt is prefilled in the step that admits it. slots: the

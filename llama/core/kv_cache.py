@@ -21,11 +21,10 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from llama.config.options import CacheConfig, SchedulerConfig
 from llama.core import exact
 from llama.core.block_pool import SCRATCH, BlockPool
-from llama.core.paging import check_mode
 from llama.kernels import invariant, paged
-from llama.settings import parse_bytes
 
 BLOCK_SIZE = 16
 
@@ -76,27 +75,21 @@ def model_kv_dtype(model) -> torch.dtype:
     return torch.float16 if getattr(model.norm, "ggml_arith", False) else model.norm.weight.dtype
 
 
-def build_cache(model, max_batch_size: int, max_seq_len: int, memory=None, prefix_cache="on",
-                place: Tuple[int, int] = (0, 0), replicated: bool = False, kv_dtype=None) -> "KVCache":
-    """The Llama facade's cache: the model's dtype and device, sized by kv_cache_memory (bytes or "4GiB"). place:
-    (model-parallel rank, pipeline stage); replicated: other ranks replay this one's steps."""
-    mode = check_mode(prefix_cache)
-    if mode == "exact":
+def build_cache(model, scheduler: SchedulerConfig, cache: CacheConfig, place: Tuple[int, int] = (0, 0),
+                replicated: bool = False) -> "KVCache":
+    """The Llama facade's cache: the model's dtype (or cache.kv_dtype) and device, sized by cache.memory bytes
+    (else scheduler.max_batch_size x max_seq_len positions). place: (model-parallel rank, pipeline stage);
+    replicated: other ranks replay this one's steps."""
+    if cache.prefix_cache == "exact":
         exact.check(model)
-    if isinstance(memory, str):
-        memory = parse_bytes(memory, "kv_cache_memory")
-    if memory is not None and (isinstance(memory, bool) or not isinstance(memory, (int, float)) or memory <= 0):
-        raise ValueError(f"kv_cache_memory must be a positive number of bytes (or a size such as '4GiB'), "
-                         f"got {memory!r}")
-    if kv_dtype not in (None, "int8"):
-        raise ValueError(f"kv_cache_dtype must be None (the model's dtype) or 'int8', got {kv_dtype!r}")
     ref = model.norm.weight
-    dtype = KV_DTYPES.get(kv_dtype, model_kv_dtype(model))
-    blocks = pool_blocks(model, max_batch_size, max_seq_len, BLOCK_SIZE, dtype, memory=memory)
-    cache = KVCache(model, max_batch_size, max_seq_len, dtype=dtype, device=ref.device, num_blocks=blocks,
-                    salt=pool_salt(model, dtype, BLOCK_SIZE, place))
-    cache.pool.mode, cache.replicated = mode, replicated
-    return cache
+    dtype = KV_DTYPES.get(cache.kv_dtype, model_kv_dtype(model))
+    size = (scheduler.max_batch_size, scheduler.max_seq_len)
+    blocks = pool_blocks(model, *size, BLOCK_SIZE, dtype, memory=cache.memory)
+    kv = KVCache(model, *size, dtype=dtype, device=ref.device, num_blocks=blocks,
+                 salt=pool_salt(model, dtype, BLOCK_SIZE, place))
+    kv.pool.mode, kv.replicated = cache.prefix_cache, replicated
+    return kv
 
 
 class KVCache:

@@ -40,18 +40,6 @@ from llama.core.block_pool import BlockPool
 from llama.core.plan import CopyBlocks, SetBlocks
 from llama.core.request import Request
 
-MODES = ("on", "exact", "off")
-
-
-def check_mode(mode) -> str:
-    if mode is True:
-        return "on"
-    if mode is False or mode is None:
-        return "off"
-    if mode not in MODES:
-        raise ValueError(f"prefix_cache must be True, False, 'on', 'exact' or 'off', got {mode!r}")
-    return mode
-
 
 class Paging:
     def __init__(self, pool: BlockPool, base: int, max_seq_len: int):

@@ -45,12 +45,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from llama import settings
+from llama.config.options import speculative_mode
 from llama.core.plan import CopyBlocks, Decode, Plan, SetBlocks, Verify
 from llama.core.request import Request
 from llama.core.step_times import StepTimes
 from llama.sample.lookup import NgramIndex, Prediction
 
-MODES = ("ngram", "draft")  # "draft": a draft model drafts (llama/core/draft_model.py)
 MAX_BATCH = 4  # decoding requests in a step past which no one drafts
 MAX_ROWS = 8  # rows of one Verify pass (the drafting requests' k+1, one for each other decoding request)
 K_MAX = 7  # longest draft (k+1 <= MAX_ROWS)
@@ -61,14 +61,6 @@ DECAY = 0.97  # a request's own evidence fades by this per step (drafts 23 steps
 EXPLORE = 100  # steps without a verify after which one 1-token draft is verified anyway
 MARGIN = 1.1  # a verify step must promise this many times plain decoding's tokens per second (times are noisy)
 MEASURE = True  # time the steps (off: every plan depends on the tokens alone, as under model parallel)
-
-
-def check_mode(mode) -> "str | None":
-    if mode in (None, False, "off"):
-        return None
-    if mode not in MODES:
-        raise ValueError(f"speculative must be None, 'off' or one of {', '.join(map(repr, MODES))}, got {mode!r}")
-    return mode
 
 
 def ngram_kind(matched: int) -> Tuple[str, float]:
@@ -125,7 +117,7 @@ class Speculator:
     def __init__(self, stats: dict, base: int, max_seq_len: int, block_size: int = 0, mode: Optional[str] = "ngram",
                  memory: Optional["Memory"] = None, drafter=None):
         self.stats, self.base, self.max_seq_len, self.block_size = stats, base, max_seq_len, block_size
-        self.mode = check_mode(mode)
+        self.mode = speculative_mode(mode)
         if self.mode == "draft" and drafter is None:
             raise ValueError("speculative='draft' drafts with a draft model: build the Llama with draft_model=PATH")
         self.drafter = drafter  # a DraftModel (llama/core/draft_model.py) under mode "draft"

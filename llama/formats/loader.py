@@ -5,14 +5,14 @@ at run time (llama/distributed/parallel.py).
 """
 
 import time
-from typing import Optional, Tuple, Union
+from typing import Optional, Tuple
 
 import torch
 from tqdm import tqdm
 
 from llama import settings
 from llama.compilation import compiled_decode as compilation
-from llama.core.params import positive_int
+from llama.config.options import LlamaConfig, ModelConfig, QuantConfig, SchedulerConfig
 from llama.distributed import parallel, pipeline
 from llama.formats import checklist
 from llama.formats import gguf_file as gguf_checkpoint
@@ -29,18 +29,6 @@ from llama.model import ModelArgs, Transformer, check_model_parallel
 from llama.quantization import schemes as quantization
 from llama.tokenizers import huggingface as tokenizer_hf
 from llama.tokenizers.sentencepiece import load_tokenizer
-
-
-def check_options(max_seq_len, max_batch_size, seed, compile, quantize, preload=None) -> None:
-    residency.check(preload)
-    positive_int("max_seq_len", max_seq_len)
-    positive_int("max_batch_size", max_batch_size)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed must be an integer, got {seed!r}")
-    if quantize is not None and quantize not in quantization.SCHEMES:
-        raise ValueError(f"quantize must be one of {quantization.SCHEMES} or None, got {quantize!r}")
-    if not any(compile is v for v in (False, None, True)) and compile not in compilation.MODES:
-        raise ValueError(f"compile must be a bool, None or one of {compilation.MODES}, got {compile!r}")
 
 
 def fuses(args: ModelArgs, dtype, device, quantize: Optional[str], compile, ranks: int = 1) -> bool:
@@ -153,85 +141,45 @@ def gguf_stage(reader, path, args: ModelArgs, stage, rank: int, world_size: int,
     return model
 
 
-def load(
-    ckpt_dir: str,
-    tokenizer_path: Optional[str],
-    max_seq_len: int,
-    max_batch_size: int,
-    model_parallel_size: Optional[int] = None,
-    seed: int = 1,
-    device: Optional[Union[str, torch.device]] = None,
-    dtype: Optional[Union[str, torch.dtype]] = None,
-    verify: bool = False,
-    compile: Union[bool, str, None] = "auto",
-    quantize: Optional[str] = None,
-    rope_scaling_factor: Optional[float] = None,
-    pipeline_parallel_size: int = 1,
-    group_size: Optional[int] = None,
-    preload: Optional[bool] = None,
-) -> Tuple[Transformer, object, Optional[compilation.CompiledDecode]]:
-    """(model, tokenizer, compiled decode policy or None) for Llama.build; see its docstring for the options.
+def load(config: LlamaConfig) -> Tuple[Transformer, object, Optional[compilation.CompiledDecode]]:
+    """(model, tokenizer, compiled decode policy or None) for Llama.build, as its resolved configuration says
+    (llama/config/).
 
     The KV cache is not allocated here: the generator that owns it does (llama/core/kv_cache.py).
     """
-    check_options(max_seq_len, max_batch_size, seed, compile, quantize, preload)
-    staged = pipeline_parallel_size != 1
-    if staged and not any(compile is v for v in (False, None)) and compile != "auto":
-        raise ValueError(f"compile={compile!r} is not available with pipeline_parallel_size="
-                         f"{pipeline_parallel_size}: pipeline stages decode eagerly (pass compile=False or 'auto')")
-    device = torch.device(device) if device is not None else parallel.default_device()
-    gguf_path = gguf_checkpoint.find_gguf(ckpt_dir)
-    stored, quantize, group_size = resolve_scheme(ckpt_dir, gguf_path, pipeline_parallel_size, quantize,
-                                                  group_size, device)
-    dtype = parallel.resolve_dtype(quantization.activation_dtype(quantize) if dtype is None else dtype, device)
+    m, quant, par = config.model, config.quant, config.parallel
     start = time.time()
-    mp_size = parallel.init_distributed(model_parallel_size, device, pipeline_parallel_size)
-    torch.manual_seed(seed)  # every rank seeds alike, so unseeded sampling agrees across ranks
-    reader, params, tokenizer = read_parts(ckpt_dir, tokenizer_path, gguf_path)
-    args = model_args(params, tokenizer, max_seq_len, max_batch_size, rope_scaling_factor,
-                      f"{ckpt_dir}/params.json" if gguf_path is None else str(gguf_path), tokenizer_path or gguf_path)
+    mp_size = parallel.init_distributed(par.model_parallel_size, m.device, par.pipeline_parallel_size)
+    torch.manual_seed(m.seed)  # every rank seeds alike, so unseeded sampling agrees across ranks
+    reader, params, tokenizer = read_parts(m)
+    args = model_args(params, tokenizer, config.scheduler, m.rope_scaling_factor,
+                      f"{m.path}/params.json" if m.gguf_path is None else str(m.gguf_path),
+                      m.tokenizer_path or m.gguf_path)
+    ranks = mp_size * par.pipeline_parallel_size
     # each rank holds about 1/(T x P) of the weights; a GGUF file run in its blocks holds about the file's size
     # (mapped), which the estimate at dtype would overstate several times, so it is not checked (issue 36)
-    if reader is None or not gguf_quants.runs_natively(reader, quantize, device):
-        memory.check_fits(args, dtype, quantize, group_size, compile, mp_size * pipeline_parallel_size, device)
-    fuse = fuses(args, dtype, device, quantize, compile, mp_size * pipeline_parallel_size)
-    if verify and gguf_path is None and hf_checkpoint.find_hf(ckpt_dir) is None:
-        checklist.verify_checklist(ckpt_dir)
+    if reader is None or not gguf_quants.runs_natively(reader, quant.scheme, m.device):
+        memory.check_fits(args, m.dtype, quant.scheme, quant.group_size, config.compile.mode, ranks, m.device)
+    fuse = fuses(args, m.dtype, m.device, quant.scheme, config.compile.mode, ranks)
+    if m.verify and m.kind in ("meta", "quantized"):
+        checklist.verify_checklist(m.path)
     rank = parallel.model_parallel_rank()
-    if stored is not None:
-        model = stored_model(ckpt_dir, args, rank, mp_size, stored, quantize, device, dtype)
+    if quant.stored is not None:
+        model = stored_model(m, args, rank, mp_size, quant)
     else:
-        model = float_model(ckpt_dir, args, rank, mp_size, reader, gguf_path, staged, device, dtype, quantize,
-                            group_size, fuse)
-    residency.read_weights(model, preload, progress=parallel.is_main_process())
-    compiled = None if staged else compilation.compile_decode(model, compile)
+        model = float_model(config, args, rank, mp_size, reader, fuse)
+    residency.read_weights(model, m.preload, progress=parallel.is_main_process())
+    compiled = None if par.staged else compilation.compile_decode(model, config.compile.mode)
     if parallel.is_main_process():
         print(f"Loaded in {time.time() - start:.2f} seconds")
     return model, tokenizer, compiled
 
 
-def resolve_scheme(ckpt_dir, gguf_path, pipeline_parallel_size: int, quantize: Optional[str],
-                   group_size: Optional[int], device) -> Tuple[Optional[dict], Optional[str], Optional[int]]:
-    """(the quantization a checkpoint written by `python -m llama.quantize` records or None, the scheme to load
-    with, its group size): a stored checkpoint loads as it is, its int8 weights by default in the fastest int8
-    scheme of the device (quantized_checkpoint.check_request)."""
-    stored = None if gguf_path is not None else quant_checkpoint.stored_scheme(ckpt_dir)
-    if stored is not None:
-        if pipeline_parallel_size != 1:
-            raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size} loads unquantized Meta-layout "
-                             f"checkpoints only, not the quantized checkpoint in {ckpt_dir}")
-        quantize, group_size = quant_checkpoint.check_request(ckpt_dir, stored, quantize, group_size, device)
-    if group_size is not None and quantize != "int4":
-        raise ValueError(f"group_size applies to quantize='int4' only, got group_size={group_size!r} with "
-                         f"quantize={quantize!r}")
-    return stored, quantize, group_size
-
-
-def read_parts(ckpt_dir, tokenizer_path: Optional[str], gguf_path):
+def read_parts(m: ModelConfig):
     """(GGUF reader or None, params dict, tokenizer): a GGUF file carries its hyperparameters and (unless one is
     given) its tokenizer; a Hugging Face directory its config.json and tokenizer.json (or tokenizer.model); a
     Meta-layout directory has params.json and needs tokenizer_path."""
-    hf_dir = None if gguf_path is not None else hf_checkpoint.find_hf(ckpt_dir)
+    ckpt_dir, tokenizer_path, gguf_path, hf_dir = m.path, m.tokenizer_path, m.gguf_path, m.hf_dir
     if hf_dir is not None:
         params = hf_checkpoint.hf_params(hf_checkpoint.read_config(hf_dir), hf_dir / "config.json")
         return None, params, load_tokenizer(tokenizer_path or hf_checkpoint.tokenizer_file(hf_dir))
@@ -248,18 +196,16 @@ def read_parts(ckpt_dir, tokenizer_path: Optional[str], gguf_path):
     return None, params, tokenizer
 
 
-def model_args(params: dict, tokenizer, max_seq_len: int, max_batch_size: int,
-               rope_scaling_factor: Optional[float], params_source: str, tokenizer_source) -> ModelArgs:
-    """ModelArgs from the checkpoint's params, the caller's sizes and rope override, checked against the
-    tokenizer's vocabulary."""
+def model_args(params: dict, tokenizer, scheduler: SchedulerConfig, rope_scaling_factor: Optional[float],
+               params_source: str, tokenizer_source) -> ModelArgs:
+    """ModelArgs from the checkpoint's params, the scheduler's sizes (Meta's ModelArgs carries them) and the rope
+    override, checked against the tokenizer's vocabulary."""
     overrides = {}
     if rope_scaling_factor is not None:
-        if isinstance(rope_scaling_factor, bool) or not isinstance(rope_scaling_factor, (int, float)) \
-                or not 1 <= rope_scaling_factor < float("inf"):
-            raise ValueError(f"rope_scaling_factor must be a finite number >= 1, got {rope_scaling_factor!r}")
         overrides = {"rope_scaling_factor": float(rope_scaling_factor), "use_scaled_rope": True}
     try:
-        args = ModelArgs.from_params(params, max_seq_len=max_seq_len, max_batch_size=max_batch_size, **overrides)
+        args = ModelArgs.from_params(params, max_seq_len=scheduler.max_seq_len,
+                                     max_batch_size=scheduler.max_batch_size, **overrides)
     except TypeError as e:
         raise ValueError(f"{params_source} has invalid values: {e}") from None
     if args.vocab_size == -1:
@@ -272,36 +218,37 @@ def model_args(params: dict, tokenizer, max_seq_len: int, max_batch_size: int,
     return args
 
 
-def stored_model(ckpt_dir, args: ModelArgs, rank: int, mp_size: int, stored: dict, quantize: str, device,
-                 dtype) -> Transformer:
+def stored_model(m: ModelConfig, args: ModelArgs, rank: int, mp_size: int, quant: QuantConfig) -> Transformer:
     """This rank's model from a checkpoint written by `python -m llama.quantize`, nothing requantized: int8 codes
     that load as int8-dynamic keep their codes and multiply int8 activations."""
-    model = quant_checkpoint.load_model(ckpt_dir, args, rank, mp_size, stored, device)
-    model.to(device=device).eval()
-    if quantize != stored["scheme"]:
-        quantization.quantize(model, quantize)
-    quantization.cast_floating(model, dtype)
+    model = quant_checkpoint.load_model(m.path, args, rank, mp_size, quant.stored, m.device)
+    model.to(device=m.device).eval()
+    if quant.scheme != quant.stored["scheme"]:
+        quantization.quantize(model, quant.scheme)
+    quantization.cast_floating(model, m.dtype)
     return model
 
 
-def float_model(ckpt_dir, args: ModelArgs, rank: int, mp_size: int, reader, gguf_path, staged: bool, device,
-                dtype, quantize: Optional[str], group_size: Optional[int], fuse: bool):
-    """This rank's model (or pipeline stage) from a Meta-layout or GGUF checkpoint, moved, fused, quantized and
-    cast (prepare)."""
+def float_model(config: LlamaConfig, args: ModelArgs, rank: int, mp_size: int, reader, fuse: bool):
+    """This rank's model (or pipeline stage) from a Meta-layout, Hugging Face or GGUF checkpoint, moved, fused,
+    quantized and cast (prepare)."""
+    m, staged = config.model, config.parallel.staged
+    ckpt_dir, gguf_path, device, dtype = m.path, m.gguf_path, m.device, m.dtype
+    quantize, group_size = config.quant.scheme, config.quant.group_size
     if staged:  # this rank's stage only: its layers and its tensor-parallel slice of them (llama/distributed/pipeline.py)
         stage = pipeline.current_stage(args.n_layers)
         if gguf_path is not None:
             with memory.freed_memory_returned():
                 model = gguf_stage(reader, gguf_path, args, stage, rank, mp_size, dtype,
                                    gguf_quants.runs_natively(reader, quantize, device), fuse)
-        elif hf_checkpoint.find_hf(ckpt_dir) is not None:
+        elif m.kind == "hf":
             model = hf_model(ckpt_dir, args, rank, mp_size, stage)
         else:
             model = pipeline.load_stage(ckpt_dir, args, stage, rank, mp_size)
     elif gguf_path is not None:
         with memory.freed_memory_returned():
             model = gguf_model(reader, gguf_path, args, rank, mp_size, device, dtype, quantize, group_size, fuse)
-    elif hf_checkpoint.find_hf(ckpt_dir) is not None:
+    elif m.kind == "hf":
         model = hf_model(ckpt_dir, args, rank, mp_size)
     else:
         state = checkpoint.load_state_dict(ckpt_dir, args, rank, mp_size)

@@ -18,6 +18,7 @@ from helpers import draft_tally
 
 from llama import Llama
 from llama.compilation.compiled_decode import CompiledDecode
+from llama.config import memory_config
 from llama.core import speculative
 
 pytestmark = [CPU_SPECULATION, pytest.mark.skipif(
@@ -58,14 +59,14 @@ def test_compiled_speculation_equals_the_compiled_step(tally):
 
 def test_compile_auto_is_refused_with_drafts_and_means_eager_in_build():
     """compile="auto" switches from eager to compiled steps by time: drafts would move the switch. Llama.build takes
-    it as compile=False under speculation; a Llama given a lazy compiled step refuses speculation."""
+    it as compile=False under speculation; a configuration of a lazy compiled step refuses speculation."""
     d = str(need(STORIES))
     g = Llama.build(d, d + "/tokenizer.model", max_seq_len=64, max_batch_size=1, speculative="ngram",
                     prefix_cache="off")
     assert g.runner.compiled is None
     with pytest.raises(ValueError, match="compile='auto'.*compile=True or compile=False"):
-        Llama(g.model, g.tokenizer, 1, 64, CompiledDecode(g.model, lazy=True), prefix_cache="off",
-              speculative="ngram")
+        Llama(g.model, g.tokenizer, compiled=CompiledDecode(g.model, lazy=True),
+              config=memory_config(g.model, 1, 64, compile="auto", prefix_cache="off", speculative="ngram"))
 
 
 def test_predictions_are_verified_only_where_compiled_rows_are_bitwise():

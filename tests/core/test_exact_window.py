@@ -108,15 +108,17 @@ def fake(device="cpu", dtype=torch.float32, head_dim=64):
 def test_what_exact_does_not_cover_is_refused(model, message):
     """CUDA stands for any device but the CPU (no GPU here): nothing replaces SDPA's and cuBLAS's shape-dependent
     reductions there, so "exact" is refused rather than silently inexact."""
+    from llama.config import CacheConfig, SchedulerConfig
     from llama.core.kv_cache import build_cache
 
     with pytest.raises(ValueError, match=message):
-        build_cache(model, 1, 16, prefix_cache="exact")
+        build_cache(model, SchedulerConfig(16, 1), CacheConfig("exact"))
 
 
 def test_exact_without_our_kernels_is_refused(monkeypatch):
+    from llama.config import CacheConfig, SchedulerConfig
     from llama.core.kv_cache import build_cache
 
     monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     with pytest.raises(ValueError, match=r"needs our CPU kernels"):
-        build_cache(fake(), 1, 16, prefix_cache="exact")
+        build_cache(fake(), SchedulerConfig(16, 1), CacheConfig("exact"))

@@ -1,0 +1,115 @@
+"""Llama.build's options as a user gives them, and their resolution into one LlamaConfig (as vLLM's EngineArgs).
+
+Resolving reads what the checkpoint is once (GGUF file, Hugging Face directory, a quantized or a plain Meta-layout
+checkpoint), picks the device, dtype and quantization scheme, and settles the defaults that depend on other
+options (compile="auto" is eager under speculation or an exact prefix cache). Nothing is loaded.
+"""
+
+from dataclasses import dataclass, fields
+from typing import Optional, Union
+
+import torch
+
+from llama.config.options import (CacheConfig, CompileConfig, LlamaConfig, ModelConfig, ParallelConfig, QuantConfig,
+                                  SchedulerConfig, SpeculativeConfig, positive_int)
+from llama.distributed import parallel
+from llama.formats import gguf_file, hf_checkpoint
+from llama.formats import quantized_checkpoint as quant_checkpoint
+from llama.quantization import schemes as quantization
+
+
+@dataclass
+class BuildArgs:
+    """Every option of Llama.build, as given (its docstring says what each does); resolve() checks them once."""
+    ckpt_dir: str
+    tokenizer_path: Optional[str]
+    max_seq_len: int
+    max_batch_size: int
+    model_parallel_size: Optional[int] = None
+    seed: int = 1
+    device: Union[str, torch.device, None] = None
+    dtype: Union[str, torch.dtype, None] = None
+    verify: bool = False
+    compile: Union[bool, str, None] = "auto"
+    quantize: Optional[str] = None
+    rope_scaling_factor: Optional[float] = None
+    pipeline_parallel_size: int = 1
+    group_size: Optional[int] = None
+    preload: Optional[bool] = None
+    kv_cache_memory: Union[int, str, None] = None
+    prefix_cache: Union[bool, str] = "on"
+    kv_cache_dtype: Optional[str] = None
+    tool_style: Optional[str] = None
+    speculative: Optional[str] = None
+    draft_model: Optional[str] = None
+
+    @classmethod
+    def of(cls, **options) -> "BuildArgs":
+        """BuildArgs from keyword options, an unknown one refused by name with the known ones listed."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"Llama.build got unknown option(s) {', '.join(unknown)}; it takes {', '.join(sorted(known))}")
+        return cls(**options)
+
+    def resolve(self) -> LlamaConfig:
+        """The LlamaConfig these options give: checked, the checkpoint's kind read once, defaults settled."""
+        speculative = SpeculativeConfig(self.speculative, self.draft_model)
+        cache = CacheConfig(self.prefix_cache, self.kv_cache_memory, self.kv_cache_dtype)
+        scheduler = SchedulerConfig(self.max_seq_len, self.max_batch_size)
+        parallel_config = ParallelConfig(self.model_parallel_size, self.pipeline_parallel_size)
+        if self.quantize is not None and self.quantize not in quantization.SCHEMES:
+            raise ValueError(f"quantize must be one of {quantization.SCHEMES} or None, got {self.quantize!r}")
+        compile = CompileConfig(self.compile)
+        # compile="auto" times its switch from eager to compiled steps, which drafts would move, and an exact
+        # prefix cache computes by the eager passes' arithmetic: both mean eager there
+        if compile.mode == "auto" and (speculative.mode is not None or cache.prefix_cache == "exact"):
+            compile = CompileConfig(False)
+        device = torch.device(self.device) if self.device is not None else parallel.default_device()
+        model, quant = self._checkpoint(device, parallel_config)
+        return LlamaConfig(model=model, scheduler=scheduler, cache=cache, quant=quant, compile=compile,
+                           speculative=speculative, parallel=parallel_config, tool_style=self.tool_style)
+
+    def _checkpoint(self, device: torch.device, parallel_config: ParallelConfig):
+        """(ModelConfig, QuantConfig): what the checkpoint is, read once, and the scheme it loads in."""
+        if self.group_size is not None:
+            positive_int("group_size", self.group_size)
+        gguf_path = gguf_file.find_gguf(self.ckpt_dir)
+        hf_dir = None if gguf_path is not None else hf_checkpoint.find_hf(self.ckpt_dir)
+        stored = None if gguf_path is not None or hf_dir is not None else quant_checkpoint.stored_scheme(self.ckpt_dir)
+        kind = "gguf" if gguf_path else "hf" if hf_dir else "quantized" if stored else "meta"
+        quantize, group_size = self.quantize, self.group_size
+        if stored is not None and not parallel_config.staged:  # the pipeline's refusal is LlamaConfig's (checks.py)
+            quantize, group_size = quant_checkpoint.check_request(self.ckpt_dir, stored, quantize, group_size,
+                                                                  device)
+        dtype = parallel.resolve_dtype(quantization.activation_dtype(quantize) if self.dtype is None else self.dtype,
+                                       device)
+        model = ModelConfig(kind=kind, device=device, dtype=dtype, path=str(self.ckpt_dir),
+                            tokenizer_path=self.tokenizer_path, gguf_path=gguf_path, hf_dir=hf_dir, seed=self.seed,
+                            verify=self.verify, rope_scaling_factor=self.rope_scaling_factor, preload=self.preload)
+        return model, QuantConfig(quantize, group_size, stored)
+
+    def draft(self) -> "BuildArgs":
+        """The draft model's options: its own checkpoint, on this model's device, eager, no prefix cache, no
+        speculation of its own; the model's tokenizer (a draft shares it), or a GGUF draft's own."""
+        return BuildArgs(self.draft_model, self.tokenizer_path, self.max_seq_len, self.max_batch_size, seed=self.seed,
+                         device=self.device, dtype=self.dtype, preload=self.preload, compile=False,
+                         prefix_cache="off")
+
+
+def memory_config(model, max_batch_size: Optional[int] = None, max_seq_len: Optional[int] = None,
+                  compile: Union[bool, str, None] = False, prefix_cache: Union[bool, str] = "on",
+                  kv_cache_memory: Union[int, str, None] = None, kv_cache_dtype: Optional[str] = None,
+                  tool_style: Optional[str] = None, speculative: Optional[str] = None) -> LlamaConfig:
+    """The configuration of a generator around a model already built (Meta's Llama(model, tokenizer)): sized by
+    model.params unless given, the model's own device and dtype. compile says what the caller's compiled step is
+    (False: none; "auto": one that switches on a timer)."""
+    ref = next(model.parameters())
+    params = model.params
+    return LlamaConfig(
+        model=ModelConfig(kind="memory", device=ref.device, dtype=model.norm.weight.dtype),
+        scheduler=SchedulerConfig(params.max_seq_len if max_seq_len is None else max_seq_len,
+                                  params.max_batch_size if max_batch_size is None else max_batch_size),
+        cache=CacheConfig(prefix_cache, kv_cache_memory, kv_cache_dtype), compile=CompileConfig(compile),
+        speculative=SpeculativeConfig(speculative), tool_style=tool_style)
+
