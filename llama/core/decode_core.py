@@ -10,7 +10,7 @@ from llama.config.options import SchedulerConfig
 from llama.core.request import Request
 from llama.core.plan import FORWARD, Plan
 from llama.core.runner import Runner
-from llama.core.scheduler import Scheduler
+from llama.core.scheduler import Scheduler, new_stats
 from llama.core.speculative import Memory, Speculator
 
 
@@ -30,14 +30,15 @@ class DecodeCore:
         cache rows it owns (default all of them; the pipelined engine gives each of its groups a range)."""
         slots = range(self.max_batch_size) if slots is None else slots
         chunk = prefill_chunk or len(slots) * self.max_seq_len
-        sched = Scheduler(len(slots), self.max_seq_len, chunk, base=slots.start, pool=self.runner.cache.pool)
-        if sched.paging is not None and self.runner.run_ahead:
-            sched.paging.lookahead = 1  # a step queued ahead needs its block already (llama/core/ahead.py)
+        pool = self.runner.cache.pool
+        stats, speculator = new_stats(), None
         if self.speculative is not None or self.predictions:
-            block = sched.paging.pool.block_size if sched.paging is not None else 0
-            sched.speculator = Speculator(sched.stats, slots.start, self.max_seq_len, block, self.speculative,
-                                          self.drafting, self.drafter)
-        return sched
+            block = pool.block_size if pool is not None else 0
+            speculator = Speculator(stats, slots.start, self.max_seq_len, block, self.speculative, self.drafting,
+                                    self.drafter)
+        # a step queued ahead needs its block already (llama/core/ahead.py)
+        return Scheduler(len(slots), self.max_seq_len, chunk, base=slots.start, pool=pool,
+                         lookahead=int(self.runner.run_ahead), stats=stats, speculator=speculator)
 
     def step(self, sched: Scheduler, broadcast: Optional[Callable] = None,
              publish: bool = False) -> List[Tuple[Request, str]]:
@@ -58,6 +59,8 @@ class DecodeCore:
         if sched.paging is not None:
             self.runner.cache.drain()  # blocks of prefixes dropped since the last step go back to the pool
         plan = sched.plan()
+        if sched.speculator is not None and plan.decoding:  # drafting: a step of its own, after planning
+            sched.speculator.plan(plan, budget=sched.draft_budget(plan))
         outs: Optional[list] = []
         if plan.ops:
             if broadcast is not None:
@@ -82,6 +85,8 @@ class DecodeCore:
                     deltas = self.runner.complete(plan, outs, ahead_ok=self._steady(sched))
                 except Exception as e:
                     self._fail(sched, e)
+                for r, draft, n in plan.accepted:  # what verifying found, for the speculator's estimates
+                    sched.speculator.accepted(r, draft, n)
             sched.stats["steps"] += 1
             sched.stats["forwards"] += sum(isinstance(op, FORWARD) for op in plan.ops)
         if publish:

@@ -42,12 +42,13 @@ from llama.core.request import Request
 
 
 class Paging:
-    def __init__(self, pool: BlockPool, base: int, max_seq_len: int):
+    def __init__(self, pool: BlockPool, base: int, max_seq_len: int, lookahead: int = 0):
+        """lookahead: steps ahead a decoding request's blocks reach (0 or 1): with asynchronous decode
+        (llama/core/ahead.py) a step is queued only inside held blocks, so the block the next step writes is taken
+        one step early."""
         self.pool, self.base, self.max_seq_len = pool, base, max_seq_len
         self.stale: set = set()  # rows whose requests left: their tables still name blocks others may get
-        # Steps ahead a decoding request's blocks reach (0 or 1): with asynchronous decode (llama/core/ahead.py) a
-        # step is queued only inside held blocks, so the block the next step writes is taken one step early.
-        self.lookahead = 0
+        self.lookahead = lookahead
 
     @property
     def mode(self) -> str:

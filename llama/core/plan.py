@@ -105,4 +105,6 @@ class Plan:
     twins: List[Tuple[Request, Request]] = field(default_factory=list)  # (request, the source it copies)
     decoding: List[Request] = field(default_factory=list)  # requests that get a token from the Decode op
     verifying: List[Tuple[Request, List[int]]] = field(default_factory=list)  # (request, its draft), Verify op order
-    speculation: Optional[object] = None  # the Speculator that drafted them: told how many were accepted
+    # what verifying found, per request: (request, its draft, how many of the draft's tokens it accepted); the
+    # decode core tells the drafting speculator after the step
+    accepted: List[Tuple[Request, List[int], int]] = field(default_factory=list)

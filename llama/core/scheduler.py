@@ -28,17 +28,26 @@ from llama.core.paging import Paging
 from llama.core.plan import CopyRows, Decode, LoadPrefix, Plan, Prefill
 
 
+def new_stats() -> dict:
+    """A scheduler's counters (the engine reports them; a speculator adds its own)."""
+    return {"steps": 0, "forwards": 0, "admitted": 0, "finished": 0, "generated_tokens": 0, "prefill_tokens": 0,
+            "peak_active": 0, "moves": 0, "preemptions": 0}
+
+
 class Scheduler:
-    def __init__(self, max_batch_size: int, max_seq_len: int, prefill_chunk: int, base: int = 0, pool=None):
+    def __init__(self, max_batch_size: int, max_seq_len: int, prefill_chunk: int, base: int = 0, pool=None,
+                 lookahead: int = 0, stats: Optional[dict] = None, speculator=None):
+        """pool: the paged KV pool (None: rows of max_seq_len positions), reached `lookahead` steps ahead
+        (Paging); stats: the counters to keep (shared with the speculator); speculator: what drafts for this
+        scheduler's requests (llama/core/speculative.py), run by the decode core after each plan."""
         self.slots: List[Optional[Request]] = [None] * max_batch_size
         self.base = base  # cache row of slot 0
-        self.paging = None if pool is None else Paging(pool, base, max_seq_len)
+        self.paging = None if pool is None else Paging(pool, base, max_seq_len, lookahead)
         self.max_seq_len, self.prefill_chunk = max_seq_len, prefill_chunk
         self.waiting: deque = deque()
-        self.stats = {"steps": 0, "forwards": 0, "admitted": 0, "finished": 0, "generated_tokens": 0,
-                      "prefill_tokens": 0, "peak_active": 0, "moves": 0, "preemptions": 0}
+        self.stats = new_stats() if stats is None else stats
         self._order = itertools.count()
-        self.speculator = None  # a Speculator (llama/core/speculative.py) turns the Decode op into a Verify op
+        self.speculator = speculator
 
     def add(self, requests: Iterable[Request], longest_first: bool = False) -> None:
         """Queue requests. longest_first (offline work, all known up front): admit the longest max_new first, so
@@ -85,9 +94,11 @@ class Scheduler:
         plan.decoding = [r for r in self.slots if r is not None and r.feed is not None]
         if plan.decoding:
             plan.ops.append(self._decode_op())
-            if self.speculator is not None:  # drafted tokens count against the step's prefill budget
-                self.speculator.plan(plan, budget=self.prefill_chunk - sum(c for _, _, c in plan.prefill))
         return plan
+
+    def draft_budget(self, plan: Plan) -> int:
+        """The drafted tokens a step has room for: its prefill budget left (drafted tokens count against it)."""
+        return self.prefill_chunk - sum(c for _, _, c in plan.prefill)
 
     def _admit(self, plan: Plan) -> None:
         """Fill free slots in queue order. The samples of one prompt are admitted together (if they can ever fit),

@@ -111,7 +111,8 @@ class Memory:
 
 class Speculator:
     """Drafts for a scheduler's decoding requests and, where verifying pays, turns its step's Decode op into a Verify
-    op (Scheduler.plan calls it last); told by the runner how many drafted tokens each request accepted.
+    op (the decode core runs it after the scheduler plans: drafting is a step of its own); told after the step how
+    many drafted tokens each request accepted (Plan.accepted).
     mode None: only requests with a prediction draft."""
 
     def __init__(self, stats: dict, base: int, max_seq_len: int, block_size: int = 0, mode: Optional[str] = "ngram",
@@ -223,7 +224,7 @@ class Speculator:
             rows += [self.base + r.slot] * (len(d) + 1)
         plan.ops.append(Verify(tokens=tokens, pos=pos, rows=rows))
         plan.verifying = [(r, drafts.get(r, [])) for r in decoding]
-        plan.decoding, plan.speculation = [], self
+        plan.decoding = []
         self.stats["verify_steps"] += 1
         self.times.tick(start, len(tokens) if pure else 0, ids)
 
@@ -269,8 +270,8 @@ def accept(sample: Callable, plan: Plan, logits: torch.Tensor,
         for r, d, f in live:
             if i < len(d) and not r.finished and r.feed == d[i]:
                 going.append((r, d, f))
-            elif plan.speculation is not None:
-                plan.speculation.accepted(r, d, i)
+            else:
+                plan.accepted.append((r, d, i))
         if going:
             deltas += sample([(r, logits[f + i + 1]) for r, _, f in going])
         live, i = going, i + 1

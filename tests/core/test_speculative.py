@@ -378,15 +378,22 @@ def test_drafted_tokens_count_against_the_prefill_budget():
     of its own drafts 1 beside a newcomer prefilling 7 of 8 tokens."""
     from llama.core.params import SamplingParams
     from llama.core.request import Request
-    from llama.core.scheduler import Scheduler
+    from llama.core.scheduler import Scheduler, new_stats
     from llama.core.textstream import SilentStream
 
     def request(prompt):
         return Request(prompt=prompt, params=SamplingParams(), max_new=20, stream=SilentStream(), stop_tokens={})
 
-    sched = Scheduler(max_batch_size=2, max_seq_len=64, prefill_chunk=8)
-    sched.speculator = speculative.Speculator(sched.stats, 0, 64, 0, "ngram")
+    stats = new_stats()
+    sched = Scheduler(max_batch_size=2, max_seq_len=64, prefill_chunk=8, stats=stats,
+                      speculator=speculative.Speculator(stats, 0, 64, 0, "ngram"))
     sched.speculator.rates["ngram8"] = [100.0, 0.0]  # copies are accepted: draft as long as room allows
+
+    def planned():  # as the decode core steps: the scheduler plans, then its speculator drafts
+        plan = sched.plan()
+        sched.speculator.plan(plan, budget=sched.draft_budget(plan))
+        return plan
+
     a = request([5, 6, 7, 8] * 3)
     sched.add([a])
     while a.feed is None:
@@ -398,7 +405,7 @@ def test_drafted_tokens_count_against_the_prefill_budget():
         (op,) = [op for op in plan.ops if isinstance(op, Verify)]
         return len(op.tokens) - len(plan.verifying)
 
-    assert drafted(sched.plan()) == speculative.K_MAX
+    assert drafted(planned()) == speculative.K_MAX
     sched.add([request(list(range(10, 17)))])
-    plan = sched.plan()
+    plan = planned()
     assert sum(c for _, _, c in plan.prefill) == 7 and drafted(plan) == 1
