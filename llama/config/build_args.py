@@ -20,7 +20,45 @@ from llama.quantization import schemes as quantization
 
 @dataclass
 class BuildArgs:
-    """Every option of Llama.build, as given (its docstring says what each does); resolve() checks them once."""
+    """Every option of Llama.build, as given; resolve() checks them once.
+
+    quantize="int8": int8 weight-only linear layers (activations bf16 unless dtype says otherwise);
+    "int8-dynamic" (CPU): int8 weights times int8 activations quantized on the fly, as llama.cpp's q8_0
+    (llama/quantization/cli.py); "int4" (CPU): group-wise 4-bit weights, group_size inputs per scale (default 32;
+    llama/quantization/int4.py), activations fp32 unless dtype says otherwise. On x86 CPUs with AVX2 both run in
+    our own kernels (llama/kernels/cpu.py, compiled at install, else once on first use), as do bf16 weights.
+    A checkpoint written by `python -m llama.quantize` loads without requantizing: int4 as int4, int8 as the
+    fastest int8 scheme the device runs (int8-dynamic in our CPU kernels, else weight-only; quantize="int8"
+    asks for weight-only).
+    GGUF blocks multiply fp32 activations on CPU (LLAMA_GGUF_ACTIVATIONS=int8: llama.cpp's int8 ones).
+    A configuration whose weights and KV cache would not fit in available memory (or LLAMA_MEMORY_LIMIT
+    bytes) is refused before loading, naming what would fit (llama/formats/memory.py).
+    compile="auto" (default): on CPU, models of 50M+ parameters compile their one-token decode step once eager
+    decoding has cost what compiling would (a GGUF file's small batches stay eager: no gain); True compiles on
+    first use; "max-autotune"/"default" pick Inductor's mode; False never compiles (llama/compilation/compiled_decode.py).
+    rope_scaling_factor: Llama 3.1 rotary scaling with this factor (32 for Llama 3.2 1B/3B, whose params.json
+    cannot say so).
+    pipeline_parallel_size: P > 1 splits the layers into P stages under torchrun, each tensor-parallel over
+    model_parallel_size ranks (world size = T x P; docs/pipeline.md); stages decode eagerly.
+    preload: memory-mapped weights are read into memory before build returns, so the first token does not
+    wait for the disk: None (default) when they fit in available memory, True always, False never
+    (llama/formats/preload.py).
+    kv_cache_memory: bytes (or "4GiB") of this rank's paged KV pool; default max_batch_size x max_seq_len
+    positions, as slots held before (llama/core/kv_cache.py). prefix_cache: "on" (default) reuses the longest
+    cached prefix of every prompt, "exact" too, with every position computed by row-invariant arithmetic so a
+    cached one is bitwise a fresh prefill's (eager: compile="auto" means False with it, compile=True is
+    refused), "off" none (llama/core/paging.py).
+    kv_cache_dtype="int8": keys and values as int8, each head rotated (Hadamard), then q8_0's fp16 scale per 32
+    of a position's head (about half of bf16; read by the torch paths, eager: docs/architecture.md).
+    tool_style: Meta Llama 3 checkpoints' tool-call syntax, "llama3_json" (3.1) or "pythonic" (3.2, 3.3);
+    default by the checkpoint's shape (3.2's 1B/3B pythonic; 3.3 70B cannot be told from 3.1 70B).
+    speculative="ngram": prompt-lookup speculative decoding, outputs identical to plain decoding (greedy and
+    seeded); with compile=True drafts are verified by the compiled step (bitwise where our kernels take every
+    product, fp32), compile="auto" means False with it; pipeline stages too; CPU only (on CUDA a verify pass is
+    not bitwise the one-token step) (llama/core/speculative.py).
+    draft_model: a smaller checkpoint with the same tokenizer drafts (speculative="draft", implied; a seeded
+    request's drafts with its own seeded draws), outputs as without it (llama/core/draft_model.py).
+    """
     ckpt_dir: str
     tokenizer_path: Optional[str]
     max_seq_len: int
