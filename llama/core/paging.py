@@ -36,11 +36,9 @@ rate. Under "exact" the two are one arithmetic, so its tokens and logprobs are b
 
 from typing import List, Optional, Sequence, Tuple
 
-from llama.core.block_pool import BlockPool
+from llama.core.block_pool import MODES, BlockPool
 from llama.core.plan import CopyBlocks, SetBlocks
 from llama.core.request import Request
-
-MODES = ("on", "exact", "off")
 
 
 def check_mode(mode) -> str:
@@ -63,7 +61,7 @@ class Paging:
 
     @property
     def mode(self) -> str:
-        return getattr(self.pool, "mode", "on")
+        return self.pool.mode
 
     def _salt(self, r: Request) -> Optional[bytes]:
         """The request's salt, or None where it takes no part in prefix caching (opted out, explicit prefix,
