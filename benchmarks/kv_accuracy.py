@@ -91,9 +91,9 @@ def measure(gen, toks, variants, window: int, stride: int):
     names, write = list(variants), paged.write
     err = {n: [0.0, 0.0] for n in names}
 
-    def stored(cache, blocks, offsets, x):  # x (rows, T, kv_heads, head_dim): row 0 the reference, row i form i
+    def stored(cache, scales, blocks, offsets, x):  # x (rows, T, kv_heads, head_dim): row 0 reference, i form i
         if cache.dtype == torch.int8:
-            return write(cache, blocks, offsets, x)
+            return write(cache, scales, blocks, offsets, x)
         x = x.float().clone()
         for i, name in enumerate(names, 1):
             y = variants[name](x[i])

@@ -49,8 +49,7 @@ def pool_run(blocks: int, seq: int, max_seq_len: int, prompt: int = 16) -> dict:
     from llama.core.request import Request
     from llama.core.scheduler import Scheduler
 
-    pool = BlockPool(blocks, BLOCK_SIZE)
-    pool.mode = "off"  # distinct prompts: nothing to share
+    pool = BlockPool(blocks, BLOCK_SIZE, mode="off")  # distinct prompts: nothing to share
     n = blocks // pool.blocks_for(seq) + 2
     sched = Scheduler(max_batch_size=n, max_seq_len=max_seq_len, prefill_chunk=n * prompt, pool=pool)
     sched.add([Request(prompt=[i + 2] * prompt, params=SamplingParams(), max_new=seq - prompt, stream=SilentStream(),

@@ -204,6 +204,7 @@ class Fusable(nn.Module):
     """
 
     FUSED: dict = {}
+    _fuse_hooks = False  # the state-dict hooks that speak Meta's names, registered at the first fuse()
 
     def fuse(self) -> None:
         for fused_name, names in self.FUSED.items():
@@ -213,7 +214,7 @@ class Fusable(nn.Module):
             for n in names:
                 setattr(self, n, None)
         fused_decode.forget()
-        if not getattr(self, "_fuse_hooks", False):
+        if not self._fuse_hooks:
             self._register_state_dict_hook(_split_fused)
             self.register_load_state_dict_pre_hook(_join_fused)
             self._fuse_hooks = True

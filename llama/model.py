@@ -21,7 +21,7 @@ from llama.sizes import derive_ffn, ffn_hidden_dim  # noqa: F401 (Meta's path; f
 from llama.rope import apply_rotary_emb, precompute_freqs_cis, reshape_for_broadcast  # noqa: F401 (Meta's path)
 from llama.rope import rope_tables, scale_rope_frequencies  # noqa: F401
 from llama.kernels import cpu as cpu_kernels
-from llama.kernels import exact_attention, fused_decode, ggml_arith, invariant, paged
+from llama.kernels import exact_attention, fused_decode, ggml_arith, ggml_products, invariant, paged
 from llama.layers import ColumnLinear, Embedding, Fusable, RowLinear  # noqa: F401 (Meta's path for the layers)
 
 
@@ -159,10 +159,10 @@ def check_model_parallel(args: ModelArgs, mp: int) -> None:
 
 
 class RMSNorm(nn.Module):
-    ggml_arith = False  # llama.cpp's arithmetic where true (llama/kernels/ggml_arith.py: enable)
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
+        self.ggml_arith = False  # llama.cpp's arithmetic where true (Transformer.use_ggml_arith)
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
@@ -189,26 +189,12 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=2)
 
 
-def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                     scale: Optional[float] = None) -> torch.Tensor:
-    """Attention of one query per row, written out so Inductor fuses it (SDPA is an opaque ~50 us call per layer).
-
-    q (B, 1, H, D); keys/values (B, Hkv, S, D); mask (B, 1, 1, S) bool. Query heads that share a KV head are
-    grouped instead of repeating keys. Scores and softmax in fp32; scale None is D ** -0.5. Returns (B, H, 1, D).
-    """
-    (B, _, H, D), kv_heads = q.shape, keys.shape[1]
-    qg = q.view(B, kv_heads, H // kv_heads, D).float()  # head h uses KV head h // (H / Hkv), as enable_gqa does
-    scores = (qg @ keys.float().transpose(-1, -2)) * (D**-0.5 if scale is None else scale)  # (B, Hkv, G, S)
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-    return (probs @ values.float()).to(q.dtype).view(B, H, 1, D)
-
-
 class Attention(Fusable):
     FUSED = {"wqkv": ("wq", "wk", "wv")}
-    ggml_arith = False
 
     def __init__(self, args: ModelArgs):
         super().__init__()
+        self.ggml_arith = False  # llama.cpp's arithmetic where true (Transformer.use_ggml_arith)
         mp = get_model_parallel_world_size()
         self.n_local_heads = args.n_heads // mp
         self.n_local_kv_heads = args.n_kv_heads // mp
@@ -221,14 +207,20 @@ class Attention(Fusable):
         self.wqkv: Optional[ColumnLinear] = None
         self.local_sizes = {"wq": self.n_local_heads * hd, "wk": self.n_local_kv_heads * hd,
                             "wv": self.n_local_kv_heads * hd}
-        # (max_batch, kv_heads, max_seq, head_dim), allocated by llama.core.kv_cache.KVCache. Buffers, so torch.compile sees
-        # them as the model's mutable state, but not persistent: they are never part of a checkpoint.
-        self.register_buffer("cache_k", None, persistent=False)
-        self.register_buffer("cache_v", None, persistent=False)
+        # (max_batch, kv_heads, max_seq, head_dim), allocated by llama.core.kv_cache.KVCache, and an int8 pool's scales
+        # (llama/kernels/paged.py). Buffers, so torch.compile sees them as the model's mutable state, but not
+        # persistent: they are never part of a checkpoint.
+        for name in ("cache_k", "cache_v", "cache_k_scales", "cache_v_scales"):
+            self.register_buffer(name, None, persistent=False)
         # A paged pool (llama/core/kv_cache.py): cache_k/cache_v are (blocks, kv_heads, block_size, head_dim) and
         # this (rows, blocks per row) int64 table, shared by every layer, places row r's position p in block
         # block_table[r, p // block_size]. None: the caches are (rows, kv_heads, positions, head_dim) slots.
         self.register_buffer("block_table", None, persistent=False)
+        self.blocks: Optional[paged.BlockTable] = None  # the table's layout (its tensor is block_table): direct()
+
+    def kv_scales(self) -> paged.Scales:
+        """An int8 pool's (keys' scales, values' scales), None for a float one."""
+        return None if self.cache_k_scales is None else (self.cache_k_scales, self.cache_v_scales)
 
     def qkv(self, x, cos, sin):
         """Rotated queries and keys and the values, each (B, T, heads, head_dim)."""
@@ -277,7 +269,8 @@ class Attention(Fusable):
         (per-row positions, chosen rows) is a scatter."""
         B, T = k.shape[:2]
         if self.block_table is not None:
-            return paged.store(self.cache_k, self.cache_v, self.table_rows(rows, B, k.device), k, v, positions)
+            return paged.store(self.cache_k, self.cache_v, self.table_rows(rows, B, k.device), k, v, positions,
+                               self.kv_scales())
         ck, cv, rows = self.cached_rows(rows)
         if rows is None and start is not None:
             ck[:B, :, start : start + T] = k.transpose(1, 2)
@@ -291,8 +284,8 @@ class Attention(Fusable):
         B, T, _ = x.shape
         if self.ggml_arith:
             return ggml_arith.attention(self, x, start, positions, rows, kv_len)
-        if self.block_table is not None and not torch.compiler.is_compiling():
-            getattr(self.block_table, "direct", int)()  # outside the runner: the slot layout (core/kv_cache.py)
+        if not torch.compiler.is_compiling() and self.blocks is not None:
+            self.blocks.direct()  # outside the runner: the slot layout (llama/kernels/paged.py BlockTable)
         exact = invariant.active()  # our kernels apply the window and scale: "exact" takes them for any model
         if (T == 1 or exact) and self.cache_k is not None and cpu_kernels.attends(x, self.cache_k) \
                 and (exact or self.args.kernel_attends(kv_len)):
@@ -304,15 +297,15 @@ class Attention(Fusable):
             table = self.table_rows(rows, B, x.device)
             if exact and exact_attention.takes(q, self.cache_k):
                 out = exact_attention.attend(q, self.cache_k, self.cache_v, table, positions, kv_len,
-                                             self.args.attention_multiplier, self.args.sliding_window)
+                                             self.args.attention_multiplier, self.args.sliding_window, self.kv_scales())
                 return self.wo(out.view(B, T, -1))
-            keys, values, q = paged.attending(q, self.cache_k, self.cache_v, table, kv_len)  # an int8 pool's basis
+            keys, values, q = paged.attending(q, self.cache_k, self.cache_v, table, kv_len, self.kv_scales())
         elif rows is None:  # rows 0..B-1: read the cache in place
             keys, values = ck[:B, :, :kv_len], cv[:B, :, :kv_len]
         else:
             keys, values = ck[rows, :, :kv_len], cv[rows, :, :kv_len]
         if T == 1 and torch.compiler.is_compiling():
-            out = decode_attention(q, keys, values, mask, self.args.attention_multiplier)
+            out = paged.decode_attention(q, keys, values, mask, self.args.attention_multiplier)
         else:
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=self.n_local_kv_heads != self.n_local_heads,
@@ -322,12 +315,12 @@ class Attention(Fusable):
 
 class FeedForward(Fusable):
     FUSED = {"w13": ("w1", "w3")}
-    ggml_arith = False
 
     def __init__(self, dim: Union[ModelArgs, int], hidden_dim: Optional[int] = None, multiple_of: int = 256,
                  ffn_dim_multiplier: Optional[float] = None):
         """FeedForward(args), or Meta's FeedForward(dim, hidden_dim, multiple_of, ffn_dim_multiplier)."""
         super().__init__()
+        self.ggml_arith = False  # llama.cpp's arithmetic where true (Transformer.use_ggml_arith)
         if isinstance(dim, ModelArgs):
             dim, hidden = dim.dim, dim.hidden_dim
         else:
@@ -392,6 +385,12 @@ class Transformer(nn.Module):
             layer.feed_forward.fuse()
         return self
 
+    def use_ggml_arith(self) -> None:
+        """Every norm, attention and FFN in llama.cpp's arithmetic (llama/kernels/ggml_arith.py enable() decides)."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, FeedForward)):
+                module.ggml_arith = True
+
     def setup_rope(self, max_seq_len: int, device=None) -> None:
         """Rotary tables for positions up to twice max_seq_len, like the reference (positions past it stay defined).
 
@@ -434,7 +433,8 @@ class Transformer(nn.Module):
         logits, shape (B, 1, V). kv_len: how many cache positions attention reads (default: just enough).
         """
         layer_args = self.layer_inputs(tokens, start_pos, rows, kv_len)
-        return self.logits(self.run_layers(self.embed(tokens), *layer_args), logit_index)
+        with ggml_products.sequence_tokens(ggml_products.row_tokens(logit_index) if self.norm.ggml_arith else None):
+            return self.logits(self.run_layers(self.embed(tokens), *layer_args), logit_index)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The embeddings of tokens in the model's dtype (a quantized model's table may be narrower), times the

@@ -117,3 +117,19 @@ def test_int8_linear_matches_dequantized_product(k):
     want = x.float() @ (q.float() * scales.float()[:, None]).T
     assert got.shape == (2, 3, 24) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+def test_llama_cpp_arithmetic_is_a_declared_flag_the_model_sets():
+    """Transformer.use_ggml_arith sets every norm's, attention's and FFN's declared ggml_arith (ggml_arith.enable
+    calls it); the batched products take each row's tokens from the model's own forward, which nothing replaces."""
+    from llama.kernels import ggml_products
+    from llama.model import Attention, FeedForward, RMSNorm
+
+    model = random_model()
+    parts = [m for m in model.modules() if isinstance(m, (RMSNorm, Attention, FeedForward))]
+    assert len(parts) == 4 * len(model.layers) + 1 and not any(m.ggml_arith for m in parts)
+    model.use_ggml_arith()
+    assert all(m.ggml_arith for m in parts)
+    ggml_products.install(model)
+    assert "forward" not in vars(model)
+    assert ggml_products.row_tokens(torch.tensor([[9], [6]])) == [10, 7] and ggml_products.row_tokens(None) is None

@@ -187,9 +187,9 @@ class CompiledDecode:
         B = tokens.shape[0]
         if not self.ready(self.key(B, rows, cap)):
             return None
-        table = self.model.layers[0].attention.block_table
-        if table is not None:
-            table.direct()  # outside the runner: the pool's slot layout (llama/core/kv_cache.py)
+        blocks = self.model.layers[0].attention.blocks
+        if blocks is not None:
+            blocks.direct()  # outside the runner: the pool's slot layout (llama/kernels/paged.py BlockTable)
         size = bucket(B, max(self.model.max_batch_size, cap))
         if size != B:
             if rows is None:
@@ -323,7 +323,7 @@ def wants_auto(model) -> bool:
 
 
 def llama_cpp_arith(model) -> bool:
-    return getattr(getattr(model, "norm", None), "ggml_arith", False)
+    return model.norm.ggml_arith
 
 
 def compile_decode(model, mode: Union[bool, str, None] = True) -> Optional[CompiledDecode]:

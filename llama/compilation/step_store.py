@@ -49,7 +49,7 @@ def enabled(model) -> bool:
 
 
 def is_cache(name: str) -> bool:
-    return name.endswith(("cache_k", "cache_v", "block_table"))
+    return name.endswith(("cache_k", "cache_v", "cache_k_scales", "cache_v_scales", "block_table"))
 
 
 @torch.no_grad()

@@ -17,6 +17,8 @@ import hashlib
 from collections import OrderedDict, deque
 from typing import Dict, List, Optional, Sequence
 
+from llama.config.options import PREFIX_CACHE_MODES
+
 SCRATCH = 0
 
 
@@ -34,13 +36,16 @@ def chain_keys(tokens: Sequence[int], block_size: int, salt: bytes, blocks: Opti
 
 class BlockPool:
     """num_blocks blocks of block_size positions: free ones, referenced ones, and cached ones (a key, no
-    references) kept for reuse and evicted least recently used when the pool needs room."""
+    references) kept for reuse and evicted least recently used when the pool needs room. mode: prefix_cache's
+    (PREFIX_CACHE_MODES: on, exact, off; llama/config/ reads the user's value), fixed for the pool's life."""
 
-    def __init__(self, num_blocks: int, block_size: int, salt: bytes = b""):
+    def __init__(self, num_blocks: int, block_size: int, salt: bytes = b"", mode: str = "on"):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"a KV pool needs at least one block of at least one position, got {num_blocks} "
                              f"blocks of {block_size}")
-        self.num_blocks, self.block_size, self.salt = num_blocks, block_size, salt
+        if mode not in PREFIX_CACHE_MODES:
+            raise ValueError(f"a KV pool's prefix_cache mode must be one of {PREFIX_CACHE_MODES}, got {mode!r}")
+        self.num_blocks, self.block_size, self.salt, self.mode = num_blocks, block_size, salt, mode
         self.free: deque = deque(range(1, num_blocks + 1))
         self.refs: Dict[int, int] = {}
         self.key_of: Dict[int, bytes] = {}

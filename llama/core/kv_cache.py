@@ -2,13 +2,14 @@
 prefixes hold, and the lock that says who holds it.
 
 The tensors live in each attention layer as buffers (so torch.compile sees them as the model's mutable state):
-cache_k/cache_v (blocks, kv_heads, block_size, head_dim) and one block table (rows, blocks per row) shared by
-every layer; the model writes new keys/values during its forward pass and reads them through the table. Everything
-else that touches them goes through KVCache: the runner applies the scheduler's table edits and block copies (the
-n samples of a prompt share its full blocks and copy the last, partial one), a Prefix (Llama.prefill, a chat
-session's last turn) keeps the blocks of a row that ran and lends them to the rows that continue it the same way.
-Which blocks are free, shared or cached is the BlockPool's (llama/core/block_pool.py), kept on the planning rank
-only.
+cache_k/cache_v (blocks, kv_heads, block_size, head_dim) (an int8 pool's scales beside them, cache_k_scales and
+cache_v_scales) and one block table (rows, blocks per row) shared by every layer, whose layout between the runner's
+passes each layer also holds (Attention.blocks, a llama/kernels/paged.py BlockTable); the model writes new
+keys/values during its forward pass and reads them through the table. Everything else that touches them goes
+through KVCache: the runner applies the scheduler's table edits and block copies (the n samples of a prompt share
+its full blocks and copy the last, partial one), a Prefix (Llama.prefill, a chat session's last turn) keeps the
+blocks of a row that ran and lends them to the rows that continue it the same way. Which blocks are free, shared or
+cached is the BlockPool's (llama/core/block_pool.py), kept on the planning rank only.
 
 Default size: max_batch_size rows of max_seq_len positions, as many blocks as the slots held before paging, so
 nothing grows unless asked (kv_cache_memory / kv_cache_tokens size it otherwise).
@@ -72,7 +73,7 @@ KV_DTYPES = {"int8": torch.int8}
 def model_kv_dtype(model) -> torch.dtype:
     """The cache's default dtype: the model's, or fp16 for a model in llama.cpp's arithmetic (its KV cache's type;
     llama/kernels/ggml_arith.py), which holds the same values as fp32 in half the bytes."""
-    return torch.float16 if getattr(model.norm, "ggml_arith", False) else model.norm.weight.dtype
+    return torch.float16 if model.norm.ggml_arith else model.norm.weight.dtype
 
 
 def build_cache(model, scheduler: SchedulerConfig, cache: CacheConfig, place: Tuple[int, int] = (0, 0),
@@ -86,50 +87,47 @@ def build_cache(model, scheduler: SchedulerConfig, cache: CacheConfig, place: Tu
     dtype = KV_DTYPES.get(cache.kv_dtype, model_kv_dtype(model))
     size = (scheduler.max_batch_size, scheduler.max_seq_len)
     blocks = pool_blocks(model, *size, BLOCK_SIZE, dtype, memory=cache.memory)
-    kv = KVCache(model, *size, dtype=dtype, device=ref.device, num_blocks=blocks,
-                 salt=pool_salt(model, dtype, BLOCK_SIZE, place))
-    kv.pool.mode, kv.replicated = cache.prefix_cache, replicated
-    return kv
+    return KVCache(model, *size, dtype=dtype, device=ref.device, num_blocks=blocks,
+                   salt=pool_salt(model, dtype, BLOCK_SIZE, place), prefix_cache=cache.prefix_cache,
+                   replicated=replicated)
 
 
 class KVCache:
     """A paged pool of blocks for max_batch_size rows of up to max_seq_len positions, in every layer of `model`.
 
     A model has one cache at a time: allocating another replaces the tensors of the first, so build one Llama per
-    model (Llama.build loads a fresh model each time).
+    model (Llama.build loads a fresh model each time). prefix_cache: the pool's mode (config.options.PREFIX_CACHE_MODES); replicated:
+    other ranks replay this one's steps.
     """
 
     def __init__(self, model, max_batch_size: int, max_seq_len: int, dtype=None, device=None,
-                 block_size: int = BLOCK_SIZE, num_blocks: Optional[int] = None, salt: bytes = b""):
+                 block_size: int = BLOCK_SIZE, num_blocks: Optional[int] = None, salt: bytes = b"",
+                 prefix_cache: str = "on", replicated: bool = False):
         ref = model.norm.weight
         dtype, device = dtype or model_kv_dtype(model), device or ref.device
         if num_blocks is None:
             num_blocks = pool_blocks(model, max_batch_size, max_seq_len, block_size, dtype)
         self.layers = [layer.attention for layer in model.layers]
         per_row = -(-max_seq_len // block_size)
-        self.table = torch.zeros((max_batch_size, per_row), dtype=torch.int64, device=device)
         # Outside the runner's passes (a direct model call: Meta's code, tests) the table rests in the slot layout
-        # of old, row r in blocks 1 + r * per_row ..., as far as the pool has blocks; see direct().
-        home = torch.arange(max_batch_size * per_row, device=device).view(max_batch_size, per_row) + 1
-        self.home = torch.where(home <= (num_blocks or 0), home, torch.zeros_like(home))
-        self.table.copy_(self.home)
-        self._saved = torch.zeros_like(self.table)  # the runner's tables while the slot layout rests
-        self._resting, self._managing = True, 0
-        self.table.direct = self.direct  # the model calls it before a pass outside the runner (eager)
-        self.replicated = False
+        # of old, row r in blocks 1 + r * per_row ..., as far as the pool has blocks; see BlockTable.direct().
+        self.blocks = paged.slot_table(max_batch_size, per_row, num_blocks, device, self._forget_prefixes)
+        self.table = self.blocks.tensor
+        self.replicated = replicated
         for attn in self.layers:
             shape = (num_blocks + 1, attn.n_local_kv_heads, block_size, attn.head_dim)  # + the scratch block
             attn.cache_k = torch.zeros(shape, dtype=dtype, device=device)
             attn.cache_v = torch.zeros(shape, dtype=dtype, device=device)
+            attn.cache_k_scales = attn.cache_v_scales = None
             if dtype == torch.int8:  # a scale per group of a position's head (llama/kernels/paged.py)
                 scales = (*shape[:-1], attn.head_dim // paged.group_size(attn.head_dim))
-                attn.cache_k.scales = torch.zeros(scales, dtype=torch.float16, device=device)
-                attn.cache_v.scales = torch.zeros(scales, dtype=torch.float16, device=device)
-            attn.block_table = self.table
+                attn.cache_k_scales = torch.zeros(scales, dtype=torch.float16, device=device)
+                attn.cache_v_scales = torch.zeros(scales, dtype=torch.float16, device=device)
+            attn.block_table, attn.blocks = self.table, self.blocks
         model.setup_rope(max_seq_len, device)
         self.max_batch_size, self.max_seq_len, self.device = max_batch_size, max_seq_len, device
         self.block_size, self.num_blocks, self.dtype = block_size, num_blocks, dtype
-        self.pool = BlockPool(num_blocks, block_size, salt)  # used on the planning rank only
+        self.pool = BlockPool(num_blocks, block_size, salt, prefix_cache)  # used on the planning rank only
         self.bytes = num_blocks * bytes_per_block(model, block_size, dtype)
         self.lock = threading.RLock()  # one user of the rows at a time: a static batch, a stream or the engine
         self._stream_thread: Optional[int] = None  # the thread whose unfinished stream holds the cache
@@ -160,25 +158,12 @@ class KVCache:
         """The runner's passes: the scheduler's block tables are live. Under prefix_cache="exact" they compute every
         row by row-invariant arithmetic (llama/kernels/invariant.py), so a cached position holds what any fresh
         prefill computes, and a request's logits never depend on what else its passes hold."""
-        if self._resting:
-            self.table.copy_(self._saved)
-            self._resting = False
-        self._managing += 1
-        try:
-            with invariant.rows(getattr(self.pool, "mode", "on") == "exact"):
-                yield
-        finally:
-            self._managing -= 1
+        with self.blocks.managed(), invariant.rows(self.pool.mode == "exact"):
+            yield
 
-    def direct(self) -> None:
-        """A pass outside the runner: rows go back to their slot layout, and since that layout's blocks may hold
-        cached prefixes, which the pass overwrites, every prefix key is forgotten."""
-        if self._managing:
-            return
-        if not self._resting:
-            self._saved.copy_(self.table)
-            self.table.copy_(self.home)
-            self._resting = True
+    def _forget_prefixes(self) -> None:
+        """A pass outside the runner (BlockTable.direct) writes the slot layout's blocks, which may hold cached
+        prefixes: every prefix key is forgotten, and every prefix is computed afresh."""
         if self.pool.by_key:
             self.pool.clear()
         for prefix in list(self._prefixes.values()):  # their blocks may be in that layout: compute them afresh
@@ -234,7 +219,7 @@ class KVCache:
     def _tensors(self) -> List[torch.Tensor]:
         """Every tensor a block spans: keys, values (and an int8 pool's scales)."""
         out = [t for a in self.layers for t in (a.cache_k, a.cache_v)]
-        return out + [t.scales for t in out if hasattr(t, "scales")]
+        return out + [t for a in self.layers for t in (a.cache_k_scales, a.cache_v_scales) if t is not None]
 
     # ------------------------------------------------------------------------------------------ prefixes
     @torch.inference_mode()

@@ -52,7 +52,7 @@ class Paging:
 
     @property
     def mode(self) -> str:
-        return getattr(self.pool, "mode", "on")
+        return self.pool.mode
 
     def _salt(self, r: Request) -> Optional[bytes]:
         """The request's salt, or None where it takes no part in prefix caching (opted out, explicit prefix,

@@ -55,6 +55,7 @@ from llama.core.runner import Execution
 from llama.distributed import parallel
 from llama.distributed.pipeline_engine import Pipelined, follow
 from llama.formats import meta_checkpoint as checkpoint
+from llama.kernels import ggml_products
 from llama.model import ColumnLinear, Embedding, ModelArgs, RMSNorm, Transformer, TransformerBlock, check_model_parallel
 
 
@@ -203,6 +204,13 @@ class PipelineTransformer(Transformer):
         outbox)."""
         if logits_to not in ("all", "last", "first"):
             raise ValueError(f"logits_to must be 'all', 'last' or 'first', got {logits_to!r}")
+        # llama.cpp's arithmetic: its batched products take each row's tokens (llama/kernels/ggml_products.py)
+        with ggml_products.sequence_tokens(ggml_products.row_tokens(logit_index) if self.norm.ggml_arith else None):
+            return self._stage_pass(tokens, start_pos, rows, logit_index, kv_len, logits_to, deferred)
+
+    def _stage_pass(self, tokens: torch.Tensor, start_pos, rows, logit_index, kv_len, logits_to: str,
+                    deferred: bool) -> torch.Tensor:
+        """forward() past its checks: this stage's share of the pass, chunk by chunk."""
         B, T = tokens.shape
         cos, sin, start, positions, rows, kv_len, mask = self.layer_inputs(tokens, start_pos, rows, kv_len)
         pending, outputs = [], []

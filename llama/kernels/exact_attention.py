@@ -23,23 +23,25 @@ def takes(q: torch.Tensor, cache: torch.Tensor) -> bool:
         and q.device.type == "cpu" and not torch.compiler.is_compiling() and cpu_kernels.available()
 
 
-def dequantized(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Blocks of an int8 pool as (len(blocks), kv_heads, block_size, head_dim) in dtype, in the pool's basis
-    (paged.read's arithmetic, stored=True)."""
-    return paged.dequantize(cache[blocks], cache.scales[blocks], dtype).contiguous()
+def dequantized(cache: torch.Tensor, scales: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Blocks of an int8 pool (codes and their scales) as (len(blocks), kv_heads, block_size, head_dim) in dtype, in
+    the pool's basis (paged.read's arithmetic, stored=True)."""
+    return paged.dequantize(cache[blocks], scales[blocks], dtype).contiguous()
 
 
 def attend(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, table: torch.Tensor,
-           positions: torch.Tensor, kv_len: int, scale=None, window=None) -> torch.Tensor:
+           positions: torch.Tensor, kv_len: int, scale=None, window=None, scales: paged.Scales = None) -> torch.Tensor:
     """Attention of rotated queries q (B, T, heads, head_dim) at positions (B or 1, T) over the table's rows (B,
-    blocks per row) of an int8 pool that already holds the pass's keys and values; returns (B * T, heads *
-    head_dim) in q's dtype. Token (b, t) attends its row's positions 0..positions[b, t] (at most kv_len - 1), the
-    newest `window` of them if given, scores scaled by `scale` (None: head_dim ** -0.5), as cpu.decode_attention."""
+    blocks per row) of an int8 pool (scales: its keys' and values' scales) that already holds the pass's keys and
+    values; returns (B * T, heads * head_dim) in q's dtype. Token (b, t) attends its row's positions
+    0..positions[b, t] (at most kv_len - 1), the newest `window` of them if given, scores scaled by `scale` (None:
+    head_dim ** -0.5), as cpu.decode_attention."""
     B, T, H, D = q.shape
     q, bs = paged.into_stored(q, cache_k), cache_k.shape[2]  # the pool's basis (paged.attending), out of it below
     used = table[:, : -(-kv_len // bs)]
     blocks, local = torch.unique(used, return_inverse=True)
-    keys, values = dequantized(cache_k, blocks, q.dtype), dequantized(cache_v, blocks, q.dtype)
+    scales_k, scales_v = paged.scales_of(cache_k, scales)
+    keys, values = dequantized(cache_k, scales_k, blocks, q.dtype), dequantized(cache_v, scales_v, blocks, q.dtype)
     pos = positions.expand(B, T).reshape(-1).to(torch.int64)
     rows = torch.arange(B, device=q.device).repeat_interleave(T)
     at = local.to(torch.int64).contiguous()

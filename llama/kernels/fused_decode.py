@@ -99,8 +99,9 @@ def run(layers, h: torch.Tensor, cos, sin, positions, rows, kv_len: int) -> Opti
     if inputs is None:
         return None
     norms, eps, weights, schemes, groups, qkv_products, ffn_products, caches, table = inputs
-    if table is not None:
-        table.direct()  # outside the runner: the pool's slot layout (llama/core/kv_cache.py)
+    blocks = layers[0].attention.blocks
+    if table is not None and blocks is not None:
+        blocks.direct()  # outside the runner: the pool's slot layout (llama/kernels/paged.py BlockTable)
     cos, sin, rows, row0, positions = cpu_kernels.attention_inputs(cos, sin, rows, positions)
     B = h.shape[0]
     out = torch.ops.llama_cpu.decode_layers(h.reshape(B, -1).contiguous(), norms, eps, weights, schemes, groups,

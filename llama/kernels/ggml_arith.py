@@ -10,8 +10,8 @@ AVX-512 build; llama.cpp's own CLI defaults to flash attention on CPU, which rou
 
 The ops are a small library of their own (built like llama/kernels/cpu.py's: at install into the package, else
 at first use into $LLAMA_CACHE/kernels/ggml/; llama/kernels/build.py), so the product kernels' library is
-untouched. `enable(model)` turns the path on for one model; every module keeps its
-fp32/bf16 arithmetic otherwise.
+untouched. `enable(model)` turns the path on for one model (Transformer.use_ggml_arith sets its modules' declared
+`ggml_arith`); every module keeps its fp32/bf16 arithmetic otherwise.
 """
 
 import sys
@@ -92,9 +92,10 @@ def attention(attn, x: torch.Tensor, start, positions: torch.Tensor, rows, kv_le
     k = fp16(rope(k.reshape(B, T, nkv, hd), positions, theta))
     attn.store(k, fp16(v.reshape(B, T, nkv, hd).float()), start, positions, rows)
     if attn.block_table is not None:
-        getattr(attn.block_table, "direct", int)()  # outside the runner: the slot layout (core/kv_cache.py)
+        if attn.blocks is not None:
+            attn.blocks.direct()  # outside the runner: the slot layout (paged.BlockTable)
         keys, values = paged.read(attn.cache_k, attn.cache_v, attn.table_rows(rows, B, x.device), kv_len,
-                                  torch.float32)
+                                  torch.float32, scales=attn.kv_scales())
     else:
         ck, cv, idx = attn.cached_rows(rows)
         keys, values = (ck[:B, :, :kv_len], cv[:B, :, :kv_len]) if idx is None else \
@@ -125,8 +126,6 @@ def enable(model) -> bool:
     ref = model.norm.weight
     if not (follows(model.params) and ref.dtype == torch.float32 and ref.device.type == "cpu" and available()):
         return False
-    for module in model.modules():
-        if hasattr(module, "ggml_arith"):
-            module.ggml_arith = True
+    model.use_ggml_arith()
     ggml_products.install(model)
     return True

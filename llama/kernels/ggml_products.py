@@ -9,7 +9,7 @@ backend (an x86 build with AVX-512, as llama-cpp-python 0.3.36 builds it) multip
 - below those counts, its one-token dot, which our products equal.
 Each sums in its own order (csrc/ggml_tiled.cpp says which), so a prompt fed in one batch gives other logits unless
 the product follows the kernel llama.cpp picks for that many tokens. `install(model)` wraps the methods of the
-model's GGUF-block layers so that their products do.
+model's GGUF-block layers so that their products do; the model's forward says each row's tokens (row_tokens).
 
 T is the tokens per sequence in the pass (x's second-to-last dimension), as llama.cpp's is its ubatch's token
 count: one prompt fed in one pass equals llama.cpp's prompt fed in one batch of n_ubatch or more (its default 512),
@@ -20,6 +20,7 @@ attention is (llama.cpp fed one token at a time).
 """
 
 from contextlib import contextmanager
+from typing import List, Optional
 
 import torch
 
@@ -98,12 +99,18 @@ def _class(base: type) -> type:
 _classes: dict = {}
 
 
+def row_tokens(logit_index) -> Optional[List[int]]:
+    """The tokens of each row of a pass where its logit_index says them (each row's last token), for
+    sequence_tokens(): a model in llama.cpp's arithmetic (Transformer.forward) passes them, so a prompt padded beside
+    a longer one is multiplied as alone; None where the pass does not say."""
+    return None if logit_index is None else (logit_index.reshape(-1) + 1).tolist()
+
+
 def install(model) -> int:
     """Give every GGUF-block layer of model whose type llama.cpp multiplies otherwise in a batch llama.cpp's batched
     products (a method of its own class with that apply; llama/quantization/gguf_blocks.py's GGUFBlocks, known here
-    by its qtype and layout, as kernels sit below quantization), and model's forward the tokens per row where it
-    has them (logit_index: each row's last token, so a prompt padded beside a longer one is multiplied as alone);
-    returns how many layers."""
+    by its qtype and layout, as kernels sit below quantization); returns how many layers. The model's forward
+    passes each row's tokens (row_tokens) once it computes in llama.cpp's arithmetic (Transformer.use_ggml_arith)."""
     n = 0
     for layer in model.modules():
         m = getattr(layer, "method", None)
@@ -111,13 +118,4 @@ def install(model) -> int:
                 and not getattr(m, "ggml_products", False):
             layer.method = _class(type(m))()
             n += 1
-    if n and "forward" not in vars(model):
-        inner = model.forward
-
-        def forward(tokens, *args, **kwargs):
-            last = kwargs.get("logit_index", args[2] if len(args) > 2 else None)  # Transformer.forward's 4th
-            with sequence_tokens(None if last is None else (last.reshape(-1) + 1).tolist()):
-                return inner(tokens, *args, **kwargs)
-
-        model.forward = forward
     return n

@@ -6,7 +6,8 @@ The pool's caches are (blocks, kv_heads, block_size, head_dim); `table` holds th
 
 An int8 pool (kv_cache_dtype="int8") holds each position's head rotated, then as llama.cpp's q8_0 (its scales
 bitwise): each group of GROUP values (a whole head where head_dim is not a multiple of GROUP) has int8 codes and an
-fp16 scale, amax / 127, in the cache tensor's `scales` attribute (blocks, kv_heads, block_size, head_dim // group).
+fp16 scale, amax / 127, in a scales tensor beside the codes (blocks, kv_heads, block_size, head_dim // group): the
+layer's cache_k_scales/cache_v_scales (llama/model.py Attention), passed here as `scales` (keys', values').
 The rotation (rotate(): fixed signs, then a normalized Walsh-Hadamard transform of head_dim, as QuaRot does and
 llama.cpp for its quantized KV types, ggml-org/llama.cpp#21038) spreads a head's few outlier channels over all of
 them, so they no longer set a group's step: less error in the same bytes (measured in docs/performance.md, "int8
@@ -19,6 +20,9 @@ in fp32, so dequantizing rounds once, to the activations' dtype.
 """
 
 import random
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -26,6 +30,58 @@ import torch
 GROUP = 32  # values per scale within a head: q8_0's block
 ROTATE = True  # rotate heads of a power-of-two head_dim before quantizing (False: plain q8_0, for comparisons)
 _SIGNS: dict = {}
+Scales = Optional[Tuple[torch.Tensor, torch.Tensor]]  # an int8 pool's (keys', values' scales); None: a float pool
+
+
+@dataclass(eq=False)
+class BlockTable:
+    """The paged pool's block table and the layout it rests in between the runner's passes. llama/core/kv_cache.py
+    builds it; every Attention holds it (Attention.blocks) beside its block_table buffer, which is `tensor`.
+
+    During the runner's passes (managed()) the scheduler's tables are live. A pass outside them (a direct model call:
+    Meta's code, tests) calls direct() first: the rows go back to the slot layout of old, `home` (row r in blocks
+    1 + r * per_row ..., as far as the pool has blocks), and since that layout's blocks may hold cached prefixes,
+    which the pass overwrites, it calls `forget` (the cache forgets every prefix key and marks its prefixes stale)."""
+
+    tensor: torch.Tensor  # (rows, blocks per row) int64, shared by every layer
+    home: torch.Tensor  # the slot layout
+    forget: Callable[[], None]
+    saved: torch.Tensor = field(init=False)  # the runner's tables while the slot layout rests
+    resting: bool = True
+    managing: int = 0
+
+    def __post_init__(self):
+        self.tensor.copy_(self.home)
+        self.saved = torch.zeros_like(self.tensor)
+
+    def direct(self) -> None:
+        """Before a pass outside the runner (eager: the model, the fused decode, the compiled step's caller)."""
+        if self.managing:
+            return
+        if not self.resting:
+            self.saved.copy_(self.tensor)
+            self.tensor.copy_(self.home)
+            self.resting = True
+        self.forget()
+
+    @contextmanager
+    def managed(self):
+        """The runner's passes: its tables are live."""
+        if self.resting:
+            self.tensor.copy_(self.saved)
+            self.resting = False
+        self.managing += 1
+        try:
+            yield
+        finally:
+            self.managing -= 1
+
+
+def slot_table(rows: int, per_row: int, num_blocks: int, device, forget: Callable[[], None]) -> BlockTable:
+    """A BlockTable of `rows` rows of per_row blocks, resting in the slot layout."""
+    home = torch.arange(rows * per_row, device=device).view(rows, per_row) + 1
+    home = torch.where(home <= num_blocks, home, torch.zeros_like(home))
+    return BlockTable(torch.zeros((rows, per_row), dtype=torch.int64, device=device), home, forget)
 
 
 def group_size(head_dim: int) -> int:
@@ -119,47 +175,73 @@ def decode(codes: torch.Tensor, scales: torch.Tensor, dtype) -> torch.Tensor:
     return unrotate(dequantize(codes, scales, torch.float32)).to(dtype)
 
 
-def write(cache: torch.Tensor, blocks, offsets, x: torch.Tensor) -> None:
+def scales_of(cache_k: torch.Tensor, scales: Scales) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(keys' scales, values' scales): an int8 pool's, which it cannot be read or written without."""
+    if cache_k.dtype == torch.int8 and scales is None:
+        raise ValueError("an int8 KV pool needs its scales (keys', values'): pass the layer's cache_k_scales and "
+                         "cache_v_scales")
+    return (None, None) if scales is None else scales
+
+
+def write(cache: torch.Tensor, scales: Optional[torch.Tensor], blocks, offsets, x: torch.Tensor) -> None:
+    """x into the pool at (blocks, offsets): an int8 pool's codes into cache, their scales into scales."""
     if cache.dtype == torch.int8:
         codes, scale = encode(x)
         cache[blocks, :, offsets] = codes
-        cache.scales[blocks, :, offsets] = scale
+        scales[blocks, :, offsets] = scale
     else:
         cache[blocks, :, offsets] = x.to(cache.dtype)
 
 
 def store(cache_k: torch.Tensor, cache_v: torch.Tensor, table: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-          positions: torch.Tensor) -> None:
+          positions: torch.Tensor, scales: Scales = None) -> None:
     """Write keys/values (B, T, kv_heads, head_dim) at positions (B or 1, T) of the table's rows."""
     B, T = k.shape[:2]
     bs = cache_k.shape[2]
     pos = positions.expand(B, T)
     blocks = table.gather(1, pos // bs)  # (B, T)
-    write(cache_k, blocks, pos % bs, k)
-    write(cache_v, blocks, pos % bs, v)
+    scales_k, scales_v = scales_of(cache_k, scales)
+    write(cache_k, scales_k, blocks, pos % bs, k)
+    write(cache_v, scales_v, blocks, pos % bs, v)
 
 
 def read(cache_k: torch.Tensor, cache_v: torch.Tensor, table: torch.Tensor, kv_len: int, dtype=None,
-         stored: bool = False):
+         stored: bool = False, scales: Scales = None):
     """Keys and values (B, kv_heads, kv_len, head_dim) of positions 0..kv_len-1 of the table's rows (a gather);
     an int8 pool's dequantized to dtype, in the model's basis (stored=True: the pool's, as attending() uses)."""
     bs = cache_k.shape[2]
     table = table[:, : -(-kv_len // bs)]
     out = []
-    for cache in (cache_k, cache_v):
+    for cache, scale in zip((cache_k, cache_v), scales_of(cache_k, scales)):
         g = cache[table]  # (B, blocks, kv_heads, block_size, head_dim)
         if cache.dtype == torch.int8:
-            g = (dequantize if stored else decode)(g, cache.scales[table], dtype)
+            g = (dequantize if stored else decode)(g, scale[table], dtype)
         g = g.transpose(1, 2)
         out.append(g.reshape(g.shape[0], g.shape[1], -1, g.shape[-1])[:, :, :kv_len])
     return out
 
 
-def attending(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, table: torch.Tensor, kv_len: int):
+def attending(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, table: torch.Tensor, kv_len: int,
+              scales: Scales = None):
     """(keys, values, queries) for attention over the pool, in the basis its keys and values are stored in: an int8
     pool's as dequantized, q (B, T, heads, head_dim) rotated into it; the output then goes through from_stored()."""
-    keys, values = read(cache_k, cache_v, table, kv_len, q.dtype, stored=True)
+    keys, values = read(cache_k, cache_v, table, kv_len, q.dtype, stored=True, scales=scales)
     return keys, values, into_stored(q, cache_k)
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                     scale: Optional[float] = None) -> torch.Tensor:
+    """Attention of one query per row, written out so Inductor fuses it (SDPA is an opaque ~50 us call per layer):
+    the compiled decode step's, over the keys and values attending() or a slot cache gives.
+
+    q (B, 1, H, D); keys/values (B, Hkv, S, D); mask (B, 1, 1, S) bool. Query heads that share a KV head are
+    grouped instead of repeating keys. Scores and softmax in fp32; scale None is D ** -0.5. Returns (B, H, 1, D).
+    """
+    (B, _, H, D), kv_heads = q.shape, keys.shape[1]
+    qg = q.view(B, kv_heads, H // kv_heads, D).float()  # head h uses KV head h // (H / Hkv), as enable_gqa does
+    scores = (qg @ keys.float().transpose(-1, -2)) * (D**-0.5 if scale is None else scale)  # (B, Hkv, G, S)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return (probs @ values.float()).to(q.dtype).view(B, H, 1, D)
 
 
 def flat_rows(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, rows, B: int, T: int):

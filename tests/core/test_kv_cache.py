@@ -122,6 +122,52 @@ def test_model_on_a_scattered_table_equals_the_slot_layout():
     assert cache.table[0, 2] == SCRATCH  # unallocated entries name the scratch block
 
 
+def test_a_direct_call_rests_the_table_in_its_slot_layout_and_forgets_prefix_keys():
+    """The block table's state is the cache's BlockTable, held by every layer (Attention.blocks), not a method
+    attached to the tensor: a pass outside the runner puts the slot layout back and forgets every prefix key; the
+    runner's next pass gets its own tables back."""
+    model = random_model(seed=1, max_batch=2, max_seq=64)
+    cache = KVCache(model, 2, 64, num_blocks=6, prefix_cache="exact", replicated=True)
+    assert cache.pool.mode == "exact" and cache.replicated
+    assert all(layer.attention.blocks is cache.blocks for layer in model.layers)
+    assert cache.blocks.tensor is cache.table is model.layers[0].attention.block_table
+    assert not hasattr(cache.table, "direct")
+    home = torch.tensor([[1, 2, 3, 4], [5, 6, 0, 0]])  # blocks past the pool's 6 name the scratch block
+    assert torch.equal(cache.table, home)
+    with cache.manage():
+        cache.set_blocks([0, 1], [[4], [2, 3]])
+        cache.pool.publish(list(range(16)), cache.pool.allocate(1))
+        model(torch.tensor([[3]]), 0)  # inside the runner's passes its tables stay
+        assert cache.table[0, 0] == 4 and cache.pool.by_key
+    model(torch.tensor([[3]]), 0)
+    assert torch.equal(cache.table, home) and not cache.pool.by_key
+    with cache.manage():
+        assert cache.table[0, 0] == 4 and cache.table[1, 1] == 3
+
+
+def test_pool_mode_is_declared_and_checked():
+    assert BlockPool(4, 16).mode == "on" and BlockPool(4, 16, mode="off").mode == "off"
+    with pytest.raises(ValueError, match="prefix_cache mode must be one of"):
+        BlockPool(4, 16, mode=True)
+
+
+def test_an_int8_pools_scales_are_the_layers_buffers():
+    """An int8 pool's scales are declared buffers of each attention layer beside the codes (nothing attached to the
+    cache tensors); a float pool allocated after it has none, and paged's reads refuse an int8 pool without them."""
+    model = random_model(seed=1, max_batch=2, max_seq=64)
+    cache = KVCache(model, 2, 64, dtype=torch.int8)
+    attn = model.layers[0].attention
+    assert attn.cache_k_scales.shape == (*attn.cache_k.shape[:-1], 1) and attn.cache_k_scales.dtype == torch.float16
+    assert not hasattr(attn.cache_k, "scales") and "cache_v_scales" in dict(attn.named_buffers())
+    model(torch.tensor([[3, 4]]), 0)
+    assert attn.cache_k_scales.abs().sum() > 0
+    assert len(cache._tensors()) == 4 * len(model.layers)
+    with pytest.raises(ValueError, match="int8 KV pool needs its scales"):
+        paged.read(attn.cache_k, attn.cache_v, cache.table[:1], 2)
+    KVCache(model, 2, 64)
+    assert attn.cache_k_scales is None and attn.cache_v_scales is None and attn.kv_scales() is None
+
+
 def test_a_kept_row_lends_its_blocks_and_copies_only_the_partial_one():
     model = random_model(seed=1, max_batch=2, max_seq=64)
     cache = KVCache(model, 2, 64)

@@ -85,16 +85,15 @@ def test_attention_in_the_stored_basis_is_attention_over_the_decoded_pool(dtype)
     B, T, H, Hkv, D, bs = 2, 20, 4, 2, 64, 16
     cache_k = torch.zeros(6, Hkv, bs, D, dtype=torch.int8)
     cache_v = torch.zeros_like(cache_k)
-    cache_k.scales = torch.zeros(6, Hkv, bs, D // 32, dtype=torch.float16)
-    cache_v.scales = torch.zeros_like(cache_k.scales)
+    scales = tuple(torch.zeros(6, Hkv, bs, D // 32, dtype=torch.float16) for _ in "kv")  # keys', values'
     table = torch.tensor([[3, 1], [5, 2]])
     q, k, v = (torch.randn(B, T, n, D, generator=g).to(dtype) for n in (H, Hkv, Hkv))
     k[..., 5] *= 30  # an outlier channel
-    paged.store(cache_k, cache_v, table, k, v, torch.arange(T)[None])
+    paged.store(cache_k, cache_v, table, k, v, torch.arange(T)[None], scales)
     mask = torch.ones(T, T, dtype=torch.bool).tril()
-    keys, values = paged.read(cache_k, cache_v, table, T, dtype)
+    keys, values = paged.read(cache_k, cache_v, table, T, dtype, scales=scales)
     want = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
-    sk, sv, sq = paged.attending(q, cache_k, cache_v, table, T)
+    sk, sv, sq = paged.attending(q, cache_k, cache_v, table, T, scales)
     got = paged.from_stored(F.scaled_dot_product_attention(sq.transpose(1, 2), sk, sv, attn_mask=mask,
                                                            enable_gqa=True).transpose(1, 2), cache_k)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
@@ -107,7 +106,8 @@ def test_attention_in_the_stored_basis_is_attention_over_the_decoded_pool(dtype)
 def smollm2_kv(llm, tokens):
     """SmolLM2's keys and values (every layer's, fp32) of one pass over tokens, as written to its cache."""
     got, write = [], paged.write
-    paged.write = lambda cache, blocks, offsets, x: got.append(x.float().clone()) or write(cache, blocks, offsets, x)
+    paged.write = lambda cache, scales, blocks, offsets, x: got.append(x.float().clone()) or write(
+        cache, scales, blocks, offsets, x)
     try:
         with llm.cache.hold():
             llm.runner.logits([tokens])
