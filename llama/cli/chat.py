@@ -19,6 +19,8 @@ Ctrl-C stops a reply without leaving"""
 
 
 def parser() -> argparse.ArgumentParser:
+    from llama.quantization import schemes as quantization  # the registered schemes' names
+
     p = argparse.ArgumentParser(prog="python -m llama chat", description="Chat with a model in the terminal.")
     p.add_argument("--ckpt_dir", "--ckpt-dir", default=None,
                    help="Meta checkpoint directory or GGUF file (default: SmolLM2-135M-Instruct, fetched once)")
@@ -30,7 +32,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max_gen_len", "--max-gen-len", type=int, default=None, help="tokens per reply at most")
     p.add_argument("--max_seq_len", "--max-seq-len", type=int, default=4096, help="the whole conversation's tokens")
     p.add_argument("--dtype", default=None)
-    p.add_argument("--quantize", default=None, choices=["int8", "int8-dynamic", "int4"])
+    p.add_argument("--quantize", default=None, choices=quantization.choices())
     p.add_argument("--speculative", default="off", choices=["off", "ngram"],
                    help="ngram: prompt-lookup speculative decoding, replies unchanged (llama/core/speculative.py)")
     p.add_argument("--draft-model", "--draft_model", default=None, dest="draft_model",

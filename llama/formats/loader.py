@@ -27,6 +27,7 @@ from llama.kernels import ggml_arith
 from llama.layers import Fusable, linear_layers
 from llama.model import ModelArgs, Transformer, check_model_parallel
 from llama.quantization import schemes as quantization
+from llama.quantization.schemes import QuantScheme
 from llama.tokenizers import huggingface as tokenizer_hf
 from llama.tokenizers.sentencepiece import load_tokenizer
 
@@ -37,13 +38,12 @@ def check_options(max_seq_len, max_batch_size, seed, compile, quantize, preload=
     positive_int("max_batch_size", max_batch_size)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an integer, got {seed!r}")
-    if quantize is not None and quantize not in quantization.SCHEMES:
-        raise ValueError(f"quantize must be one of {quantization.SCHEMES} or None, got {quantize!r}")
+    quantization.lookup(quantize)  # a registered name (or alias), a QuantScheme, or None
     if not any(compile is v for v in (False, None, True)) and compile not in compilation.MODES:
         raise ValueError(f"compile must be a bool, None or one of {compilation.MODES}, got {compile!r}")
 
 
-def fuses(args: ModelArgs, dtype, device, quantize: Optional[str], compile, ranks: int = 1) -> bool:
+def fuses(args: ModelArgs, dtype, device, quantize: Optional[QuantScheme], compile, ranks: int = 1) -> bool:
     """Whether loading fuses q/k/v and gate/up into one product each. Fusing concatenates their weights (a copy)
     for fewer, larger products: on small models that is worth ~8 % eager and ~28 % compiled (134M bf16). Unquantized
     on a CPU where our kernels run (llama/kernels/cpu.py), the copy sits in memory beside the checkpoint's mapped
@@ -61,7 +61,7 @@ def fuses(args: ModelArgs, dtype, device, quantize: Optional[str], compile, rank
     return have is None or copy <= have / 4
 
 
-def prepare(module: torch.nn.Module, device, dtype, quantize: Optional[str],
+def prepare(module: torch.nn.Module, device, dtype, quantize: Optional[QuantScheme],
             group_size: Optional[int] = None, fuse: bool = True) -> None:
     """Move, fuse (see fuses()), quantize and cast a module in place: the whole model, or one layer as soon as it
     is loaded."""
@@ -76,7 +76,7 @@ def prepare(module: torch.nn.Module, device, dtype, quantize: Optional[str],
 
 
 def gguf_model(reader, path, args: ModelArgs, rank: int, world_size: int, device, dtype,
-               quantize: Optional[str], group_size: Optional[int] = None, fuse: bool = True) -> Transformer:
+               quantize: Optional[QuantScheme], group_size: Optional[int] = None, fuse: bool = True) -> Transformer:
     """This rank's model from a GGUF file, layer by layer: each layer is dequantized to dtype, sliced, moved,
     fused and quantized, and its file pages released, before the next is read, so a quantized load never holds
     the whole model in full precision, nor the file beside the model. A missing output.weight is the embedding: shared at world size 1, cut along the vocabulary above."""
@@ -210,20 +210,21 @@ def load(
     return model, tokenizer, compiled
 
 
-def resolve_scheme(ckpt_dir, gguf_path, pipeline_parallel_size: int, quantize: Optional[str],
-                   group_size: Optional[int], device) -> Tuple[Optional[dict], Optional[str], Optional[int]]:
+def resolve_scheme(ckpt_dir, gguf_path, pipeline_parallel_size: int, quantize, group_size: Optional[int],
+                   device) -> Tuple[Optional[dict], Optional[QuantScheme], Optional[int]]:
     """(the quantization a checkpoint written by `python -m llama.quantize` records or None, the scheme to load
-    with, its group size): a stored checkpoint loads as it is, its int8 weights by default in the fastest int8
-    scheme of the device (quantized_checkpoint.check_request)."""
+    with (quantize= looked up in the registry), its group size): a stored checkpoint loads as it is, its int8
+    weights by default in the fastest int8 scheme of the device (quantized_checkpoint.check_request)."""
+    quantize = quantization.lookup(quantize)
     stored = None if gguf_path is not None else quant_checkpoint.stored_scheme(ckpt_dir)
     if stored is not None:
         if pipeline_parallel_size != 1:
             raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size} loads unquantized Meta-layout "
                              f"checkpoints only, not the quantized checkpoint in {ckpt_dir}")
         quantize, group_size = quant_checkpoint.check_request(ckpt_dir, stored, quantize, group_size, device)
-    if group_size is not None and quantize != "int4":
-        raise ValueError(f"group_size applies to quantize='int4' only, got group_size={group_size!r} with "
-                         f"quantize={quantize!r}")
+    group_size = quantization.checked_group_size(quantize, group_size)
+    if quantize is not None:
+        quantize.check_device(device)  # before any weight is read
     return stored, quantize, group_size
 
 
@@ -272,20 +273,20 @@ def model_args(params: dict, tokenizer, max_seq_len: int, max_batch_size: int,
     return args
 
 
-def stored_model(ckpt_dir, args: ModelArgs, rank: int, mp_size: int, stored: dict, quantize: str, device,
-                 dtype) -> Transformer:
+def stored_model(ckpt_dir, args: ModelArgs, rank: int, mp_size: int, stored: dict, quantize: QuantScheme,
+                 device, dtype) -> Transformer:
     """This rank's model from a checkpoint written by `python -m llama.quantize`, nothing requantized: int8 codes
     that load as int8-dynamic keep their codes and multiply int8 activations."""
     model = quant_checkpoint.load_model(ckpt_dir, args, rank, mp_size, stored, device)
     model.to(device=device).eval()
-    if quantize != stored["scheme"]:
+    if quantize is not quantization.get(stored["scheme"]):  # another scheme of the stored codes (int8-dynamic)
         quantization.quantize(model, quantize)
     quantization.cast_floating(model, dtype)
     return model
 
 
 def float_model(ckpt_dir, args: ModelArgs, rank: int, mp_size: int, reader, gguf_path, staged: bool, device,
-                dtype, quantize: Optional[str], group_size: Optional[int], fuse: bool):
+                dtype, quantize: Optional[QuantScheme], group_size: Optional[int], fuse: bool):
     """This rank's model (or pipeline stage) from a Meta-layout or GGUF checkpoint, moved, fused, quantized and
     cast (prepare)."""
     if staged:  # this rank's stage only: its layers and its tensor-parallel slice of them (llama/distributed/pipeline.py)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from llama.quantization import schemes as quantization  # the registered schemes' names
+
     p = argparse.ArgumentParser(prog="python -m llama.serve", description="OpenAI-compatible server for a Llama "
                                 "checkpoint: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics "
                                 "and a chat page at /")
@@ -32,7 +34,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model-name", "--model_name", default=None, dest="model_name",
                    help="the model id clients send (default: the checkpoint directory's name)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: the loader's choice)")
-    p.add_argument("--quantize", default=None, choices=["int8", "int8-dynamic", "int4"])
+    p.add_argument("--quantize", default=None, choices=quantization.choices())
     p.add_argument("--group_size", "--group-size", type=int, default=None, help="int4's inputs per scale (32)")
     p.add_argument("--model_parallel_size", "--model-parallel-size", type=int, default=None,
                    help="tensor-parallel ranks per stage (default: the world size / pipeline size)")
