@@ -111,7 +111,8 @@ def check_fits(args: ModelArgs, dtype: torch.dtype, scheme, group_size: Optional
             continue  # it already fits as it loads by default
         if (dt, sc) == (dtype, scheme):
             continue
-        if estimate(args, dt, sc, None if sc is None else sc.group_size, compile, world_size, kernels)["total"] <= have:
+        group = None if sc is None else sc.group_size
+        if estimate(args, dt, sc, group, compile, world_size, kernels)["total"] <= have:
             options.append(label)
             fitting.add(sc)
     if need["compile_copy"] and need["total"] - int(need["compile_copy"] * MARGIN) <= have:

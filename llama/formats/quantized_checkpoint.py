@@ -26,6 +26,7 @@ from llama.quantization import schemes
 from llama.quantization.schemes import QuantScheme
 
 PARAMS_KEY = "quantization"
+STORED_SCHEMES = schemes.storable()  # the built-in storable schemes (schemes.storable() has those registered since)
 LINEAR = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w2",
           "feed_forward.w3")
 # fused module -> the Meta layers it concatenates (model.Attention/FeedForward.FUSED)

@@ -60,7 +60,7 @@ def quantize_checkpoint(ckpt_dir, out_dir, scheme: Union[str, QuantScheme], grou
     if scheme.group_size is not None:
         group_size = scheme.check_group_size(scheme.group_size if group_size is None else group_size)
     elif group_size is not None:
-        grouped = " or ".join(n for n in schemes.storable() if schemes.get(n).group_size is not None)
+        grouped = " or ".join(n for n in schemes.grouped() if n in schemes.storable())
         raise ValueError(f"--group-size applies to --scheme {grouped} only, got {group_size!r} with {scheme.name!r}")
     if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
         raise ValueError(f"shards must be a positive integer, got {shards!r}")
@@ -120,9 +120,9 @@ def main(argv=None) -> int:
     ap.add_argument("ckpt_dir")
     ap.add_argument("out_dir")
     ap.add_argument("--scheme", required=True, choices=schemes.storable())
-    grouped = [schemes.get(n) for n in schemes.storable() if schemes.get(n).group_size is not None]
+    grouped = [schemes.get(n) for n in schemes.grouped() if n in schemes.storable()]
     ap.add_argument("--group-size", type=int, default=None,
-                    help=", ".join(f"{s.name} only (default {s.group_size})" for s in grouped) or "grouped schemes only")
+                    help=", ".join(f"{s.name} only (default {s.group_size})" for s in grouped) or "grouped only")
     ap.add_argument("--shards", type=int, default=1, help="number of consolidated.XX.pth files to write")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
