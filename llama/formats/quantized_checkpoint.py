@@ -77,7 +77,9 @@ def check_request(ckpt_dir, stored: dict, quantize, group_size, device=None) -> 
     held = schemes.get(stored["scheme"])
     scheme = schemes.lookup(quantize)
     if scheme is None:
-        scheme = schemes.get(held.storage.load_as(device) or held.name) if device is not None else held
+        preferred = None if device is None else held.storage.load_as(device)
+        scheme = schemes.get(preferred) if preferred is not None else held
+        scheme = scheme if scheme.loads(held) else held  # a layout shared with a scheme not taking these codes
     if not scheme.loads(held):
         raise ValueError(f"{ckpt_dir} holds {held.name} weights (params.json {PARAMS_KEY}); quantize="
                          f"{scheme.name!r} cannot be applied to them: pass quantize=None or {held.name!r}")

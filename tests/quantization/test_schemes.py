@@ -3,6 +3,7 @@ from here, with no other file touched, is what Llama.build's quantize=, the memo
 take; an unregistered name is refused naming the valid ones."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -10,9 +11,12 @@ import torch.nn.functional as F
 
 from llama import Llama
 from llama.formats import memory
+from llama.formats.demo import write_random_checkpoint
 from llama.layers import LinearMethod, linear_layers
 from llama.quantization import schemes
+from llama.quantization.cli import quantize_checkpoint
 from llama.quantization.schemes import QuantScheme
+from llama.quantization.stored import Int8Stored
 
 
 class Bf16Rounded(LinearMethod):
@@ -87,6 +91,32 @@ def test_a_scheme_reusing_int4_under_another_group_size_equals_int4_at_that_size
     assert all(m.method.group_size == 64 for m in linear_layers(got.model))
     assert torch.equal(got.model(TOKENS, 0), want.model(TOKENS, 0))
     assert not torch.equal(got.model(TOKENS, 0), _build(stories_dir, quantize="int4").model(TOKENS, 0))
+    schemes.unregister(INT4_G64.name)  # a QuantScheme is taken as it is, registered or not
+    try:
+        assert torch.equal(_build(stories_dir, quantize=INT4_G64).model(TOKENS, 0), want.model(TOKENS, 0))
+    finally:
+        schemes.register(INT4_G64)
+
+
+def test_a_registered_storable_scheme_is_written_and_loaded_by_its_name(stories_dir, tmp_path):
+    """int8's stored layout under a new name: `python -m llama.quantize` records the name, Llama.build loads it
+    back as that scheme (weight-only int8), the logits of quantize="int8" at load."""
+    stored_int8 = schemes.register(dataclasses.replace(schemes.INT8, name="test-int8-stored", storage=Int8Stored()))
+    try:
+        params = {"dim": 128, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 64, "vocab_size": 512,
+                  "norm_eps": 1e-5}
+        ckpt = write_random_checkpoint(tmp_path / "ckpt", params, seed=3, std=0.05)
+        quantize_checkpoint(ckpt, tmp_path / "q", "test-int8-stored", shards=2, progress=False)
+        record = json.loads((tmp_path / "q" / "params.json").read_text())["quantization"]
+        assert record == {"scheme": "test-int8-stored"}
+        tok = str(stories_dir / "tokenizer.model")  # 512 pieces, as params' vocabulary
+        logits = [Llama.build(str(d), tok, 32, 2, quantize=q, compile=False).model(TOKENS, 0)
+                  for d, q in ((tmp_path / "q", None), (ckpt, "int8"))]
+        assert torch.equal(logits[0], logits[1])
+        with pytest.raises(ValueError, match="holds test-int8-stored weights .* quantize='int8' cannot be applied"):
+            Llama.build(str(tmp_path / "q"), tok, 32, 2, quantize="int8")
+    finally:
+        schemes.unregister(stored_int8.name)
 
 
 def test_unknown_names_are_refused_naming_the_valid_ones(stories_dir, registered):
