@@ -8,14 +8,14 @@ from typing import Optional
 from llama.compilation.compiled_decode import MODES as COMPILE_MODES
 from llama.config import BuildArgs
 from llama.config.options import KV_CACHE_DTYPES, PREFIX_CACHE_MODES, SPECULATIVE_MODES
-from llama.quantization.schemes import SCHEMES
+from llama.quantization import registry
 from llama.tokenizers.chat_format import TOOL_STYLES
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     """What both CLIs take: the dtype, quantization and speculation."""
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: the loader's choice)")
-    p.add_argument("--quantize", default=None, choices=list(SCHEMES))
+    p.add_argument("--quantize", default=None, choices=registry.choices())  # the registered schemes (aliases too)
     p.add_argument("--group_size", "--group-size", type=int, default=None, help="int4's inputs per scale (32)")
     p.add_argument("--speculative", default="off", choices=["off", *(m for m in SPECULATIVE_MODES if m != "draft")],
                    help="ngram: prompt-lookup speculative decoding, outputs unchanged (llama/core/speculative.py)")

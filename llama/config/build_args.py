@@ -11,10 +11,12 @@ from typing import Optional, Union
 import torch
 
 from llama.config.options import (CacheConfig, CompileConfig, LlamaConfig, ModelConfig, ParallelConfig, QuantConfig,
-                                  SchedulerConfig, SpeculativeConfig, positive_int)
+                                  SchedulerConfig, SpeculativeConfig)
 from llama.distributed import parallel
 from llama.formats import gguf_file, hf_checkpoint
 from llama.formats import quantized_checkpoint as quant_checkpoint
+from llama.quantization import registry
+from llama.quantization.registry import QuantScheme
 from llama.quantization import schemes as quantization
 
 
@@ -69,7 +71,7 @@ class BuildArgs:
     dtype: Union[str, torch.dtype, None] = None
     verify: bool = False
     compile: Union[bool, str, None] = "auto"
-    quantize: Optional[str] = None
+    quantize: Union[str, QuantScheme, None] = None
     rope_scaling_factor: Optional[float] = None
     pipeline_parallel_size: int = 1
     group_size: Optional[int] = None
@@ -96,8 +98,6 @@ class BuildArgs:
         cache = CacheConfig(self.prefix_cache, self.kv_cache_memory, self.kv_cache_dtype)
         scheduler = SchedulerConfig(self.max_seq_len, self.max_batch_size)
         parallel_config = ParallelConfig(self.model_parallel_size, self.pipeline_parallel_size)
-        if self.quantize is not None and self.quantize not in quantization.SCHEMES:
-            raise ValueError(f"quantize must be one of {quantization.SCHEMES} or None, got {self.quantize!r}")
         compile = CompileConfig(self.compile)
         # compile="auto" times its switch from eager to compiled steps, which drafts would move, and an exact
         # prefix cache computes by the eager passes' arithmetic: both mean eager there
@@ -110,13 +110,11 @@ class BuildArgs:
 
     def _checkpoint(self, device: torch.device, parallel_config: ParallelConfig):
         """(ModelConfig, QuantConfig): what the checkpoint is, read once, and the scheme it loads in."""
-        if self.group_size is not None:
-            positive_int("group_size", self.group_size)
         gguf_path = gguf_file.find_gguf(self.ckpt_dir)
         hf_dir = None if gguf_path is not None else hf_checkpoint.find_hf(self.ckpt_dir)
         stored = None if gguf_path is not None or hf_dir is not None else quant_checkpoint.stored_scheme(self.ckpt_dir)
         kind = "gguf" if gguf_path else "hf" if hf_dir else "quantized" if stored else "meta"
-        quantize, group_size = self.quantize, self.group_size
+        quantize, group_size = registry.lookup(self.quantize), self.group_size
         if stored is not None and not parallel_config.staged:  # the pipeline's refusal is LlamaConfig's (checks.py)
             quantize, group_size = quant_checkpoint.check_request(self.ckpt_dir, stored, quantize, group_size,
                                                                   device)

@@ -35,13 +35,13 @@ def check_speculation(config) -> None:
 
 
 def check_quantization(config) -> None:
+    """A scheme runs on its devices only (QuantScheme.check_device), and stages load unquantized checkpoints."""
     quant = config.quant
     if quant.stored is not None and config.parallel.staged:
         raise ValueError(f"pipeline_parallel_size={config.parallel.pipeline_parallel_size} loads unquantized "
                          f"Meta-layout checkpoints only, not the quantized checkpoint in {config.model.path}")
-    if quant.group_size is not None and quant.scheme != "int4":
-        raise ValueError(f"group_size applies to quantize='int4' only, got group_size={quant.group_size!r} with "
-                         f"quantize={quant.scheme!r}")
+    if quant.scheme is not None and config.model.kind != "memory":
+        quant.scheme.check_device(config.model.device)  # before any weight is read
 
 
 def check(config) -> None:

@@ -12,6 +12,8 @@ from typing import Optional, Union
 
 import torch
 
+from llama.quantization import registry
+from llama.quantization.registry import QuantScheme
 from llama.settings import parse_bytes
 
 PREFIX_CACHE_MODES = ("on", "exact", "off")  # llama/core/paging.py
@@ -150,11 +152,16 @@ class CompileConfig:
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """The quantization scheme the weights load in (None: none), int4's group size, and what a checkpoint written
-    by `python -m llama.quantize` records (then it loads as stored, nothing requantized)."""
-    scheme: Optional[str] = None
+    """The quantization scheme the weights load in (a registered QuantScheme, given by name or alias or as the
+    object; None: none), its group size (None: the scheme's default), and what a checkpoint written by
+    `python -m llama.quantize` records (then it loads as stored, nothing requantized)."""
+    scheme: Union[QuantScheme, str, None] = None
     group_size: Optional[int] = None
     stored: Optional[dict] = None
+
+    def __post_init__(self):
+        _set(self, "scheme", registry.lookup(self.scheme))
+        _set(self, "group_size", registry.checked_group_size(self.scheme, self.group_size))
 
 
 @dataclass(frozen=True)
@@ -207,7 +214,8 @@ class LlamaConfig:
         m = self.model
         where = f"{m.path or 'a model in memory'} ({m.kind}) on {m.device}, {m.dtype}"
         return (f"{where}; max_seq_len={self.scheduler.max_seq_len} max_batch_size={self.scheduler.max_batch_size}; "
-                f"quantize={self.quant.scheme} group_size={self.quant.group_size}; compile={self.compile.mode!r}; "
+                f"quantize={self.quant.scheme and self.quant.scheme.name} group_size={self.quant.group_size}; "
+                f"compile={self.compile.mode!r}; "
                 f"prefix_cache={self.cache.prefix_cache} kv_cache_memory={self.cache.memory} "
                 f"kv_cache_dtype={self.cache.kv_dtype}; speculative={self.speculative.mode}; model_parallel_size="
                 f"{self.parallel.model_parallel_size} pipeline_parallel_size={self.parallel.pipeline_parallel_size}")

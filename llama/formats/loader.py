@@ -27,11 +27,12 @@ from llama.kernels import ggml_arith
 from llama.layers import Fusable, linear_layers
 from llama.model import ModelArgs, Transformer, check_model_parallel
 from llama.quantization import schemes as quantization
+from llama.quantization.schemes import QuantScheme
 from llama.tokenizers import huggingface as tokenizer_hf
 from llama.tokenizers.sentencepiece import load_tokenizer
 
 
-def fuses(args: ModelArgs, dtype, device, quantize: Optional[str], compile, ranks: int = 1) -> bool:
+def fuses(args: ModelArgs, dtype, device, quantize: Optional[QuantScheme], compile, ranks: int = 1) -> bool:
     """Whether loading fuses q/k/v and gate/up into one product each. Fusing concatenates their weights (a copy)
     for fewer, larger products: on small models that is worth ~8 % eager and ~28 % compiled (134M bf16). Unquantized
     on a CPU where our kernels run (llama/kernels/cpu.py), the copy sits in memory beside the checkpoint's mapped
@@ -49,7 +50,7 @@ def fuses(args: ModelArgs, dtype, device, quantize: Optional[str], compile, rank
     return have is None or copy <= have / 4
 
 
-def prepare(module: torch.nn.Module, device, dtype, quantize: Optional[str],
+def prepare(module: torch.nn.Module, device, dtype, quantize: Optional[QuantScheme],
             group_size: Optional[int] = None, fuse: bool = True) -> None:
     """Move, fuse (see fuses()), quantize and cast a module in place: the whole model, or one layer as soon as it
     is loaded."""
@@ -64,7 +65,7 @@ def prepare(module: torch.nn.Module, device, dtype, quantize: Optional[str],
 
 
 def gguf_model(reader, path, args: ModelArgs, rank: int, world_size: int, device, dtype,
-               quantize: Optional[str], group_size: Optional[int] = None, fuse: bool = True) -> Transformer:
+               quantize: Optional[QuantScheme], group_size: Optional[int] = None, fuse: bool = True) -> Transformer:
     """This rank's model from a GGUF file, layer by layer: each layer is dequantized to dtype, sliced, moved,
     fused and quantized, and its file pages released, before the next is read, so a quantized load never holds
     the whole model in full precision, nor the file beside the model. A missing output.weight is the embedding: shared at world size 1, cut along the vocabulary above."""
@@ -223,7 +224,7 @@ def stored_model(m: ModelConfig, args: ModelArgs, rank: int, mp_size: int, quant
     that load as int8-dynamic keep their codes and multiply int8 activations."""
     model = quant_checkpoint.load_model(m.path, args, rank, mp_size, quant.stored, m.device)
     model.to(device=m.device).eval()
-    if quant.scheme != quant.stored["scheme"]:
+    if quant.scheme is not quantization.get(quant.stored["scheme"]):  # another scheme of the codes (int8-dynamic)
         quantization.quantize(model, quant.scheme)
     quantization.cast_floating(model, m.dtype)
     return model

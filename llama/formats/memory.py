@@ -21,7 +21,7 @@ from llama import settings
 from llama.formats import libc
 from llama.kernels import cpu as cpu_kernels
 from llama.model import ModelArgs
-from llama.quantization.schemes import activation_dtype
+from llama.quantization import schemes
 
 MARGIN = 1.10
 ENV = "LLAMA_MEMORY_LIMIT"
@@ -42,19 +42,20 @@ def available_bytes() -> Optional[int]:
         return None
 
 
-def linear_bytes(n: int, k: int, scheme: Optional[str], dtype: torch.dtype, group_size: Optional[int]) -> int:
-    if scheme in ("int8", "int8-dynamic"):
-        return n * k + 4 * n
-    if scheme == "int4":
-        g = group_size or 32
-        return n * k // 2 + 4 * n * -(-k // g)
+def linear_bytes(n: int, k: int, scheme, dtype: torch.dtype, group_size: Optional[int]) -> int:
+    """Bytes of an (n, k) linear weight: in dtype, or as the quantization scheme (a name or QuantScheme) holds it."""
+    scheme = schemes.lookup(scheme)
+    if scheme is not None:
+        return scheme.linear_bytes(n, k, group_size)
     return n * k * torch.empty((), dtype=dtype).element_size()
 
 
-def estimate(args: ModelArgs, dtype: torch.dtype, scheme: Optional[str] = None, group_size: Optional[int] = None,
+def estimate(args: ModelArgs, dtype: torch.dtype, scheme=None, group_size: Optional[int] = None,
              compile=None, world_size: int = 1, kernels: bool = False) -> Dict[str, int]:
-    """Bytes one rank needs, by part: weights, embeddings, kv_cache, compile_copy, total. kernels: our CPU kernels
-    run here (no compiled copy of float weights in a single process)."""
+    """Bytes one rank needs, by part: weights, embeddings, kv_cache, compile_copy, total. scheme: a quantization
+    scheme's name or QuantScheme, or None. kernels: our CPU kernels run here (no compiled copy of float weights in
+    a single process)."""
+    scheme = schemes.lookup(scheme)
     d, hd, hidden = args.dim, args.head_dim, args.hidden_dim
     size = torch.empty((), dtype=dtype).element_size()
     shapes = [(args.n_heads * hd + 2 * args.n_kv_heads * hd, d), (d, args.n_heads * hd), (2 * hidden, d),
@@ -72,11 +73,21 @@ def estimate(args: ModelArgs, dtype: torch.dtype, scheme: Optional[str] = None, 
     return parts
 
 
+def _smaller():
+    """(label, dtype, scheme) of the smaller configurations a refusal names when they fit: bf16, then the smallest
+    built-in schemes, each as it loads by default, then in bf16."""
+    int8, int4 = schemes.INT8, schemes.INT4
+    return (("dtype=bfloat16", torch.bfloat16, None),
+            (f'quantize="{int8.name}"', int8.activation_dtype() or torch.bfloat16, int8),
+            (f'quantize="{int4.name}"', int4.activation_dtype() or torch.float32, int4),
+            (f'quantize="{int4.name}", dtype=bfloat16', torch.bfloat16, int4))
+
+
 def _gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
-def check_fits(args: ModelArgs, dtype: torch.dtype, scheme: Optional[str], group_size: Optional[int], compile,
+def check_fits(args: ModelArgs, dtype: torch.dtype, scheme, group_size: Optional[int], compile,
                world_size: int = 1, device=None) -> None:
     """NotEnoughMemory, before any weight is read, when this configuration needs more than is available, naming
     what would fit (another dtype, a quantization, a shorter cache, no compile). CPU only: a CUDA device's
@@ -87,22 +98,23 @@ def check_fits(args: ModelArgs, dtype: torch.dtype, scheme: Optional[str], group
     if have is None:
         return
     kernels = cpu_kernels.available()
+    scheme = schemes.lookup(scheme)
     need = estimate(args, dtype, scheme, group_size, compile, world_size, kernels)
     # ranks on this host (torchrun) draw on the same memory: each checks that all of them fit
     local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
     have //= local
     if need["total"] <= have:
         return
-    options = []
-    for label, dt, sc in (("dtype=bfloat16", torch.bfloat16, None), ('quantize="int8"', torch.bfloat16, "int8"),
-                          ('quantize="int4"', activation_dtype("int4") or torch.float32, "int4"),
-                          ('quantize="int4", dtype=bfloat16', torch.bfloat16, "int4")):
-        if options and sc == "int4" and dt == torch.bfloat16 and options[-1].startswith('quantize="int4"'):
-            continue  # int4 already fits as it loads by default
+    options, fitting = [], set()
+    for label, dt, sc in _smaller():
+        if sc in fitting:
+            continue  # it already fits as it loads by default
         if (dt, sc) == (dtype, scheme):
             continue
-        if estimate(args, dt, sc, 32 if sc == "int4" else None, compile, world_size, kernels)["total"] <= have:
+        group = None if sc is None else sc.group_size
+        if estimate(args, dt, sc, group, compile, world_size, kernels)["total"] <= have:
             options.append(label)
+            fitting.add(sc)
     if need["compile_copy"] and need["total"] - int(need["compile_copy"] * MARGIN) <= have:
         options.append('compile="auto" or False (no frozen copy of the weights)')
     if need["kv_cache"] > need["total"] / 4:

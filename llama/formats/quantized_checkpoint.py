@@ -1,6 +1,7 @@
 """Quantized Meta-layout checkpoints: written once by `python -m llama.quantize`, loaded by Llama.build as they are.
 
-Layout: params.json as the source's plus {"quantization": {"scheme": "int8"|"int4", "group_size": G}};
+Layout: params.json as the source's plus {"quantization": {"scheme": NAME, "group_size": G}} (G for a grouped
+scheme only; NAME a storable scheme's: llama/quantization/registry.py, its storage layout in stored.py);
 consolidated.XX.pth shards (torch.save, memory-mappable, weights-only loadable) holding for every linear layer
   - int8: `<name>.weight` int8 (N, K) and `<name>.scales` bf16 (N,), one scale per output row over the whole
     input (so a row-parallel shard keeps every row's scale: the scales are replicated, the weight is cut by columns);
@@ -21,20 +22,11 @@ from torch import nn
 from llama.formats import meta_checkpoint as checkpoint
 from llama.kernels import int4_pack_store as pack_cache
 from llama.model import ModelArgs, Transformer, check_model_parallel
-from llama.quantization.int4 import (
-    DEFAULT_GROUP_SIZE,
-    Int4,
-    check_group_size,
-    kernel_shapes,
-    own_kernel,
-    quantize_codes,
-    set_int4,
-)
-from llama.quantization.int8 import Int8WeightOnly, quantize_weight
-from llama.quantization.schemes import fastest_int8
+from llama.quantization import schemes
+from llama.quantization.schemes import QuantScheme
 
 PARAMS_KEY = "quantization"
-STORED_SCHEMES = ("int8", "int4")
+STORED_SCHEMES = schemes.storable()  # the built-in storable schemes (schemes.storable() has those registered since)
 LINEAR = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w2",
           "feed_forward.w3")
 # fused module -> the Meta layers it concatenates (model.Attention/FeedForward.FUSED)
@@ -49,11 +41,11 @@ def is_linear(name: str) -> bool:
                                        and m.group(2).endswith(".weight"))
 
 
-def stored_dim(name: str, scheme: str) -> Optional[int]:
+def stored_dim(name: str, scheme: QuantScheme) -> Optional[int]:
     """Dimension a stored tensor is cut along across ranks (None: replicated)."""
     if name.endswith(".scales"):
         dim = checkpoint.parallel_dim(name[: -len(".scales")] + ".weight")
-        return None if scheme == "int8" and dim == 1 else dim
+        return None if scheme.storage.row_scales and dim == 1 else dim
     return checkpoint.parallel_dim(name)
 
 
@@ -66,41 +58,44 @@ def stored_scheme(ckpt_dir) -> Optional[dict]:
     info = params.get(PARAMS_KEY)
     if info is None:
         return None
-    if not isinstance(info, dict) or info.get("scheme") not in STORED_SCHEMES:
-        raise ValueError(f"{path} has {PARAMS_KEY}={info!r}: expected {{'scheme': one of {STORED_SCHEMES}, ...}}")
-    if info["scheme"] == "int4":
-        check_group_size(info.get("group_size"))
+    if not isinstance(info, dict) or info.get("scheme") not in schemes.storable():
+        raise ValueError(f"{path} has {PARAMS_KEY}={info!r}: expected {{'scheme': one of {schemes.storable()}, ...}}")
+    scheme = schemes.get(info["scheme"])
+    if scheme.group_size is not None:
+        scheme.check_group_size(info.get("group_size"))
     return info
 
 
-def check_request(ckpt_dir, stored: dict, quantize, group_size, device=None) -> Tuple[str, Optional[int]]:
+def check_request(ckpt_dir, stored: dict, quantize, group_size, device=None) -> Tuple[QuantScheme, Optional[int]]:
     """(scheme, group size) to load a quantized checkpoint with on `device`; ValueError if the caller asked for
-    another.
+    another (quantize: a scheme's name, a QuantScheme or None).
 
-    int8 weights also load as "int8-dynamic": both schemes quantize weights alike (llama/quantization/int8.py).
-    Asked for nothing, they load as the fastest int8 scheme the device runs (schemes.fastest_int8: int8-dynamic
-    on a CPU with our kernels); quantize="int8" keeps them weight-only."""
-    if stored["scheme"] == "int8" and quantize is None and device is not None:
-        quantize = fastest_int8(device)
-    if stored["scheme"] == "int8" and quantize == "int8-dynamic":
-        return quantize, None
-    if quantize is not None and quantize != stored["scheme"]:
-        raise ValueError(f"{ckpt_dir} holds {stored['scheme']} weights (params.json {PARAMS_KEY}); quantize="
-                         f"{quantize!r} cannot be applied to them: pass quantize=None or {stored['scheme']!r}")
-    stored_group = stored.get("group_size") if stored["scheme"] == "int4" else None
+    A scheme may take another's stored weights (QuantScheme.stored_as): int8 weights also load as "int8-dynamic",
+    as both schemes quantize weights alike (llama/quantization/int8.py). Asked for nothing, a checkpoint loads as
+    its storage layout says (StoredLayout.load_as: int8 as the fastest int8 scheme the device runs, int8-dynamic on
+    a CPU with our kernels); quantize="int8" keeps them weight-only."""
+    held = schemes.get(stored["scheme"])
+    scheme = schemes.lookup(quantize)
+    if scheme is None:
+        preferred = None if device is None else held.storage.load_as(device)
+        scheme = schemes.get(preferred) if preferred is not None else held
+        scheme = scheme if scheme.loads(held) else held  # a layout shared with a scheme not taking these codes
+    if not scheme.loads(held):
+        raise ValueError(f"{ckpt_dir} holds {held.name} weights (params.json {PARAMS_KEY}); quantize="
+                         f"{scheme.name!r} cannot be applied to them: pass quantize=None or {held.name!r}")
+    if scheme is not held:  # its own group size, if any, checked by the caller
+        return scheme, group_size
+    stored_group = stored.get("group_size") if held.group_size is not None else None
     if group_size is not None and group_size != stored_group:
         raise ValueError(f"{ckpt_dir} was quantized with group size {stored_group}, not group_size={group_size!r}")
-    return stored["scheme"], stored_group
+    return held, stored_group
 
 
-def quantize_tensor(name: str, weight: torch.Tensor, scheme: str, group_size: int) -> Dict[str, torch.Tensor]:
+def quantize_tensor(name: str, weight: torch.Tensor, scheme: QuantScheme,
+                    group_size: Optional[int]) -> Dict[str, torch.Tensor]:
     """{name: stored weight, <layer>.scales: stored scales} for one full-precision linear weight."""
-    scales_name = name[: -len(".weight")] + ".scales"
-    if scheme == "int8":
-        q, scales = quantize_weight(weight)
-    else:
-        q, scales = quantize_codes(weight, group_size)
-    return {name: q, scales_name: scales}
+    q, scales = scheme.storage.quantize(weight, group_size)
+    return {name: q, name[: -len(".weight")] + ".scales": scales}
 
 
 # --------------------------------------------------------------------------------------------------- loading
@@ -114,14 +109,22 @@ def _open(ckpt_dir):
     return paths, shards
 
 
-def _full_shape(name: str, parts, scheme: str) -> Tuple[int, ...]:
+def _full_shape(name: str, parts, scheme: QuantScheme) -> Tuple[int, ...]:
     shape, dim = list(parts[0][name].shape), stored_dim(name, scheme)
     if dim is not None:
         shape[dim] *= len(parts)
     return tuple(shape)
 
 
-def _check_shapes(paths, shards, args: ModelArgs, scheme: str, group_size: int, world_size: int) -> None:
+def check_groups(name: str, k: int, parts: int, group_size: Optional[int], what: str) -> None:
+    """ValueError when cutting a grouped scheme's row-parallel weight `name` (k inputs) into `parts` would cut its
+    groups."""
+    if group_size is not None and parts > 1 and checkpoint.parallel_dim(name) == 1 and (k // parts) % group_size:
+        raise ValueError(f"{name} has {k} inputs: {what}")
+
+
+def _check_shapes(paths, shards, args: ModelArgs, scheme: QuantScheme, group_size: Optional[int],
+                  world_size: int) -> None:
     expected = checkpoint.expected_shapes(args)
     want = {}
     for name, shape in expected.items():
@@ -129,26 +132,22 @@ def _check_shapes(paths, shards, args: ModelArgs, scheme: str, group_size: int, 
             want[name] = shape
             continue
         n, k = shape
-        scales = name[: -len(".weight")] + ".scales"
-        if scheme == "int8":
-            want[name], want[scales] = (n, k), (n,)
-        else:
-            want[name], want[scales] = (n, k // 2), (n, -(-k // group_size), 2)
-            if checkpoint.parallel_dim(name) == 1 and world_size > 1 and (k // world_size) % group_size:
-                raise ValueError(f"{name} has {k} inputs: model parallel size {world_size} would cut its groups of "
-                                 f"{group_size}; use a size whose slices ({k}/size) are multiples of {group_size}")
+        want[name], want[name[: -len(".weight")] + ".scales"] = scheme.storage.shapes(n, k, group_size)
+        check_groups(name, k, world_size, group_size, f"model parallel size {world_size} would cut its groups of "
+                     f"{group_size}; use a size whose slices ({k}/size) are multiples of {group_size}")
     have = set(shards[0])
     if have != set(want):
         diff = sorted(have ^ set(want))[0]
         where = "lacks" if diff in want else "has unexpected"
-        raise ValueError(f"{paths[0].parent} {where} tensor {diff!r} for a {scheme} checkpoint of params.json's shape")
+        raise ValueError(f"{paths[0].parent} {where} tensor {diff!r} for a {scheme.name} checkpoint of params.json's "
+                         "shape")
     for name, shape in want.items():
         if _full_shape(name, shards, scheme) != shape:
             raise ValueError(f"{name} in {paths[0].parent} has shape {_full_shape(name, shards, scheme)}; params.json "
-                             f"and {scheme} imply {shape}")
+                             f"and {scheme.name} imply {shape}")
 
 
-def _slice(name: str, parts, rank: int, world_size: int, scheme: str) -> torch.Tensor:
+def _slice(name: str, parts, rank: int, world_size: int, scheme: QuantScheme) -> torch.Tensor:
     """Rank `rank`'s part of a stored tensor at model-parallel size world_size."""
     tensors, dim = [p[name] for p in parts], stored_dim(name, scheme)
     if dim is None or (len(tensors) == world_size):
@@ -161,15 +160,15 @@ def _slice(name: str, parts, rank: int, world_size: int, scheme: str) -> torch.T
 def load_model(ckpt_dir, args: ModelArgs, rank: int, world_size: int, stored: dict, device=None) -> Transformer:
     """The fused, quantized model of rank `rank` from a quantized checkpoint, nothing requantized: on the CPU, and
     int4 layers already in tinygemm's layout on a CUDA `device` (the caller moves the rest)."""
-    scheme = stored["scheme"]
-    group_size = stored.get("group_size") or DEFAULT_GROUP_SIZE
+    scheme = schemes.get(stored["scheme"])
+    group_size = None if scheme.group_size is None else stored.get("group_size") or scheme.group_size
     check_model_parallel(args, world_size)
     paths, shards = _open(ckpt_dir)
     _check_shapes(paths, shards, args, scheme, group_size, world_size)
     state = {name: _slice(name, shards, rank, world_size, scheme) for name in shards[0]}
     # The layers as the model holds them (fused; int4 in its kernel's layout), cached per machine: after the first
     # load nothing is concatenated or repacked, so the model memory-maps its weights (llama/kernels/int4_pack_store.py)
-    path = pack_cache.cache_path(ckpt_dir, rank, world_size, group_size if scheme == "int4" else 0)
+    path = pack_cache.cache_path(ckpt_dir, rank, world_size, group_size or 0)
     on_cuda = device is not None and torch.device(device).type == "cuda"
     packs = None if on_cuda else Packs(path, pack_cache.load(path) or {}, {})
     with torch.device("meta"):
@@ -214,29 +213,25 @@ class Packs:
         return packed, scales
 
 
-def _assign(layer, key: str, names, state, scheme: str, group_size: int, packs: Optional[Packs] = None,
-            device=None) -> None:
+def _assign(layer, key: str, names, state, scheme: QuantScheme, group_size: Optional[int],
+            packs: Optional[Packs] = None, device=None) -> None:
     weights = [state.pop(n + ".weight") for n in names]
     scales = [state.pop(n + ".scales") for n in names]
-    if scheme == "int4" and device is not None and torch.device(device).type == "cuda":  # tinygemm's layout
-        set_int4(layer, torch.cat(weights).to(device), torch.cat(scales).to(device), group_size)
+    layout = scheme.storage
+    if layout.device_layout and device is not None and torch.device(device).type == "cuda":  # int4: tinygemm's
+        layout.hold(layer, torch.cat(weights).to(device), torch.cat(scales).to(device), group_size)
         return
-    rows, inputs = sum(w.shape[0] for w in weights), weights[0].shape[1] * (2 if scheme == "int4" else 1)
-    own = scheme == "int8" or own_kernel(inputs)  # the stored layout is the model's (no repacking)
+    rows, inputs = sum(w.shape[0] for w in weights), weights[0].shape[1] * layout.values_per_byte
+    own = layout.as_stored(inputs)  # the stored layout is the model's (no repacking)
     # A single stored tensor in the model's layout is used as it is (memory-mapped); fused or repacked ones are cached
     cached = packs is not None and packs.path is not None and (len(names) > 1 or not own)
     if cached:
-        shapes = kernel_shapes(rows, inputs, group_size) if scheme == "int4" else ((rows, inputs), (rows,))
-        hit = packs.take(key, shapes)
+        hit = packs.take(key, layout.model_shapes(rows, inputs, group_size))
         if hit is not None:
-            method = Int8WeightOnly() if scheme == "int8" else Int4(group_size, rows, own)
-            method.hold(layer, *hit)
+            layout.hold_model(layer, *hit, rows, inputs, group_size)
             return
     weight = weights[0] if len(names) == 1 else torch.cat(weights)
     scale = scales[0] if len(names) == 1 else torch.cat(scales)
-    if scheme == "int8":
-        Int8WeightOnly().hold(layer, weight, scale)
-    else:
-        set_int4(layer, weight, scale, group_size)
+    layout.hold(layer, weight, scale, group_size)
     if cached:
         packs.fresh[key + ".packed"], packs.fresh[key + ".scales"] = layer.weight.data, layer.scales.data

@@ -2,6 +2,8 @@
 
     python -m llama.quantize CKPT_DIR OUT_DIR --scheme int8|int4 [--group-size 32] [--shards N]
 
+(--scheme: any storable scheme, llama/quantization/registry.py; --group-size: a grouped one's.)
+
 Reads a Meta-layout checkpoint (any shard count, memory-mapped) and writes a quantized one (llama/formats/quantized_checkpoint.py
 describes the files) that Llama.build loads directly: the same logits as quantize= at load, without the minute of
 quantizing. It streams: one full-precision tensor at a time is read (its pages released after), quantized and kept;
@@ -11,7 +13,7 @@ so peak memory is about the quantized model plus one tensor in fp32. Tokenizer f
 import argparse
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union
 
 import torch
 
@@ -19,19 +21,20 @@ from llama.formats import memory
 from llama.formats import meta_checkpoint as checkpoint
 from llama.formats.quantized_checkpoint import (
     PARAMS_KEY,
-    STORED_SCHEMES,
+    check_groups,
     is_linear,
     quantize_tensor,
     stored_dim,
     stored_scheme,
 )
 from llama.model import ModelArgs
-from llama.quantization.int4 import DEFAULT_GROUP_SIZE, check_group_size
+from llama.quantization import schemes
+from llama.quantization.schemes import QuantScheme
 
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json")
 
 
-def _split(name: str, t: torch.Tensor, rank: int, shards: int, scheme: str) -> torch.Tensor:
+def _split(name: str, t: torch.Tensor, rank: int, shards: int, scheme: QuantScheme) -> torch.Tensor:
     dim = stored_dim(name, scheme)
     if dim is None or shards == 1:
         return t
@@ -39,15 +42,26 @@ def _split(name: str, t: torch.Tensor, rank: int, shards: int, scheme: str) -> t
     return t.narrow(dim, rank * size, size).clone()
 
 
-def quantize_checkpoint(ckpt_dir, out_dir, scheme: str, group_size: Optional[int] = None, shards: int = 1,
-                        progress: bool = True) -> List[Path]:
+def storable(scheme: Union[str, QuantScheme]) -> QuantScheme:
+    """The scheme to store by name (or alias), or itself; ValueError unless `python -m llama.quantize` can store it."""
+    try:
+        found = schemes.lookup(scheme)
+    except ValueError:
+        found = None
+    if found is None or found.storage is None:
+        raise ValueError(f"scheme must be one of {schemes.storable()}, got {scheme!r}")
+    return found
+
+
+def quantize_checkpoint(ckpt_dir, out_dir, scheme: Union[str, QuantScheme], group_size: Optional[int] = None,
+                        shards: int = 1, progress: bool = True) -> List[Path]:
     """Write the quantized checkpoint of ckpt_dir into out_dir; return the files written."""
-    if scheme not in STORED_SCHEMES:
-        raise ValueError(f"scheme must be one of {STORED_SCHEMES}, got {scheme!r}")
-    if scheme == "int4":
-        group_size = check_group_size(DEFAULT_GROUP_SIZE if group_size is None else group_size)
+    scheme = storable(scheme)
+    if scheme.group_size is not None:
+        group_size = scheme.check_group_size(scheme.group_size if group_size is None else group_size)
     elif group_size is not None:
-        raise ValueError(f"--group-size applies to --scheme int4 only, got {group_size!r} with {scheme!r}")
+        grouped = " or ".join(n for n in schemes.grouped() if n in schemes.storable())
+        raise ValueError(f"--group-size applies to --scheme {grouped} only, got {group_size!r} with {scheme.name!r}")
     if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
         raise ValueError(f"shards must be a positive integer, got {shards!r}")
     if stored_scheme(ckpt_dir) is not None:
@@ -57,25 +71,24 @@ def quantize_checkpoint(ckpt_dir, out_dir, scheme: str, group_size: Optional[int
     sset = checkpoint.open_shards(ckpt_dir, ModelArgs.from_params(params))
     args = sset.args
     checkpoint.check_model_parallel(args, shards)
-    if scheme == "int4":
-        for name, (n, k) in ((n, s) for n, s in checkpoint.expected_shapes(args).items() if is_linear(n)):
-            if shards > 1 and checkpoint.parallel_dim(name) == 1 and (k // shards) % group_size:
-                raise ValueError(f"{name} has {k} inputs: {shards} shards would cut its groups of {group_size}; "
-                                 f"choose a shard count whose slices ({k}/shards) are multiples of {group_size}")
+    for name, (n, k) in ((n, s) for n, s in checkpoint.expected_shapes(args).items() if is_linear(n)):
+        check_groups(name, k, shards, group_size, f"{shards} shards would cut its groups of {group_size}; choose a "
+                     f"shard count whose slices ({k}/shards) are multiples of {group_size}")
     names = list(sset.names)
     if "output.weight" not in names:
         names.append("output.weight")  # tied: quantized from the embedding, written explicitly
         sset.sources["output.weight"] = "tok_embeddings.weight"
     out: List[Dict[str, torch.Tensor]] = [{} for _ in range(shards)]
-    bar = _progress(names, progress, f"quantizing to {scheme}")
+    bar = _progress(names, progress, f"quantizing to {scheme.name}")
     with memory.freed_memory_returned():  # each tensor's temporaries go back to the OS, not into the heap
         _quantize_all(bar, sset, out, scheme, group_size, shards)
-    params = {**params, PARAMS_KEY: {"scheme": scheme, **({"group_size": group_size} if scheme == "int4" else {})}}
+    record = {"scheme": scheme.name, **({"group_size": group_size} if scheme.group_size is not None else {})}
+    params = {**params, PARAMS_KEY: record}
     extra = {f: Path(ckpt_dir) / f for f in TOKENIZER_FILES if (Path(ckpt_dir) / f).is_file()}
     return checkpoint.write_shards(out_dir, params, shards, lambda k: out[k], extra)
 
 
-def _quantize_all(names, sset, out: List[Dict[str, torch.Tensor]], scheme: str, group_size: Optional[int],
+def _quantize_all(names, sset, out: List[Dict[str, torch.Tensor]], scheme: QuantScheme, group_size: Optional[int],
                   shards: int) -> None:
     """One tensor at a time: read it, quantize it, keep the result, release its source pages."""
     for name in names:
@@ -106,8 +119,10 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("ckpt_dir")
     ap.add_argument("out_dir")
-    ap.add_argument("--scheme", required=True, choices=STORED_SCHEMES)
-    ap.add_argument("--group-size", type=int, default=None, help=f"int4 only (default {DEFAULT_GROUP_SIZE})")
+    ap.add_argument("--scheme", required=True, choices=schemes.storable())
+    grouped = [schemes.get(n) for n in schemes.grouped() if n in schemes.storable()]
+    ap.add_argument("--group-size", type=int, default=None,
+                    help=", ".join(f"{s.name} only (default {s.group_size})" for s in grouped) or "grouped only")
     ap.add_argument("--shards", type=int, default=1, help="number of consolidated.XX.pth files to write")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)

@@ -1,9 +1,11 @@
-"""Quantization schemes by name (Llama.build's `quantize=`): "int8" (weight-only), "int8-dynamic" (int8
-activations too, as llama.cpp's q8_0) and "int4" (group-wise). Each replaces the method of every linear layer
-(llama/layers.py) with its own: llama/quantization/int8.py and int4.py hold the methods and their arithmetic.
+"""The built-in quantization schemes (Llama.build's `quantize=`), registered by name: "int8" (weight-only),
+"int8-dynamic" (int8 activations too, as llama.cpp's q8_0) and "int4" (group-wise). Each replaces the method of
+every linear layer (llama/layers.py) with its own: llama/quantization/int8.py and int4.py hold the methods and their
+arithmetic, llama/quantization/registry.py the QuantScheme objects and the registry (re-exported here: import this
+module, which registers the built-ins, to register or look up a scheme).
 """
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import nn
@@ -11,10 +13,21 @@ from torch import nn
 from llama.kernels import cpu as cpu_kernels
 from llama.kernels import fused_decode
 from llama.layers import Fusable, linear_layers, quantized
-from llama.quantization.int4 import DEFAULT_GROUP_SIZE, quantize_int4
+from llama.quantization.int4 import DEFAULT_GROUP_SIZE, check_group_size, quantize_int4
 from llama.quantization.int8 import Int8WeightOnly, int8_dynamic, quantize_weight
-
-SCHEMES = ("int8", "int8-dynamic", "int4")
+from llama.quantization.registry import (  # noqa: F401  (the registry's public names, from here)
+    QuantScheme,
+    checked_group_size,
+    choices,
+    get,
+    grouped,
+    lookup,
+    names,
+    register,
+    storable,
+    unregister,
+)
+from llama.quantization.stored import Int4Stored, Int8Stored, fastest_int8  # noqa: F401
 
 
 @torch.no_grad()
@@ -53,13 +66,6 @@ def quantize_int8_dynamic(model: nn.Module) -> nn.Module:
     return model
 
 
-def fastest_int8(device) -> str:
-    """The int8 scheme a stored int8 checkpoint loads as when the caller names none: "int8-dynamic" on a CPU where
-    our kernels run (1.64x llama.cpp's q8_0 at 7B, against 0.8x weight-only: docs/performance.md), else "int8"
-    (CUDA, or no AVX2 kernels: weight-only, as oneDNN's int8-dynamic is no faster there)."""
-    return "int8-dynamic" if torch.device(device).type == "cpu" and cpu_kernels.available() else "int8"
-
-
 @torch.no_grad()
 def cast_floating(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Cast the parameters like model.to(dtype), but leave quantization scales alone (their dtype is the kernel's),
@@ -76,28 +82,52 @@ def cast_floating(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return model
 
 
-def activation_dtype(scheme: Optional[str]) -> Optional[torch.dtype]:
-    """The activation dtype a scheme runs in when the caller names none (None: the device's default).
-
-    PyTorch's int8/int4 CPU kernels want bf16; ours (llama/kernels/cpu.py) take fp32, and on CPUs without native
-    bf16 every other operator (norms, attention) runs faster in fp32 too, at twice the KV cache's bytes."""
-    if scheme == "int8" or (scheme == "int4" and not cpu_kernels.available()):
-        return torch.bfloat16
-    return None
+def activation_dtype(scheme: Union[str, QuantScheme, None]) -> Optional[torch.dtype]:
+    """The activation dtype a scheme runs in when the caller names none (None: the device's default)."""
+    scheme = lookup(scheme)
+    return None if scheme is None else scheme.activation_dtype()
 
 
-def quantize(model: nn.Module, scheme: str, group_size: Optional[int] = None) -> nn.Module:
-    """Apply a quantization scheme by name (Llama.build's `quantize=`); group_size is int4's (default 32).
+def quantize(model: nn.Module, scheme: Union[str, QuantScheme], group_size: Optional[int] = None) -> nn.Module:
+    """Apply a quantization scheme (Llama.build's `quantize=`, a name or a QuantScheme); group_size is a grouped
+    scheme's (int4's, default 32).
 
     Fuses q/k/v and gate/up first, as loading does (one product each; int4's layout cannot be concatenated later).
     """
-    if scheme not in SCHEMES:
-        raise ValueError(f"quantize must be one of {SCHEMES} or None, got {scheme!r}")
-    if group_size is not None and scheme != "int4":
-        raise ValueError(f"group_size applies to quantize='int4' only, got group_size={group_size!r} with {scheme!r}")
+    scheme = scheme if isinstance(scheme, QuantScheme) else get(scheme)
+    group_size = checked_group_size(scheme, group_size)
+    scheme.check_device(next((p.device for p in model.parameters()), torch.device("cpu")))
     for m in model.modules():
         if isinstance(m, Fusable):
             m.fuse()
-    if scheme == "int4":
-        return quantize_int4(model, DEFAULT_GROUP_SIZE if group_size is None else group_size)
-    return quantize_int8(model) if scheme == "int8" else quantize_int8_dynamic(model)
+    return scheme.quantize(model, scheme.group_size if group_size is None else group_size)
+
+
+def _int4_activations() -> Optional[torch.dtype]:
+    """PyTorch's int4 CPU kernel wants bf16; ours (llama/kernels/cpu.py) takes fp32, and on CPUs without native
+    bf16 every other operator (norms, attention) runs faster in fp32 too, at twice the KV cache's bytes."""
+    return None if cpu_kernels.available() else torch.bfloat16
+
+
+def _bf16() -> torch.dtype:
+    """PyTorch's int8 weight-only CPU kernel wants bf16 activations."""
+    return torch.bfloat16
+
+
+def _int8(model: nn.Module, group_size: None) -> nn.Module:
+    return quantize_int8(model)
+
+
+def _int8_dynamic(model: nn.Module, group_size: None) -> nn.Module:
+    return quantize_int8_dynamic(model)
+
+
+# Scales counted at 4 bytes each, as the memory check always has (int8's bf16 or fp32; int4's bf16 pair).
+INT8 = register(QuantScheme("int8", _int8, weight_bits=8, scale_bytes=4, activation_dtype=_bf16,
+                            storage=Int8Stored()))
+INT8_DYNAMIC = register(QuantScheme("int8-dynamic", _int8_dynamic, weight_bits=8, scale_bytes=4, devices=("cpu",),
+                                    stored_as="int8"))  # takes a stored int8 checkpoint's codes
+INT4 = register(QuantScheme("int4", quantize_int4, weight_bits=4, scale_bytes=4, group_size=DEFAULT_GROUP_SIZE,
+                            check_group_size=check_group_size, activation_dtype=_int4_activations,
+                            devices=("cpu", "cuda"), storage=Int4Stored()))
+SCHEMES = names()  # the built-in schemes' names (names() also has those registered since)

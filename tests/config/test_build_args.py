@@ -45,7 +45,7 @@ def test_a_gguf_file_and_a_quantized_checkpoint_are_told_apart(tmp_path):
     stored = BuildArgs.of(ckpt_dir=str(tmp_path / "int8"), tokenizer_path=str(tmp_path / "int8/tokenizer.model"),
                           max_seq_len=64, max_batch_size=1, device="cpu", quantize="int8").resolve()
     assert stored.model.kind == "quantized" and stored.quant.stored["scheme"] == "int8"
-    assert stored.quant.scheme == "int8"
+    assert stored.quant.scheme.name == "int8"
 
 
 @pytest.mark.parametrize("options, compile", [

@@ -23,6 +23,8 @@ CPU = ModelConfig(kind="meta", device=torch.device("cpu"), dtype=torch.float32, 
     (lambda: SpeculativeConfig("ngram", "small"), r"speculative='ngram' and draft_model='small' are two sources"),
     (lambda: ParallelConfig(0), r"model_parallel_size must be a positive integer, got 0"),
     (lambda: ParallelConfig(pipeline_parallel_size=1.5), r"pipeline_parallel_size must be a positive integer"),
+    (lambda: QuantConfig(None, 32), r"group_size applies to quantize='int4' only, got group_size=32"),
+    (lambda: QuantConfig("int3"), r"quantize must be one of .* got 'int3'"),
     (lambda: CompileConfig("fastest"), r"compile must be a bool, None or one of .* got 'fastest'"),
     (lambda: ModelConfig(kind="onnx", device=torch.device("cpu"), dtype=torch.float32), r"checkpoint kind must be"),
     (lambda: ModelConfig(kind="meta", device=torch.device("cpu"), dtype=torch.float32, seed=1.0),
@@ -59,10 +61,12 @@ def config(**parts) -> LlamaConfig:
     (dict(cache=CacheConfig("exact")), r"prefix_cache='exact' .* \(compile='auto'\)"),
     (dict(parallel=ParallelConfig(pipeline_parallel_size=2), compile=CompileConfig("max-autotune")),
      r"compile='max-autotune' is not available with pipeline_parallel_size=2"),
-    (dict(quant=QuantConfig(None, 32)), r"group_size applies to quantize='int4' only"),
     (dict(quant=QuantConfig("int8", None, {"scheme": "int8"}), parallel=ParallelConfig(pipeline_parallel_size=2)),
      r"pipeline_parallel_size=2 loads unquantized Meta-layout checkpoints only"),
     (dict(tool_style="xml"), r"tool_style must be one of"),
+    (dict(quant=QuantConfig("int8-dynamic"), model=ModelConfig(kind="meta", device=torch.device("cuda"),
+                                                               dtype=torch.float32)),
+     r"quantize='int8-dynamic' runs on cpu only \(the model is on cuda\)"),
 ])
 def test_options_that_exclude_each_other_are_refused_together(parts, message):
     with pytest.raises(ValueError, match=message):
