@@ -5,8 +5,9 @@ the logits transform it contributes. Everything else reads the registry instead 
 (llama/serve/protocol.py: allow-list, bounds, HTTP 400 messages), the batch CLI's per-row fields
 (llama/cli/batch.py), and the sampler and the draft model (which apply the active transforms).
 
-The built-in parameters are registered by llama/core/params.py; `register` adds one at run time (a plug-in, or a
-test), `unregister` removes it. A parameter registered after a SamplingParams was built reads as its default there.
+The built-in parameters are declared in llama/core/params.py, which registers them on import; import these
+functions from there, so the built-ins are in. `register` adds one at run time (a plug-in, or a test),
+`unregister` removes it. A parameter registered after a SamplingParams was built reads as its default there.
 """
 
 import math
