@@ -189,6 +189,7 @@ def test_wire_defaults_and_reads():
 @pytest.mark.parametrize("param, message", [
     (Param("temperature", float, 1.0), "already registered"),
     (Param("with_", float, 1.0), "public identifier"),
+    (Param("values", float, 1.0), "public identifier"),
     (Param("_p", float, 1.0), "public identifier"),
     (Param("p", None, (), wire=Wire()), "kind int, float or bool"),
     (Param("p", float, 1.0, wire=Wire(field="top_p")), "already another parameter's"),
