@@ -133,7 +133,8 @@ def _within(v, lo, hi, lo_open: bool, hi_open: bool) -> bool:
 # ------------------------------------------------------------------------------------------------ the registry
 _params: Tuple[Param, ...] = ()  # in declaration order; replaced whole, so a reader never sees it change mid-loop
 _by_name: Dict[str, Param] = {}
-RESERVED = ("with_", "values", "transforms", "transform_logits", "penalized", "scores_prompt")  # SamplingParams' own names
+# SamplingParams' own names: no parameter may shadow them
+RESERVED = ("with_", "values", "transforms", "transform_logits", "penalized", "scores_prompt")
 
 
 def register(param: Param) -> Param:
