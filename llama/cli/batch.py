@@ -4,8 +4,9 @@
     torchrun --nproc_per_node 2 -m llama.batch ...   # model parallel: rank 0 reads, schedules and writes
 
 Input: one JSON object per line with `id` (string or integer, unique), `prompt` (string) or `dialog` (list of
-messages), and optional per-row parameters (temperature, top_p, top_k, max_gen_len, seed, stop, logprobs,
-top_logprobs, presence_penalty, frequency_penalty, repetition_penalty) that override the command-line defaults.
+messages), and optional per-row sampling parameters (temperature, top_p, top_k, max_gen_len, seed, stop, logprobs,
+top_logprobs, presence_penalty, frequency_penalty, repetition_penalty: every registered one that is plain data,
+llama/core/param_registry.py) that override the command-line defaults.
 
 Output: one JSON object per finished request, appended and flushed the moment it finishes (so in completion
 order): `id`, `line`, `generation`, `finish_reason`, `num_tokens` (plus `tokens`/`logprobs` with logprobs, and
@@ -27,9 +28,6 @@ import sys
 import time
 import zlib
 from typing import Dict, List, Optional, Set, Tuple
-
-ROW_PARAMS = ("temperature", "top_p", "top_k", "max_gen_len", "seed", "stop", "logprobs", "top_logprobs",
-              "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 def row_seed(base: int, rid) -> int:
@@ -83,10 +81,13 @@ def parse_line(raw: str, n: int, seen: Set) -> Tuple[Optional[Dict], Optional[st
 
 def request_of(rec: Dict, defaults: Dict, base_seed: int) -> Tuple[object, Dict]:
     """(prompt or dialog, sampling params) of a record; ValueError names what is wrong."""
-    unknown = set(rec) - {"id", "prompt", "dialog", *ROW_PARAMS}
+    from llama.core.params import batch_names  # torch: not for --help
+
+    row_params = batch_names()
+    unknown = set(rec) - {"id", "prompt", "dialog", *row_params}
     if unknown:
         raise ValueError(f"unknown field(s) {', '.join(sorted(unknown))}; allowed: id, prompt, dialog, "
-                         f"{', '.join(ROW_PARAMS)}")
+                         f"{', '.join(row_params)}")
     if ("prompt" in rec) == ("dialog" in rec):
         raise ValueError("each line needs exactly one of \"prompt\" (a string) or \"dialog\" (a list of messages)")
     prompt = rec.get("prompt", rec.get("dialog"))
@@ -94,7 +95,7 @@ def request_of(rec: Dict, defaults: Dict, base_seed: int) -> Tuple[object, Dict]
         raise ValueError(f"\"prompt\" must be a string, got {type(prompt).__name__}")
     if "dialog" in rec and not isinstance(prompt, list):
         raise ValueError(f"\"dialog\" must be a list of messages, got {type(prompt).__name__}")
-    params = {**defaults, **{k: rec[k] for k in ROW_PARAMS if k in rec}}
+    params = {**defaults, **{k: rec[k] for k in row_params if k in rec}}
     if params.get("seed") is None:
         params["seed"] = row_seed(base_seed, rec["id"])
     return prompt, params

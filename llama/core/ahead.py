@@ -45,7 +45,7 @@ def enabled(device: torch.device, alone: bool) -> bool:
 def drawn_on_device(r: Request) -> bool:
     """Whether a request's next token needs nothing from the host but its parameters."""
     p = r.params
-    return not p.logits_processors and r.matcher is None and not p.penalized and not p.top_logprobs
+    return not p.logits_processors and r.matcher is None and not p.transforms and not p.top_logprobs
 
 
 def eligible(plan: Plan) -> bool:

@@ -3,8 +3,9 @@ tokenizer proposes k tokens, and the target verifies them exactly as it verifies
 the target's alone, token for token, whatever the draft proposes (a poor draft costs time, never text).
 
 How it drafts. A seeded request's drafted token i is sampled as the target will sample that position: its
-temperature, top-p, top-k and penalties (over the tokens drafted before it), and the seeded draw of the same
-(seed, sample, token index) (llama/sample/sampling.py). The draft is still a pure function of the context, and
+temperature, top-p, top-k and logits transforms (the penalties and any registered parameter's, over the tokens
+drafted before it: SamplingParams.transform_logits), and the seeded draw of the same (seed, sample, token index)
+(llama/sample/sampling.py). The draft is still a pure function of the context, and
 where the draft's distribution is close to the target's the two draws land on the same token far more often than
 the target's draw lands on the draft's argmax: a model drafting for itself accepts every seeded token. Logits
 processors and the grammar are left out (they see accepted prefixes only). Greedy and unseeded requests draft
@@ -24,7 +25,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import torch
 
 from llama.core.plan import Prefill, SetBlocks, Verify
-from llama.sample.sampling import penalize, sample, seeded_uniform
+from llama.sample.sampling import sample, seeded_uniform
 
 CATCH_UP = 64  # most tokens one decode pass catches up on (decode rows: a Verify op's)
 STEADY = 8  # most tokens a step catches up on while drafting every step (a verify emits at most MAX_ROWS tokens)
@@ -105,12 +106,12 @@ def picker(request, generated: int) -> Callable[[torch.Tensor, List[int]], int]:
         return lambda logits, drafted: int(torch.argmax(logits))
     temperature, top_p, top_k = torch.tensor([p.temperature]), torch.tensor([p.top_p]), torch.tensor([p.top_k])
     seed, which = torch.tensor([p.seed]), torch.tensor([request.sample])
+    transformed = bool(p.transforms)
 
     def pick(logits: torch.Tensor, drafted: List[int]) -> int:
         row = logits[None].clone()
-        if p.penalized:
-            penalize(row[0], request.prompt, list(request.generated) + drafted, p.presence_penalty,
-                     p.frequency_penalty, p.repetition_penalty)
+        if transformed:
+            p.transform_logits(row[0], request.prompt, list(request.generated) + drafted)
         u = seeded_uniform(seed, which, torch.tensor([generated + len(drafted)])).to(row.device)
         return int(sample(row, temperature.to(row.device), top_p.to(row.device), top_k.to(row.device), u)[0])
     return pick

@@ -6,7 +6,7 @@ requests here, so validation, messages and limits are the same everywhere.
 import itertools
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from llama.core.params import SamplingParams, per_prompt, positive_int
+from llama.core.params import SamplingParams, names, per_prompt, positive_int
 from llama.core.prefix import Prefix
 from llama.core.request import Request
 from llama.core.textstream import TextStream
@@ -27,7 +27,7 @@ def string_list(name: str, values) -> List[str]:
 
 def expand_params(n_prompts: int, **options) -> List[SamplingParams]:
     """One SamplingParams per prompt from keyword options given once or once per prompt."""
-    unknown = set(options) - set(SamplingParams.__dataclass_fields__)
+    unknown = set(options) - set(names())
     if unknown:
         raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
     expanded = {k: per_prompt(k, v, n_prompts) for k, v in options.items()}

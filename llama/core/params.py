@@ -1,95 +1,137 @@
-"""Per-request generation parameters and their validation."""
+"""Per-request generation parameters: the built-in ones declared (llama/core/param_registry.py), and
+SamplingParams, which holds one attribute per registered parameter. Import the registry's functions from here
+(register, unregister, names, wire_params, batch_names): this module has registered the built-in parameters."""
 
 import math
-import numbers
-from dataclasses import dataclass, field, replace
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Sequence
 
 import torch
 
+from llama.core import param_registry as registry
+from llama.core.param_registry import Param, Wire, batch_names, names, register, unregister, wire_params  # noqa: F401
+from llama.sample.sampling import penalize
 from llama.tokenizers.text import check_text
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 LogitsProcessor = Callable[[List[int], torch.Tensor], torch.Tensor]
 
 
-@dataclass
+def _stop(value) -> tuple:
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) and s for s in value):
+        raise ValueError(f"stop must be a list of non-empty strings, got {value!r}")
+    return tuple(check_text(f"stop[{i}]", s) for i, s in enumerate(value))
+
+
+def _processors(value) -> tuple:
+    if callable(value):
+        value = (value,)
+    if not isinstance(value, (list, tuple)) or not all(callable(p) for p in value):
+        raise ValueError("logits_processors must be callables (token_ids_so_far, logits) -> logits")
+    return tuple(value)
+
+
+def _prediction(value) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"prediction must be a string (the predicted output's text), got {type(value).__name__}")
+    return check_text("prediction", value)
+
+
+def _grammar(value):
+    from llama.sample.grammar import Grammar  # llguidance is needed only by requests that use a grammar
+
+    return Grammar.coerce(value)
+
+
+def _penalties(row: torch.Tensor, prompt: Sequence[int], generated: Sequence[int], p: "SamplingParams") -> None:
+    """The three penalties' one transform (llama/sample/sampling.py penalize): repetition, then presence and
+    frequency, in one pass as before."""
+    penalize(row, prompt, generated, p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+
+
+# The built-in parameters, in the order they are validated (and listed: SamplingParams' repr, the batch CLI's
+# message). temperature 0 is greedy; top_k 0 disables top-k; seed None uses the global RNG (the reference's
+# behaviour); max_gen_len None means up to the cache's end. The server's defaults are OpenAI's (temperature and
+# top_p 1) and its temperature stops at 2.
+BUILTIN = (
+    Param("temperature", float, 0.6, lo=0, hi=math.inf, hi_open=True, hint="(0 is greedy)",
+          wire=Wire(default=1.0, hi=2.0)),
+    Param("top_p", float, 0.9, lo=0, hi=1, lo_open=True, wire=Wire(default=1.0)),
+    Param("top_k", int, 0, lo=0, hint="(0 disables it)", wire=Wire(read=lambda v: 0 if v == -1 else v)),  # -1: off
+    Param("max_gen_len", int, None, lo=1),  # the server's max_tokens / max_completion_tokens
+    Param("seed", int, None, lo=-(2**63), hi=2**63, hi_open=True, limit="fit in 64 bits (-2**63 <= seed < 2**63)",
+          wire=Wire()),
+    Param("stop", default=(), check=_stop, list_valued=True),  # the server's stop: at most 16
+    Param("logprobs", default=False),  # the server's logprobs (completions: a count, chat: a flag)
+    # with logprobs: also the k most likely tokens at each position (OpenAI's top_logprobs)
+    Param("top_logprobs", int, 0, lo=0, hi=MAX_TOP_LOGPROBS),
+    Param("echo", default=False, batch=False),
+    Param("logits_processors", default=(), check=_processors, batch=False, list_valued=True),  # server: logit_bias
+    # OpenAI's: subtracted once from every token already generated / per occurrence among the generated tokens
+    Param("presence_penalty", float, 0.0, lo=-2, hi=2, hint="(0 disables it)", wire=Wire(), transform=_penalties),
+    Param("frequency_penalty", float, 0.0, lo=-2, hi=2, hint="(0 disables it)", wire=Wire(), transform=_penalties),
+    # transformers'/vLLM's: divides (or multiplies) the prompt's and output's logits
+    Param("repetition_penalty", float, 1.0, lo=0, hi=math.inf, lo_open=True, hi_open=True, hint="(1 disables it)",
+          wire=Wire(), transform=_penalties),
+    # False: never drafted for, where the generator speculates (llama/core/speculative.py)
+    Param("speculative", bool, True, batch=False),
+    # the output's expected text (OpenAI's Predicted Outputs): drafts, never changes it; the server's prediction
+    Param("prediction", check=_prediction, batch=False),
+    # structured output: a llama.Grammar or {"json_schema": ...} (llama/sample/grammar.py); the server's
+    # response_format
+    Param("grammar", check=_grammar, batch=False),
+)
+for _p in BUILTIN:
+    registry.register(_p)
+
+
 class SamplingParams:
-    """How one request is decoded. temperature 0 is greedy; top_k 0 disables top-k; seed None uses the global RNG
-    (the reference's behaviour); max_gen_len None means up to the cache's end."""
+    """How one request is decoded: one attribute per registered parameter (llama/core/param_registry.py; the
+    built-in ones above), each validated on construction with a ValueError naming it and its limit."""
 
-    temperature: float = 0.6
-    top_p: float = 0.9
-    top_k: int = 0
-    max_gen_len: Optional[int] = None
-    seed: Optional[int] = None
-    stop: Sequence[str] = ()
-    logprobs: bool = False
-    top_logprobs: int = 0  # with logprobs: also the k most likely tokens at each position (OpenAI's top_logprobs)
-    echo: bool = False
-    logits_processors: Sequence[LogitsProcessor] = field(default_factory=tuple)
-    grammar: Optional[object] = None  # structured output: a llama.Grammar or {"json_schema": ...} (llama/sample/grammar.py)
-    presence_penalty: float = 0.0  # OpenAI's: subtracted once from every token already generated
-    frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence among the generated tokens
-    repetition_penalty: float = 1.0  # transformers'/vLLM's: divides (or multiplies) the prompt's and output's logits
-    speculative: bool = True  # False: never drafted for, where the generator speculates (llama/core/speculative.py)
-    prediction: Optional[str] = None  # the output's expected text (OpenAI's Predicted Outputs): drafts, never changes it
-
-    def __post_init__(self):
-        _number("temperature", self.temperature)
-        if not 0 <= self.temperature < math.inf:  # NaN fails this too
-            raise ValueError(f"temperature must be >= 0 and finite (0 is greedy), got {self.temperature}")
-        _number("top_p", self.top_p)
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        _integer("top_k", self.top_k)
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if self.max_gen_len is not None:
-            _integer("max_gen_len", self.max_gen_len)
-            if self.max_gen_len < 1:
-                raise ValueError(f"max_gen_len must be >= 1, got {self.max_gen_len}")
-        if self.seed is not None:
-            _integer("seed", self.seed)
-            if not -(2**63) <= self.seed < 2**63:
-                raise ValueError(f"seed must fit in 64 bits (-2**63 <= seed < 2**63), got {self.seed}")
-        _integer("top_logprobs", self.top_logprobs)
-        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+    def __init__(self, **values):
+        unknown = set(values) - set(registry.names())
+        if unknown:
+            raise TypeError(f"SamplingParams got unexpected keyword argument(s): {', '.join(sorted(unknown))}")
+        for p in registry.params():
+            setattr(self, p.name, p.validate(values[p.name]) if p.name in values else p.default)
         if self.top_logprobs and not self.logprobs:
             raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=True")
-        if isinstance(self.stop, str):
-            self.stop = (self.stop,)
-        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
-        self.stop = tuple(check_text(f"stop[{i}]", s) for i, s in enumerate(self.stop))
-        if callable(self.logits_processors):
-            self.logits_processors = (self.logits_processors,)
-        if not isinstance(self.logits_processors, (list, tuple)) or not all(callable(p) for p in self.logits_processors):
-            raise ValueError("logits_processors must be callables (token_ids_so_far, logits) -> logits")
-        self.logits_processors = tuple(self.logits_processors)
-        for name in ("presence_penalty", "frequency_penalty"):
-            _number(name, getattr(self, name))
-            if not -2 <= getattr(self, name) <= 2:  # NaN fails this too
-                raise ValueError(f"{name} must be in [-2, 2] (0 disables it), got {getattr(self, name)}")
-        _number("repetition_penalty", self.repetition_penalty)
-        if not 0 < self.repetition_penalty < math.inf:
-            raise ValueError(f"repetition_penalty must be > 0 and finite (1 disables it), got {self.repetition_penalty}")
-        if not isinstance(self.speculative, bool):
-            raise ValueError(f"speculative must be True or False, got {self.speculative!r}")
-        if self.prediction is not None:
-            if not isinstance(self.prediction, str):
-                raise ValueError(f"prediction must be a string (the predicted output's text), got "
-                                 f"{type(self.prediction).__name__}")
-            self.prediction = check_text("prediction", self.prediction)
-        if self.grammar is not None:
-            from llama.sample.grammar import Grammar  # llguidance is needed only by requests that use a grammar
 
-            self.grammar = Grammar.coerce(self.grammar)
+    def __getattr__(self, name: str):
+        """A parameter registered after this was built reads as its default."""
+        p = registry.get(name)
+        if p is None:
+            raise AttributeError(f"'SamplingParams' object has no attribute {name!r}")
+        return p.default
+
+    def values(self) -> dict:
+        return {name: getattr(self, name) for name in registry.names()}
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, SamplingParams) and self.values() == other.values()
+
+    __hash__ = None  # mutable, as the dataclass it was
+
+    def __repr__(self) -> str:
+        return f"SamplingParams({', '.join(f'{k}={v!r}' for k, v in self.values().items())})"
 
     @property
     def penalized(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+    @property
+    def transforms(self) -> tuple:
+        """The logits transforms this request's parameters switch on (penalties, and any registered one)."""
+        return registry.active_transforms(self)
+
+    def transform_logits(self, row: torch.Tensor, prompt: Sequence[int], generated: Sequence[int]) -> torch.Tensor:
+        """Apply the active transforms to one logits row (V,) in place: the sampler's and the draft model's one
+        way to do it, so a drafted token is picked from the logits the target will sample."""
+        for transform in self.transforms:
+            transform(row, prompt, generated, self)
+        return row
 
     @property
     def scores_prompt(self) -> bool:
@@ -97,7 +139,7 @@ class SamplingParams:
         return self.echo and self.logprobs
 
     def with_(self, **changes) -> "SamplingParams":
-        return replace(self, **changes)
+        return SamplingParams(**{**self.values(), **changes})
 
 
 def positive_int(name: str, value) -> int:
@@ -106,26 +148,15 @@ def positive_int(name: str, value) -> int:
     return value
 
 
-def _number(name, value):
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-
-
-def _integer(name, value):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-
-
-_LIST_VALUED = ("stop", "logits_processors")  # a flat list of these is one value for every prompt
-
-
 def per_prompt(name: str, value, count: int) -> list:
     """Expand a parameter given once or once per prompt into a list of `count` values.
 
-    stop and logits_processors are lists themselves: they are per prompt only as a list of lists.
+    A list-valued parameter (stop, logits_processors) is per prompt only as a list of lists.
     """
+    p = registry.get(name)
+    list_valued = p is not None and p.list_valued
     per = isinstance(value, (list, tuple)) and (
-        name not in _LIST_VALUED or (len(value) > 0 and all(isinstance(v, (list, tuple)) for v in value)))
+        not list_valued or (len(value) > 0 and all(isinstance(v, (list, tuple)) for v in value)))
     if per:
         if len(value) != count:
             raise ValueError(f"{name} has {len(value)} values but there are {count} prompts")

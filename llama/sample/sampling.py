@@ -176,7 +176,7 @@ class RowSampler:
         self.want_logprobs = any(r.params.logprobs for r in rows)
         self.top_ks = [r.params.top_logprobs for r in rows]
         self.want_top = any(self.top_ks)
-        self.penalized = [b for b, r in enumerate(rows) if r.params.penalized]
+        self.transformed = [b for b, r in enumerate(rows) if r.params.transforms]  # penalties, registered ones
         hot = [b for b, r in enumerate(rows) if r.params.temperature > 0]
         seeded = [k for k, b in enumerate(hot) if rows[b].params.seed is not None]
         free = [k for k, b in enumerate(hot) if rows[b].params.seed is None]
@@ -185,10 +185,9 @@ class RowSampler:
     def __call__(self, logits: torch.Tensor) -> Tuple[List[int], Optional[List[float]], Optional[List]]:
         """(token per row, its log-probability under the raw logits or None when no row asked for them, each row's
         top_logprobs alternatives or None when no row asked for them)."""
-        for b in self.penalized:
-            p = self.rows[b].params
-            penalize(logits[b], self.rows[b].prompt, self.rows[b].generated, p.presence_penalty, p.frequency_penalty,
-                     p.repetition_penalty)
+        for b in self.transformed:
+            r = self.rows[b]
+            r.params.transform_logits(logits[b], r.prompt, r.generated)
         tokens, lsm = self.draw(logits)
         logprobs = tops = None
         if lsm is not None:
@@ -199,7 +198,8 @@ class RowSampler:
 
     def draw(self, logits: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(token per row, the log-softmax of the logits or None when no row asked for log-probabilities), on the
-        device and without waiting for it (penalties, which read the host's token lists, are the caller's)."""
+        device and without waiting for it (logits transforms such as penalties, which read the host's token lists,
+        are the caller's)."""
         uniform = None
         if self.any_seeded:  # the draw of generated token t of sample j depends on (seed, j, t) only
             u = seeded_uniform(self.seeds, self.samples, torch.tensor([len(r.generated) for r in self.rows]))

@@ -5,12 +5,13 @@ Every problem with a body raises `APIError` (status, message naming the field an
 app turns into `{"error": {"message", "type", "param", "code"}}`; nothing a client sends reaches a bare assert.
 """
 
-import math
 import numbers
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
+
+from llama.core.params import wire_params
 
 FINISH = {"length": "length", "cancelled": "abort", "error": "error"}  # every stop token / stop string -> "stop"
 
@@ -28,9 +29,10 @@ HARMLESS = {
     "web_search_options": lambda v: v is None,
     "reasoning_effort": lambda v: v is None,
 }
-COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream", "stream_options",
-          "logprobs", "logit_bias", "response_format", "min_p", "presence_penalty", "frequency_penalty",
-          "repetition_penalty", "prediction"}
+# The fields this module maps itself; every sampling parameter with a wire field (temperature, top_p, top_k, seed,
+# the penalties, any registered one) is allowed and checked from its declaration (llama/core/param_registry.py).
+COMMON = {"model", "max_tokens", "n", "stop", "stream", "stream_options", "logprobs", "logit_bias",
+          "response_format", "min_p", "prediction"}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "best_of"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                         "parallel_tool_calls"}  # tools: llama/serve/tools.py
@@ -78,17 +80,6 @@ class Job:
         return ("chatcmpl-" if self.chat else "cmpl-") + self.id
 
 
-def _number(body: Dict, name: str, default, lo: float, hi: float, lo_open=False) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
-        raise bad(name, f"{name} must be a finite number, got {v!r}")
-    if v < lo or v > hi or (lo_open and v == lo):
-        raise bad(name, f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}")
-    return float(v)
-
-
 def _int(body: Dict, name: str, default, lo: int, hi: Optional[int] = None) -> Optional[int]:
     v = body.get(name)
     if v is None:
@@ -109,7 +100,8 @@ def parse(body, chat: bool, model_name: str, max_seq_len: int, vocab_size: int) 
     """Validate a /v1/completions (chat False) or /v1/chat/completions body."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-    allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    wired = wire_params()
+    allowed = (CHAT_FIELDS if chat else COMPLETION_FIELDS) | {p.field for p in wired}
     for k, v in body.items():
         if k in HARMLESS:
             if not HARMLESS[k](v):
@@ -123,15 +115,12 @@ def parse(body, chat: bool, model_name: str, max_seq_len: int, vocab_size: int) 
     n = _int(body, "n", 1, 1, 128)
     if not chat and body.get("best_of") not in (None, n):
         raise bad("best_of", f"best_of must equal n ({n}) or be omitted, got {body['best_of']!r}")
-    params: Dict = {
-        "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
-        "top_p": _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        "top_k": _int(body, "top_k", 0, 0, None) if body.get("top_k") != -1 else 0,
-        "seed": _int(body, "seed", None, -(2**63), 2**63 - 1),
-        "presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        "repetition_penalty": _number(body, "repetition_penalty", 1.0, 0.0, math.inf, lo_open=True),
-    }
+    params: Dict = {}
+    for p in wired:
+        try:
+            params[p.name] = p.from_wire(body)
+        except ValueError as e:
+            raise bad(p.field, str(e)) from None
     if body.get("min_p") not in (None, 0):
         raise bad("min_p", f"min_p={body['min_p']!r} is not supported (only 0)")
     tokens_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
