@@ -58,10 +58,9 @@ BITS = torch.arange(32, dtype=torch.int32)
 
 def load(path: Path):
     if path.suffix == ".gguf":
-        from llama.formats import gguf_file as gguf_checkpoint
-        from llama.tokenizers import huggingface as tokenizer_hf
-
-        return tokenizer_hf.from_gguf(gguf_checkpoint.open_reader(path), path)
+        from llama.formats import gguf_file
+        from llama.tokenizers import huggingface
+        return huggingface.from_gguf(gguf_file.open_reader(path), path)
     return load_tokenizer(str(path))
 
 

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from gguf_blocks_data import random_blocks  # noqa: E402
 
-from llama.kernels import cpu as cpu_kernels  # noqa: E402
+from llama.kernels import cpu  # noqa: E402
 
 FORMATS = ["Q4_0", "IQ4_NL", "Q5_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS"]
 
@@ -31,7 +31,7 @@ def main() -> None:
     p.add_argument("formats", nargs="*", default=FORMATS, metavar="FORMAT",
                    help=f"GGML type names (default: {' '.join(FORMATS)})")
     formats = p.parse_args().formats
-    if not cpu_kernels.available():
+    if not cpu.available():
         raise SystemExit("our CPU kernels are not built here")
     torch.set_num_threads(1)
     out = {}
@@ -39,13 +39,13 @@ def main() -> None:
         ws = [torch.from_numpy(random_blocks(kind, 4096, 4096, seed=s)) for s in range(3)]
         x, qt = torch.randn(1, 4096), int(gguf.GGMLQuantizationType[kind])
         for w in ws:
-            cpu_kernels.gguf_linear(x, w, qt)
+            cpu.gguf_linear(x, w, qt)
         times = []
         for _ in range(5):
             start = time.process_time()
             for _ in range(4):
                 for w in ws:
-                    cpu_kernels.gguf_linear(x, w, qt)
+                    cpu.gguf_linear(x, w, qt)
             times.append((time.process_time() - start) / 12 * 1e3)
         out[kind] = round(min(times), 3)
     print(json.dumps(out))

@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from gguf_blocks_data import random_blocks  # noqa: E402
 
-from llama.kernels import cpu as cpu_kernels  # noqa: E402
+from llama.kernels import cpu  # noqa: E402
 
 FORMATS = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q5_0", "IQ4_NL", "Q3_K", "Q2_K"]
 
@@ -32,7 +32,7 @@ FORMATS = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q5_0", "IQ
 def one_pass(x, weights, qtype) -> float:
     start = time.perf_counter()
     for w in weights:
-        cpu_kernels.gguf_linear(x, w, qtype)
+        cpu.gguf_linear(x, w, qtype)
     return (time.perf_counter() - start) / len(weights)
 
 
@@ -96,7 +96,7 @@ def main():
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    if not cpu_kernels.available():
+    if not cpu.available():
         sys.exit("our CPU kernels are not built here")
     if a.decode:
         row = decode(a.decode, a.tokens, a.rounds)
@@ -104,7 +104,7 @@ def main():
         print_results("gguf-kernels", [row])
         return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, AVX-512 VNNI: "
-          f"{ {'avx512f', 'avx512bw', 'avx512vl', 'avx512_vnni'} <= cpu_kernels.cpu_flags()}")
+          f"{ {'avx512f', 'avx512bw', 'avx512vl', 'avx512_vnni'} <= cpu.cpu_flags()}")
     rows = []
     for shape in a.shapes:
         n, k = map(int, shape.split("x"))

@@ -53,11 +53,11 @@ def peer(cfg: dict) -> dict:
     import llama_cpp
     import numpy as np
 
-    from llama.tokenizers import huggingface as tokenizer_hf
+    from llama.tokenizers import huggingface
     from llama.formats import gguf_file
 
     path = Path(cfg["file"])
-    tok = tokenizer_hf.from_gguf(gguf_file.open_reader(path), path)
+    tok = huggingface.from_gguf(gguf_file.open_reader(path), path)
     tokens, spans, stride = windows_of(cfg, tok)
     kv = {} if cfg.get("kv") != "f32" else {"type_k": llama_cpp.GGML_TYPE_F32, "type_v": llama_cpp.GGML_TYPE_F32}
     llm = llama_cpp.Llama(str(path), n_ctx=cfg["window"], n_batch=cfg["window"], n_threads=cfg["threads"],

@@ -139,24 +139,23 @@ def read_bandwidth(mb: int = 256, repeat: int = 10) -> float:
 
 
 def machine() -> str:
-    cpu = "unknown CPU"
+    cpu_name = "unknown CPU"
     try:
         for line in open("/proc/cpuinfo"):
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
+                cpu_name = line.split(":", 1)[1].strip()
                 break
     except OSError:
         pass
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (f"{cpu} ({torch.backends.cpu.get_cpu_capability()}), {os.cpu_count()} cores, {mem:.0f} GiB RAM, "
+    return (f"{cpu_name} ({torch.backends.cpu.get_cpu_capability()}), {os.cpu_count()} cores, {mem:.0f} GiB RAM, "
             f"torch {torch.__version__}, {torch.get_num_threads()} threads; {our_kernels()}")
 
 
 def our_kernels() -> str:
     """Which of our CPU kernels run here: the results depend on it (llama/kernels/cpu.py)."""
-    from llama.kernels import cpu as cpu_kernels
-
-    if not cpu_kernels.available():
+    from llama.kernels import cpu
+    if not cpu.available():
         return "our CPU kernels off (PyTorch's kernels)"
     caps = torch.cpu.get_capabilities()
     avx512 = os.environ.get("LLAMA_CPU_AVX512") != "0"

@@ -31,8 +31,7 @@ from benchmarks.harness import SHAPES as MODEL_SHAPES
 from benchmarks.harness import LLAMA2_TOKENIZER, print_results, prompt_tokens, random_checkpoint
 from llama.core.kv_cache import BLOCK_SIZE
 from llama.core.textstream import SilentStream
-from llama.quantization import schemes as quantization
-
+from llama.quantization import schemes
 SHAPES = {  # (n_layers, n_kv_heads, head_dim)
     "Llama 2 7B (32 KV heads)": (32, 32, 128),
     "Llama 3 8B (GQA, 8 KV heads)": (32, 8, 128),
@@ -346,7 +345,7 @@ def exact_cost(args) -> None:
 def add_model_args(p) -> None:
     p.add_argument("--model", required=True, help="a Meta checkpoint directory or a GGUF file")
     p.add_argument("--dtype", default="bf16")
-    p.add_argument("--quantize", default=None, choices=quantization.choices())
+    p.add_argument("--quantize", default=None, choices=schemes.choices())
 
 
 def main(argv=None):

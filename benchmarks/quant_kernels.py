@@ -24,7 +24,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from llama.kernels import cpu as cpu_kernels  # noqa: E402
+from llama.kernels import cpu  # noqa: E402
 from llama.quantization.int4 import int4_linear, quantize_codes, quantize_int4_weight  # noqa: E402
 from llama.quantization.int8 import linear as int8_linear  # noqa: E402
 from llama.quantization.int8 import quantize_weight  # noqa: E402
@@ -91,18 +91,18 @@ def main():
         rows.append(("bf16 F.linear", [(w,) for w in weights], lambda x, w: F.linear(x, w), 2 * n * k))
         q8 = [quantize_weight(w) for w in weights]
         rows.append(("aten int8 (_weight_int8pack_mm)", q8, lambda x, q, s: int8_linear(x, q, s), n * k + 2 * n))
-        ours = cpu_kernels.available()
+        ours = cpu.available()
         if ours:
-            rows.append(("ours bf16", [(w,) for w in weights], cpu_kernels.float_linear, 2 * n * k))
+            rows.append(("ours bf16", [(w,) for w in weights], cpu.float_linear, 2 * n * k))
             q8f = [(q, s.float()) for q, s in q8]
-            rows.append(("ours int8-dynamic", q8f, cpu_kernels.int8_linear, n * k + 4 * n))
+            rows.append(("ours int8-dynamic", q8f, cpu.int8_linear, n * k + 4 * n))
         for g in a.group_sizes:
             q4 = [quantize_int4_weight(w, g) for w in weights]
             rows.append((f"aten int4 g{g} (_weight_int4pack_mm)", q4,
                          lambda x, p, sz, g=g: int4_linear(x, p, sz, n), n * k // 2 + 4 * n * k // g))
             if ours:
                 rows.append((f"ours int4 g{g}", [quantize_codes(w, g) for w in weights],
-                             lambda x, c, sz, g=g: cpu_kernels.int4_linear(x, c, sz, g), n * k // 2 + 4 * n * k // g))
+                             lambda x, c, sz, g=g: cpu.int4_linear(x, c, sz, g), n * k // 2 + 4 * n * k // g))
         if a.torchao:
             for label, mods in torchao_kernels(weights, shape):
                 if isinstance(mods, str):

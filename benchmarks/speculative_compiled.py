@@ -95,20 +95,19 @@ def report(what: str, a_runs, b_runs) -> None:
 
 
 def main(argv=None) -> None:
-    from llama.quantization import schemes as quantization
-
+    from llama.quantization import schemes
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("cost")
     c.add_argument("--dim", type=int, default=4096)
     c.add_argument("--layers", type=int, default=8)
-    c.add_argument("--quantize", default=None, choices=quantization.choices(),
+    c.add_argument("--quantize", default=None, choices=schemes.choices(),
                    help="a quantization scheme (default: bf16 weights)")
     c.add_argument("--reps", type=int, default=5)
     c.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     v = sub.add_parser("divergence")
     v.add_argument("--dtype", default="bfloat16")
-    v.add_argument("--quantize", default=None, choices=quantization.choices())
+    v.add_argument("--quantize", default=None, choices=schemes.choices())
     v.add_argument("--prompts", type=int, default=40)
     v.add_argument("--tokens", type=int, default=200)
     args = p.parse_args(argv)

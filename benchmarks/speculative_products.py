@@ -63,14 +63,13 @@ def time_products(path: str, rows: list, reps: int) -> dict:
     every layer's products in the model's order, then the output, each timed alone."""
     import random
 
-    from llama.kernels import cpu as cpu_kernels
-
-    cpu_kernels.available()
+    from llama.kernels import cpu
+    cpu.available()
     prods = products(path)
     layers = max(len(ws) for _, ws in prods.values())
     times = {p: {m: [] for m in rows} for p in prods}
     g = torch.Generator().manual_seed(0)
-    xs = {(p, m): torch.randn(m, cpu_kernels.gguf_values(q, ws[0].shape[1]), generator=g)
+    xs = {(p, m): torch.randn(m, cpu.gguf_values(q, ws[0].shape[1]), generator=g)
           for p, (q, ws) in prods.items() for m in rows}
     order = list(rows)
     for _ in range(reps + 1):  # the first a warm-up
@@ -81,7 +80,7 @@ def time_products(path: str, rows: list, reps: int) -> dict:
                 for p, (qtype, ws) in prods.items():
                     if i < len(ws):
                         t = time.process_time()
-                        cpu_kernels.gguf_linear(xs[p, m], ws[i], qtype)
+                        cpu.gguf_linear(xs[p, m], ws[i], qtype)
                         sums[p] += time.process_time() - t
             for p in prods:
                 times[p][m].append(sums[p] / len(prods[p][1]))

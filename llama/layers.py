@@ -19,7 +19,7 @@ from fairscale.nn.model_parallel.layers import ColumnParallelLinear, ParallelEmb
 from torch import nn
 
 from llama.distributed.parallel import gather_last_dim, reduce_sum
-from llama.kernels import cpu as cpu_kernels
+from llama.kernels import cpu
 from llama.kernels import dense, fused_decode
 
 Route = Tuple[int, int, Tuple[torch.Tensor, ...]]  # fused_decode's (scheme, group size, tensors) for one product
@@ -68,7 +68,7 @@ class Unquantized(LinearMethod):
         return (fused_decode.FLOAT, 0, (layer.weight,)) if dense.ours(layer.weight, rows, dtype) else None
 
     def in_our_kernels(self, layer):
-        return layer.weight.device.type == "cpu" and cpu_kernels.takes_float(layer.weight)
+        return layer.weight.device.type == "cpu" and cpu.takes_float(layer.weight)
 
 
 UNQUANTIZED = Unquantized()

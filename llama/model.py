@@ -20,7 +20,7 @@ from llama import rope
 from llama.sizes import derive_ffn, ffn_hidden_dim  # noqa: F401 (Meta's path; formats import them here)
 from llama.rope import apply_rotary_emb, precompute_freqs_cis, reshape_for_broadcast  # noqa: F401 (Meta's path)
 from llama.rope import rope_tables, scale_rope_frequencies  # noqa: F401
-from llama.kernels import cpu as cpu_kernels
+from llama.kernels import cpu
 from llama.kernels import exact_attention, fused_decode, ggml_arith, ggml_products, invariant, paged
 from llama.layers import ColumnLinear, Embedding, Fusable, RowLinear  # noqa: F401 (Meta's path for the layers)
 
@@ -169,8 +169,8 @@ class RMSNorm(nn.Module):
         # Normalise in fp32, round to the model dtype, then scale: the reference's order of operations.
         if self.ggml_arith:
             return ggml_arith.rms_norm(x, self.weight, self.eps)
-        if cpu_kernels.norms(x, self.weight):
-            return cpu_kernels.rms_norm(x, self.weight, self.eps)
+        if cpu.norms(x, self.weight):
+            return cpu.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).type_as(x) * self.weight
 
 
@@ -248,7 +248,7 @@ class Attention(Fusable):
         else:
             qkv = self.wqkv(x).view(B, -1)
             q, k, v = qkv[:, :nq], qkv[:, nq : nq + nkv], qkv[:, nq + nkv :]
-        return cpu_kernels.decode_attention(q, k, v, cos, sin, self.cache_k, self.cache_v, rows, positions, kv_len,
+        return cpu.decode_attention(q, k, v, cos, sin, self.cache_k, self.cache_v, rows, positions, kv_len,
                                             self.block_table, self.args.attention_multiplier, self.args.sliding_window)
 
     def cached_rows(self, rows):
@@ -287,7 +287,7 @@ class Attention(Fusable):
         if not torch.compiler.is_compiling() and self.blocks is not None:
             self.blocks.direct()  # outside the runner: the slot layout (llama/kernels/paged.py BlockTable)
         exact = invariant.active()  # our kernels apply the window and scale: "exact" takes them for any model
-        if (T == 1 or exact) and self.cache_k is not None and cpu_kernels.attends(x, self.cache_k) \
+        if (T == 1 or exact) and self.cache_k is not None and cpu.attends(x, self.cache_k) \
                 and (exact or self.args.kernel_attends(kv_len)):
             return self.wo(self.decode(x, cos, sin, positions, rows, kv_len).view(B, T, -1))
         q, k, v = self.qkv(x, cos, sin)

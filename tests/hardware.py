@@ -9,8 +9,7 @@ import shutil
 
 import pytest
 
-from llama.kernels import cpu as cpu_kernels
-
+from llama.kernels import cpu
 PREFIX = "hardware:"
 
 
@@ -27,7 +26,7 @@ def allowed(reason: str) -> bool:
     return reason.startswith(PREFIX)
 
 
-FLAGS = cpu_kernels.cpu_flags()
+FLAGS = cpu.cpu_flags()
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 CXX = next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
 # Where our kernels can exist at all; there a build or load error is a failure, never a hardware skip.
@@ -37,12 +36,12 @@ AVX512_BF16 = "avx512_bf16" in FLAGS
 
 
 def _kernels_mark():
-    if cpu_kernels.available():
+    if cpu.available():
         return pytest.mark.skipif(False, reason="")
-    if KERNEL_HOST and cpu_kernels.enabled():
+    if KERNEL_HOST and cpu.enabled():
         return pytest.mark.skipif(True, reason="our CPU kernels failed to build or load on this x86-64 machine with "
                                                "a compiler: tests/kernels/test_build.py shows the compiler's message")
-    if not cpu_kernels.enabled():
+    if not cpu.enabled():
         return pytest.mark.skipif(True, reason="our CPU kernels are switched off (LLAMA_CPU_KERNELS=0)")
     return pytest.mark.skipif(True, reason=f"{PREFIX} our CPU kernels need x86-64 with AVX2, FMA and F16C and a "
                                            "C++ compiler")

@@ -131,7 +131,7 @@ def test_each_reader_takes_its_setting(clean, tmp_path):
     from llama.compilation import step_store
     from llama.distributed import parallel
     from llama.formats import demo, fetch, memory
-    from llama.kernels import cpu as cpu_kernels
+    from llama.kernels import cpu
     from llama.kernels import int4_pack_store
     from llama.serve.__main__ import parse_args
 
@@ -143,7 +143,7 @@ def test_each_reader_takes_its_setting(clean, tmp_path):
     assert parallel.resolve_dtype(None, torch.device("cpu")) == torch.bfloat16
     assert memory.available_bytes() == 2**30
     assert parse_args(["--ckpt_dir", "x"]).api_keys == ["sekrit"]
-    assert not cpu_kernels.enabled() and not int4_pack_store.enabled()
+    assert not cpu.enabled() and not int4_pack_store.enabled()
     assert fetch.model_path().parent.parent == tmp_path and demo.demo_dir() == tmp_path / "demo"
     assert step_store.package_path("w", 1, False, {}).parent == tmp_path / "aoti"
     clean.setenv("LLAMA_DEVICE", "gpu")

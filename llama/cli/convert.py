@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from llama.formats import gguf_file as gguf_checkpoint
+from llama.formats import gguf_file
 from llama.formats import hf_checkpoint
 from llama.formats.hf_checkpoint import read_safetensors  # noqa: F401 (tests and tools import it from here)
 from llama.formats.meta_checkpoint import save_checkpoint
@@ -208,7 +208,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if a.fmt == "llama2c":
             written = convert_llama2c(a.model_bin, a.out_dir, a.tokenizer, a.shards)
         elif a.fmt == "gguf":
-            written = gguf_checkpoint.convert(a.gguf_file, a.out_dir, a.shards, getattr(torch, a.dtype))
+            written = gguf_file.convert(a.gguf_file, a.out_dir, a.shards, getattr(torch, a.dtype))
         else:
             written = convert_hf(a.hf_dir, a.out_dir, a.shards, getattr(torch, a.dtype) if a.dtype else None)
     except (ValueError, FileNotFoundError, FileExistsError) as e:

@@ -29,9 +29,9 @@ from typing import Callable, Dict, Optional, Union
 import torch
 import torch._inductor.config as inductor_config
 
-from llama.compilation import step_store as compile_cache
+from llama.compilation import step_store
 from llama.distributed import parallel
-from llama.kernels import cpu as cpu_kernels
+from llama.kernels import cpu
 from llama.kernels import fused_decode
 from llama.kernels.dense import FP32_KERNEL_MAX_ROWS
 from llama.layers import float_kernel_model, kernel_model, linear_layers, quantized
@@ -153,15 +153,15 @@ class CompiledDecode:
         """Whether a package for this key is stored, so that loading it costs seconds, not a compile."""
         if key not in self.stored:
             path = self.package_path(key)
-            self.stored[key] = path is not None and compile_cache.stored(path)
+            self.stored[key] = path is not None and step_store.stored(path)
         return self.stored[key]
 
     def package_path(self, key: tuple):
-        if not compile_cache.enabled(self.model):
+        if not step_store.enabled(self.model):
             return None
         if self.weights is None:
-            self.weights = compile_cache.fingerprint(self.model)
-        return compile_cache.package_path(self.weights, key[0], key[1], self.config)
+            self.weights = step_store.fingerprint(self.model)
+        return step_store.package_path(self.weights, key[0], key[1], self.config)
 
     def reset(self) -> None:
         """Forget compiled graphs (for a model whose caches were reallocated); loaded packages stay (they take
@@ -213,7 +213,7 @@ class CompiledDecode:
                       if self.on_disk(key) else
                       f"Compiling the decode step for batch size {key[0]} ({self.mode}); kept on disk for later "
                       "processes")
-            package, loaded = compile_cache.get(self.model, self.weights, (tokens, pos, rows), self.config)
+            package, loaded = step_store.get(self.model, self.weights, (tokens, pos, rows), self.config)
             if package is not None:
                 if loaded:
                     self.loaded.add(key)
@@ -270,7 +270,7 @@ def eager_batches(model) -> int:
     more, or of GGUF blocks at any size (LinearMethod.eager_decode); 0 otherwise (PyTorch's kernels, other
     devices, smaller float models: the lazy rule decides)."""
     if (model.norm.weight.device.type != "cpu" or model.norm.weight.dtype not in (torch.float32, torch.bfloat16)
-            or model.params.head_dim % 8 or not cpu_kernels.available()):
+            or model.params.head_dim % 8 or not cpu.available()):
         return 0
     if not kernel_model(model):
         return 0  # a layer in PyTorch's kernels (oneDNN's int8, aten's int4 layout, int8 weight-only, a strided view)

@@ -29,7 +29,7 @@ import torch
 
 from llama.distributed import parallel
 from llama import settings
-from llama.kernels import cpu as cpu_kernels
+from llama.kernels import cpu
 from llama.settings import cache_dir
 
 FORMAT = 4  # bump when what a stored step holds or how it is called changes (4: the KV pool's block table)
@@ -174,7 +174,7 @@ class Loaded:
         self.model = model
         if (path / SO).stat().st_size != int((path / SIZE).read_text()):
             raise ValueError(f"{path / SO} is not the size it was written with")
-        if (path / CALLS).exists() and not cpu_kernels.available():  # the ops it calls must be registered
+        if (path / CALLS).exists() and not cpu.available():  # the ops it calls must be registered
             raise ValueError("the stored step calls llama's CPU kernels, which are not available")
         self.runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path / SO), 1)
         if external(config):  # the model's own tensors, by name: nothing copied

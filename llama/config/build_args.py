@@ -14,12 +14,10 @@ from llama.config.options import (CacheConfig, CompileConfig, LlamaConfig, Model
                                   SchedulerConfig, SpeculativeConfig)
 from llama.distributed import parallel
 from llama.formats import gguf_file, hf_checkpoint
-from llama.formats import quantized_checkpoint as quant_checkpoint
+from llama.formats import quantized_checkpoint
 from llama.quantization import registry
 from llama.quantization.registry import QuantScheme
-from llama.quantization import schemes as quantization
-
-
+from llama.quantization import schemes
 @dataclass
 class BuildArgs:
     """Every option of Llama.build, as given; resolve() checks them once.
@@ -112,13 +110,13 @@ class BuildArgs:
         """(ModelConfig, QuantConfig): what the checkpoint is, read once, and the scheme it loads in."""
         gguf_path = gguf_file.find_gguf(self.ckpt_dir)
         hf_dir = None if gguf_path is not None else hf_checkpoint.find_hf(self.ckpt_dir)
-        stored = None if gguf_path is not None or hf_dir is not None else quant_checkpoint.stored_scheme(self.ckpt_dir)
+        stored = None if gguf_path is not None or hf_dir is not None else quantized_checkpoint.stored_scheme(self.ckpt_dir)
         kind = "gguf" if gguf_path else "hf" if hf_dir else "quantized" if stored else "meta"
         quantize, group_size = registry.lookup(self.quantize), self.group_size
         if stored is not None and not parallel_config.staged:  # the pipeline's refusal is LlamaConfig's (checks.py)
-            quantize, group_size = quant_checkpoint.check_request(self.ckpt_dir, stored, quantize, group_size,
+            quantize, group_size = quantized_checkpoint.check_request(self.ckpt_dir, stored, quantize, group_size,
                                                                   device)
-        dtype = parallel.resolve_dtype(quantization.activation_dtype(quantize) if self.dtype is None else self.dtype,
+        dtype = parallel.resolve_dtype(schemes.activation_dtype(quantize) if self.dtype is None else self.dtype,
                                        device)
         model = ModelConfig(kind=kind, device=device, dtype=dtype, path=str(self.ckpt_dir),
                             tokenizer_path=self.tokenizer_path, gguf_path=gguf_path, hf_dir=hf_dir, seed=self.seed,

@@ -10,9 +10,7 @@ on the problem's shape), so "exact" is refused there; "on" runs.
 
 import torch
 
-from llama.kernels import cpu as cpu_kernels
-
-
+from llama.kernels import cpu
 def check(model) -> None:
     """ValueError naming what keeps `model` (its device, dtype, head_dim, or this machine) out of the exact mode."""
     ref = model.norm.weight
@@ -29,6 +27,6 @@ def check(model) -> None:
     if head_dim % 8:
         raise ValueError(f"prefix_cache='exact' attends in our CPU kernel, which takes head_dim a multiple of 8, got "
                          f"{head_dim}; {fix}")
-    if not cpu_kernels.available():
+    if not cpu.available():
         raise ValueError(f"prefix_cache='exact' needs our CPU kernels (llama/kernels/cpu.py), which are not "
                          f"available here (disabled, no AVX2/FMA, or no C++ compiler); {fix}")

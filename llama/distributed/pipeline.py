@@ -54,7 +54,7 @@ from torch import nn
 from llama.core.runner import Execution
 from llama.distributed import parallel
 from llama.distributed.pipeline_engine import Pipelined, follow
-from llama.formats import meta_checkpoint as checkpoint
+from llama.formats import meta_checkpoint
 from llama.kernels import ggml_products
 from llama.model import ColumnLinear, Embedding, ModelArgs, RMSNorm, Transformer, TransformerBlock, check_model_parallel
 
@@ -412,8 +412,8 @@ def load_stage(ckpt_dir, args: ModelArgs, stage: Stage, rank: int, world_size: i
     """This rank's stage model (on the meta device, its tensors assigned): only the stage's layers (plus the
     embedding on the first stage, the output on the last) and only tensor-parallel slice `rank` of `world_size`,
     from a Meta checkpoint of any shard count. Tensors of other stages are never read: their pages stay on disk."""
-    check_layout(checkpoint.with_vocab(args, world_size), world_size, stage.count)  # before any file is read
-    sset = checkpoint.open_shards(ckpt_dir, args)
+    check_layout(meta_checkpoint.with_vocab(args, world_size), world_size, stage.count)  # before any file is read
+    sset = meta_checkpoint.open_shards(ckpt_dir, args)
     check_model_parallel(sset.args, world_size)  # vocab_size may only be known from the weights
     state = {}
     for name in sset.names:

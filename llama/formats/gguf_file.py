@@ -28,8 +28,7 @@ from tqdm import tqdm
 
 from llama.formats import architectures
 from llama.formats.meta_checkpoint import save_checkpoint
-from llama.tokenizers import huggingface as tokenizer_hf
-
+from llama.tokenizers import huggingface
 _GLOBAL = {"token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight",
            "output.weight": "output.weight"}
 _LAYER = {"attn_q.weight": "attention.wq.weight", "attn_k.weight": "attention.wk.weight",
@@ -273,7 +272,7 @@ def convert(path, out_dir, shards: int = 1, dtype: torch.dtype = torch.float32) 
     path = Path(path)
     reader = open_reader(path)
     params = read_params(reader, path)
-    tok = tokenizer_hf.from_gguf(reader, path)
+    tok = huggingface.from_gguf(reader, path)
     state = read_state_dict(reader, path, dtype)
     with tempfile.TemporaryDirectory() as tmp:
         tok.tok.save(str(Path(tmp) / "tokenizer.json"))

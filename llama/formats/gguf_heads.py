@@ -12,9 +12,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from llama.formats import gguf_file
-from llama.kernels import cpu as cpu_kernels
-
-
+from llama.kernels import cpu
 @dataclass(frozen=True)
 class HeadBounds:
     """Per rank (world + 1 bounds each): query heads q[r] .. q[r + 1] and key/value heads kv[r] .. kv[r + 1]."""
@@ -34,7 +32,7 @@ def head_bounds(tensors: List, path, args, world: int, native_type) -> Optional[
     qtype = None if wo is None else native_type(wo)
     if qtype is None or world == 1:
         return None
-    values = cpu_kernels.GGUF_BLOCKS[qtype][0]
+    values = cpu.GGUF_BLOCKS[qtype][0]
     hd, groups, rep = args.head_dim, args.n_kv_heads, args.n_heads // args.n_kv_heads
     if groups % world == 0 and (groups // world * rep * hd) % values == 0:
         return None  # the even split (what every other format does)

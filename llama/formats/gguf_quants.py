@@ -15,7 +15,7 @@ import torch
 from llama import settings
 from llama.formats import gguf_file, gguf_heads
 from llama.formats.meta_checkpoint import parallel_dim, split_tensor
-from llama.kernels import cpu as cpu_kernels
+from llama.kernels import cpu
 from llama.layers import UNQUANTIZED, Fusable
 from llama.model import Transformer
 from llama.quantization import gguf_blocks
@@ -25,7 +25,7 @@ def runs_natively(reader, quantize: Optional[str], device) -> bool:
     """Whether a load of this file keeps its quantized tensors as blocks: CPU, our kernels, no quantize=,
     LLAMA_GGUF_BLOCKS not off, and a tensor of a type they run."""
     return (quantize is None and torch.device(device).type == "cpu" and settings.get().gguf_blocks
-            and cpu_kernels.available() and any(native_type(t) is not None for t in reader.tensors))
+            and cpu.available() and any(native_type(t) is not None for t in reader.tensors))
 
 
 def activations() -> str:
@@ -58,7 +58,7 @@ def ffn_bounds(tensors: List, path, hidden: int, world: int) -> List[int]:
     w3 take the same rows, so each rank's gate/up outputs are exactly its w2 inputs and nothing else changes."""
     w2 = next((t for t in tensors if gguf_file.meta_name(t.name, path).endswith(".feed_forward.w2.weight")), None)
     qtype = None if w2 is None else native_type(w2)
-    values = 1 if qtype is None else cpu_kernels.GGUF_BLOCKS[qtype][0]
+    values = 1 if qtype is None else cpu.GGUF_BLOCKS[qtype][0]
     count = hidden // values
     if count < world:
         raise ValueError(f"{path}: tensor {w2.name} ({w2.tensor_type.name}) has {hidden} inputs, {count} blocks of "
@@ -88,7 +88,7 @@ def shard(name: str, t, b: torch.Tensor, rank: int, world: int, path, bounds=Non
     dim = parallel_dim(name)
     if dim is None or world == 1:
         return b
-    values, nbytes = cpu_kernels.GGUF_BLOCKS[int(t.tensor_type)]
+    values, nbytes = cpu.GGUF_BLOCKS[int(t.tensor_type)]
     part = uneven_part(name, rank, bounds, heads, head_dim)
     if part is not None:
         s = part[1]

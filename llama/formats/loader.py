@@ -11,24 +11,24 @@ import torch
 from tqdm import tqdm
 
 from llama import settings
-from llama.compilation import compiled_decode as compilation
+from llama.compilation import compiled_decode
 from llama.config.options import LlamaConfig, ModelConfig, QuantConfig, SchedulerConfig
 from llama.distributed import parallel, pipeline
 from llama.formats import checklist
-from llama.formats import gguf_file as gguf_checkpoint
+from llama.formats import gguf_file
 from llama.formats import gguf_quants
 from llama.formats import hf_checkpoint
 from llama.formats import memory
-from llama.formats import meta_checkpoint as checkpoint
-from llama.formats import preload as residency
-from llama.formats import quantized_checkpoint as quant_checkpoint
-from llama.kernels import cpu as cpu_kernels
+from llama.formats import meta_checkpoint
+from llama.formats import preload
+from llama.formats import quantized_checkpoint
+from llama.kernels import cpu
 from llama.kernels import ggml_arith
 from llama.layers import Fusable, linear_layers
 from llama.model import ModelArgs, Transformer, check_model_parallel
-from llama.quantization import schemes as quantization
+from llama.quantization import schemes
 from llama.quantization.schemes import QuantScheme
-from llama.tokenizers import huggingface as tokenizer_hf
+from llama.tokenizers import huggingface
 from llama.tokenizers.sentencepiece import load_tokenizer
 
 
@@ -40,7 +40,7 @@ def fuses(args: ModelArgs, dtype, device, quantize: Optional[QuantScheme], compi
     fuses only when the copy is under a quarter of the available memory, compiled or not (a compiled step calls our
     kernels on the model's weights, fused or not), or a compiled step is asked for under model parallel (its graph
     freezes a copy anyway). Quantized weights are always fused before quantizing (the pack cache keeps them)."""
-    if quantize is not None or torch.device(device).type != "cpu" or not cpu_kernels.available():
+    if quantize is not None or torch.device(device).type != "cpu" or not cpu.available():
         return True
     if compile is not None and compile is not False and compile != "auto" and ranks > 1:
         return True
@@ -60,8 +60,8 @@ def prepare(module: torch.nn.Module, device, dtype, quantize: Optional[QuantSche
             if isinstance(m, Fusable):
                 m.fuse()
     if quantize is not None:  # from the checkpoint's dtype: no full-size fp32 copy on the way
-        quantization.quantize(module, quantize, group_size)
-    quantization.cast_floating(module, dtype)
+        schemes.quantize(module, quantize, group_size)
+    schemes.cast_floating(module, dtype)
 
 
 def gguf_model(reader, path, args: ModelArgs, rank: int, world_size: int, device, dtype,
@@ -70,23 +70,23 @@ def gguf_model(reader, path, args: ModelArgs, rank: int, world_size: int, device
     fused and quantized, and its file pages released, before the next is read, so a quantized load never holds
     the whole model in full precision, nor the file beside the model. A missing output.weight is the embedding: shared at world size 1, cut along the vocabulary above."""
     check_model_parallel(args, world_size)
-    globals_, layers, shapes = gguf_checkpoint.layer_groups(reader, path)
-    checkpoint.check_shapes(shapes, args, str(path))  # before any weight is dequantized
+    globals_, layers, shapes = gguf_file.layer_groups(reader, path)
+    meta_checkpoint.check_shapes(shapes, args, str(path))  # before any weight is dequantized
     if gguf_quants.runs_natively(reader, quantize, device):  # quantized tensors kept in their own blocks
         return gguf_quants.native_model(reader, path, args, rank, world_size, device, dtype, fuse)
     with torch.device("meta"):
         model = Transformer(args)
-    # whole tensors already in dtype stay mapped on CPU, their pages kept (gguf_checkpoint.in_place); slices,
+    # whole tensors already in dtype stay mapped on CPU, their pages kept (gguf_file.in_place); slices,
     # quantized layers and layers moved to a GPU are copies, after which the pages they came from are released
     keep = dtype if quantize is None and world_size == 1 and torch.device(device).type == "cpu" else None
-    full = gguf_checkpoint.read_tensors(globals_, path, dtype)
-    state = {name: checkpoint.split_tensor(name, t, rank, world_size) for name, t in full.items()}
+    full = gguf_file.read_tensors(globals_, path, dtype)
+    state = {name: meta_checkpoint.split_tensor(name, t, rank, world_size) for name, t in full.items()}
     if "output.weight" not in state:
         state["output.weight"] = (state["tok_embeddings.weight"] if world_size == 1 else
-                                  checkpoint.split_tensor("output.weight", full["tok_embeddings.weight"], rank,
+                                  meta_checkpoint.split_tensor("output.weight", full["tok_embeddings.weight"], rank,
                                                           world_size))
     del full
-    gguf_checkpoint.release(reader, globals_, keep)
+    gguf_file.release(reader, globals_, keep)
     model.load_state_dict(state, strict=False, assign=True)
     if "output.weight" not in shapes and world_size == 1:  # one Parameter, so .to() keeps one copy
         model.output.weight = model.tok_embeddings.weight
@@ -94,14 +94,14 @@ def gguf_model(reader, path, args: ModelArgs, rank: int, world_size: int, device
     big = sum(int(t.n_bytes) for t in reader.tensors) > 1 << 30
     for i in tqdm(range(args.n_layers), desc=f"loading {path.name}", unit="layer", disable=not big):
         prefix = f"layers.{i}."
-        layer = {name[len(prefix):]: checkpoint.split_tensor(name, t, rank, world_size)
-                 for name, t in gguf_checkpoint.read_tensors(layers[i], path, dtype).items()}
+        layer = {name[len(prefix):]: meta_checkpoint.split_tensor(name, t, rank, world_size)
+                 for name, t in gguf_file.read_tensors(layers[i], path, dtype).items()}
         try:
             model.layers[i].load_state_dict(layer, strict=True, assign=True)
         except RuntimeError as e:
             raise ValueError(f"{path}: layer {i} does not match the metadata: {e}") from None
         prepare(model.layers[i], device, dtype, quantize, group_size, fuse)
-        gguf_checkpoint.release(reader, layers[i], keep)
+        gguf_file.release(reader, layers[i], keep)
     return model
 
 
@@ -112,8 +112,8 @@ def gguf_stage(reader, path, args: ModelArgs, stage, rank: int, world_size: int,
     cut to tensor-parallel slice `rank` of `world_size`, layer by layer, their file pages released once read;
     dequantized, or with `native` kept in their own blocks (gguf_quants.native_model)."""
     pipeline.check_layout(args, world_size, stage.count)
-    globals_, layers, shapes = gguf_checkpoint.layer_groups(reader, path)
-    checkpoint.check_shapes(shapes, args, str(path))  # before any weight is dequantized
+    globals_, layers, shapes = gguf_file.layer_groups(reader, path)
+    meta_checkpoint.check_shapes(shapes, args, str(path))  # before any weight is dequantized
     if native:
         with torch.device("meta"):
             model = pipeline.PipelineTransformer(args, stage)
@@ -122,17 +122,17 @@ def gguf_stage(reader, path, args: ModelArgs, stage, rank: int, world_size: int,
     keep = dtype if world_size == 1 else None  # tensor-parallel slices are copies: release what they came from
     state = {}
     for t in globals_:
-        name = gguf_checkpoint.meta_name(t.name, path)
+        name = gguf_file.meta_name(t.name, path)
         names = [n for n in ([name, "output.weight"] if tied and name == "tok_embeddings.weight" else [name])
                  if pipeline.local_name(n, stage) is not None]
         if names:
-            full = gguf_checkpoint.read_tensors([t], path, dtype)[name]
-            state.update({n: checkpoint.split_tensor(n, full, rank, world_size) for n in names})
-            gguf_checkpoint.release(reader, [t], keep)
+            full = gguf_file.read_tensors([t], path, dtype)[name]
+            state.update({n: meta_checkpoint.split_tensor(n, full, rank, world_size) for n in names})
+            gguf_file.release(reader, [t], keep)
     for i in stage.layers:
-        for name, t in gguf_checkpoint.read_tensors(layers[i], path, dtype).items():
-            state[pipeline.local_name(name, stage)] = checkpoint.split_tensor(name, t, rank, world_size)
-        gguf_checkpoint.release(reader, layers[i], keep)
+        for name, t in gguf_file.read_tensors(layers[i], path, dtype).items():
+            state[pipeline.local_name(name, stage)] = meta_checkpoint.split_tensor(name, t, rank, world_size)
+        gguf_file.release(reader, layers[i], keep)
     with torch.device("meta"):
         model = pipeline.PipelineTransformer(args, stage)
     try:
@@ -142,7 +142,7 @@ def gguf_stage(reader, path, args: ModelArgs, stage, rank: int, world_size: int,
     return model
 
 
-def load(config: LlamaConfig) -> Tuple[Transformer, object, Optional[compilation.CompiledDecode]]:
+def load(config: LlamaConfig) -> Tuple[Transformer, object, Optional[compiled_decode.CompiledDecode]]:
     """(model, tokenizer, compiled decode policy or None) for Llama.build, as its resolved configuration says
     (llama/config/).
 
@@ -169,8 +169,8 @@ def load(config: LlamaConfig) -> Tuple[Transformer, object, Optional[compilation
         model = stored_model(m, args, rank, mp_size, quant)
     else:
         model = float_model(config, args, rank, mp_size, reader, fuse)
-    residency.read_weights(model, m.preload, progress=parallel.is_main_process())
-    compiled = None if par.staged else compilation.compile_decode(model, config.compile.mode)
+    preload.read_weights(model, m.preload, progress=parallel.is_main_process())
+    compiled = None if par.staged else compiled_decode.compile_decode(model, config.compile.mode)
     if parallel.is_main_process():
         print(f"Loaded in {time.time() - start:.2f} seconds")
     return model, tokenizer, compiled
@@ -185,15 +185,15 @@ def read_parts(m: ModelConfig):
         params = hf_checkpoint.hf_params(hf_checkpoint.read_config(hf_dir), hf_dir / "config.json")
         return None, params, load_tokenizer(tokenizer_path or hf_checkpoint.tokenizer_file(hf_dir))
     if gguf_path is not None:
-        reader = gguf_checkpoint.open_reader(gguf_path)
-        params = gguf_checkpoint.read_params(reader, gguf_path)
-        tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else tokenizer_hf.from_gguf(reader, gguf_path)
+        reader = gguf_file.open_reader(gguf_path)
+        params = gguf_file.read_params(reader, gguf_path)
+        tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else huggingface.from_gguf(reader, gguf_path)
         return reader, params, tokenizer
     if tokenizer_path is None:
         raise ValueError(f"tokenizer_path is needed for {ckpt_dir} (only a GGUF file carries its tokenizer)")
     tokenizer = load_tokenizer(tokenizer_path)
-    params = checkpoint.read_params(ckpt_dir)
-    params.pop(quant_checkpoint.PARAMS_KEY, None)
+    params = meta_checkpoint.read_params(ckpt_dir)
+    params.pop(quantized_checkpoint.PARAMS_KEY, None)
     return None, params, tokenizer
 
 
@@ -222,11 +222,11 @@ def model_args(params: dict, tokenizer, scheduler: SchedulerConfig, rope_scaling
 def stored_model(m: ModelConfig, args: ModelArgs, rank: int, mp_size: int, quant: QuantConfig) -> Transformer:
     """This rank's model from a checkpoint written by `python -m llama.quantize`, nothing requantized: int8 codes
     that load as int8-dynamic keep their codes and multiply int8 activations."""
-    model = quant_checkpoint.load_model(m.path, args, rank, mp_size, quant.stored, m.device)
+    model = quantized_checkpoint.load_model(m.path, args, rank, mp_size, quant.stored, m.device)
     model.to(device=m.device).eval()
-    if quant.scheme is not quantization.get(quant.stored["scheme"]):  # another scheme of the codes (int8-dynamic)
-        quantization.quantize(model, quant.scheme)
-    quantization.cast_floating(model, m.dtype)
+    if quant.scheme is not schemes.get(quant.stored["scheme"]):  # another scheme of the codes (int8-dynamic)
+        schemes.quantize(model, quant.scheme)
+    schemes.cast_floating(model, m.dtype)
     return model
 
 
@@ -252,7 +252,7 @@ def float_model(config: LlamaConfig, args: ModelArgs, rank: int, mp_size: int, r
     elif m.kind == "hf":
         model = hf_model(ckpt_dir, args, rank, mp_size)
     else:
-        state = checkpoint.load_state_dict(ckpt_dir, args, rank, mp_size)
+        state = meta_checkpoint.load_state_dict(ckpt_dir, args, rank, mp_size)
         with torch.device("meta"):
             model = Transformer(args)
         try:
@@ -283,13 +283,13 @@ def hf_model(hf_dir, args: ModelArgs, rank: int, mp_size: int, stage=None):
         pipeline.check_layout(args, mp_size, stage.count)
     state = hf_checkpoint.hf_to_meta(hf_checkpoint.read_hf_weights(hf_dir), args,
                                      tied=bool(hf_checkpoint.read_config(hf_dir).get("tie_word_embeddings")))
-    checkpoint.check_shapes({name: tuple(t.shape) for name, t in state.items()}, args, str(hf_dir))
+    meta_checkpoint.check_shapes({name: tuple(t.shape) for name, t in state.items()}, args, str(hf_dir))
     tied = state.get("output.weight") is state.get("tok_embeddings.weight")
     local = {}
     for name, t in state.items():
         target = name if stage is None else pipeline.local_name(name, stage)
         if target is not None and not (stage is None and tied and name == "output.weight" and mp_size == 1):
-            local[target] = checkpoint.split_tensor(name, t, rank, mp_size)
+            local[target] = meta_checkpoint.split_tensor(name, t, rank, mp_size)
     if stage is None and tied and mp_size == 1:
         local["output.weight"] = local["tok_embeddings.weight"]  # one tensor: float_model shares the Parameter
     with torch.device("meta"):

@@ -19,7 +19,7 @@ import torch
 
 from llama import settings
 from llama.formats import libc
-from llama.kernels import cpu as cpu_kernels
+from llama.kernels import cpu
 from llama.model import ModelArgs
 from llama.quantization import schemes
 
@@ -97,7 +97,7 @@ def check_fits(args: ModelArgs, dtype: torch.dtype, scheme, group_size: Optional
     have = available_bytes()
     if have is None:
         return
-    kernels = cpu_kernels.available()
+    kernels = cpu.available()
     scheme = schemes.lookup(scheme)
     need = estimate(args, dtype, scheme, group_size, compile, world_size, kernels)
     # ranks on this host (torchrun) draw on the same memory: each checks that all of them fit

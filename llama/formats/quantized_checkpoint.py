@@ -19,7 +19,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from llama.formats import meta_checkpoint as checkpoint
+from llama.formats import meta_checkpoint
 from llama.kernels import int4_pack_store as pack_cache
 from llama.model import ModelArgs, Transformer, check_model_parallel
 from llama.quantization import schemes
@@ -36,7 +36,7 @@ FUSED = {"attention.wqkv": ("attention.wq", "attention.wk", "attention.wv"),
 
 def is_linear(name: str) -> bool:
     """Whether `name` (a Meta parameter name) is a linear layer's weight."""
-    m = checkpoint._LAYER.match(name)
+    m = meta_checkpoint._LAYER.match(name)
     return name == "output.weight" or (m is not None and m.group(2).removesuffix(".weight") in LINEAR
                                        and m.group(2).endswith(".weight"))
 
@@ -44,9 +44,9 @@ def is_linear(name: str) -> bool:
 def stored_dim(name: str, scheme: QuantScheme) -> Optional[int]:
     """Dimension a stored tensor is cut along across ranks (None: replicated)."""
     if name.endswith(".scales"):
-        dim = checkpoint.parallel_dim(name[: -len(".scales")] + ".weight")
+        dim = meta_checkpoint.parallel_dim(name[: -len(".scales")] + ".weight")
         return None if scheme.storage.row_scales and dim == 1 else dim
-    return checkpoint.parallel_dim(name)
+    return meta_checkpoint.parallel_dim(name)
 
 
 def stored_scheme(ckpt_dir) -> Optional[dict]:
@@ -54,7 +54,7 @@ def stored_scheme(ckpt_dir) -> Optional[dict]:
     path = Path(ckpt_dir) / "params.json"
     if not path.is_file():
         return None
-    params = checkpoint.read_params(ckpt_dir)
+    params = meta_checkpoint.read_params(ckpt_dir)
     info = params.get(PARAMS_KEY)
     if info is None:
         return None
@@ -100,8 +100,8 @@ def quantize_tensor(name: str, weight: torch.Tensor, scheme: QuantScheme,
 
 # --------------------------------------------------------------------------------------------------- loading
 def _open(ckpt_dir):
-    paths = checkpoint.shard_paths(ckpt_dir)
-    shards = [checkpoint.load_shard(p) for p in paths]
+    paths = meta_checkpoint.shard_paths(ckpt_dir)
+    shards = [meta_checkpoint.load_shard(p) for p in paths]
     for p, s in zip(paths[1:], shards[1:]):
         if set(s) != set(shards[0]):
             diff = sorted(set(s) ^ set(shards[0]))[0]
@@ -119,13 +119,13 @@ def _full_shape(name: str, parts, scheme: QuantScheme) -> Tuple[int, ...]:
 def check_groups(name: str, k: int, parts: int, group_size: Optional[int], what: str) -> None:
     """ValueError when cutting a grouped scheme's row-parallel weight `name` (k inputs) into `parts` would cut its
     groups."""
-    if group_size is not None and parts > 1 and checkpoint.parallel_dim(name) == 1 and (k // parts) % group_size:
+    if group_size is not None and parts > 1 and meta_checkpoint.parallel_dim(name) == 1 and (k // parts) % group_size:
         raise ValueError(f"{name} has {k} inputs: {what}")
 
 
 def _check_shapes(paths, shards, args: ModelArgs, scheme: QuantScheme, group_size: Optional[int],
                   world_size: int) -> None:
-    expected = checkpoint.expected_shapes(args)
+    expected = meta_checkpoint.expected_shapes(args)
     want = {}
     for name, shape in expected.items():
         if not is_linear(name):

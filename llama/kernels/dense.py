@@ -4,7 +4,7 @@ or PyTorch's. Every linear layer's default method (llama/layers.py, Unquantized)
 import torch
 import torch.nn.functional as F
 
-from llama.kernels import cpu as cpu_kernels
+from llama.kernels import cpu
 from llama.kernels import invariant, tiled
 
 # oneDNN's fp32 linear, when this build has it: eager F.linear runs MKL's sgemm for fp32 on CPU, which is slower at
@@ -16,7 +16,7 @@ ONEDNN_FP32 = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
 # are compute-bound and oneDNN's GEMM is faster there (docs/performance-history.md, "Why these defaults").
 FP32_KERNEL_MAX_ROWS = 8
 # The same for bf16 activations and weights, eager, where oneDNN has the CPU's own bf16 dot products
-# (cpu_kernels.onednn_bf16()): past this many rows (a prompt's prefill) its GEMM is faster than our kernel. Without
+# (cpu.onednn_bf16()): past this many rows (a prompt's prefill) its GEMM is faster than our kernel. Without
 # them it widens to fp32 and is slower at every size, so our kernel takes every bf16 product.
 BF16_KERNEL_MAX_ROWS = 16
 
@@ -27,10 +27,10 @@ def ours(weight: torch.Tensor, rows: int, dtype: torch.dtype) -> bool:
     eager, where oneDNN has bf16 dot products), fp32 ones up to FP32_KERNEL_MAX_ROWS rows of fp32; at any row count
     while row-invariant arithmetic is on (llama/kernels/invariant.py: oneDNN's GEMM blocks by the row count), except
     where oneDNN's GEMM in fixed tiles takes the product (llama/kernels/tiled.py)."""
-    if not cpu_kernels.takes_float(weight) or (invariant.active() and tiled.takes(weight, dtype)):
+    if not cpu.takes_float(weight) or (invariant.active() and tiled.takes(weight, dtype)):
         return False
     if weight.dtype == torch.bfloat16:
-        return invariant.active() or not (dtype == torch.bfloat16 and cpu_kernels.onednn_rows(
+        return invariant.active() or not (dtype == torch.bfloat16 and cpu.onednn_rows(
             rows, BF16_KERNEL_MAX_ROWS) and not torch.compiler.is_compiling())
     return dtype == torch.float32 and (rows <= FP32_KERNEL_MAX_ROWS or invariant.active())
 
@@ -47,7 +47,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if invariant.active() and tiled.takes(weight, x.dtype):  # row-invariant at GEMM speed
             return tiled.linear(x, weight)
         if ours(weight, x.numel() // x.shape[-1], x.dtype):
-            return cpu_kernels.float_linear(x, weight)
+            return cpu.float_linear(x, weight)
         if weight.dtype == torch.float32 and x.dtype == torch.float32 and ONEDNN_FP32 \
                 and not torch.compiler.is_compiling():
             return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")

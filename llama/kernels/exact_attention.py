@@ -13,14 +13,14 @@ temporary pool already holds, so every query sees what a later pass reads back f
 
 import torch
 
-from llama.kernels import cpu as cpu_kernels
+from llama.kernels import cpu
 from llama.kernels import paged
 
 
 def takes(q: torch.Tensor, cache: torch.Tensor) -> bool:
     """Whether attend() runs: an int8 pool, activations of fp32 or bf16, head_dim a multiple of 8, kernels built."""
     return cache.dtype == torch.int8 and q.dtype in (torch.float32, torch.bfloat16) and cache.shape[-1] % 8 == 0 \
-        and q.device.type == "cpu" and not torch.compiler.is_compiling() and cpu_kernels.available()
+        and q.device.type == "cpu" and not torch.compiler.is_compiling() and cpu.available()
 
 
 def dequantized(cache: torch.Tensor, scales: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -21,7 +21,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from llama import settings
-from llama.kernels import cpu as cpu_kernels
+from llama.kernels import cpu
 from llama.kernels import invariant
 
 # the op's schemes: a bf16 or fp32 weight, group-wise int4, int8 with per-row scales, GGUF blocks with int8
@@ -51,11 +51,11 @@ def layer_inputs(layers, x: torch.Tensor):
     for block in layers:
         attention, ffn = block.attention, block.feed_forward
         for norm in (block.attention_norm, block.ffn_norm):
-            if not cpu_kernels.norms(x, norm.weight) or eps not in (None, norm.eps):
+            if not cpu.norms(x, norm.weight) or eps not in (None, norm.eps):
                 return None
             eps = norm.eps
             norms.append(norm.weight)
-        if attention.cache_k is None or not cpu_kernels.attends(x, attention.cache_k):
+        if attention.cache_k is None or not cpu.attends(x, attention.cache_k):
             return None
         caches += (attention.cache_k, attention.cache_v)
         qkv = (attention.wq, attention.wk, attention.wv) if attention.wqkv is None else (attention.wqkv,)
@@ -87,7 +87,7 @@ def forget() -> None:
 def run(layers, h: torch.Tensor, cos, sin, positions, rows, kv_len: int) -> Optional[torch.Tensor]:
     """Every layer over h (B, 1, dim) in one call, as `for layer in layers: h = layer(h, ...)` computes it; None
     where the op cannot take them (the caller then goes layer by layer)."""
-    if h.shape[1] != 1 or h.device.type != "cpu" or torch.compiler.is_compiling() or not cpu_kernels.available():
+    if h.shape[1] != 1 or h.device.type != "cpu" or torch.compiler.is_compiling() or not cpu.available():
         return None
     if not settings.get().fused_decode or not invariant.one_call_decodes(h.shape[0]):
         return None
@@ -102,7 +102,7 @@ def run(layers, h: torch.Tensor, cos, sin, positions, rows, kv_len: int) -> Opti
     blocks = layers[0].attention.blocks
     if table is not None and blocks is not None:
         blocks.direct()  # outside the runner: the pool's slot layout (llama/kernels/paged.py BlockTable)
-    cos, sin, rows, row0, positions = cpu_kernels.attention_inputs(cos, sin, rows, positions)
+    cos, sin, rows, row0, positions = cpu.attention_inputs(cos, sin, rows, positions)
     B = h.shape[0]
     out = torch.ops.llama_cpu.decode_layers(h.reshape(B, -1).contiguous(), norms, eps, weights, schemes, groups,
                                             qkv_products, ffn_products, cos, sin, caches, table, rows, row0, positions,

@@ -24,7 +24,7 @@ from typing import List, Optional
 
 import torch
 
-from llama.kernels import cpu as cpu_kernels
+from llama.kernels import cpu
 from llama.kernels import invariant
 
 Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS = 11, 12, 13, 14, 23
@@ -46,12 +46,12 @@ def product(method, layer, x: torch.Tensor) -> torch.Tensor:
     T = x.shape[-2] if x.dim() >= 2 else 1
     w = layer.weight
     if invariant.active() or w.device.type != "cpu":
-        return cpu_kernels.gguf_linear(x, w, method.layout)
+        return cpu.gguf_linear(x, w, method.layout)
     rows = x.reshape(-1, T, x.shape[-1]).to(torch.float32)
     counts = _counts if _counts is not None and len(_counts) == rows.shape[0] else [T] * rows.shape[0]
     hows = [kernel(method.qtype, w.shape[0], min(c, T)) for c in counts]
     if all(h == "one" for h in hows):
-        return cpu_kernels.gguf_linear(x, w, method.layout)
+        return cpu.gguf_linear(x, w, method.layout)
     if len(set(counts)) == 1 or all(h == "tiled" for h in hows):  # one call for the whole batch
         y = _rows(method, w, rows, hows[0], min(counts[0], T))
     else:
@@ -63,13 +63,13 @@ def _rows(method, w, rows: torch.Tensor, how: str, count: int) -> torch.Tensor:
     """rows (B, T, K) fp32 times w by kernel `how` for sequences of `count` tokens: (B, T, N)."""
     B, T, K = rows.shape
     if how == "one":
-        return cpu_kernels.gguf_linear(rows, w, method.layout)
+        return cpu.gguf_linear(rows, w, method.layout)
     if how == "tiled":
         return torch.ops.llama_ggml_mm.tiled(rows.reshape(-1, K).contiguous(), w, method.layout).view(B, T, -1)
     full = count - count % 4  # the gemm's rows; the rest go through the gemv, which our one-row product equals
     y = torch.ops.llama_ggml_mm.q4k_x4(rows[:, :full].reshape(-1, K).contiguous(), w, method.layout)
     y = y.view(B, full, -1)
-    return torch.cat([y, cpu_kernels.gguf_linear(rows[:, full:], w, method.layout)], dim=1) if full < T else y
+    return torch.cat([y, cpu.gguf_linear(rows[:, full:], w, method.layout)], dim=1) if full < T else y
 
 
 _counts = None  # tokens per sequence of the pass in progress, where it says them (sequence_tokens)

@@ -23,8 +23,8 @@ from typing import Dict, Optional
 import torch
 
 from llama import settings
-from llama.formats import meta_checkpoint as checkpoint
-from llama.kernels import cpu as cpu_kernels
+from llama.formats import meta_checkpoint
+from llama.kernels import cpu
 from llama.settings import cache_dir
 
 FORMAT = 3  # bump when what is stored changes
@@ -39,10 +39,10 @@ def cache_path(ckpt_dir, rank: int, world_size: int, group_size: int) -> Optiona
     if not enabled():
         return None
     h = hashlib.sha256()
-    for p in sorted(checkpoint.shard_paths(ckpt_dir)) + [Path(ckpt_dir) / "params.json"]:
+    for p in sorted(meta_checkpoint.shard_paths(ckpt_dir)) + [Path(ckpt_dir) / "params.json"]:
         st = p.stat()
         h.update(f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
-    h.update(f"{FORMAT}|{rank}|{world_size}|{group_size}|{cpu_kernels.available()}|{torch.__version__}|"
+    h.update(f"{FORMAT}|{rank}|{world_size}|{group_size}|{cpu.available()}|{torch.__version__}|"
              f"{torch.backends.cpu.get_cpu_capability()}".encode())
     return cache_dir() / "int4pack" / f"{h.hexdigest()[:32]}.pt"
 

@@ -19,7 +19,7 @@ from typing import Dict, Tuple
 import torch
 import torch.nn.functional as F
 
-from llama.kernels import cpu as cpu_kernels
+from llama.kernels import cpu
 from llama.kernels import invariant
 
 TILE = 32  # rows per oneDNN call (docs/performance.md, "exact")
@@ -42,7 +42,7 @@ def _dtype_ok(weight: torch.Tensor, dtype: torch.dtype) -> bool:
     if weight.device.type != "cpu" or weight.dtype != dtype or weight.dim() != 2 or not weight.is_contiguous():
         return False
     if dtype == torch.bfloat16:
-        return cpu_kernels.onednn_bf16()
+        return cpu.onednn_bf16()
     return dtype == torch.float32 and torch.backends.mkldnn.is_available() \
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Union
 import torch
 
 from llama.formats import memory
-from llama.formats import meta_checkpoint as checkpoint
+from llama.formats import meta_checkpoint
 from llama.formats.quantized_checkpoint import (
     PARAMS_KEY,
     check_groups,
@@ -67,11 +67,11 @@ def quantize_checkpoint(ckpt_dir, out_dir, scheme: Union[str, QuantScheme], grou
     if stored_scheme(ckpt_dir) is not None:
         raise ValueError(f"{ckpt_dir} is already quantized ({PARAMS_KEY} in its params.json): quantize the "
                          "full-precision checkpoint instead")
-    params = checkpoint.read_params(ckpt_dir)
-    sset = checkpoint.open_shards(ckpt_dir, ModelArgs.from_params(params))
+    params = meta_checkpoint.read_params(ckpt_dir)
+    sset = meta_checkpoint.open_shards(ckpt_dir, ModelArgs.from_params(params))
     args = sset.args
-    checkpoint.check_model_parallel(args, shards)
-    for name, (n, k) in ((n, s) for n, s in checkpoint.expected_shapes(args).items() if is_linear(n)):
+    meta_checkpoint.check_model_parallel(args, shards)
+    for name, (n, k) in ((n, s) for n, s in meta_checkpoint.expected_shapes(args).items() if is_linear(n)):
         check_groups(name, k, shards, group_size, f"{shards} shards would cut its groups of {group_size}; choose a "
                      f"shard count whose slices ({k}/shards) are multiples of {group_size}")
     names = list(sset.names)
@@ -85,7 +85,7 @@ def quantize_checkpoint(ckpt_dir, out_dir, scheme: Union[str, QuantScheme], grou
     record = {"scheme": scheme.name, **({"group_size": group_size} if scheme.group_size is not None else {})}
     params = {**params, PARAMS_KEY: record}
     extra = {f: Path(ckpt_dir) / f for f in TOKENIZER_FILES if (Path(ckpt_dir) / f).is_file()}
-    return checkpoint.write_shards(out_dir, params, shards, lambda k: out[k], extra)
+    return meta_checkpoint.write_shards(out_dir, params, shards, lambda k: out[k], extra)
 
 
 def _quantize_all(names, sset, out: List[Dict[str, torch.Tensor]], scheme: QuantScheme, group_size: Optional[int],
@@ -98,7 +98,7 @@ def _quantize_all(names, sset, out: List[Dict[str, torch.Tensor]], scheme: Quant
         src = sset.sources.get(name, name)
         for shard, mapped in zip(sset.shards, sset.mapped):
             if mapped:  # drop the source pages from this process (read again from the file if needed again)
-                checkpoint._release(shard[src])
+                meta_checkpoint._release(shard[src])
         for key, t in stored.items():
             for k in range(shards):
                 out[k][key] = _split(key, t, k, shards, scheme)

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from llama import settings
-from llama.kernels import cpu as cpu_kernels
+from llama.kernels import cpu
 from llama.kernels import fused_decode
 from llama.layers import LinearMethod
 
@@ -37,7 +37,7 @@ class GGUFBlocks(LinearMethod):
 
     quantized = True
     qtype = -1
-    layout = -1  # the id our kernels take: qtype, or cpu_kernels.Q4_K_X8
+    layout = -1  # the id our kernels take: qtype, or cpu.Q4_K_X8
     activations = "float"  # "float": fp32 activations (gguf_linear_float); "int8": llama.cpp's int8 blocks
     # SmolLM2's Q4_1 decodes no faster compiled (0.98x eager, `python -m benchmarks compile-gguf`, docs/performance.md
     # "First run"), and compiling mid-run cost a newcomer minutes on a busy machine
@@ -45,8 +45,8 @@ class GGUFBlocks(LinearMethod):
 
     def apply(self, layer, x):
         if self.activations == "int8":
-            return cpu_kernels.gguf_linear(x, layer.weight, self.layout)
-        return cpu_kernels.gguf_linear_float(x, layer.weight, self.layout)
+            return cpu.gguf_linear(x, layer.weight, self.layout)
+        return cpu.gguf_linear_float(x, layer.weight, self.layout)
 
     def route(self, layer, rows, dtype):
         if layer.weight.device.type != "cpu":
@@ -61,7 +61,7 @@ class GGUFBlocks(LinearMethod):
         """The weight's blocks as the file holds them (a copy where repacked)."""
         if self.layout == self.qtype:
             return layer.weight.data
-        return cpu_kernels.gguf_repack(layer.weight.data, self.qtype, back=True)
+        return cpu.gguf_repack(layer.weight.data, self.qtype, back=True)
 
     def __repr__(self) -> str:
         repacked = ", repacked" if self.layout != self.qtype else ""
@@ -88,7 +88,7 @@ def method(qtype: int, activations: str = "float") -> GGUFBlocks:
 
 
 # file type -> the layout our int8-activation kernels run it in faster (the fp32 unpack reads the file's layout)
-REPACKS = {12: cpu_kernels.Q4_K_X8}
+REPACKS = {12: cpu.Q4_K_X8}
 
 
 def repack(layer) -> bool:
@@ -102,12 +102,12 @@ def repack(layer) -> bool:
     if layer.weight.device.type != "cpu":
         return False
     layer.take(method_class(m.qtype, REPACKS[m.qtype], m.activations)(),
-               cpu_kernels.gguf_repack(layer.weight.data, m.qtype))
+               cpu.gguf_repack(layer.weight.data, m.qtype))
     return True
 
 
 def values_per_row(qtype: int, row_bytes: int) -> int:
-    return cpu_kernels.gguf_values(qtype, row_bytes)
+    return cpu.gguf_values(qtype, row_bytes)
 
 
 class BlockEmbedding(nn.Module):
@@ -123,7 +123,7 @@ class BlockEmbedding(nn.Module):
         self.embedding_dim = values_per_row(qtype, blocks.shape[1])
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return cpu_kernels.gguf_rows(self.weight, tokens, self.qtype)
+        return cpu.gguf_rows(self.weight, tokens, self.qtype)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {NAMES[self.qtype]}"

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llama.kernels import cpu as cpu_kernels
+from llama.kernels import cpu
 from llama.kernels import fused_decode
 from llama.layers import LinearMethod, linear_layers
 from llama.quantization.int4_cuda import Int4Cuda, to_cuda_kernel
@@ -157,7 +157,7 @@ def dequantize_codes(codes: torch.Tensor, scales: torch.Tensor, group_size: int)
 
 def own_kernel(inputs: int) -> bool:
     """Whether a CPU int4 layer with this input size runs in our kernel (on the storage layout)."""
-    return cpu_kernels.takes(inputs)
+    return cpu.takes(inputs)
 
 
 def kernel_shapes(rows: int, inputs: int, group_size: int) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
@@ -222,11 +222,11 @@ class Int4(LinearMethod):
 
     def apply(self, layer, x):
         if self.ours:
-            return cpu_kernels.int4_linear(x, layer.weight, layer.scales, self.group_size)
+            return cpu.int4_linear(x, layer.weight, layer.scales, self.group_size)
         return int4_linear(x, layer.weight, layer.scales, self.out_features)
 
     def route(self, layer, rows, dtype):
-        if not self.ours or cpu_kernels.onednn_rows(rows, cpu_kernels.QUANT_KERNEL_MAX_ROWS):
+        if not self.ours or cpu.onednn_rows(rows, cpu.QUANT_KERNEL_MAX_ROWS):
             return None
         return fused_decode.INT4, self.group_size, (layer.weight, layer.scales)
 

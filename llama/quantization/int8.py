@@ -12,7 +12,7 @@ Decoding reads every weight once per token, so halving the bytes (vs bf16) nearl
   stay plain int8 (so a stored "int8" checkpoint loads as int8-dynamic too). Int8DynamicOneDNN, without them:
   oneDNN's int8 GEMM on prepacked weights with one activation scale per row (7-bit codes without VNNI). Either way
   a row's result never depends on the other rows of its batch. A prefill of more than 32 rows, where oneDNN has
-  bf16 dot products, multiplies the weight dequantized to bf16 in oneDNN's GEMM instead (cpu_kernels.int8_linear:
+  bf16 dot products, multiplies the weight dequantized to bf16 in oneDNN's GEMM instead (cpu.int8_linear:
   faster there, and bf16 activations are closer to fp32 than int8 blocks). Accuracy: docs/performance.md.
 
 All are symmetric, per-output-channel, round-to-nearest: q8_0's scheme with one scale per row instead of per
@@ -26,7 +26,7 @@ from typing import Tuple
 import torch
 import torch.nn.functional as F
 
-from llama.kernels import cpu as cpu_kernels
+from llama.kernels import cpu
 from llama.kernels import dense, fused_decode, invariant
 from llama.layers import LinearMethod
 
@@ -81,7 +81,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scales=None) -> torch.Tensor:
 def _has_int8_dot_product() -> bool:
     """Whether this CPU has VNNI (or AMX) int8 dot products. Without them, oneDNN multiplies uint8 by int8 with
     AVX2's vpmaddubsw, which adds pairs of products into saturating int16: full-range codes overflow it."""
-    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & cpu_kernels.cpu_flags())
+    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & cpu.cpu_flags())
 
 
 # Activation codes are zero_point +- ACT_HALF_RANGE. 7 bits without VNNI (PyTorch's "reduce_range"): then a pair of
@@ -128,7 +128,7 @@ class Int8WeightOnly(LinearMethod):
 
 class Int8Dynamic(LinearMethod):
     """"int8-dynamic" in our kernel: plain int8 weight, fp32 scales (N,), activations in int8 blocks of 32 (an input
-    size our kernel takes: cpu_kernels.takes)."""
+    size our kernel takes: cpu.takes)."""
 
     quantized = True
     scheme = "int8-dynamic"
@@ -137,10 +137,10 @@ class Int8Dynamic(LinearMethod):
         layer.take(self, q, scales)
 
     def apply(self, layer, x):
-        return cpu_kernels.int8_linear(x, layer.weight, layer.scales)
+        return cpu.int8_linear(x, layer.weight, layer.scales)
 
     def route(self, layer, rows, dtype):
-        if cpu_kernels.onednn_rows(rows, cpu_kernels.QUANT_KERNEL_MAX_ROWS):  # int8_linear's oneDNN prefill
+        if cpu.onednn_rows(rows, cpu.QUANT_KERNEL_MAX_ROWS):  # int8_linear's oneDNN prefill
             return None
         return fused_decode.INT8, 0, (layer.weight, layer.scales)
 
@@ -169,4 +169,4 @@ class Int8DynamicOneDNN(LinearMethod):
 
 def int8_dynamic(inputs: int) -> LinearMethod:
     """The int8-dynamic method for a layer of this input size: our kernel where it takes it, else oneDNN's."""
-    return Int8Dynamic() if cpu_kernels.takes(inputs) else Int8DynamicOneDNN()
+    return Int8Dynamic() if cpu.takes(inputs) else Int8DynamicOneDNN()

@@ -10,7 +10,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from llama.kernels import cpu as cpu_kernels
+from llama.kernels import cpu
 from llama.kernels import fused_decode
 from llama.layers import Fusable, linear_layers, quantized
 from llama.quantization.int4 import DEFAULT_GROUP_SIZE, check_group_size, quantize_int4
@@ -106,7 +106,7 @@ def quantize(model: nn.Module, scheme: Union[str, QuantScheme], group_size: Opti
 def _int4_activations() -> Optional[torch.dtype]:
     """PyTorch's int4 CPU kernel wants bf16; ours (llama/kernels/cpu.py) takes fp32, and on CPUs without native
     bf16 every other operator (norms, attention) runs faster in fp32 too, at twice the KV cache's bytes."""
-    return None if cpu_kernels.available() else torch.bfloat16
+    return None if cpu.available() else torch.bfloat16
 
 
 def _bf16() -> torch.dtype:

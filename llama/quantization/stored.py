@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from llama.kernels import cpu as cpu_kernels
+from llama.kernels import cpu
 from llama.quantization.int4 import Int4, kernel_shapes, own_kernel, quantize_codes, set_int4
 from llama.quantization.int8 import Int8WeightOnly, quantize_weight
 
@@ -59,7 +59,7 @@ def fastest_int8(device) -> str:
     """The int8 scheme a stored int8 checkpoint loads as when the caller names none: "int8-dynamic" on a CPU where
     our kernels run (1.64x llama.cpp's q8_0 at 7B, against 0.8x weight-only: docs/performance.md), else "int8"
     (CUDA, or no AVX2 kernels: weight-only, as oneDNN's int8-dynamic is no faster there)."""
-    return "int8-dynamic" if torch.device(device).type == "cpu" and cpu_kernels.available() else "int8"
+    return "int8-dynamic" if torch.device(device).type == "cpu" and cpu.available() else "int8"
 
 
 class Int8Stored(StoredLayout):

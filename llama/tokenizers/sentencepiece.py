@@ -11,7 +11,7 @@ from typing import Dict, List, Optional
 
 from sentencepiece import SentencePieceProcessor
 
-from llama.tokenizers import huggingface as tokenizer_hf
+from llama.tokenizers import huggingface
 from llama.tokenizers.llama3 import Llama3Tokenizer, is_rank_file
 from llama.tokenizers.text import check_text
 
@@ -71,7 +71,7 @@ def load_tokenizer(path):
     if is_rank_file(path):
         return Llama3Tokenizer(path)
     if path.endswith(".json"):
-        return tokenizer_hf.from_tokenizer_json(path)
+        return huggingface.from_tokenizer_json(path)
     try:
         return Tokenizer(path)
     except ValueError:

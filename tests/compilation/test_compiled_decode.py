@@ -16,7 +16,7 @@ import torch
 from conftest import CPU_ONLY
 
 from llama import Llama
-from llama.compilation import compiled_decode as compilation
+from llama.compilation import compiled_decode
 from llama.compilation.compiled_decode import (
     CompiledDecode,
     bucket,
@@ -145,26 +145,25 @@ def test_auto_leaves_batch_sizes_our_cpu_kernels_run_eager(monkeypatch):
     with layers in PyTorch's kernels."""
     from test_model import random_model
 
-    from llama.kernels import cpu as cpu_kernels
-
+    from llama.kernels import cpu
     model = random_model(multiple_of=32)  # every input size a multiple of 32: all in our kernels
     KVCache(model, 8, 32)
     bf16 = random_model(multiple_of=32).to(torch.bfloat16)
     small = quantize_int8_dynamic(random_model(multiple_of=32))
     for m in (model, bf16, small):
-        assert compilation.eager_batches(m) == 0  # a few KB of weights: the lazy rule
-    monkeypatch.setattr(compilation, "EAGER_KERNEL_MIN_BYTES", 0)  # as if they were large
+        assert compiled_decode.eager_batches(m) == 0  # a few KB of weights: the lazy rule
+    monkeypatch.setattr(compiled_decode, "EAGER_KERNEL_MIN_BYTES", 0)  # as if they were large
     step = CompiledDecode(model, "default", lazy=True)
-    if not cpu_kernels.available():
+    if not cpu.available():
         assert step.eager_up_to == 0
         return
-    assert step.eager_up_to == compilation.FP32_KERNEL_MAX_ROWS == 8 and not step.ready((8, False)) and not step.seen
+    assert step.eager_up_to == compiled_decode.FP32_KERNEL_MAX_ROWS == 8 and not step.ready((8, False)) and not step.seen
     assert CompiledDecode(model, "default", lazy=False).ready((1, False))  # compile=True still compiles
-    assert compilation.eager_batches(bf16) == compilation.EAGER_KERNEL_MAX_BATCH
-    assert compilation.eager_batches(small) == compilation.EAGER_KERNEL_MAX_BATCH
-    assert compilation.eager_batches(quantize_int8(random_model())) == 0  # int8 weight-only: PyTorch's kernel
-    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
-    assert compilation.eager_batches(model) == 0
+    assert compiled_decode.eager_batches(bf16) == compiled_decode.EAGER_KERNEL_MAX_BATCH
+    assert compiled_decode.eager_batches(small) == compiled_decode.EAGER_KERNEL_MAX_BATCH
+    assert compiled_decode.eager_batches(quantize_int8(random_model())) == 0  # int8 weight-only: PyTorch's kernel
+    monkeypatch.setattr(cpu, "available", lambda: False)
+    assert compiled_decode.eager_batches(model) == 0
 
 
 def test_auto_keeps_the_default_gguf_model_eager_at_small_batches(monkeypatch):
@@ -180,15 +179,15 @@ def test_auto_keeps_the_default_gguf_model_eager_at_small_batches(monkeypatch):
     monkeypatch.setenv("LLAMA_GGML_ARITH", "0")
     g = Llama.build(str(gguf), None, max_seq_len=64, max_batch_size=1, compile="auto")
     step = g.runner.compiled
-    assert compilation.weight_bytes(g.model) < compilation.EAGER_KERNEL_MIN_BYTES
-    assert step is not None and step.eager_up_to == compilation.EAGER_KERNEL_MAX_BATCH
+    assert compiled_decode.weight_bytes(g.model) < compiled_decode.EAGER_KERNEL_MIN_BYTES
+    assert step is not None and step.eager_up_to == compiled_decode.EAGER_KERNEL_MAX_BATCH
     assert not step.ready(step.key(1, None))
     g.generate([[1, 504, 3575, 282, 4649, 314]], max_gen_len=4, temperature=0)
     assert not step.packages and not step.seen, (step.packages, step.seen)
 
 
 def test_a_batch_size_that_would_not_fit_in_memory_stays_eager(stories_dir, goldens, monkeypatch, capsys):
-    monkeypatch.setattr(compilation, "memory_allows", lambda model: False)
+    monkeypatch.setattr(compiled_decode, "memory_allows", lambda model: False)
     llama = build(stories_dir, compile=True)
     prompts = [g["prompt_tokens"] for g in goldens.values()]
     out, _ = llama.generate(prompts, max_gen_len=16, temperature=0)
@@ -201,19 +200,18 @@ def test_a_batch_size_that_would_not_fit_in_memory_stays_eager(stories_dir, gold
 def test_memory_check_counts_copied_weights_only(monkeypatch):
     from test_model import random_model
 
-    from llama.kernels import cpu as cpu_kernels
-
+    from llama.kernels import cpu
     model = random_model(multiple_of=32)
-    assert compilation.memory_allows(model)  # a few KB of weights
+    assert compiled_decode.memory_allows(model)  # a few KB of weights
     real_open = open
     monkeypatch.setattr("builtins.open", lambda path, *a, **k: io.StringIO("MemAvailable:  1024 kB\n")
                         if path == "/proc/meminfo" else real_open(path, *a, **k))
     # float weights in our kernels stay out of the graph: nothing to copy, even with 1 MB free
-    assert compilation.memory_allows(model) == cpu_kernels.available()
-    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
-    assert not compilation.memory_allows(model)  # frozen into the graph: no room for another copy
+    assert compiled_decode.memory_allows(model) == cpu.available()
+    monkeypatch.setattr(cpu, "available", lambda: False)
+    assert not compiled_decode.memory_allows(model)  # frozen into the graph: no room for another copy
     quantize_int8(model)
-    assert compilation.memory_allows(model)  # int8 weights are not copied into graphs
+    assert compiled_decode.memory_allows(model)  # int8 weights are not copied into graphs
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -242,14 +240,14 @@ def test_auto_applies_to_cpu_models_above_the_size_threshold(monkeypatch):
     from test_model import random_model
 
     model = random_model()
-    monkeypatch.setattr(compilation, "AUTO_MIN_PARAMS", 0)
+    monkeypatch.setattr(compiled_decode, "AUTO_MIN_PARAMS", 0)
     step = compile_decode(model, "auto")
     assert step.lazy and not step.seen
-    monkeypatch.setattr(compilation, "AUTO_MIN_PARAMS", 10**12)
+    monkeypatch.setattr(compiled_decode, "AUTO_MIN_PARAMS", 10**12)
     assert compile_decode(model, "auto") is None
     assert compile_decode(model, True).lazy is False  # True compiles on first use
-    monkeypatch.setattr(compilation, "AUTO_MIN_PARAMS", 0)
-    monkeypatch.setattr(compilation.parallel, "model_parallel_size", lambda: 2)
+    monkeypatch.setattr(compiled_decode, "AUTO_MIN_PARAMS", 0)
+    monkeypatch.setattr(compiled_decode.parallel, "model_parallel_size", lambda: 2)
     assert compile_decode(model, "auto") is None  # ranks could switch at different steps: eager
 
 
@@ -259,10 +257,9 @@ def test_large_fp32_batches_stay_eager(kernels, monkeypatch):
     where our kernels keep the weights out of the graph: such graphs are not compiled."""
     from test_model import random_model
 
-    from llama.kernels import cpu as cpu_kernels
-
+    from llama.kernels import cpu
     if not kernels:
-        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+        monkeypatch.setattr(cpu, "available", lambda: False)
     else:
         hardware.require_kernels()
     model = random_model(max_batch=32, multiple_of=32)

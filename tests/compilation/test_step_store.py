@@ -20,10 +20,9 @@ import torch
 from conftest import GOLDENS, ON_CUDA, REPO, error_lines
 
 from llama import Llama
-from llama.compilation import step_store as compile_cache
+from llama.compilation import step_store
 from llama.compilation.compiled_decode import CompiledDecode
-from llama.kernels import cpu as cpu_kernels
-
+from llama.kernels import cpu
 pytestmark = [
     pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
                        reason="AOTInductor's CPU backend needs a C++ compiler (g++/clang++) on PATH"),
@@ -44,8 +43,8 @@ print("packages", sorted(llama.runner.compiled.packages), "loaded", sorted(llama
 
 def kernels_off(mp) -> None:
     """As on a machine without our CPU kernels: eager and compiled products in PyTorch's kernels."""
-    mp.setattr(cpu_kernels, "available", lambda: False)
-    mp.setattr(cpu_kernels, "_loaded", False)
+    mp.setattr(cpu, "available", lambda: False)
+    mp.setattr(cpu, "_loaded", False)
 
 
 @pytest.fixture(autouse=True)
@@ -120,28 +119,28 @@ def test_an_unreadable_package_is_compiled_again(cache, stories_dir, tmp_path):
 
 def test_the_key_tells_weights_batch_sizes_rows_and_settings_apart(stories_dir):
     model = build(stories_dir, compile=False).model
-    weights = compile_cache.fingerprint(model)
-    assert compile_cache.fingerprint(model) == weights
+    weights = step_store.fingerprint(model)
+    assert step_store.fingerprint(model) == weights
     cfg = {"freezing": True, "max_autotune": True}
-    paths = {compile_cache.package_path(weights, 2, False, cfg), compile_cache.package_path(weights, 4, False, cfg),
-             compile_cache.package_path(weights, 2, True, cfg),
-             compile_cache.package_path(weights, 2, False, {**cfg, "max_autotune": False})}
+    paths = {step_store.package_path(weights, 2, False, cfg), step_store.package_path(weights, 4, False, cfg),
+             step_store.package_path(weights, 2, True, cfg),
+             step_store.package_path(weights, 2, False, {**cfg, "max_autotune": False})}
     assert len(paths) == 4
     with torch.no_grad():
         model.layers[3].feed_forward.w2.weight[0, 0] += 1.0  # the strided sample starts at element 0
-    assert compile_cache.fingerprint(model) != weights
+    assert step_store.fingerprint(model) != weights
 
 
 def test_turned_off_by_the_environment(stories_dir, monkeypatch):
     model = build(stories_dir, compile=False).model
-    assert compile_cache.enabled(model)
+    assert step_store.enabled(model)
     monkeypatch.setenv("LLAMA_COMPILE_CACHE", "0")
-    assert not compile_cache.enabled(model)
+    assert not step_store.enabled(model)
     assert CompiledDecode(model).package_path((2, False)) is None
 
 
 def test_int8_dynamic_compiles_in_every_process(stories_dir):
     """Its oneDNN-packed weights are opaque tensors that torch.export cannot trace: torch.compile, not a package."""
     model = build(stories_dir, compile=False, quantize="int8-dynamic").model
-    assert not compile_cache.enabled(model)
-    assert compile_cache.enabled(build(stories_dir, compile=False, quantize="int8").model)
+    assert not step_store.enabled(model)
+    assert step_store.enabled(build(stories_dir, compile=False, quantize="int8").model)

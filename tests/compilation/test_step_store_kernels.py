@@ -14,7 +14,7 @@ import torch
 from conftest import ON_CUDA, REPO, SHARED, error_lines, fresh_cache
 from test_step_store import build, run_load
 
-from llama.compilation import step_store as compile_cache
+from llama.compilation import step_store
 from llama.compilation.compiled_decode import CompiledDecode
 
 pytestmark = [
@@ -38,7 +38,7 @@ def kernel_cache(tmp_path_factory, stories_dir, goldens):
     assert step.config["freezing"] is False and step.packages.keys() == {(2, False)} and not step.loaded
     assert out == [g["generated_tokens"] for g in goldens.values()]
     [stored] = (path / "aoti").glob("*/step.so")
-    assert (stored.parent / compile_cache.CALLS).is_file()  # the calls of our ops, beside the library
+    assert (stored.parent / step_store.CALLS).is_file()  # the calls of our ops, beside the library
     return path
 
 

@@ -11,8 +11,7 @@ from conftest import SHARED, STORIES, need
 from llama import Llama
 from llama.config import BuildArgs, memory_config
 from llama.formats import gguf_file, hf_checkpoint
-from llama.formats import quantized_checkpoint as quant_checkpoint
-
+from llama.formats import quantized_checkpoint
 SMOLLM = SHARED / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -24,7 +23,7 @@ def stories(**options) -> BuildArgs:
 
 def test_the_checkpoint_kind_is_read_once_when_resolving(monkeypatch):
     calls = []
-    for module, name in ((gguf_file, "find_gguf"), (hf_checkpoint, "find_hf"), (quant_checkpoint, "stored_scheme")):
+    for module, name in ((gguf_file, "find_gguf"), (hf_checkpoint, "find_hf"), (quantized_checkpoint, "stored_scheme")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
     config = stories().resolve()

@@ -12,7 +12,7 @@ from gguf_blocks_data import Q4_K_M, random_blocks, write_block_gguf
 from helpers import logprobs_in_any_company
 from test_exact_invariance import OTHER, PROMPT, Rows
 
-from llama.kernels import cpu as cpu_kernels
+from llama.kernels import cpu
 from llama.kernels import invariant
 from llama.quantization import gguf_blocks
 from llama.quantization.int4 import quantize_codes
@@ -126,9 +126,9 @@ def assert_products_row_invariant(product, K, dtype=torch.float32):
 def test_int8_and_int4_products_are_row_invariant_past_the_onednn_threshold(dtype):
     w = torch.randn(96, 512, generator=torch.Generator().manual_seed(0))
     q, scales = quantize_weight(w, torch.float32)
-    assert_products_row_invariant(lambda x: cpu_kernels.int8_linear(x, q, scales), 512, dtype)
+    assert_products_row_invariant(lambda x: cpu.int8_linear(x, q, scales), 512, dtype)
     codes, pairs = quantize_codes(w, 32)
-    assert_products_row_invariant(lambda x: cpu_kernels.int4_linear(x, codes, pairs, 32), 512, dtype)
+    assert_products_row_invariant(lambda x: cpu.int4_linear(x, codes, pairs, 32), 512, dtype)
     for k in (512, 40):  # aten's packed int8 kernel, and a width it cannot take (a dequantized product)
         q, scales = quantize_weight(torch.randn(96, k), torch.bfloat16)
         assert_products_row_invariant(lambda x: weight_only_linear(x, q, scales), k, dtype)
@@ -140,7 +140,7 @@ def test_every_gguf_block_product_is_row_invariant(kind):
 
     blocks = torch.from_numpy(np.ascontiguousarray(random_blocks(kind, 40, 512, std=512 ** -0.5)))
     qtype = int(gguf.GGMLQuantizationType[kind])
-    assert_products_row_invariant(lambda x: cpu_kernels.gguf_linear(x, blocks, qtype), 512)
+    assert_products_row_invariant(lambda x: cpu.gguf_linear(x, blocks, qtype), 512)
 
 
 def test_compile_is_refused_with_exact_before_loading(tmp_path):

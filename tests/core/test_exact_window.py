@@ -14,8 +14,7 @@ from helpers import logprobs_in_any_company
 from test_exact_invariance import PROMPT
 from test_exact_quantized import assert_rows_invariant
 
-from llama.kernels import cpu as cpu_kernels
-
+from llama.kernels import cpu
 pytestmark = [hardware.KERNELS,
               pytest.mark.skipif(ON_CUDA, reason="hardware: prefix_cache='exact' runs on the CPU only")]
 
@@ -119,6 +118,6 @@ def test_exact_without_our_kernels_is_refused(monkeypatch):
     from llama.config import CacheConfig, SchedulerConfig
     from llama.core.kv_cache import build_cache
 
-    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    monkeypatch.setattr(cpu, "available", lambda: False)
     with pytest.raises(ValueError, match=r"needs our CPU kernels"):
         build_cache(fake(), SchedulerConfig(16, 1), CacheConfig("exact"))

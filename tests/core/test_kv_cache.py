@@ -8,7 +8,7 @@ from test_model import random_model
 
 from llama.core.block_pool import SCRATCH, BlockPool, chain_keys
 from llama.core.kv_cache import KVCache, bytes_per_block, pool_blocks
-from llama.kernels import cpu as cpu_kernels
+from llama.kernels import cpu
 from llama.kernels import paged
 
 
@@ -91,8 +91,8 @@ def test_decode_kernel_reads_through_the_block_table(dtype):
     v = torch.randn(B, Hkv * D, generator=g).to(dtype)
     pos = torch.tensor([5, 40, 17])
     cos, sin = torch.randn(B, D // 2, generator=g), torch.randn(B, D // 2, generator=g)
-    want = cpu_kernels.decode_attention(q, k, v, cos, sin, slots_k, slots_v, None, pos, S)
-    got = cpu_kernels.decode_attention(q, k, v, cos, sin, pool_k, pool_v, None, pos, S, table=table)
+    want = cpu.decode_attention(q, k, v, cos, sin, slots_k, slots_v, None, pos, S)
+    got = cpu.decode_attention(q, k, v, cos, sin, pool_k, pool_v, None, pos, S, table=table)
     assert torch.equal(got, want)
     for b in range(B):  # the new keys/values landed in each row's block
         p = int(pos[b])
@@ -104,7 +104,7 @@ def test_decode_kernel_reads_through_the_block_table(dtype):
     bad = table.clone()
     bad[0, 0] = B * M + 1
     with pytest.raises(RuntimeError, match="outside the pool"):
-        cpu_kernels.decode_attention(q, k, v, cos, sin, pool_k, pool_v, None, pos, S, table=bad)
+        cpu.decode_attention(q, k, v, cos, sin, pool_k, pool_v, None, pos, S, table=bad)
 
 
 def test_model_on_a_scattered_table_equals_the_slot_layout():

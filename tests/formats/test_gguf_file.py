@@ -126,10 +126,9 @@ def test_bad_gguf_files_name_the_file_and_the_reason(tmp_path):
     with pytest.raises(ValueError, match=r"arch\.gguf: architecture 'gpt2' is not supported"):
         Llama.build(str(write_gguf(tmp_path / "arch.gguf", "gpt2")), None, max_seq_len=16, max_batch_size=1)
     odd = write_gguf(tmp_path / "odd.gguf", tensor=("token_embd.weight", np.zeros((32, 64), dtype=np.int8)))
-    from llama.formats import gguf_file as gguf_checkpoint
-
+    from llama.formats import gguf_file
     with pytest.raises(ValueError, match=r"odd\.gguf: tensor token_embd\.weight has type I8, which is not supported"):
-        gguf_checkpoint.read_state_dict(gguf_checkpoint.open_reader(odd), odd)
+        gguf_file.read_state_dict(gguf_file.open_reader(odd), odd)
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(GGUF.read_bytes()[: 3 << 20])
     with pytest.raises(ValueError, match=r"cut\.gguf"):
@@ -138,9 +137,8 @@ def test_bad_gguf_files_name_the_file_and_the_reason(tmp_path):
 
 def test_the_reader_parses_as_gguf_s_own_and_its_tensors_map_the_file():
     gguf = pytest.importorskip("gguf", reason="the gguf package reads GGUF files")
-    from llama.formats import gguf_file as gguf_checkpoint
-
-    ours, theirs = gguf_checkpoint.open_reader(need(GGUF)), gguf.GGUFReader(str(GGUF))
+    from llama.formats import gguf_file
+    ours, theirs = gguf_file.open_reader(need(GGUF)), gguf.GGUFReader(str(GGUF))
     assert list(ours.fields) == list(theirs.fields) and ours.data_offset == theirs.data_offset
     for name, f in theirs.fields.items():
         g = ours.fields[name]
@@ -157,7 +155,7 @@ def test_the_reader_parses_as_gguf_s_own_and_its_tensors_map_the_file():
         for t in ours.tensors:  # one byte of every page: all of them resident
             t.data.reshape(-1).view(np.uint8)[:: mmap.PAGESIZE].sum()
         before = resident()
-        gguf_checkpoint.release(ours, ours.tensors)
+        gguf_file.release(ours, ours.tensors)
         assert before - resident() > 0.8 * sum(int(t.n_bytes) for t in ours.tensors)
 
 
@@ -177,12 +175,12 @@ def test_convert_gguf_to_meta_layout_loads_back(smol, golden, tmp_path):
 def test_world_size_2_is_refused_clearly_for_9_heads(tmp_path):
     """SmolLM2 has 9 query and 3 key/value heads: no model-parallel size but 1 and 3 divides them, and the
     refusal says so before any weight is dequantized."""
-    from llama.formats import gguf_file as gguf_checkpoint
+    from llama.formats import gguf_file
     from llama.formats.loader import gguf_model
     from llama.model import ModelArgs
 
-    reader = gguf_checkpoint.open_reader(need(GGUF))
-    args = ModelArgs.from_params(gguf_checkpoint.read_params(reader, GGUF))
+    reader = gguf_file.open_reader(need(GGUF))
+    args = ModelArgs.from_params(gguf_file.read_params(reader, GGUF))
     with pytest.raises(ValueError, match=r"model parallel size 2 does not divide n_heads \(9\)"):
         gguf_model(reader, GGUF, args, 0, 2, "cpu", None, None)
 
@@ -233,12 +231,11 @@ def test_a_gguf_sentencepiece_vocabulary_encodes_and_decodes_like_sentencepiece(
     import sentencepiece as spm
     from helpers import write_meta_gguf
 
-    from llama.formats import gguf_file as gguf_checkpoint
-    from llama.tokenizers import huggingface as tokenizer_hf
-
+    from llama.formats import gguf_file
+    from llama.tokenizers import huggingface
     model = llama2_tokenizer_path
     path = write_meta_gguf(tmp_path / "vocab.gguf", {}, {}, model, vocab_only=True)
-    tok = tokenizer_hf.from_gguf(gguf_checkpoint.open_reader(path), path)
+    tok = huggingface.from_gguf(gguf_file.open_reader(path), path)
     sp = spm.SentencePieceProcessor(model_file=str(model))
     assert (tok.n_words, tok.bos_id, tok.eos_id, tok.add_bos) == (32000, 1, 2, True)
     for text in TEXTS:
@@ -316,13 +313,12 @@ def test_quantized_load_streams_layer_by_layer_to_the_same_weights_as_quantizing
     bf16 logits, 17.5 and 17.5), int4's at 48 or more (55 measured)."""
     import torch
 
-    from llama.quantization import schemes as quantization
-
+    from llama.quantization import schemes
     q = Llama.build(str(GGUF), None, max_seq_len=256, max_batch_size=1, compile=False, quantize=scheme)
-    dtype = quantization.activation_dtype(scheme) or torch.float32
+    dtype = schemes.activation_dtype(scheme) or torch.float32
     with dequantizing():
         ref = Llama.build(str(GGUF), None, max_seq_len=256, max_batch_size=1, compile=False, dtype=dtype)
-    quantization.quantize(ref.model, scheme)
+    schemes.quantize(ref.model, scheme)
     ours, theirs = dict(q.model.named_parameters()), dict(ref.model.named_parameters())
     assert ours.keys() == theirs.keys() and any(p.dtype in (torch.int8, torch.uint8) for p in ours.values())
     for name, p in ours.items():
@@ -339,9 +335,8 @@ def test_quantized_load_streams_layer_by_layer_to_the_same_weights_as_quantizing
     # (4 bits diverge from fp32's greedy text within a few tokens, so int4 is checked teacher-forced only). On a CPU
     # without AVX-512 BF16 (the 2-core AVX2 EPYC, 2026-11-28, before and after issue 48's changes) one more
     # position flips: 62 of 64, where an AVX-512 BF16 CPU gives 63.
-    from llama.kernels import cpu as cpu_kernels
-
-    int8_floor = n - 1 if "avx512_bf16" in cpu_kernels.cpu_flags() else n - 2
+    from llama.kernels import cpu
+    int8_floor = n - 1 if "avx512_bf16" in cpu.cpu_flags() else n - 2
     assert agree >= {"int8": int8_floor, "int4": 48}[scheme], f"{agree} of {n}"
 
 

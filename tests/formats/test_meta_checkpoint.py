@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import REPO, STORIES, rank_env
 
-from llama.formats import meta_checkpoint as checkpoint
+from llama.formats import meta_checkpoint
 from llama.formats.checklist import verify_checklist
 from llama.formats.meta_checkpoint import (
     expected_shapes,
@@ -169,7 +169,7 @@ def test_validation_happens_before_any_slice_is_taken(tmp_path, monkeypatch):
     def no_reading(*a, **k):
         raise AssertionError("tensor data read before validation")
 
-    monkeypatch.setattr(checkpoint.ShardSet, "slice", no_reading)
+    monkeypatch.setattr(meta_checkpoint.ShardSet, "slice", no_reading)
     with pytest.raises(ValueError, match=r"lacks 9 tensor\(s\).*n_layers=3.*layers\.2\."):
         load_state_dict(tmp_path, bad, 0, 1)
 

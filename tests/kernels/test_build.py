@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from llama.kernels import build
-from llama.kernels import cpu as cpu_kernels
-
+from llama.kernels import cpu
 CXX = build.compiler()
 needs_compiler = pytest.mark.skipif(CXX is None, reason="hardware: no C++ compiler on this machine")
 
@@ -86,17 +85,17 @@ def test_the_package_build_is_used_only_while_current(tmp_path, monkeypatch):
     assert build.locked_build(lib, tmp_path / "cache", CXX) == cached and compiled == []
 
 
-x86 = platform.machine().lower() in ("x86_64", "amd64") and {"avx2", "fma", "f16c"} <= cpu_kernels.cpu_flags()
+x86 = platform.machine().lower() in ("x86_64", "amd64") and {"avx2", "fma", "f16c"} <= cpu.cpu_flags()
 
 
 @pytest.mark.skipif(not (x86 and CXX), reason="hardware: our kernels need x86-64 with AVX2/FMA/F16C and a compiler")
 def test_the_kernels_load_wherever_x86_64_and_a_compiler_exist():
     """A build error must fail the suite, not turn the kernels' tests into skips: build them here and show the
     compiler's message if it fails."""
-    if cpu_kernels.enabled() and not cpu_kernels.available():
-        path = build.locked_build(build.CPU_KERNELS, cpu_kernels.cache_dir() / "kernels" / "cpu", CXX)  # raises
+    if cpu.enabled() and not cpu.available():
+        path = build.locked_build(build.CPU_KERNELS, cpu.cache_dir() / "kernels" / "cpu", CXX)  # raises
         pytest.fail(f"the kernels built ({path}) but did not load")
-    assert cpu_kernels.available() or not cpu_kernels.enabled()
+    assert cpu.available() or not cpu.enabled()
 
 
 @pytest.mark.skipif(os.environ.get("LLAMA_CI") != "1", reason="checks what `bash .ci/run`'s pip install built "

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from conftest import REPO
 
-from llama.kernels import cpu as cpu_kernels
+from llama.kernels import cpu
 from llama.model import apply_rotary, rope_tables
 from llama.quantization.int4 import dequantize_codes, quantize_codes
 from llama.quantization.int8 import quantize_weight
@@ -121,23 +121,23 @@ def test_quantized_prefill_takes_onednn_on_the_dequantized_weight(monkeypatch):
     """Past QUANT_KERNEL_MAX_ROWS rows, where oneDNN has bf16 dot products, an int4 or int8 product is oneDNN's bf16
     GEMM on the weight dequantized to bf16, slice by slice (here 16 weight rows a slice, the last partial); up to it,
     and everywhere without them, our kernel's product."""
-    monkeypatch.setattr(cpu_kernels, "SLICE_BYTES", 2048)
+    monkeypatch.setattr(cpu, "SLICE_BYTES", 2048)
     torch.manual_seed(0)
     n, k, g = 40, 256, 32
     w = torch.randn(n, k)
     codes, scales = quantize_codes(w, g)
     q8, s8 = quantize_weight(w, torch.float32)
-    kinds = {"int4": (lambda v: cpu_kernels.int4_linear(v, codes, scales, g),
+    kinds = {"int4": (lambda v: cpu.int4_linear(v, codes, scales, g),
                       lambda v: torch.ops.llama_cpu.int4_linear(v, codes, scales, g), dequantize_codes(codes, scales, g)),
-             "int8": (lambda v: cpu_kernels.int8_linear(v, q8, s8),
+             "int8": (lambda v: cpu.int8_linear(v, q8, s8),
                       lambda v: torch.ops.llama_cpu.int8_linear(v, q8, s8), q8.float() * s8[:, None])}
     for name, (product, kernel, dequantized) in kinds.items():
-        for rows in (1, cpu_kernels.QUANT_KERNEL_MAX_ROWS, cpu_kernels.QUANT_KERNEL_MAX_ROWS + 1, 80):
+        for rows in (1, cpu.QUANT_KERNEL_MAX_ROWS, cpu.QUANT_KERNEL_MAX_ROWS + 1, 80):
             x = torch.randn(2, rows // 2, k) if rows % 2 == 0 else torch.randn(rows, k)  # (B, T, dim) as a prefill's
             y = product(x)
             assert y.shape == (*x.shape[:-1], n) and y.dtype == x.dtype
             flat = x.reshape(-1, k)
-            if rows > cpu_kernels.QUANT_KERNEL_MAX_ROWS and cpu_kernels.onednn_bf16():
+            if rows > cpu.QUANT_KERNEL_MAX_ROWS and cpu.onednn_bf16():
                 want = F.linear(flat.bfloat16(), dequantized.bfloat16()).float()
             else:
                 want = kernel(flat)
@@ -207,7 +207,7 @@ def test_decode_attention_is_the_eager_step(dtype, heads, kv_heads, head_dim, ro
     ref_k, ref_v = cache_k.clone(), cache_v.clone()
     want = reference_decode_attention(q, k, v, cos, sin, ref_k, ref_v, ref_rows, pos, kv_len)
     before_k, before_v = cache_k.clone(), cache_v.clone()
-    got = cpu_kernels.decode_attention(q, k, v, cos, sin, cache_k, cache_v, row_arg, pos, kv_len)
+    got = cpu.decode_attention(q, k, v, cos, sin, cache_k, cache_v, row_arg, pos, kv_len)
     assert torch.equal(cache_k, ref_k) and torch.equal(cache_v, ref_v)
     assert got.dtype == dtype and got.shape == want.shape
     tol = dict(rtol=0, atol=2e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1.6e-2)  # bf16: one ulp near 2
@@ -217,7 +217,7 @@ def test_decode_attention_is_the_eager_step(dtype, heads, kv_heads, head_dim, ro
             ck, cv = before_k.clone(), before_v.clone()
             one_rows = ref_rows[b : b + 1]
             one_pos = pos[b : b + 1] if len(pos) > 1 else pos
-            alone = cpu_kernels.decode_attention(q[b : b + 1], k[b : b + 1], v[b : b + 1], cos[b : b + 1] if len(pos) > 1
+            alone = cpu.decode_attention(q[b : b + 1], k[b : b + 1], v[b : b + 1], cos[b : b + 1] if len(pos) > 1
                                                  else cos, sin[b : b + 1] if len(pos) > 1 else sin, ck, cv, one_rows,
                                                  one_pos, kv_len)
             assert torch.equal(alone, got[b : b + 1])
@@ -228,23 +228,23 @@ def test_decode_attention_refuses_bad_inputs_by_name():
     q, kv = torch.zeros(1, 24), torch.zeros(1, 24)
     cos = sin = torch.zeros(1, 6)
     with pytest.raises(RuntimeError, match="head_dim must be a multiple of 8, got 12"):
-        cpu_kernels.decode_attention(q, kv, kv, cos, sin, cache, cache.clone(), None, torch.tensor([0]), 1)
+        cpu.decode_attention(q, kv, kv, cos, sin, cache, cache.clone(), None, torch.tensor([0]), 1)
     cache = torch.zeros(2, 2, 8, 16)
     q, kv, cos = torch.zeros(1, 32), torch.zeros(1, 32), torch.zeros(1, 8)
     with pytest.raises(RuntimeError, match="position 8 outside the cache's 8"):
-        cpu_kernels.decode_attention(q, kv, kv, cos, cos, cache, cache.clone(), None, torch.tensor([8]), 8)
+        cpu.decode_attention(q, kv, kv, cos, cos, cache, cache.clone(), None, torch.tensor([8]), 8)
     with pytest.raises(RuntimeError, match="row 2 outside the cache's 2"):
-        cpu_kernels.decode_attention(q, kv, kv, cos, cos, cache, cache.clone(), torch.tensor([2]), torch.tensor([0]), 1)
+        cpu.decode_attention(q, kv, kv, cos, cos, cache, cache.clone(), torch.tensor([2]), torch.tensor([0]), 1)
     with pytest.raises(RuntimeError, match="in the cache's dtype"):
-        cpu_kernels.decode_attention(q.bfloat16(), kv, kv, cos, cos, cache, cache.clone(), None, torch.tensor([0]), 1)
+        cpu.decode_attention(q.bfloat16(), kv, kv, cos, cos, cache, cache.clone(), None, torch.tensor([0]), 1)
 
 
 def test_wrappers_keep_shape_and_dtype():
     w = torch.randn(16, 64)
     codes, scales = quantize_codes(w, 32)
     x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
-    for y in (cpu_kernels.int4_linear(x, codes, scales, 32), cpu_kernels.float_linear(x, w.bfloat16()),
-              cpu_kernels.int8_linear(x, *quantize_weight(w, torch.float32))):
+    for y in (cpu.int4_linear(x, codes, scales, 32), cpu.float_linear(x, w.bfloat16()),
+              cpu.int8_linear(x, *quantize_weight(w, torch.float32))):
         assert y.shape == (2, 3, 16) and y.dtype == torch.bfloat16
 
 
@@ -268,10 +268,10 @@ def test_built_once_and_turned_off_by_env(tmp_path):
     layout)."""
     from llama.kernels import build
 
-    code = ("import torch; from llama.kernels import cpu as cpu_kernels; from llama.quantization.int4 import quantize_int4;"
+    code = ("import torch; from llama.kernels import cpu; from llama.quantization.int4 import quantize_int4;"
             "from test_model import random_model;"
             "m = quantize_int4(random_model().fuse(), 32); m(torch.randint(0, 96, (1, 4)), 0);"
-            "print(cpu_kernels.available(), m.output.method.ours and m.output.method.group_size or None)")
+            "print(cpu.available(), m.output.method.ours and m.output.method.group_size or None)")
     env = {**os.environ, "LLAMA_CACHE": str(tmp_path), "PYTHONPATH": os.pathsep.join(
         [str(REPO / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])])}
 
@@ -287,7 +287,7 @@ def test_built_once_and_turned_off_by_env(tmp_path):
         assert "compiling" not in first.stderr and not list(tmp_path.glob("kernels/**/*.so")), first.stderr
     else:
         assert "compiling cpu_kernels" in first.stderr
-        assert len(list(tmp_path.glob("kernels/cpu/cpu_kernels.so"))) == 1
+        assert len(list(tmp_path.glob("kernels/cpu/cpu.so"))) == 1
     second = run()
     assert "compiling" not in second.stderr and second.stdout.split()[-2:] == ["True", "32"]
     off = run(LLAMA_CPU_KERNELS="0")
@@ -309,14 +309,14 @@ def test_eager_products_take_our_kernel_or_fall_back(monkeypatch):
         if rows <= FP32_KERNEL_MAX_ROWS:
             assert torch.equal(linear(x, w), torch.ops.llama_cpu.float_linear(x, w))
     # bf16: our kernel up to BF16_KERNEL_MAX_ROWS rows (a decode step, a short prompt); past that, oneDNN's GEMM
-    # where the CPU has bf16 dot products (cpu_kernels.onednn_bf16()), our kernel where it has not.
-    float_linear, wb, calls = cpu_kernels.float_linear, w.bfloat16(), []
-    monkeypatch.setattr(cpu_kernels, "float_linear", lambda *a: calls.append(1) or float_linear(*a))
+    # where the CPU has bf16 dot products (cpu.onednn_bf16()), our kernel where it has not.
+    float_linear, wb, calls = cpu.float_linear, w.bfloat16(), []
+    monkeypatch.setattr(cpu, "float_linear", lambda *a: calls.append(1) or float_linear(*a))
     for rows in (1, BF16_KERNEL_MAX_ROWS, BF16_KERNEL_MAX_ROWS + 1, 64):
         x = torch.randn(rows, 64).bfloat16()
         calls.clear()
         y = linear(x, wb)
-        assert len(calls) == (0 if rows > BF16_KERNEL_MAX_ROWS and cpu_kernels.onednn_bf16() else 1), rows
+        assert len(calls) == (0 if rows > BF16_KERNEL_MAX_ROWS and cpu.onednn_bf16() else 1), rows
         torch.testing.assert_close(y.float(), x.float() @ wb.float().T, rtol=1e-2, atol=2e-2)
     strided = torch.randn(24, 128)[:, ::2]
     x = torch.randn(2, 64)

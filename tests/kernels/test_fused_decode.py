@@ -6,7 +6,7 @@ import pytest
 import torch
 from test_model import random_model
 
-from llama.kernels import cpu as cpu_kernels
+from llama.kernels import cpu
 from llama.kernels import dense, fused_decode
 from llama.layers import linear_layers
 from llama.quantization.int4 import quantize_int4
@@ -97,8 +97,8 @@ def test_routes_follow_the_products(monkeypatch):
                             raising=False)
     cases = [("none", torch.float32, 1), ("none", torch.float32, dense.FP32_KERNEL_MAX_ROWS + 1),
              ("none", torch.bfloat16, 1), ("none", torch.bfloat16, dense.BF16_KERNEL_MAX_ROWS + 1),
-             ("int4", torch.float32, 2), ("int4", torch.float32, cpu_kernels.QUANT_KERNEL_MAX_ROWS + 1),
-             ("int8-dynamic", torch.float32, cpu_kernels.QUANT_KERNEL_MAX_ROWS + 1), ("int8", torch.bfloat16, 1)]
+             ("int4", torch.float32, 2), ("int4", torch.float32, cpu.QUANT_KERNEL_MAX_ROWS + 1),
+             ("int8-dynamic", torch.float32, cpu.QUANT_KERNEL_MAX_ROWS + 1), ("int8", torch.bfloat16, 1)]
     for scheme, dtype, rows in cases:
         model = model_in(scheme, False, dtype)
         for linear in linear_layers(model.layers):
@@ -125,7 +125,7 @@ def test_falls_back_where_the_op_cannot_run(monkeypatch):
     monkeypatch.setenv("LLAMA_FUSED_DECODE", "0")
     assert fused_decode.run(model.layers, x, model.rope_cos[p], model.rope_sin[p], p, None, 1) is None
     monkeypatch.delenv("LLAMA_FUSED_DECODE")
-    monkeypatch.setattr(cpu_kernels, "available", lambda: False)  # LLAMA_CPU_KERNELS=0, or no AVX2 or compiler
+    monkeypatch.setattr(cpu, "available", lambda: False)  # LLAMA_CPU_KERNELS=0, or no AVX2 or compiler
     assert fused_decode.run(model.layers, x, model.rope_cos[p], model.rope_sin[p], p, None, 1) is None
 
 

@@ -13,8 +13,7 @@ from gguf_blocks_data import (
     reference_product,
 )
 
-from llama.kernels import cpu as cpu_kernels
-
+from llama.kernels import cpu
 pytestmark = hardware.KERNELS
 
 NATIVE = ["Q8_0", "Q4_K", "Q6_K", "Q5_K", "Q4_0", "IQ4_XS", "IQ4_NL", "Q5_0", "Q4_1", "Q5_1", "Q2_K", "Q3_K"]
@@ -31,7 +30,7 @@ def test_rows_dequantize_bit_exactly_as_gguf(kind):
     blocks = random_blocks(kind, 7, 512, seed=1)
     w = torch.from_numpy(blocks)
     ids = torch.tensor([[6, 0], [3, 3]])
-    ours = cpu_kernels.gguf_rows(w, ids, qtype(kind))
+    ours = cpu.gguf_rows(w, ids, qtype(kind))
     ref = dequantized(blocks, kind)
     assert ours.shape == (2, 2, 512) and torch.equal(ours, ref[ids]), kind
 
@@ -43,7 +42,7 @@ def test_products_equal_dequantized_weights_times_our_int8_activations(kind):
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(3))
     x[1] *= 40.0  # rows of very different ranges
     x[2, :300] = 0.0  # all-zero blocks
-    ours = cpu_kernels.gguf_linear(x, torch.from_numpy(blocks), qtype(kind))
+    ours = cpu.gguf_linear(x, torch.from_numpy(blocks), qtype(kind))
     w = dequantized(blocks, kind).double()
     xq = quantized_activations(x, act_block(kind))
     ref = reference_product(x, blocks, kind)
@@ -60,14 +59,14 @@ def test_a_rows_result_does_not_depend_on_its_batch(kind):
     K, N = 512, 40
     w = torch.from_numpy(random_blocks(kind, N, K, seed=4))
     x = torch.randn(9, K, generator=torch.Generator().manual_seed(5))
-    batch = cpu_kernels.gguf_linear(x, w, qtype(kind))
+    batch = cpu.gguf_linear(x, w, qtype(kind))
     for i in range(x.shape[0]):
-        assert torch.equal(cpu_kernels.gguf_linear(x[i : i + 1], w, qtype(kind))[0], batch[i]), i
-    assert torch.equal(cpu_kernels.gguf_linear(x.to(torch.bfloat16), w, qtype(kind)).float(),
-                       cpu_kernels.gguf_linear(x.to(torch.bfloat16).float(), w, qtype(kind)).to(torch.bfloat16).float())
+        assert torch.equal(cpu.gguf_linear(x[i : i + 1], w, qtype(kind))[0], batch[i]), i
+    assert torch.equal(cpu.gguf_linear(x.to(torch.bfloat16), w, qtype(kind)).float(),
+                       cpu.gguf_linear(x.to(torch.bfloat16).float(), w, qtype(kind)).to(torch.bfloat16).float())
 
 
-VNNI = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu_kernels.cpu_flags()
+VNNI = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu.cpu_flags()
 
 
 @pytest.mark.skipif(not VNNI, reason="hardware: this CPU lacks AVX-512 VNNI: only the AVX2 path runs here")
@@ -79,17 +78,17 @@ def test_the_avx512_path_gives_the_avx2_paths_results_bitwise(kind, monkeypatch)
     w = torch.from_numpy(random_blocks(kind, N, K, seed=6))
     x = torch.randn(3, K, generator=torch.Generator().manual_seed(7))
     x[1] *= 1e3
-    fast = cpu_kernels.gguf_linear(x, w, qtype(kind))
+    fast = cpu.gguf_linear(x, w, qtype(kind))
     monkeypatch.setenv("LLAMA_CPU_AVX512", "0")  # read by the kernel on every call
-    slow = cpu_kernels.gguf_linear(x, w, qtype(kind))
+    slow = cpu.gguf_linear(x, w, qtype(kind))
     assert torch.equal(fast, slow), (kind, (fast - slow).abs().max().item())
 
 
 def test_bad_shapes_are_refused_naming_the_sizes():
     w = torch.from_numpy(random_blocks("Q4_K", 4, 512))
     with pytest.raises(RuntimeError, match="inputs"):
-        cpu_kernels.gguf_linear(torch.randn(1, 256), w, qtype("Q4_K"))
+        cpu.gguf_linear(torch.randn(1, 256), w, qtype("Q4_K"))
     with pytest.raises(RuntimeError, match="not run natively"):
-        cpu_kernels.gguf_linear(torch.randn(1, 512), w, qtype("IQ2_XXS"))
+        cpu.gguf_linear(torch.randn(1, 512), w, qtype("IQ2_XXS"))
     with pytest.raises(RuntimeError, match="row 9 of 4"):
-        cpu_kernels.gguf_rows(w, torch.tensor([9]), qtype("Q4_K"))
+        cpu.gguf_rows(w, torch.tensor([9]), qtype("Q4_K"))

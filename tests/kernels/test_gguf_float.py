@@ -7,7 +7,7 @@ import hardware
 import pytest
 import torch
 
-from llama.kernels import cpu as cpu_kernels
+from llama.kernels import cpu
 from tests.gguf_blocks_data import dequantized, random_blocks
 
 pytestmark = hardware.KERNELS
@@ -33,7 +33,7 @@ def test_equals_the_dequantized_product(kind):
     want = (x.double() @ dequantized(blocks, kind).double().T)
     scale = (x.double().abs() @ dequantized(blocks, kind).double().abs().T)
     assert torch.all((got.double() - want).abs() <= 4e-6 * scale + 1e-30), kind
-    int8 = cpu_kernels.gguf_linear(x, w, _qtype(kind))  # the other arithmetic really is further away
+    int8 = cpu.gguf_linear(x, w, _qtype(kind))  # the other arithmetic really is further away
     assert (int8.double() - want).abs().max() > 10 * (got.double() - want).abs().max()
 
 
@@ -43,7 +43,7 @@ def test_rows_are_batch_invariant(kind):
     N, K = 21, 768
     w = torch.from_numpy(random_blocks(kind, N, K, seed=5))
     x = torch.randn(64, K, generator=torch.Generator().manual_seed(2))
-    alone = torch.cat([cpu_kernels.gguf_linear_float(x[i : i + 1], w, _qtype(kind)) for i in range(64)])
+    alone = torch.cat([cpu.gguf_linear_float(x[i : i + 1], w, _qtype(kind)) for i in range(64)])
     for rows in (2, 3, 8, 9, 64):
         assert torch.equal(torch.ops.llama_cpu.gguf_linear_float(x[:rows], w, _qtype(kind)), alone[:rows]), rows
     threads = torch.get_num_threads()
@@ -70,21 +70,21 @@ def test_a_prompt_s_rows_go_through_the_gemm_and_decode_rows_never_do():
     from llama.kernels import invariant
 
     w = torch.from_numpy(random_blocks("Q4_1", 300, 1024, seed=8))
-    x = torch.randn(1, cpu_kernels.GGUF_FLOAT_MAX_ROWS + 7, 1024)
+    x = torch.randn(1, cpu.GGUF_FLOAT_MAX_ROWS + 7, 1024)
     rows = torch.ops.llama_cpu.gguf_linear_float(x[0], w, _qtype("Q4_1"))
-    gemm = cpu_kernels.gguf_linear_float(x, w, _qtype("Q4_1"))[0]
+    gemm = cpu.gguf_linear_float(x, w, _qtype("Q4_1"))[0]
     assert torch.allclose(gemm, rows, rtol=1e-5, atol=1e-5) and not torch.equal(gemm, rows)
-    assert torch.equal(cpu_kernels.gguf_linear_float(x.transpose(0, 1), w, _qtype("Q4_1"))[:, 0], rows)
+    assert torch.equal(cpu.gguf_linear_float(x.transpose(0, 1), w, _qtype("Q4_1"))[:, 0], rows)
     with invariant.rows():
-        assert torch.equal(cpu_kernels.gguf_linear_float(x, w, _qtype("Q4_1"))[0], rows)
+        assert torch.equal(cpu.gguf_linear_float(x, w, _qtype("Q4_1"))[0], rows)
 
 
 def test_bad_inputs_are_refused():
     w = torch.from_numpy(random_blocks("Q4_0", 4, 64))
     with pytest.raises(RuntimeError, match="inputs"):
-        cpu_kernels.gguf_linear_float(torch.randn(1, 96), w, _qtype("Q4_0"))
+        cpu.gguf_linear_float(torch.randn(1, 96), w, _qtype("Q4_0"))
     with pytest.raises(RuntimeError, match="not run natively"):
-        cpu_kernels.gguf_linear_float(torch.randn(1, 64), w, 99)
+        cpu.gguf_linear_float(torch.randn(1, 64), w, 99)
     with pytest.raises(RuntimeError, match="file's layout"):
-        cpu_kernels.gguf_linear_float(torch.randn(1, 256), torch.from_numpy(random_blocks("Q4_K", 8, 256)),
-                                      cpu_kernels.Q4_K_X8)
+        cpu.gguf_linear_float(torch.randn(1, 256), torch.from_numpy(random_blocks("Q4_K", 8, 256)),
+                                      cpu.Q4_K_X8)

@@ -8,12 +8,11 @@ import pytest
 import torch
 from gguf_blocks_data import random_blocks
 
-from llama.kernels import cpu as cpu_kernels
-
+from llama.kernels import cpu
 pytestmark = hardware.KERNELS
 
 GEMM = ["Q4_K", "Q6_K", "Q5_K", "IQ4_XS", "Q2_K", "Q3_K"]  # gguf_gemm.cpp's takes_gemm
-VNNI = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu_kernels.cpu_flags()
+VNNI = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu.cpu_flags()
 
 
 def qtype(kind):
@@ -32,7 +31,7 @@ def test_many_rows_equal_one_row_at_a_time_bitwise(kind, monkeypatch):
     x[5, :256] = 0.0  # all-zero blocks
     for avx512 in (["1", "0"] if VNNI else ["0"]):
         monkeypatch.setenv("LLAMA_CPU_AVX512", avx512)  # read by the kernels on every call
-        many = cpu_kernels.gguf_linear(x, w, qtype(kind))
+        many = cpu.gguf_linear(x, w, qtype(kind))
         for i in range(M):
-            one = cpu_kernels.gguf_linear(x[i : i + 1], w, qtype(kind))[0]
+            one = cpu.gguf_linear(x[i : i + 1], w, qtype(kind))[0]
             assert torch.equal(many[i], one), (kind, avx512, i, (many[i] - one).abs().max().item())

@@ -9,12 +9,11 @@ import pytest
 import torch
 from gguf_blocks_data import dequantized, quantized_activations, random_blocks
 
-from llama.kernels import cpu as cpu_kernels
-
+from llama.kernels import cpu
 pytestmark = hardware.KERNELS
 
 KQUANTS = ["Q6_K", "Q5_K", "Q4_K", "Q4_K_X8", "Q3_K", "Q2_K", "IQ4_XS"]
-VNNI = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu_kernels.cpu_flags()
+VNNI = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu.cpu_flags()
 COPIES = ["1", "0"] if VNNI else ["0"]
 K, N = 2048, 19  # 8 super-blocks (the fp32 sums' order over blocks shows); Q4_K_X8: 2 groups of 8 and 3 rows past
 
@@ -27,7 +26,7 @@ def weight(kind, seed):
     blocks = random_blocks(file_kind, N, K, seed=seed)
     ref = dequantized(blocks, file_kind)
     if kind == "Q4_K_X8":
-        return cpu_kernels.gguf_repack(torch.from_numpy(blocks)), cpu_kernels.Q4_K_X8, ref
+        return cpu.gguf_repack(torch.from_numpy(blocks)), cpu.Q4_K_X8, ref
     return torch.from_numpy(blocks), int(gguf.GGMLQuantizationType[kind]), ref
 
 
@@ -45,10 +44,10 @@ def test_every_row_count_gives_each_row_its_one_row_product_bitwise(kind, monkey
     x = activations(9, seed=8)
     for avx512 in COPIES:
         monkeypatch.setenv("LLAMA_CPU_AVX512", avx512)  # read by the kernels on every call
-        ones = [cpu_kernels.gguf_linear(x[i : i + 1], w, qtype)[0] for i in range(9)]
+        ones = [cpu.gguf_linear(x[i : i + 1], w, qtype)[0] for i in range(9)]
         for m in range(1, 10):
             for start in sorted({0, 9 - m, (9 - m) // 2}):  # each row in several positions of several batches
-                many = cpu_kernels.gguf_linear(x[start : start + m], w, qtype)
+                many = cpu.gguf_linear(x[start : start + m], w, qtype)
                 for i in range(m):
                     got, want = many[i], ones[start + i]
                     assert torch.equal(got, want), (kind, avx512, m, start + i, (got - want).abs().max().item())
@@ -65,7 +64,7 @@ def test_many_row_products_are_gguf_dequantized_weights_times_our_int8_activatio
         bound = (xq.abs() @ w64.abs().T) * (K / 16 + 8) * 2.0**-24  # fp32 rounding of the scaled block sums
         for avx512 in COPIES:
             monkeypatch.setenv("LLAMA_CPU_AVX512", avx512)
-            err = (cpu_kernels.gguf_linear(x, w, qtype).double() - ref).abs()
+            err = (cpu.gguf_linear(x, w, qtype).double() - ref).abs()
             assert (err <= bound).all(), (kind, avx512, m, (err / bound).max().item())
 
 
@@ -77,7 +76,7 @@ def test_both_copies_give_the_same_rows(kind, monkeypatch):
     out = {}
     for avx512 in COPIES:
         monkeypatch.setenv("LLAMA_CPU_AVX512", avx512)
-        out[avx512] = [cpu_kernels.gguf_linear(x[:m], w, qtype) for m in (2, 3, 5, 8)]
+        out[avx512] = [cpu.gguf_linear(x[:m], w, qtype) for m in (2, 3, 5, 8)]
     assert all(torch.equal(a, b) for a, b in zip(out["0"], out["1"]))
 
 

@@ -13,8 +13,7 @@ import pytest
 import torch
 from gguf_blocks_data import random_blocks
 
-from llama.kernels import cpu as cpu_kernels
-
+from llama.kernels import cpu
 pytestmark = hardware.KERNELS
 gguf = pytest.importorskip("gguf")
 
@@ -128,7 +127,7 @@ def test_super_block_products_follow_llama_cpps_q8_k_arithmetic(kind, avx512, mo
     K, N, M = 1280, 24, 5
     blocks = random_blocks(kind, N, K, seed=2)
     x = activations(M, K, seed=3)
-    ours = cpu_kernels.gguf_linear(torch.from_numpy(x), torch.from_numpy(blocks), int(gguf.GGMLQuantizationType[kind]))
+    ours = cpu.gguf_linear(torch.from_numpy(x), torch.from_numpy(blocks), int(gguf.GGMLQuantizationType[kind]))
     ordered, exact, bound = llama_cpp_product(x, blocks.reshape(N, K // 256, -1), kind)
     assert (np.abs(ours.numpy().astype(np.float64) - exact) <= bound).all(), kind
     assert np.array_equal(ours.numpy(), ordered), (kind, np.abs(ours.numpy() - ordered).max())

@@ -8,14 +8,13 @@ import pytest
 import torch
 from gguf_blocks_data import random_blocks
 
-from llama.kernels import cpu as cpu_kernels
-
+from llama.kernels import cpu
 pytestmark = hardware.KERNELS
 
 NATIVE = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q4_K_X8", "Q5_K", "Q6_K", "IQ4_XS", "Q2_K",
           "Q3_K"]
 SUPER_BLOCKS = {"Q4_K", "Q4_K_X8", "Q5_K", "Q6_K", "IQ4_XS", "Q2_K", "Q3_K"}  # 256 values a block
-VNNI = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu_kernels.cpu_flags()
+VNNI = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu.cpu_flags()
 COPIES = ["1", "0"] if VNNI else ["0"]
 
 
@@ -24,7 +23,7 @@ def weight(kind, n, k, seed):
     import gguf
 
     if kind == "Q4_K_X8":
-        return cpu_kernels.gguf_repack(torch.from_numpy(random_blocks("Q4_K", n, k, seed=seed))), cpu_kernels.Q4_K_X8
+        return cpu.gguf_repack(torch.from_numpy(random_blocks("Q4_K", n, k, seed=seed))), cpu.Q4_K_X8
     return torch.from_numpy(random_blocks(kind, n, k, seed=seed)), int(gguf.GGMLQuantizationType[kind])
 
 
@@ -45,10 +44,10 @@ def test_each_row_count_gives_every_row_the_one_row_product_bitwise(kind, monkey
     x = activations(9, K, seed=22)
     for avx512 in COPIES:
         monkeypatch.setenv("LLAMA_CPU_AVX512", avx512)  # read by the kernels on every call
-        ones = [cpu_kernels.gguf_linear(x[i : i + 1], w, qtype)[0] for i in range(9)]
+        ones = [cpu.gguf_linear(x[i : i + 1], w, qtype)[0] for i in range(9)]
         for m in range(1, 10):
             for start in {0, 9 - m}:  # rows 0 .. m and the last m: each row in several positions and batches
-                many = cpu_kernels.gguf_linear(x[start : start + m], w, qtype)
+                many = cpu.gguf_linear(x[start : start + m], w, qtype)
                 for i in range(m):
                     got, want = many[i], ones[start + i]
                     assert torch.equal(got, want), (kind, avx512, m, start + i, (got - want).abs().max().item())
@@ -63,7 +62,7 @@ def test_both_copies_agree_on_few_rows(kind, monkeypatch):
     out = {}
     for avx512 in COPIES:
         monkeypatch.setenv("LLAMA_CPU_AVX512", avx512)
-        out[avx512] = cpu_kernels.gguf_linear(x, w, qtype)
+        out[avx512] = cpu.gguf_linear(x, w, qtype)
     assert torch.equal(out["0"], out["1"])
 
 

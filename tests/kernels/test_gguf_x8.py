@@ -9,12 +9,11 @@ import torch
 from conftest import STORIES, need
 from gguf_blocks_data import dequantized, random_blocks, write_block_gguf
 
-from llama.kernels import cpu as cpu_kernels
-
+from llama.kernels import cpu
 pytestmark = hardware.KERNELS
 
 Q4_K = 12
-VNNI = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu_kernels.cpu_flags()
+VNNI = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu.cpu_flags()
 COPIES = ["0", "1"] if VNNI else ["0"]  # LLAMA_CPU_AVX512: "0" forces the AVX2 copy
 
 
@@ -22,14 +21,14 @@ COPIES = ["0", "1"] if VNNI else ["0"]  # LLAMA_CPU_AVX512: "0" forces the AVX2 
 def test_the_layout_goes_back_to_the_files_bytes_and_dequantizes_as_gguf(n, k):
     blocks = random_blocks("Q4_K", n, k, seed=n)
     w = torch.from_numpy(blocks)
-    packed = cpu_kernels.gguf_repack(w)
+    packed = cpu.gguf_repack(w)
     assert packed.shape == w.shape
     full = n // 8 * 8 * w.shape[1]  # the groups' bytes move; the rows past them stay
     assert full == 0 or not torch.equal(packed.view(-1)[:full], w.view(-1)[:full])
     assert torch.equal(packed.view(-1)[full:], w.view(-1)[full:])
-    assert torch.equal(cpu_kernels.gguf_repack(packed, back=True), w)
+    assert torch.equal(cpu.gguf_repack(packed, back=True), w)
     ids = torch.arange(n).flip(0)
-    assert torch.equal(cpu_kernels.gguf_rows(packed, ids, cpu_kernels.Q4_K_X8), dequantized(blocks, "Q4_K")[ids])
+    assert torch.equal(cpu.gguf_rows(packed, ids, cpu.Q4_K_X8), dequantized(blocks, "Q4_K")[ids])
 
 
 @pytest.mark.parametrize("copy", COPIES)
@@ -37,20 +36,20 @@ def test_the_layout_goes_back_to_the_files_bytes_and_dequantizes_as_gguf(n, k):
 def test_products_equal_the_file_layouts_bit_for_bit(n, k, copy, monkeypatch):
     monkeypatch.setenv("LLAMA_CPU_AVX512", copy)  # read by the kernels on every call
     w = torch.from_numpy(random_blocks("Q4_K", n, k, seed=k + n))
-    packed = cpu_kernels.gguf_repack(w)
+    packed = cpu.gguf_repack(w)
     g = torch.Generator().manual_seed(n)
     for m in (1, 2, 3, 5, 9):  # one row, and 4- and 2-row steps with a row alone (gguf_x8_dot.h's linear_x8)
         x = torch.randn(m, k, generator=g) * torch.logspace(-3, 3, m)[:, None]
         x[0, :256] = 0.0  # an all-zero activation block
-        ours, ref = cpu_kernels.gguf_linear(x, packed, cpu_kernels.Q4_K_X8), cpu_kernels.gguf_linear(x, w, Q4_K)
+        ours, ref = cpu.gguf_linear(x, packed, cpu.Q4_K_X8), cpu.gguf_linear(x, w, Q4_K)
         assert torch.equal(ours, ref), (m, (ours - ref).abs().max().item())
 
 
 def test_only_q4_k_repacks():
     with pytest.raises(RuntimeError, match="only Q4_K"):
-        cpu_kernels.gguf_repack(torch.from_numpy(random_blocks("Q6_K", 8, 256)), 14)
+        cpu.gguf_repack(torch.from_numpy(random_blocks("Q6_K", 8, 256)), 14)
     with pytest.raises(RuntimeError, match="not whole Q4_K blocks"):
-        cpu_kernels.gguf_repack(torch.zeros(8, 100, dtype=torch.uint8))
+        cpu.gguf_repack(torch.zeros(8, 100, dtype=torch.uint8))
 
 
 def test_a_load_holds_q4_k_repacked_and_a_tied_output_shares_the_embedding(tmp_path, monkeypatch):
@@ -69,7 +68,7 @@ def test_a_load_holds_q4_k_repacked_and_a_tied_output_shares_the_embedding(tmp_p
     model = Llama.build(str(path), None, max_seq_len=32, max_batch_size=1, compile=False).model
     assert gguf_quants.summary(model) == {"Q4_K": 5}  # wqkv, wo, w13, w2 and the tied output
     layers = [m for m in model.modules() if isinstance(getattr(m, "method", None), gguf_blocks.GGUFBlocks)]
-    repacked = [m for m in layers if m.method.layout == cpu_kernels.Q4_K_X8]
+    repacked = [m for m in layers if m.method.layout == cpu.Q4_K_X8]
     assert len(repacked) == 4 and model.output not in repacked  # the output is the embedding's own blocks
     assert model.output.weight.data_ptr() == model.tok_embeddings.weight.data_ptr()
     from gguf import GGUFReader

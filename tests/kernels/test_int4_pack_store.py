@@ -8,9 +8,9 @@ import torch
 from conftest import ON_CUDA, STORIES, need
 
 from llama import Llama
-from llama.formats import quantized_checkpoint as quant_checkpoint
+from llama.formats import quantized_checkpoint
 from llama.formats.demo import write_random_checkpoint
-from llama.kernels import cpu as cpu_kernels
+from llama.kernels import cpu
 from llama.kernels import int4_pack_store as pack_cache
 from llama.quantization.cli import quantize_checkpoint
 
@@ -41,19 +41,19 @@ def test_second_load_uses_the_cache_without_repacking(int4_ckpt, tmp_path, monke
     cached = torch.load(files[0], weights_only=True)
     layers = ["attention.wqkv", "feed_forward.w13"]  # fused: built at load
     int4 = cached["layers.0.attention.wqkv.packed"].dtype == torch.uint8
-    if int4 and not cpu_kernels.available():  # PyTorch's kernel: every layer repacked
+    if int4 and not cpu.available():  # PyTorch's kernel: every layer repacked
         layers += ["attention.wo", "feed_forward.w2"]
     names = [f"layers.{i}.{m}" for i in range(2) for m in layers] + (["output"] if len(layers) > 2 else [])
     assert set(cached) == {f"{k}.{t}" for k in names for t in ("packed", "scales")}
 
-    take = quant_checkpoint.Packs.take
+    take = quantized_checkpoint.Packs.take
 
     def only_hits(self, key, shapes):
         hit = take(self, key, shapes)
         assert hit is not None, f"{key} built again although the cache holds it"
         return hit
 
-    monkeypatch.setattr(quant_checkpoint.Packs, "take", only_hits)
+    monkeypatch.setattr(quantized_checkpoint.Packs, "take", only_hits)
     assert torch.equal(logits(int4_ckpt), first)
     monkeypatch.undo()
     monkeypatch.setenv("LLAMA_CACHE", str(tmp_path / "cache"))

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llama.kernels import cpu as cpu_kernels
+from llama.kernels import cpu
 from llama.kernels import dense, invariant, tiled
 
 pytestmark = hardware.KERNELS
@@ -38,4 +38,4 @@ def test_a_shape_whose_tiles_depend_on_the_row_place_goes_to_our_kernel(monkeypa
     assert not tiled.probe(w) and not tiled.takes(w, torch.bfloat16)
     x = torch.randn(40, 512).to(torch.bfloat16)
     with invariant.rows():
-        assert torch.equal(dense.linear(x, w), cpu_kernels.float_linear(x, w))
+        assert torch.equal(dense.linear(x, w), cpu.float_linear(x, w))

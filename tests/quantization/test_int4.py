@@ -16,7 +16,7 @@ from test_model import random_model
 from llama import Llama
 from llama.formats.demo import write_random_checkpoint
 from llama.formats.memory import NotEnoughMemory, estimate
-from llama.kernels import cpu as cpu_kernels
+from llama.kernels import cpu
 from llama.model import ColumnLinear, ModelArgs, RowLinear
 from llama.quantization.cli import main as quantize_main
 from llama.quantization.cli import quantize_checkpoint
@@ -132,7 +132,7 @@ def test_build_int4_follows_fp32_greedy_on_stories(stories_dir, goldens):
     llama = Llama.build(str(stories_dir), str(stories_dir / "tokenizer.model"), max_seq_len=256, max_batch_size=2,
                         quantize="int4", compile=False)
     # activations: fp32 for our kernel, bf16 for PyTorch's (llama/quantization/cli.py activation_dtype)
-    assert llama.model.norm.weight.dtype == (torch.float32 if cpu_kernels.available() else torch.bfloat16)
+    assert llama.model.norm.weight.dtype == (torch.float32 if cpu.available() else torch.bfloat16)
     assert llama.model.output.weight.dtype == torch.uint8
     prompts = [g["prompt_tokens"] for g in goldens.values()]
     out, _ = llama.generate(prompts, max_gen_len=64, temperature=0)
@@ -195,7 +195,7 @@ def test_cli_checkpoint_loads_to_the_same_logits_as_quantizing_at_load(small_ckp
         weight_only, dynamic = _logits(out, "int8").float(), _logits(out, "int8-dynamic").float()
         assert 0 < (dynamic - weight_only).norm() / weight_only.norm() < 0.03
         # asked for nothing: the fastest int8 kernel here (int8-dynamic where our kernels run, else weight-only)
-        assert torch.equal(_logits(out).float(), dynamic if cpu_kernels.available() else weight_only)
+        assert torch.equal(_logits(out).float(), dynamic if cpu.available() else weight_only)
     else:
         assert torch.equal(_logits(out), _logits(small_ckpt, scheme))
 

@@ -11,7 +11,7 @@ from conftest import CPU_ONLY
 from test_model import random_model
 
 from llama import Llama
-from llama.kernels import cpu as cpu_kernels
+from llama.kernels import cpu
 from llama.model import ColumnLinear, RowLinear
 from llama.quantization.int8 import (
     ACT_HALF_RANGE,
@@ -148,7 +148,7 @@ def test_int8_dynamic_replaces_every_weight():
         else:
             assert isinstance(m.method, Int8DynamicOneDNN) and m.weight is None and m.packed is not None
         assert m.scales.dtype == torch.float32
-    assert any(isinstance(m.method, Int8Dynamic) for m in linears) == cpu_kernels.available()
+    assert any(isinstance(m.method, Int8Dynamic) for m in linears) == cpu.available()
     got = model(tokens, 0)
     assert (got - ref).abs().mean() < 0.08 * ref.abs().mean()
     quantize_int8_dynamic(model)  # a second call leaves the layers alone

@@ -21,10 +21,9 @@ def r1(tmp_path_factory):
     """SmolLM2's weights and vocabulary, with the R1 distill's chat template (a tokenizer.json beside it)."""
     pytest.importorskip("gguf", reason="the gguf package reads GGUF files")
     from llama.formats.gguf_file import open_reader
-    from llama.tokenizers import huggingface as tokenizer_hf
-
+    from llama.tokenizers import huggingface
     d = tmp_path_factory.mktemp("r1")
-    tok = tokenizer_hf.from_gguf(open_reader(need(GGUF)), GGUF)
+    tok = huggingface.from_gguf(open_reader(need(GGUF)), GGUF)
     tok.tok.save(str(d / "tokenizer.json"))
     (d / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False,

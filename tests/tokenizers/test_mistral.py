@@ -17,7 +17,7 @@ from test_tool_vocab import reply_text
 from vocab_gguf import write_vocab_gguf
 
 from llama.formats.gguf_file import open_reader
-from llama.tokenizers import huggingface as tokenizer_hf
+from llama.tokenizers import huggingface
 from llama.tokenizers.chat_format import TemplateChatFormat, chat_format_for
 
 mistral_common = pytest.importorskip("mistral_common", reason="pip install mistral-common (the test extra)")
@@ -54,7 +54,7 @@ def nemo(tmp_path_factory):
                             chat_template=peers.template("mistralai-Mistral-Nemo-Instruct-2407.jinja"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return tokenizer_hf.from_gguf(open_reader(path), path), MistralTokenizer.from_file(str(source))
+        return huggingface.from_gguf(open_reader(path), path), MistralTokenizer.from_file(str(source))
 
 
 def test_nemo_tekken_gguf_and_template_give_mistral_common_ids(nemo):

@@ -13,7 +13,7 @@ from conftest import need
 from vocab_gguf import llama_cpp_files, write_vocab_gguf
 
 from llama.formats.gguf_file import open_reader
-from llama.tokenizers import huggingface as tokenizer_hf
+from llama.tokenizers import huggingface
 from llama.tokenizers import pretokenizers
 
 TEXT = ("Hello World! It's 2024: don't   stop 1234567.89 \n\n\t  你好世界 こんにちは 한국어 ١٢٣ ½ Ünïcödé ßtraße "
@@ -25,7 +25,7 @@ TEXTS = [TEXT, "3333333 ,33 ...333", "I'VE DONE IT 'TIL 9am", "  leading\tand tr
 def from_gguf(path: Path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return tokenizer_hf.from_gguf(open_reader(path), path)
+        return huggingface.from_gguf(open_reader(path), path)
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +153,7 @@ def test_smollm2_splits_as_its_tokenizer_json_and_matches_transformers_on_its_gg
     # Digits step, which isolates every numeric character (١, ½) as its tokenizer.json does.
     from tokenizers import Tokenizer, pre_tokenizers
 
-    gpt2_only = tokenizer_hf.HFTokenizer(Tokenizer.from_str(tok.tok.to_str()), tok.bos_id, tok.eos_id, tok.add_bos)
+    gpt2_only = huggingface.HFTokenizer(Tokenizer.from_str(tok.tok.to_str()), tok.bos_id, tok.eos_id, tok.add_bos)
     gpt2_only.tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     hf_reference_texts(gpt2_only, ref)
     assert [tok.piece(i) for i in tok.encode(" ½", bos=False, eos=False)] == ["Ġ", "Â½"]
@@ -192,4 +192,4 @@ def test_unknown_and_unsupported_names_are_refused_and_a_missing_one_warns(tmp_p
     tiny = Tokenizer(models.BPE(vocab={"a": 0, "b": 1, "ab": 2}, merges=[("a", "b")]))
     path = write_vocab_gguf(tmp_path / "bad.gguf", tiny, "no-such-pre", None, "b")
     with pytest.raises(ValueError, match=f"{path}: unknown tokenizer.ggml.pre 'no-such-pre'"):
-        tokenizer_hf.from_gguf(open_reader(path), path)
+        huggingface.from_gguf(open_reader(path), path)

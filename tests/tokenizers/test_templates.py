@@ -11,7 +11,7 @@ import pytest
 from vocab_gguf import llama_cpp_files
 
 from llama.formats.gguf_file import open_reader
-from llama.tokenizers import huggingface as tokenizer_hf
+from llama.tokenizers import huggingface
 from llama.tokenizers import reasoning
 from llama.tokenizers.chat_format import TemplateChatFormat, chat_format_for
 
@@ -35,7 +35,7 @@ def vocab():
             path = root / "models" / f"ggml-vocab-{name}.gguf"
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                done[name] = tokenizer_hf.from_gguf(open_reader(path), path)
+                done[name] = huggingface.from_gguf(open_reader(path), path)
         return done[name]
     return get
 

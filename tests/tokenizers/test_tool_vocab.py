@@ -110,7 +110,7 @@ def llama3_gguf(tmp_path_factory):
     from vocab_gguf import write_vocab_gguf
 
     from llama.formats.gguf_file import open_reader
-    from llama.tokenizers import huggingface as tokenizer_hf
+    from llama.tokenizers import huggingface
     from llama.tokenizers.llama3 import Llama3Tokenizer
 
     meta = Llama3Tokenizer(str(need(LLAMA3)))
@@ -121,7 +121,7 @@ def llama3_gguf(tmp_path_factory):
                             "<|eot_id|>")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ours = tokenizer_hf.from_gguf(open_reader(path), path)
+        ours = huggingface.from_gguf(open_reader(path), path)
     ref = transformers.PreTrainedTokenizerFast(tokenizer_object=hf, bos_token="<|begin_of_text|>",
                                                eos_token="<|eot_id|>")
     return ours, ref
