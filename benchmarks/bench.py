@@ -60,7 +60,7 @@ from harness import (
 def run_llama(cfg: dict) -> dict:
     """Measure this package on one (dtype, quantize, compile) configuration."""
     from llama import Llama
-    from llama.core.params import SamplingParams
+    from llama.core.frontend.params import SamplingParams
 
     P, N, batches, repeat = cfg["prompt"], cfg["gen"], cfg["batch"], cfg["repeat"]
     pre = cfg.get("prequantized")  # a checkpoint written by `python -m llama.quantize`: loads as its scheme
@@ -78,7 +78,7 @@ def run_llama(cfg: dict) -> dict:
     llm.tokenizer.stop_tokens = {}  # random weights: never stop early, every run decodes N tokens
     prompt = prompt_tokens(llm.model.vocab_size, P)
     x = torch.tensor([prompt])
-    # Llama.build reads memory-mapped weights into memory when they fit (llama/formats/preload.py), as llama.cpp reads its
+    # Llama.build reads memory-mapped weights into memory when they fit (llama/loading/preload.py), as llama.cpp reads its
     # file at load. Where they do not, the first passes read what the page cache lacks by page faults: pass again
     # until a pass is no faster than the one before, so the figures below are the model's, not the disk's;
     # first_pass_s keeps the cost.

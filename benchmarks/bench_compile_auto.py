@@ -28,7 +28,7 @@ from harness import LLAMA2_TOKENIZER, SHAPES, print_results, prompt_tokens, run_
 
 def worker(cfg: dict) -> dict:
     from llama import Llama
-    from llama.core.params import SamplingParams
+    from llama.core.frontend.params import SamplingParams
 
     if cfg["compile"] == "llamacpp":
         return llamacpp_worker(cfg)

@@ -375,7 +375,7 @@ def main(argv=None) -> int:
     ap.add_argument("--llama3-tokenizer", default=str(REPO.parent / "shared/tokenizers/llama3/tokenizer.model"))
     ap.add_argument("--compare-batch", nargs="+", type=int, help="batch sizes for gpt-fast (default: --batch)")
     ap.add_argument("--async-decode", nargs="+", default=["auto"], choices=["auto", "on", "off"],
-                    help="our LLAMA_ASYNC_DECODE (llama/core/ahead.py; auto = on for one CUDA process): one run of ours "
+                    help="our LLAMA_ASYNC_DECODE (llama/core/worker/ahead.py; auto = on for one CUDA process): one run of ours "
                          "per value, e.g. 'off on' for both side by side")
     ap.add_argument("--profile", action="store_true", help="also print where our host time goes at the first batch")
     ap.add_argument("--timeout", type=float, default=900)

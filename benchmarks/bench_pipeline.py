@@ -91,7 +91,7 @@ def worker(a) -> None:
     import torch.distributed as dist
 
     from llama import Llama
-    from llama.core.params import SamplingParams
+    from llama.core.frontend.params import SamplingParams
     from llama.distributed.pipeline import PipelineTransformer, weight_bytes
 
     torch.set_num_threads(1)

@@ -203,7 +203,7 @@ def near_tie(gen, r, offline_tokens, offline_lps, args) -> dict:
     """Where and why a streamed reply left its offline result: see the module docstring."""
     import torch
 
-    from llama.core.inputs import expand_params
+    from llama.core.frontend.inputs import expand_params
     from llama.sample.sampling import sample, seeded_uniform
 
     server_tokens, server_lps = r["logprobs"]["tokens"], r["logprobs"]["token_logprobs"]

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from helpers import write_meta_gguf  # noqa: E402
 
-from llama.formats.demo import random_state_dict  # noqa: E402
+from llama.hub.demo import random_state_dict  # noqa: E402
 from llama.model import ModelArgs  # noqa: E402
 
 MIB = 2**20

@@ -58,7 +58,7 @@ def measure(cfg: dict) -> dict:
     import torch
 
     from llama import Llama
-    from llama.core.params import SamplingParams
+    from llama.core.frontend.params import SamplingParams
     from llama.formats import gguf_quants
 
     ctx = max(cfg["prompts"]) + 8

@@ -1,5 +1,5 @@
 """What the benchmarks share: paths, model shapes, weights prepared in a --workdir (random checkpoints through
-llama.formats.demo), timing, alternating rounds, memory, a description of the machine, and the results table
+llama.hub.demo), timing, alternating rounds, memory, a description of the machine, and the results table
 (markdown and JSON). Every measurement module imports this one; `python -m benchmarks` runs them by name."""
 
 import json
@@ -16,7 +16,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from llama.formats.demo import write_random_checkpoint  # noqa: E402
+from llama.hub.demo import write_random_checkpoint  # noqa: E402
 
 SHARED = REPO.parent / "shared"
 STORIES = SHARED / "models" / "stories260K"
@@ -37,7 +37,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # --------------------------------------------------------------------------------------------- weights
 def random_checkpoint(out_dir: Path, params: Dict, tokenizer: Optional[Path] = None, seed: int = 0,
                       dtype: torch.dtype = torch.float32, std: Optional[float] = None, shards: int = 1) -> Path:
-    """Random Meta-layout weights of any shape (llama.formats.demo's writer), norm_eps defaulted; never in the repository."""
+    """Random Meta-layout weights of any shape (llama.hub.demo's writer), norm_eps defaulted; never in the repository."""
     return write_random_checkpoint(out_dir, {"norm_eps": 1e-5, **params}, tokenizer_path=tokenizer, seed=seed,
                                    dtype=dtype, std=std, shards=shards)
 
@@ -182,7 +182,7 @@ def decode_rate(times) -> float:
 def greedy_decoders(ours, peer, prompt: List[int], n: int):
     """(ours, llama.cpp's) batch-1 greedy decode of n tokens after prompt, each a call returning its tok/s: what
     the paired benchmarks alternate. ours: a Llama whose stop tokens are cleared; peer: a llama_cpp.Llama."""
-    from llama.core.params import SamplingParams
+    from llama.core.frontend.params import SamplingParams
 
     params = SamplingParams(temperature=0, max_gen_len=n)
 

@@ -41,7 +41,7 @@ def measure(cfg: dict) -> dict:
     import llama_cpp
 
     from llama import Llama
-    from llama.core.params import SamplingParams
+    from llama.core.frontend.params import SamplingParams
 
     n, prompt_len, prefill = cfg["tokens"], 16, cfg.get("prompts") or []
     ctx = max([prompt_len + n, *prefill]) + 8
@@ -134,7 +134,7 @@ def main():
     if a.measure:
         print("RESULT " + json.dumps(measure(json.loads(a.measure))))
         return
-    from llama.formats import memory
+    from llama.loading import memory
 
     ckpt = Path(a.workdir) / f"random-{a.model}"
     if not (ckpt / "params.json").exists():

@@ -1,4 +1,4 @@
-"""The paged KV pool and automatic prefix caching (llama/core/kv_cache.py, llama/core/paging.py).
+"""The paged KV pool and automatic prefix caching (llama/core/worker/kv_cache.py, llama/core/scheduling/paging.py).
 
   memory      how many concurrent sequences fit in a KV budget at 7B shapes: the slots' reservation (max_batch_size x
               max_seq_len) against the pool, counted from the pool's own accounting by running the scheduler (no
@@ -29,8 +29,8 @@ from pathlib import Path
 from benchmarks import chat_http, kv_accuracy
 from benchmarks.harness import SHAPES as MODEL_SHAPES
 from benchmarks.harness import LLAMA2_TOKENIZER, print_results, prompt_tokens, random_checkpoint
-from llama.core.kv_cache import BLOCK_SIZE
-from llama.core.textstream import SilentStream
+from llama.core.worker.kv_cache import BLOCK_SIZE
+from llama.core.frontend.textstream import SilentStream
 from llama.quantization import schemes
 SHAPES = {  # (n_layers, n_kv_heads, head_dim)
     "Llama 2 7B (32 KV heads)": (32, 32, 128),
@@ -44,10 +44,10 @@ def pool_run(blocks: int, seq: int, max_seq_len: int, prompt: int = 16) -> dict:
     generating up to `seq` positions, all arriving at once; every step 'samples' token 1. Counts, from the pool's
     own accounting: the most sequences holding `seq` positions at once, the most blocks a running sequence held
     beyond the positions it had written, and the preemptions."""
-    from llama.core.block_pool import BlockPool
-    from llama.core.params import SamplingParams
-    from llama.core.request import Request
-    from llama.core.scheduler import Scheduler
+    from llama.core.scheduling.block_pool import BlockPool
+    from llama.core.frontend.params import SamplingParams
+    from llama.core.frontend.request import Request
+    from llama.core.scheduling.scheduler import Scheduler
 
     pool = BlockPool(blocks, BLOCK_SIZE, mode="off")  # distinct prompts: nothing to share
     n = blocks // pool.blocks_for(seq) + 2

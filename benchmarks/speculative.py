@@ -1,4 +1,4 @@
-"""Speculative decoding (llama/core/speculative.py): what a verify pass costs, and what prompt lookup gains.
+"""Speculative decoding (llama/core/speculation/speculative.py): what a verify pass costs, and what prompt lookup gains.
 
   python -m benchmarks.speculative cost [--dim 1024 --layers 8]   c(k) = t(k+1-row Verify) / t(1-row Decode),
                                 [--gguf FILE] [--threads N]        k = 1..7, a random bf16 model (or FILE), eager
@@ -40,7 +40,7 @@ def random_llama(dim: int, layers: int, n_heads: int, n_kv_heads: int, threads: 
     """A Llama of random bf16 weights of that shape (Llama 2's tokenizer, 256 positions, one row), built with
     build's options (compile, quantize, dtype), for timing steps; the checkpoint is written to a temporary dir."""
     from llama import Llama
-    from llama.formats.demo import write_random_checkpoint
+    from llama.hub.demo import write_random_checkpoint
 
     if threads:
         torch.set_num_threads(threads)
@@ -56,7 +56,7 @@ def random_llama(dim: int, layers: int, n_heads: int, n_kv_heads: int, threads: 
 def verify_ops(g, ks, start: int = 100) -> dict:
     """Row 0 of g's cache prefilled to `start` positions (call inside g.cache.hold()), and the ops to time there:
     {0: a 1-token Decode, k: a Verify of k + 1 rows for each k in ks}."""
-    from llama.core.plan import Decode, Prefill, SetBlocks, Verify
+    from llama.core.scheduling.plan import Decode, Prefill, SetBlocks, Verify
 
     g.runner.execute([SetBlocks(rows=[0], blocks=[g.cache.pool.allocate(16)]),
                       Prefill(tokens=[list(range(3, 3 + start))], start=0, rows=[0], last=[start - 1], kv_len=start)])
@@ -100,7 +100,7 @@ def _ours(args, counts: dict, now: dict) -> dict:
     each: "ngram" (prompt lookup), "prediction" (the paragraph as the request's prediction, no speculative=),
     "draft" (args.draft_file as the draft model)."""
     from llama import Llama
-    from llama.core import speculative
+    from llama.core.speculation import speculative
 
     orig = speculative.Speculator.accepted
 
@@ -203,11 +203,11 @@ def smollm2(args) -> None:
         torch.set_num_threads(args.threads)
     if args.draft:
         from benchmarks.early_exit import draft_file
-        from llama.core import draft_model
+        from llama.core.speculation import draft_model
 
         args.draft_file = draft_file(Path(args.gguf), args.draft)
         if args.force:  # every step drafts K_MAX tokens: acceptance, not speed
-            from llama.core import speculative
+            from llama.core.speculation import speculative
 
             speculative.MEASURE = False
             speculative.Speculator.acceptance = lambda *a: 0.9

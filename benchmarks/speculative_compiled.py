@@ -1,4 +1,4 @@
-"""Speculative decoding with a compiled decode step (llama/core/runner.py Runner._verify).
+"""Speculative decoding with a compiled decode step (llama/core/worker/runner.py Runner._verify).
 
   python -m benchmarks.speculative_compiled cost [--dim 4096 --layers 8] [--quantize int8|int4] [--reps 5]
       c(k) = t(k+1-row Verify) / t(1-row Decode) for k = 1..8, eager and compiled (compile=True) on one model (a
@@ -56,7 +56,7 @@ def cost(args) -> None:
 
 def divergence(args) -> None:
     from llama import Llama
-    from llama.core import speculative
+    from llama.core.speculation import speculative
 
     speculative.MEASURE = False  # drafts by the tokens alone: the same run on any machine
     kw = dict(max_seq_len=256, max_batch_size=1, dtype=args.dtype, compile=True, quantize=args.quantize,

@@ -1,11 +1,11 @@
 """llama: Meta's Llama reference API, correct on every device, with serving features."""
 
 from llama.config import BuildArgs, LlamaConfig
-from llama.core.engine import Engine, EngineStopped
-from llama.core.params import SamplingParams
-from llama.core.prefix import Prefix
-from llama.core.request import BatchError, Request
-from llama.core.session import ChatSession
+from llama.core.frontend.engine import Engine, EngineStopped
+from llama.core.frontend.params import SamplingParams
+from llama.core.frontend.prefix import Prefix
+from llama.core.frontend.request import BatchError, Request
+from llama.core.frontend.session import ChatSession
 from llama.generation import ChatPrediction, CompletionPrediction, Llama
 from llama.model import ModelArgs, Transformer
 from llama.sample.grammar import Grammar

@@ -1,7 +1,7 @@
 """Llama: Meta's reference API (build, generate, text_completion, chat_completion) as a thin facade.
 
-Every method builds Requests (llama/core/inputs.py) and runs them through the one decode core (llama/core/decode_core.py) while
-holding the KV cache (llama/core/kv_cache.py); the return shapes are the reference's.
+Every method builds Requests (llama/core/frontend/inputs.py) and runs them through the one decode core (llama/core/frontend/decode_core.py) while
+holding the KV cache (llama/core/worker/kv_cache.py); the return shapes are the reference's.
 """
 
 import logging
@@ -10,18 +10,18 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Ty
 import torch
 
 from llama.config import BuildArgs, LlamaConfig, memory_config
-from llama.core.decode_core import DecodeCore
-from llama.core.draft_model import DraftModel
-from llama.core.engine import Engine
-from llama.core.inputs import RequestBuilder, count, expand_params, refusal_prediction, string_list
-from llama.core.kv_cache import KVCache, build_cache
-from llama.core.params import SamplingParams
-from llama.core.prefix import Prefix
-from llama.core.request import BatchError, Request
-from llama.core.runner import Execution, Runner
-from llama.core.session import ChatSession
+from llama.core.frontend.decode_core import DecodeCore
+from llama.core.speculation.draft_model import DraftModel
+from llama.core.frontend.engine import Engine
+from llama.core.frontend.inputs import RequestBuilder, count, expand_params, refusal_prediction, string_list
+from llama.core.worker.kv_cache import KVCache, build_cache
+from llama.core.frontend.params import SamplingParams
+from llama.core.frontend.prefix import Prefix
+from llama.core.frontend.request import BatchError, Request
+from llama.core.worker.runner import Execution, Runner
+from llama.core.frontend.session import ChatSession
 from llama.distributed import parallel, pipeline
-from llama.formats import loader
+from llama.loading import loader
 from llama.sample.sampling import sample_top_p, token_logprobs
 from llama.tokenizer import Tokenizer
 from llama.tokenizers import reasoning

@@ -7,7 +7,7 @@ and the method, never the tensors' shapes, says how the layer multiplies and whe
 
 Fusing gives fewer, larger products per layer; checkpoints and tools still see Meta's names. Where the copy that
 fusing makes would cost more than it gains (a large unquantized model on a CPU our kernels run) the loader skips it
-(llama/formats/loader.py, fuses()).
+(llama/loading/loader.py, fuses()).
 """
 
 from typing import Optional, Tuple

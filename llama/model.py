@@ -207,12 +207,12 @@ class Attention(Fusable):
         self.wqkv: Optional[ColumnLinear] = None
         self.local_sizes = {"wq": self.n_local_heads * hd, "wk": self.n_local_kv_heads * hd,
                             "wv": self.n_local_kv_heads * hd}
-        # (max_batch, kv_heads, max_seq, head_dim), allocated by llama.core.kv_cache.KVCache, and an int8 pool's scales
+        # (max_batch, kv_heads, max_seq, head_dim), allocated by llama.core.worker.kv_cache.KVCache, and an int8 pool's scales
         # (llama/kernels/paged.py). Buffers, so torch.compile sees them as the model's mutable state, but not
         # persistent: they are never part of a checkpoint.
         for name in ("cache_k", "cache_v", "cache_k_scales", "cache_v_scales"):
             self.register_buffer(name, None, persistent=False)
-        # A paged pool (llama/core/kv_cache.py): cache_k/cache_v are (blocks, kv_heads, block_size, head_dim) and
+        # A paged pool (llama/core/worker/kv_cache.py): cache_k/cache_v are (blocks, kv_heads, block_size, head_dim) and
         # this (rows, blocks per row) int64 table, shared by every layer, places row r's position p in block
         # block_table[r, p // block_size]. None: the caches are (rows, kv_heads, positions, head_dim) slots.
         self.register_buffer("block_table", None, persistent=False)
@@ -394,7 +394,7 @@ class Transformer(nn.Module):
     def setup_rope(self, max_seq_len: int, device=None) -> None:
         """Rotary tables for positions up to twice max_seq_len, like the reference (positions past it stay defined).
 
-        The KV cache itself belongs to llama.core.kv_cache.KVCache, which calls this when it allocates.
+        The KV cache itself belongs to llama.core.worker.kv_cache.KVCache, which calls this when it allocates.
         """
         a = self.params
         scaling = None
@@ -457,7 +457,7 @@ class Transformer(nn.Module):
     def layer_inputs(self, tokens: torch.Tensor, start_pos: Union[int, torch.Tensor], rows, kv_len):
         """What every layer of a forward pass takes besides h: (cos, sin, start, positions, rows, kv_len, mask)."""
         if self.rope_cos is None or self.layers[0].attention.cache_k is None:
-            raise RuntimeError("allocate a KV cache (llama.core.kv_cache.KVCache) before calling the model")
+            raise RuntimeError("allocate a KV cache (llama.core.worker.kv_cache.KVCache) before calling the model")
         T = tokens.shape[1]
         device = tokens.device
         steps = torch.arange(T, device=device)

@@ -182,7 +182,7 @@ def llama2_tokenizer_path() -> Path:
 @pytest.fixture(scope="session")
 def stories(stories_dir):
     """stories260K with room for the goldens' 128 new tokens, batch of 4. Prefix caching off: tests that count the
-    positions a request computes share this generator (tests/core/test_prefix_cache.py turns it on)."""
+    positions a request computes share this generator (tests/core/scheduling/test_prefix_cache.py turns it on)."""
     from llama import Llama
 
     return Llama.build(str(stories_dir), str(stories_dir / "tokenizer.model"), max_seq_len=256, max_batch_size=4,
@@ -193,7 +193,7 @@ def stories(stories_dir):
 def rand_gen(tmp_path_factory):
     """A random-weight model with the real 32000-piece Llama 2 tokenizer (byte fallback, multi-byte UTF-8)."""
     from llama import Llama
-    from llama.formats.demo import write_random_checkpoint
+    from llama.hub.demo import write_random_checkpoint
 
     tokenizer = need(LLAMA2_TOKENIZER)
     d = tmp_path_factory.mktemp("rand_llama2")

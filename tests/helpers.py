@@ -207,7 +207,7 @@ def draft_tally(patch):
     patch(obj, name, value) installs the counting wrapper (monkeypatch.setattr, or setattr in a subprocess)."""
     import collections
 
-    from llama.core import speculative
+    from llama.core.speculation import speculative
 
     counts = collections.Counter()
     orig = speculative.Speculator.accepted
@@ -267,7 +267,7 @@ def assert_verify_rows_are_decode_steps(g, tag=()):
     exactly the logits of the one-token Decode step at its position: what speculation's exactness needs."""
     import torch
 
-    from llama.core.plan import Decode, Prefill, SetBlocks, Verify
+    from llama.core.scheduling.plan import Decode, Prefill, SetBlocks, Verify
 
     prompt = list(range(100, 120))
     feed = torch.randint(3, g.model.params.vocab_size, (8,), generator=torch.Generator().manual_seed(3)).tolist()

@@ -73,7 +73,7 @@ def test_chat_example_on_a_llama3_checkpoint(tmp_path):
     added to the dialogs; streamed replies equal the batch's (seeded)."""
     from conftest import SHARED, need
 
-    from llama.formats.demo import write_random_checkpoint
+    from llama.hub.demo import write_random_checkpoint
 
     tokenizer = need(SHARED / "tokenizers" / "llama3" / "tokenizer.model")
     params = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 32, "norm_eps": 1e-5,

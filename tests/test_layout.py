@@ -31,10 +31,11 @@ LAYERS: List[tuple] = [
     ("llama.layers", "llama.rope", "llama.sizes"),  # parallel linear layers holding a linear method; fusion
     ("llama.quantization", "llama.model"),  # the linear methods; the transformer (which imports neither way)
     ("llama.formats", "llama.tokenizers", "llama.tokenizer", "llama.sample", "llama.compilation",
-     "llama.kernels.int4_pack_store"),  # files, text, tokens, compiled steps
+     "llama.kernels.int4_pack_store", "llama.hub", "llama.loading.memory", "llama.loading.preload"),  # files,
+    # text, tokens, compiled steps; fetching a model; what loading it takes in memory
     ("llama.config",),  # the typed configuration: options checked and resolved once, before anything loads
     ("llama.core",),  # requests, plan, scheduler, runner, engine, KV cache
-    ("llama.distributed", "llama.formats.loader"),  # pipeline stages (an Execution for the runner); Llama.build
+    ("llama.distributed", "llama.loading"),  # pipeline stages (an Execution for the runner); the model factory
     ("llama.generation",),  # the Llama facade
     ("llama.serve", "llama.cli", "llama.quantization.cli", "llama", *LEAVES),  # user-facing
 ]
@@ -127,7 +128,7 @@ def test_the_resolver_sees_every_kind_of_import():
     assert "llama.settings" in graph["llama.kernels.cpu"]  # from llama import settings
     assert "llama.compilation.step_store" in graph["llama.compilation.compiled_decode"]  # from pkg import module
     assert "llama.generation" in graph["llama.cli.batch"]  # inside main()
-    assert "llama.core.engine" in graph["llama"]  # relative, from the package's __init__
+    assert "llama.core.frontend.engine" in graph["llama"]  # relative, from the package's __init__
     assert "llama.formats.checklist" in graph["llama.formats.meta_checkpoint"]  # from module import names
 
 

@@ -12,7 +12,7 @@ from conftest import REPO, SHARED, need, rank_env
 from helpers import meta_to_hf
 
 from llama import Llama
-from llama.formats.demo import random_state_dict
+from llama.hub.demo import random_state_dict
 from llama.formats.meta_checkpoint import save_checkpoint
 from llama.model import ModelArgs
 from llama.tokenizers.chat_format import Llama3ChatFormat, chat_format_for
@@ -121,7 +121,7 @@ def test_long_runs_are_split_as_meta_does(tok):
 def test_streamed_text_never_splits_a_character(tok):
     """Byte-level BPE spreads one emoji over several tokens (🦙: 3, none a character by itself): streamed deltas
     hold only whole characters and add up to the text, stop strings included."""
-    from llama.core.textstream import TextStream
+    from llama.core.frontend.textstream import TextStream
 
     text = " Llamas 🦙 say 你好, 👍🏽 and stop here 🇫🇷 unseen"
     ids = tok.encode(text, bos=False, eos=False)

@@ -4,7 +4,7 @@ the int8 fallback, on random tiny models and on stories260K's goldens. All eager
 import pytest
 import torch
 
-from llama.core.kv_cache import KVCache
+from llama.core.worker.kv_cache import KVCache
 from llama.distributed.parallel import init_distributed
 from llama.model import ModelArgs, Transformer
 from llama.quantization.int8 import linear

@@ -130,7 +130,8 @@ def test_each_reader_takes_its_setting(clean, tmp_path):
     """The modules that used to read os.environ read these settings."""
     from llama.compilation import step_store
     from llama.distributed import parallel
-    from llama.formats import demo, fetch, memory
+    from llama.hub import demo, fetch
+    from llama.loading import memory
     from llama.kernels import cpu
     from llama.kernels import int4_pack_store
     from llama.serve.__main__ import parse_args

@@ -6,7 +6,7 @@
 Input: one JSON object per line with `id` (string or integer, unique), `prompt` (string) or `dialog` (list of
 messages), and optional per-row sampling parameters (temperature, top_p, top_k, max_gen_len, seed, stop, logprobs,
 top_logprobs, presence_penalty, frequency_penalty, repetition_penalty: every registered one that is plain data,
-llama/core/param_registry.py) that override the command-line defaults.
+llama/core/frontend/param_registry.py) that override the command-line defaults.
 
 Output: one JSON object per finished request, appended and flushed the moment it finishes (so in completion
 order): `id`, `line`, `generation`, `finish_reason`, `num_tokens` (plus `tokens`/`logprobs` with logprobs, and
@@ -81,7 +81,7 @@ def parse_line(raw: str, n: int, seen: Set) -> Tuple[Optional[Dict], Optional[st
 
 def request_of(rec: Dict, defaults: Dict, base_seed: int) -> Tuple[object, Dict]:
     """(prompt or dialog, sampling params) of a record; ValueError names what is wrong."""
-    from llama.core.params import batch_names  # torch: not for --help
+    from llama.core.frontend.params import batch_names  # torch: not for --help
 
     row_params = batch_names()
     unknown = set(rec) - {"id", "prompt", "dialog", *row_params}
@@ -116,7 +116,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="base of the per-row seeds of rows without their own")
     ap.add_argument("--prefill_chunk", type=int, default=128, help="prompt tokens prefilled per engine step")
     ap.add_argument("--prefix_cache", choices=("on", "exact", "off"), default="on",
-                    help="reuse the cached blocks of prompts' shared starts (llama/core/paging.py)")
+                    help="reuse the cached blocks of prompts' shared starts (llama/core/scheduling/paging.py)")
     ap.add_argument("--pipeline_parallel_size", type=int, default=1,
                     help="pipeline stages under torchrun (world size = stages x tensor-parallel ranks)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")

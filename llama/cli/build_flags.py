@@ -18,10 +18,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", default=None, choices=registry.choices())  # the registered schemes (aliases too)
     p.add_argument("--group_size", "--group-size", type=int, default=None, help="int4's inputs per scale (32)")
     p.add_argument("--speculative", default="off", choices=["off", *(m for m in SPECULATIVE_MODES if m != "draft")],
-                   help="ngram: prompt-lookup speculative decoding, outputs unchanged (llama/core/speculative.py)")
+                   help="ngram: prompt-lookup speculative decoding, outputs unchanged (llama/core/speculation/speculative.py)")
     p.add_argument("--draft-model", "--draft_model", default=None, dest="draft_model",
                    help="a smaller checkpoint with the same tokenizer drafts for speculative decoding, outputs "
-                        "unchanged (llama/core/draft_model.py)")
+                        "unchanged (llama/core/speculation/draft_model.py)")
 
 
 def add_serving_flags(p: argparse.ArgumentParser) -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
 from llama import settings
-from llama.formats import fetch
-from llama.formats.demo import DEMO_NOTE, ensure_demo_checkpoint
+from llama.hub import fetch
+from llama.hub.demo import DEMO_NOTE, ensure_demo_checkpoint
 from llama.formats.gguf_file import find_gguf
 
 

@@ -178,7 +178,7 @@ class CompiledDecode:
         Padding rows repeat the last row (same cache row, token and position): they write the same keys and values
         to the same place, and their logits are dropped.
 
-        A speculative Verify pass (llama/core/speculative.py) runs here too, with rows given and cap its most rows:
+        A speculative Verify pass (llama/core/speculation/speculative.py) runs here too, with rows given and cap its most rows:
         a request's k+1 rows share its cache row at consecutive positions. The graph writes every row's key and
         value before any row attends, and each row attends under its own position's mask, so where our kernels take
         every product (self.outside) each row is bitwise the one-token graph's at that position (tested in

@@ -32,7 +32,7 @@ class BuildArgs:
     asks for weight-only).
     GGUF blocks multiply fp32 activations on CPU (LLAMA_GGUF_ACTIVATIONS=int8: llama.cpp's int8 ones).
     A configuration whose weights and KV cache would not fit in available memory (or LLAMA_MEMORY_LIMIT
-    bytes) is refused before loading, naming what would fit (llama/formats/memory.py).
+    bytes) is refused before loading, naming what would fit (llama/loading/memory.py).
     compile="auto" (default): on CPU, models of 50M+ parameters compile their one-token decode step once eager
     decoding has cost what compiling would (a GGUF file's small batches stay eager: no gain); True compiles on
     first use; "max-autotune"/"default" pick Inductor's mode; False never compiles (llama/compilation/compiled_decode.py).
@@ -42,12 +42,12 @@ class BuildArgs:
     model_parallel_size ranks (world size = T x P; docs/pipeline.md); stages decode eagerly.
     preload: memory-mapped weights are read into memory before build returns, so the first token does not
     wait for the disk: None (default) when they fit in available memory, True always, False never
-    (llama/formats/preload.py).
+    (llama/loading/preload.py).
     kv_cache_memory: bytes (or "4GiB") of this rank's paged KV pool; default max_batch_size x max_seq_len
-    positions, as slots held before (llama/core/kv_cache.py). prefix_cache: "on" (default) reuses the longest
+    positions, as slots held before (llama/core/worker/kv_cache.py). prefix_cache: "on" (default) reuses the longest
     cached prefix of every prompt, "exact" too, with every position computed by row-invariant arithmetic so a
     cached one is bitwise a fresh prefill's (eager: compile="auto" means False with it, compile=True is
-    refused), "off" none (llama/core/paging.py).
+    refused), "off" none (llama/core/scheduling/paging.py).
     kv_cache_dtype="int8": keys and values as int8, each head rotated (Hadamard), then q8_0's fp16 scale per 32
     of a position's head (about half of bf16; read by the torch paths, eager: docs/architecture.md).
     tool_style: Meta Llama 3 checkpoints' tool-call syntax, "llama3_json" (3.1) or "pythonic" (3.2, 3.3);
@@ -55,9 +55,9 @@ class BuildArgs:
     speculative="ngram": prompt-lookup speculative decoding, outputs identical to plain decoding (greedy and
     seeded); with compile=True drafts are verified by the compiled step (bitwise where our kernels take every
     product, fp32), compile="auto" means False with it; pipeline stages too; CPU only (on CUDA a verify pass is
-    not bitwise the one-token step) (llama/core/speculative.py).
+    not bitwise the one-token step) (llama/core/speculation/speculative.py).
     draft_model: a smaller checkpoint with the same tokenizer drafts (speculative="draft", implied; a seeded
-    request's drafts with its own seeded draws), outputs as without it (llama/core/draft_model.py).
+    request's drafts with its own seeded draws), outputs as without it (llama/core/speculation/draft_model.py).
     """
     ckpt_dir: str
     tokenizer_path: Optional[str]

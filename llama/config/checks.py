@@ -1,7 +1,7 @@
 """The options that refuse each other, checked in one place when a LlamaConfig is built, each with one message.
 
 A refusal here happens before anything is loaded. What only the loaded model can tell (an exact prefix cache
-needs eager passes our arithmetic owns: llama/core/exact.py) is checked where the model is.
+needs eager passes our arithmetic owns: llama/core/worker/exact.py) is checked where the model is.
 """
 
 import os

@@ -16,9 +16,9 @@ from llama.quantization import registry
 from llama.quantization.registry import QuantScheme
 from llama.settings import parse_bytes
 
-PREFIX_CACHE_MODES = ("on", "exact", "off")  # llama/core/paging.py
-SPECULATIVE_MODES = ("ngram", "draft")  # llama/core/speculative.py; "draft": a draft model drafts
-KV_CACHE_DTYPES = ("int8",)  # besides the model's own (llama/core/kv_cache.py)
+PREFIX_CACHE_MODES = ("on", "exact", "off")  # llama/core/scheduling/paging.py
+SPECULATIVE_MODES = ("ngram", "draft")  # llama/core/speculation/speculative.py; "draft": a draft model drafts
+KV_CACHE_DTYPES = ("int8",)  # besides the model's own (llama/core/worker/kv_cache.py)
 CHECKPOINT_KINDS = ("meta", "hf", "gguf", "quantized", "memory")  # quantized: written by `python -m llama.quantize`;
 # memory: a model already built (Meta's Llama(model, tokenizer))
 

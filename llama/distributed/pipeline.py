@@ -3,7 +3,7 @@
 Layout (parallel.init_distributed): world = T x P ranks, global rank = stage * T + tensor-parallel rank, so a
 stage's T ranks are consecutive (one node under `torchrun --nproc_per_node T`) and its all-reduces stay inside the
 node; only activations cross between stages. Stage 0 holds the embedding, the last stage the final norm and the
-output projection; every stage holds its own layers and the KV cache of those layers only (llama/core/kv_cache.py allocates
+output projection; every stage holds its own layers and the KV cache of those layers only (llama/core/worker/kv_cache.py allocates
 a cache for the layers the model has).
 
 One forward pass (the decode core's, unchanged): every rank of the job runs the same op with the same arguments.
@@ -51,7 +51,7 @@ import torch.distributed as dist
 from fairscale.nn.model_parallel import initialize as fs_init
 from torch import nn
 
-from llama.core.runner import Execution
+from llama.core.worker.runner import Execution
 from llama.distributed import parallel
 from llama.distributed.pipeline_engine import Pipelined, follow
 from llama.formats import meta_checkpoint

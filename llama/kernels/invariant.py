@@ -1,11 +1,11 @@
-"""Row-invariant arithmetic, for prefix_cache="exact" (llama/core/paging.py): while it is on, every row of a forward
+"""Row-invariant arithmetic, for prefix_cache="exact" (llama/core/scheduling/paging.py): while it is on, every row of a forward
 pass is computed by the same operations whatever else the pass holds, so a position's keys, values and logits do
 not depend on the pass's length, its KV length, how a prompt was chunked, or which requests share the batch.
 
 The field's recipe (batch-invariant kernels: Thinking Machines' batch_invariant_ops, vLLM's and SGLang's
 deterministic modes) is to fix each kernel's reduction order instead of letting it depend on the problem's shape.
 What varies with the shape on our CPU path, and what takes its place while this is on (measured in
-tests/core/test_exact_invariance.py, cost in docs/performance.md):
+tests/core/worker/test_exact_invariance.py, cost in docs/performance.md):
 - products: oneDNN's bf16 GEMM gives a row other bits at another M (rows 1-2 differ between 32 and 38 rows at K=2048), and
   bf16 under 17 rows or fp32 under 9 rows go to our kernel instead. oneDNN at one fixed M gives each row the same
   bits, so products of large weights run in tiles of a fixed row count (llama/kernels/tiled.py); our float_linear

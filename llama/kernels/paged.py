@@ -1,4 +1,4 @@
-"""Reads and writes of the paged KV pool (llama/core/kv_cache.py) in pure torch, for every path other than our CPU
+"""Reads and writes of the paged KV pool (llama/core/worker/kv_cache.py) in pure torch, for every path other than our CPU
 decode kernel (which reads the blocks in place): SDPA prefill, the compiled decode step, CUDA.
 
 The pool's caches are (blocks, kv_heads, block_size, head_dim); `table` holds the blocks of each row of a pass
@@ -35,7 +35,7 @@ Scales = Optional[Tuple[torch.Tensor, torch.Tensor]]  # an int8 pool's (keys', v
 
 @dataclass(eq=False)
 class BlockTable:
-    """The paged pool's block table and the layout it rests in between the runner's passes. llama/core/kv_cache.py
+    """The paged pool's block table and the layout it rests in between the runner's passes. llama/core/worker/kv_cache.py
     builds it; every Attention holds it (Attention.blocks) beside its block_table buffer, which is `tensor`.
 
     During the runner's passes (managed()) the scheduler's tables are live. A pass outside them (a direct model call:
@@ -94,7 +94,7 @@ def rotates(head_dim: int) -> bool:
 
 
 def scheme(head_dim: int) -> str:
-    """The int8 pool's stored form, part of every prefix block's key (core/kv_cache.py pool_salt): blocks of one
+    """The int8 pool's stored form, part of every prefix block's key (core/worker/kv_cache.py pool_salt): blocks of one
     form are never read as another."""
     return f"q8_0/{group_size(head_dim)}" + ("+signs-hadamard-v1" if rotates(head_dim) else "")
 

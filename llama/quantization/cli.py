@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Union
 
 import torch
 
-from llama.formats import memory
+from llama.loading import memory
 from llama.formats import meta_checkpoint
 from llama.formats.quantized_checkpoint import (
     PARAMS_KEY,

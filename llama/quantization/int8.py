@@ -60,7 +60,7 @@ def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tens
     The int8 kernel needs in_features % 16 == 0 (other widths give wrong results or crash), so tiny layers
     dequantize the weight first instead (scaling after the product would be turned back into the same kernel by
     Inductor's patterns). aten's packed kernel sums each row alone (row-invariant at any row count,
-    tests/core/test_exact_quantized.py).
+    tests/core/worker/test_exact_quantized.py).
     """
     if weight.shape[1] % 16:  # row-invariant (llama/kernels/invariant.py): dense.linear's kernel at any row count
         dense_weight = weight.to(x.dtype) * scales[:, None].to(x.dtype)

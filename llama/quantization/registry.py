@@ -34,7 +34,7 @@ class QuantScheme:
     quantize(model, group_size): quantizes every linear layer of model (or of one layer block) in place, already
         fused, and returns it; layers already quantized are left alone. group_size is None for an ungrouped scheme.
     weight_bits, scale_bytes: a linear weight's bits per value and its scales' bytes per group (per output row when
-        ungrouped): the memory check's estimate (llama/formats/memory.py).
+        ungrouped): the memory check's estimate (llama/loading/memory.py).
     group_size: the default group size of a grouped scheme (Llama.build's group_size= applies), else None;
         check_group_size checks a requested one.
     activation_dtype(): the activation dtype it runs in when the caller names none (None: the device's default).

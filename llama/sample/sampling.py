@@ -54,7 +54,7 @@ def sample_top_p(probs: torch.Tensor, p: float) -> torch.Tensor:
 
 def index(values: Sequence[int], device) -> torch.Tensor:
     """An index tensor on `device` without a host synchronisation: on CUDA a plain copy from pageable memory waits for
-    every kernel already queued, which would stall asynchronous decoding (llama/core/ahead.py)."""
+    every kernel already queued, which would stall asynchronous decoding (llama/core/worker/ahead.py)."""
     t = torch.tensor(list(values), dtype=torch.long)
     if torch.device(device).type != "cuda":
         return t.to(device)

@@ -53,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     from llama.cli.launch import resolve_checkpoint
-    from llama.formats import fetch
+    from llama.hub import fetch
     from llama.generation import Llama
 
     try:

@@ -1,4 +1,4 @@
-"""The ASGI app: OpenAI-compatible endpoints over one Engine (llama/core/engine.py).
+"""The ASGI app: OpenAI-compatible endpoints over one Engine (llama/core/frontend/engine.py).
 
 Each accepted HTTP request becomes `len(prompts) * n` engine requests. A thread per engine request turns its
 blocking delta iterator into events on the event loop; the response (whole or server-sent events) is produced
@@ -21,7 +21,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from llama.core.engine import EngineStopped
+from llama.core.frontend.engine import EngineStopped
 from llama.serve import protocol, thinking, tokens, tools
 from llama.serve.metrics import CONTENT_TYPE, Metrics
 from llama.serve.protocol import APIError

@@ -21,7 +21,7 @@ class Metrics:
         self.tpot = Histogram("llama_time_per_output_token_seconds", "mean time between tokens of a sequence",
                               buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5), registry=r)
 
-        pool = "the paged KV pool (llama/core/kv_cache.py)"
+        pool = "the paged KV pool (llama/core/worker/kv_cache.py)"
         self.kv = {k: Gauge(f"llama_{k}", f"{what} of {pool}", registry=r) for k, what in (
             ("kv_blocks_used", "blocks sequences reference"), ("kv_blocks_free", "blocks free or only cached"),
             ("kv_blocks_cached", "blocks kept for their prefix"), ("prefix_cache_prompt_tokens", "prompt tokens"),

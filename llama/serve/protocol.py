@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from llama.core.params import wire_params
+from llama.core.frontend.params import wire_params
 
 FINISH = {"length": "length", "cancelled": "abort", "error": "error"}  # every stop token / stop string -> "stop"
 
@@ -30,7 +30,7 @@ HARMLESS = {
     "reasoning_effort": lambda v: v is None,
 }
 # The fields this module maps itself; every sampling parameter with a wire field (temperature, top_p, top_k, seed,
-# the penalties, any registered one) is allowed and checked from its declaration (llama/core/param_registry.py).
+# the penalties, any registered one) is allowed and checked from its declaration (llama/core/frontend/param_registry.py).
 COMMON = {"model", "max_tokens", "n", "stop", "stream", "stream_options", "logprobs", "logit_bias",
           "response_format", "min_p", "prediction"}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "best_of"}
@@ -288,7 +288,7 @@ def finish_reason(r) -> Optional[str]:
 
 def usage(prompt: int, completion: int, cached: int = 0, reqs=()) -> Dict:
     """OpenAI's usage; cached: prompt tokens read from the prefix cache instead of computed; reqs: the requests,
-    whose predictions' drafted tokens were accepted or rejected (llama/core/speculative.py)."""
+    whose predictions' drafted tokens were accepted or rejected (llama/core/speculation/speculative.py)."""
     predicted = [r for r in reqs if getattr(r, "predicted", None) is not None]
     accepted = sum(r.accepted for r in predicted)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from conftest import REPO, STORIES, rank_env
 
 from llama.cli.convert import derive_ffn, main, read_safetensors
-from llama.core.kv_cache import KVCache
+from llama.core.worker.kv_cache import KVCache
 from llama.formats.checklist import verify_checklist
 from llama.formats.meta_checkpoint import expected_shapes, read_params
 from llama.model import ModelArgs, Transformer, ffn_hidden_dim

@@ -23,7 +23,7 @@ from llama.compilation.compiled_decode import (
     compile_decode,
     own_storage,
 )
-from llama.core.kv_cache import KVCache
+from llama.core.worker.kv_cache import KVCache
 from llama.quantization.schemes import quantize_int8, quantize_int8_dynamic
 
 pytestmark = pytest.mark.skipif(

@@ -1,4 +1,4 @@
-"""Speculative decoding with a compiled decode step (llama/core/runner.py Runner._verify): a Verify pass runs
+"""Speculative decoding with a compiled decode step (llama/core/worker/runner.py Runner._verify): a Verify pass runs
 through the compiled step with its rows given, a request's k+1 rows sharing its cache row at consecutive positions.
 Where our kernels take every product and the graph's own arithmetic is fp32 (stories260K in fp32), each row is
 bitwise the one-token graph's, so greedy and seeded text and logprobs with speculation are those of the compiled step
@@ -19,7 +19,7 @@ from helpers import draft_tally
 from llama import Llama
 from llama.compilation.compiled_decode import CompiledDecode
 from llama.config import memory_config
-from llama.core import speculative
+from llama.core.speculation import speculative
 
 pytestmark = [CPU_SPECULATION, pytest.mark.skipif(
     not any(shutil.which(c) for c in ("g++", "c++", "clang++")),

@@ -64,7 +64,7 @@ def test_a_stored_int4_step_gives_what_torch_compile_gives(tmp_path, monkeypatch
     neither graph nor package holds a copy), and the stored step's logits are torch.compile's."""
     from test_model import random_model
 
-    from llama.core.kv_cache import KVCache
+    from llama.core.worker.kv_cache import KVCache
     from llama.layers import kernel_model
     from llama.quantization.int4 import quantize_int4
 

@@ -63,7 +63,7 @@ def test_an_unknown_option_is_refused_with_the_known_ones():
 
 
 def test_refusals_come_before_loading(monkeypatch):
-    from llama.formats import loader
+    from llama.loading import loader
 
     monkeypatch.setattr(loader, "load", lambda config: pytest.fail("loaded before refusing"))
     with pytest.raises(ValueError, match=r"runs on the CPU only: on cuda"):

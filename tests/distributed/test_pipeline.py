@@ -72,7 +72,7 @@ def extras(g) -> dict:
     on the last stage; its failure reaches every rank) and echoed prompt log-probabilities (logits to every rank)."""
     from test_tensor_parallel import mp_outputs
 
-    from llama.core.request import BatchError
+    from llama.core.frontend.request import BatchError
 
     def broken(ids, logits):
         raise RuntimeError("boom")
@@ -248,7 +248,7 @@ def outputs(tmp, out, world):
 def checkpoints(tmp_path_factory):
     if not (STORIES / "consolidated.00.pth").is_file() or not GOLDENS.is_file():
         pytest.skip(f"stories260K or its goldens not found under {STORIES.parent.parent}")
-    from llama.formats.demo import random_state_dict
+    from llama.hub.demo import random_state_dict
     from llama.formats.meta_checkpoint import save_checkpoint
     from llama.formats.reshard import reshard
     from llama.model import ModelArgs
@@ -449,7 +449,7 @@ def test_pipeline_execution_routes_logits_by_who_samples():
     Passes whose logits everyone reads always broadcast them. The core's default runs one stage."""
     from types import SimpleNamespace
 
-    from llama.core.runner import Execution
+    from llama.core.worker.runner import Execution
     from llama.distributed.pipeline import Outbox, Pending, PipelineExecution, Stage
 
     shared = []

@@ -201,7 +201,7 @@ def mp_outputs(g):
 
 def test_seeded_outputs_identical_at_mp2(two_procs, mp1):
     """Two model-parallel ranks (torchrun, gloo on CPU) give the same texts as one process, with decode steps
-    queued ahead too (llama/core/ahead.py: each rank draws the same tokens and queues the same step)."""
+    queued ahead too (llama/core/worker/ahead.py: each rank draws the same tokens and queues the same step)."""
     *_, ranks, _ = two_procs
     assert ranks[0][str(STORIES)]["mp"] == ranks[1][str(STORIES)]["mp"] == mp1["mp"]
     goldens = [g["generated_tokens"] for g in two_procs[1].values()]

@@ -176,7 +176,7 @@ def test_world_size_2_is_refused_clearly_for_9_heads(tmp_path):
     """SmolLM2 has 9 query and 3 key/value heads: no model-parallel size but 1 and 3 divides them, and the
     refusal says so before any weight is dequantized."""
     from llama.formats import gguf_file
-    from llama.formats.loader import gguf_model
+    from llama.loading.loader import gguf_model
     from llama.model import ModelArgs
 
     reader = gguf_file.open_reader(need(GGUF))
@@ -284,7 +284,7 @@ def test_a_bf16_gguf_loads_in_place_to_the_logits_of_the_same_weights_from_meta(
     from conftest import STORIES
     from helpers import ONCE, write_meta_gguf
 
-    from llama.formats import preload
+    from llama.loading import preload
 
     if not preload.file_mappings():
         pytest.skip("needs /proc/self/maps (Linux) to see where the weights live")
@@ -363,7 +363,7 @@ def test_a_quantized_load_of_a_q8_0_file_peaks_below_a_bf16_load(stories_dir, tm
 
     from helpers import write_meta_gguf
 
-    from llama.formats.demo import random_state_dict
+    from llama.hub.demo import random_state_dict
     from llama.model import ModelArgs
 
     params = {"dim": 1024, "n_layers": 12, "n_heads": 16, "multiple_of": 256, "norm_eps": 1e-5, "vocab_size": 512}

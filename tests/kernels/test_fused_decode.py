@@ -147,7 +147,7 @@ def test_op_refuses_inconsistent_arguments():
 def test_kept_arguments_follow_changes_to_the_model(monkeypatch):
     """The op's arguments are kept between steps: quantizing, fusing or a new KV cache after a step must be seen by
     the next one (each equal to a model that had them from the start, stepped layer by layer)."""
-    from llama.core.kv_cache import KVCache
+    from llama.core.worker.kv_cache import KVCache
 
     def step(model):
         model(torch.randint(0, 96, (1, 4), generator=torch.Generator().manual_seed(0)), 0)

@@ -9,7 +9,7 @@ from conftest import ON_CUDA, STORIES, need
 
 from llama import Llama
 from llama.formats import quantized_checkpoint
-from llama.formats.demo import write_random_checkpoint
+from llama.hub.demo import write_random_checkpoint
 from llama.kernels import cpu
 from llama.kernels import int4_pack_store as pack_cache
 from llama.quantization.cli import quantize_checkpoint

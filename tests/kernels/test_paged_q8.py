@@ -123,7 +123,7 @@ def test_rotation_makes_less_error_on_smollm2s_keys_and_values(monkeypatch):
     Weights dequantized to fp32 (LLAMA_GGUF_BLOCKS=0): the GGUF block products round activations to codes, a
     noise floor above int8's (docs/performance.md)."""
     from llama import Llama
-    from llama.formats.demo import CORPUS
+    from llama.hub.demo import CORPUS
 
     path = str(need(SMOLLM2))
     monkeypatch.setenv("LLAMA_GGUF_BLOCKS", "0")
@@ -152,7 +152,7 @@ def test_the_scheme_is_part_of_a_prefix_blocks_key(monkeypatch):
     """Blocks written rotated are never read as plain q8_0 (or the reverse): the pool's salt names the scheme."""
     from test_model import random_model
 
-    from llama.core.kv_cache import pool_salt
+    from llama.core.worker.kv_cache import pool_salt
 
     model = random_model()
     rotated = pool_salt(model, torch.int8, 16, (0, 0))

@@ -14,21 +14,21 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
 CASES = {
-    "no_drafts": ["tests/core/test_speculative.py::test_greedy_and_seeded_outputs_are_identical",
-                  "tests/core/test_speculative.py::test_the_cache_end",
-                  "tests/core/test_speculative.py::test_the_server_flag_and_metrics",
-                  "tests/core/test_draft_model.py::test_outputs_with_another_draft_are_the_outputs_without",
-                  "tests/core/test_draft_model.py::test_the_cache_end",
-                  "tests/core/test_speculative_paging.py"],
-    "no_prefix_hits": ["tests/core/test_prefix_cache.py::test_concurrent_engine_requests_equal_their_solo_text",
-                       "tests/core/test_speculative_paging.py"],
-    "publish_rejected": ["tests/core/test_speculative_paging.py::test_no_rejected_draft_is_published"],
+    "no_drafts": ["tests/core/speculation/test_speculative.py::test_greedy_and_seeded_outputs_are_identical",
+                  "tests/core/speculation/test_speculative.py::test_the_cache_end",
+                  "tests/core/speculation/test_speculative.py::test_the_server_flag_and_metrics",
+                  "tests/core/speculation/test_draft_model.py::test_outputs_with_another_draft_are_the_outputs_without",
+                  "tests/core/speculation/test_draft_model.py::test_the_cache_end",
+                  "tests/core/speculation/test_speculative_paging.py"],
+    "no_prefix_hits": ["tests/core/scheduling/test_prefix_cache.py::test_concurrent_engine_requests_equal_their_solo_text",
+                       "tests/core/speculation/test_speculative_paging.py"],
+    "publish_rejected": ["tests/core/speculation/test_speculative_paging.py::test_no_rejected_draft_is_published"],
     # (whether the server test's concurrent requests are preempted depends on thread timing: not listed here)
-    "resume_without_output": ["tests/core/test_speculative_paging.py"],
+    "resume_without_output": ["tests/core/speculation/test_speculative_paging.py"],
     "wrong_block": [
-        "tests/core/test_prefix_cache.py::test_server_reports_cached_tokens_and_the_pool_and_answers_every_request",
-        "tests/core/test_prefix_cache.py::test_concurrent_engine_requests_equal_their_solo_text",
-        "tests/core/test_speculative_paging.py"],
+        "tests/core/scheduling/test_prefix_cache.py::test_server_reports_cached_tokens_and_the_pool_and_answers_every_request",
+        "tests/core/scheduling/test_prefix_cache.py::test_concurrent_engine_requests_equal_their_solo_text",
+        "tests/core/speculation/test_speculative_paging.py"],
     "named_choice_parallel": ["tests/serve/test_serve_tools.py::test_named_choice_returns_exactly_one_call"],
 }
 

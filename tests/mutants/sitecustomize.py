@@ -9,14 +9,14 @@ MUTANT = os.environ.get("LLAMA_MUTANT", "")
 
 def _no_drafts():
     """Speculation never drafts: outputs stay right, so only the acceptance checks can notice."""
-    from llama.core import speculative
+    from llama.core.speculation import speculative
 
     speculative.Speculator.plan = lambda self, plan, budget=speculative.MAX_ROWS: None
 
 
 def _no_prefix_hits():
     """The prefix cache never finds a block: outputs stay right, so only the hit checks can notice."""
-    from llama.core import block_pool
+    from llama.core.scheduling import block_pool
 
     block_pool.BlockPool.lookup = lambda self, tokens, salt=b"", limit=None: []
 
@@ -24,7 +24,7 @@ def _no_prefix_hits():
 def _wrong_block():
     """A cache hit's last block is swapped for another cached block: the hit is counted, the keys and values are
     another prompt's."""
-    from llama.core import block_pool
+    from llama.core.scheduling import block_pool
 
     lookup = block_pool.BlockPool.lookup
 
@@ -39,7 +39,8 @@ def _wrong_block():
 def _publish_rejected():
     """When a draft is rejected, its blocks are keyed with the whole draft as fed to the verify pass, as if it had
     been accepted (the keys and values under the key are the draft's: only the tokens keyed are wrong)."""
-    from llama.core import paging, speculative
+    from llama.core.scheduling import paging
+    from llama.core.speculation import speculative
 
     pagings, init, accepted = [], paging.Paging.__init__, speculative.Speculator.accepted
 
@@ -62,7 +63,7 @@ def _publish_rejected():
 
 def _resume_without_output():
     """A preempted request resumes from its prompt alone, forgetting the tokens it had generated."""
-    from llama.core import request
+    from llama.core.frontend import request
 
     request.Request.context = property(lambda self: self.prompt)
 

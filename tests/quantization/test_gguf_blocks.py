@@ -76,7 +76,7 @@ def test_a_q4_k_m_file_runs_in_its_blocks_exactly_and_greedy_ids_equal_the_dequa
     assert gguf_quants.summary(gen.model) == {"Q4_K": 8, "Q6_K": 5}
     assert isinstance(gen.model.tok_embeddings, gguf_blocks.BlockEmbedding)
     assert gen.model.layers[0].feed_forward.w13 is not None and gen.model.layers[0].attention.wqkv is None
-    from llama.formats import preload
+    from llama.loading import preload
 
     if preload.file_mappings():  # an unfused layer's blocks are the file's pages, not a copy
         wv = gen.model.layers[0].attention.wv.weight

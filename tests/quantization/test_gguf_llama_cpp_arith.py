@@ -126,7 +126,7 @@ def compare(gen, path, tokens: int, n_batch: int, prompts=PROMPTS):
     """Per prompt: llama-cpp-python's logits at every prompt position (its prompt in batches of n_batch) and then
     along its greedy continuation, against ours fed the same tokens in the same passes; asserts bitwise equality
     and returns the continuations."""
-    from llama.core.kv_cache import KVCache
+    from llama.core.worker.kv_cache import KVCache
 
     llm = llama_cpp.Llama(str(path), n_ctx=128, n_batch=n_batch, n_threads=1, logits_all=True, verbose=False)
     model = gen.model
@@ -195,7 +195,7 @@ def test_exact_mode_position_is_computed_alike_in_every_pass():
     position's logits are bitwise the same whole, chunked (a single token first), beside another row with a longer
     KV length, and decoded after the rest was prefilled; and they equal llama.cpp's fed one token at a time."""
     from llama import Llama
-    from llama.core.plan import Decode, Prefill, SetBlocks
+    from llama.core.scheduling.plan import Decode, Prefill, SetBlocks
 
     gen = Llama.build(str(need(SMOLLM)), None, max_seq_len=64, max_batch_size=4, prefix_cache="exact",
                       compile=False)

@@ -14,8 +14,8 @@ from conftest import ON_CUDA, REPO, STORIES, error_lines, need, rank_env
 from test_model import random_model
 
 from llama import Llama
-from llama.formats.demo import write_random_checkpoint
-from llama.formats.memory import NotEnoughMemory, estimate
+from llama.hub.demo import write_random_checkpoint
+from llama.loading.memory import NotEnoughMemory, estimate
 from llama.kernels import cpu
 from llama.model import ColumnLinear, ModelArgs, RowLinear
 from llama.quantization.cli import main as quantize_main

@@ -7,7 +7,7 @@ import torch
 from conftest import STORIES, need
 
 from llama import Llama
-from llama.formats.demo import write_random_checkpoint
+from llama.hub.demo import write_random_checkpoint
 from llama.quantization.cli import quantize_checkpoint
 from llama.quantization.int4 import dequantize_codes, quantize_codes
 from llama.quantization.int4_cuda import (

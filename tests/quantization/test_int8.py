@@ -204,7 +204,7 @@ def stored_int8(tmp_path_factory):
     """A random checkpoint (dims multiples of 32) written by `python -m llama.quantize --scheme int8`."""
     from conftest import STORIES, need
 
-    from llama.formats.demo import write_random_checkpoint
+    from llama.hub.demo import write_random_checkpoint
     from llama.quantization.cli import quantize_checkpoint
 
     d = tmp_path_factory.mktemp("stored")

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from llama import Llama
-from llama.formats import memory
-from llama.formats.demo import write_random_checkpoint
+from llama.loading import memory
+from llama.hub.demo import write_random_checkpoint
 from llama.layers import LinearMethod, linear_layers
 from llama.quantization import schemes
 from llama.quantization.cli import quantize_checkpoint

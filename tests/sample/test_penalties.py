@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from helpers import LILY, ONCE, SAMPLED
-from llama.core.params import SamplingParams
+from llama.core.frontend.params import SamplingParams
 from llama.sample.sampling import penalize
 
 

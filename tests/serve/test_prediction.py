@@ -1,5 +1,5 @@
 """Predicted outputs (OpenAI's `prediction`, SamplingParams.prediction): the predicted text's tokens are a draft
-source (llama/core/speculative.py), used without --speculative, so every output is token for token the output
+source (llama/core/speculation/speculative.py), used without --speculative, so every output is token for token the output
 without a prediction; usage counts the accepted and rejected prediction tokens; a bad prediction is a 400."""
 
 import pytest
@@ -7,7 +7,7 @@ from conftest import CPU_SPECULATION, STORIES, need
 from helpers import draft_tally
 
 from llama import Llama
-from llama.core import speculative
+from llama.core.speculation import speculative
 
 pytestmark = CPU_SPECULATION
 

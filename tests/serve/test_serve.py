@@ -367,7 +367,7 @@ def test_without_ckpt_dir_it_serves_the_default_model_and_says_so(tmp_path):
     from conftest import SHARED, fresh_cache
 
     from llama import Llama
-    from llama.formats import fetch
+    from llama.hub import fetch
 
     gguf = need(SHARED / "models/smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf")
     cached = fresh_cache(tmp_path) / "smollm2-135m-instruct" / gguf.name

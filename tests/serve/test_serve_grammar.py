@@ -105,7 +105,7 @@ def test_random_llama2_vocabulary(rand_gen):
 @pytest.fixture(scope="module")
 def rand_llama3(tmp_path_factory):
     from llama import Llama
-    from llama.formats.demo import write_random_checkpoint
+    from llama.hub.demo import write_random_checkpoint
 
     tokenizer = need(SHARED / "tokenizers" / "llama3" / "tokenizer.model")
     d = tmp_path_factory.mktemp("rand_llama3")

@@ -14,7 +14,7 @@ import pytest
 from conftest import SHARED, need
 from test_tool_format import CALL, SEARCH, WEATHER, builtin_turns, dialog, openai_messages
 
-from llama.core.textstream import TextStream
+from llama.core.frontend.textstream import TextStream
 from llama.sample.tool_grammar import calls_lark, special_ids
 from llama.tokenizers.chat_format import Llama3ChatFormat, TemplateChatFormat
 from llama.tokenizers.tool_format import ToolDialog, call_text, family_of, parse

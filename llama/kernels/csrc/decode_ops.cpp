@@ -156,7 +156,7 @@ namespace llama_cpu {
 // q (B, H*D), k and v (B, Hkv*D): the new token's projections (any row stride, contiguous within a row).
 // cos/sin (1 or B, D/2) fp32: its rotation. cache_k/cache_v (rows, Hkv, S, D), contiguous, written in place; with
 // a block table (rows, M) int64 they are a paged pool (blocks, Hkv, block_size, D) and a row has M * block_size
-// positions (llama/core/kv_cache.py).
+// positions (llama/core/worker/kv_cache.py).
 // Row b lives in cache row rows[b] (or row0 + b without rows) at position positions[b] (one position: all rows)
 // and attends positions 0 .. min(position, kv_len - 1), the newest `window` of them when window > 0 (a sliding
 // window, Mistral's), its scores scaled by `scale` (0: head_dim ** -0.5; Granite's attention multiplier otherwise).
