@@ -56,13 +56,23 @@ def execution_for(model) -> Execution:
     return Execution(lockstep=parallel.lockstep_group())
 
 
-def _load_draft(draft: BuildArgs, vocab: int) -> DraftModel:
-    """The draft model (BuildArgs.draft): on the model's device, in its dtype, eager, with a KV cache of its own."""
+def _draft_config(args: BuildArgs) -> LlamaConfig:
+    """The draft model's configuration (BuildArgs.draft), resolved before the model loads: a bad draft is refused
+    first, named."""
     try:
-        drafting = Llama.from_config(draft.resolve())
+        return args.draft().resolve()
     except ValueError as e:
-        raise ValueError(f"draft_model={draft.ckpt_dir!r}: {e}") from None
-    return DraftModel(drafting.runner, vocab, f"draft_model={draft.ckpt_dir!r}")
+        raise ValueError(f"draft_model={args.draft_model!r}: {e}") from None
+
+
+def _load_draft(draft: LlamaConfig, vocab: int) -> DraftModel:
+    """The draft model: on the model's device, in its dtype, eager, with a KV cache of its own."""
+    name = f"draft_model={draft.model.path!r}"
+    try:
+        drafting = Llama.from_config(draft)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+    return DraftModel(drafting.runner, vocab, name)
 
 
 class Llama:
@@ -83,12 +93,12 @@ class Llama:
                             max_batch_size=max_batch_size, model_parallel_size=model_parallel_size, seed=seed,
                             **options)
         config = args.resolve()
-        draft = None if args.draft_model is None else args.draft()
-        return Llama.from_config(config, draft)
+        return Llama.from_config(config, None if args.draft_model is None else _draft_config(args))
 
     @staticmethod
-    def from_config(config: LlamaConfig, draft: Optional[BuildArgs] = None) -> "Llama":
-        """A generator as a resolved configuration says (BuildArgs.resolve); draft: the draft model's options."""
+    def from_config(config: LlamaConfig, draft: Optional[LlamaConfig] = None) -> "Llama":
+        """A generator as a resolved configuration says (BuildArgs.resolve); draft: the draft model's (under
+        speculative="draft")."""
         if parallel.is_main_process():
             log.info("llama config: %s", config.summary())
         model, tokenizer, compiled = loader.load(config)

@@ -64,11 +64,12 @@ def main(argv=None) -> None:
     try:  # every option checked, and the checkpoint's kind read, before the server starts
         options = build_args(args, ckpt_dir, tokenizer_path)
         config = options.resolve()
+        draft = None if options.draft_model is None else options.draft().resolve()
     except (ValueError, TypeError) as e:
         sys.exit(f"error: {e}")
 
     def load():
-        return Llama.from_config(config, None if options.draft_model is None else options.draft())
+        return Llama.from_config(config, draft)
 
     if int(os.environ.get("RANK", "0")) != 0:  # a model-parallel follower: replay rank 0's steps
         load().engine(prefill_chunk=args.prefill_chunk).serve_forever()
