@@ -1,5 +1,5 @@
 """Compiled decode steps kept on disk with our CPU kernels on: the step calls them on the model's own weights (bound
-at load, none in the package), for stories260K, an int4 model, a tied model and the SmolLM2 GGUF; a new process
+at load, none in the package), for stories260K, an int4 model, a tied model and a GGUF file in its own blocks; a new process
 loads what an earlier one stored. (test_step_store.py: the same with the kernels off, weights frozen in.)
 """
 
@@ -11,7 +11,7 @@ import sys
 import hardware
 import pytest
 import torch
-from conftest import ON_CUDA, REPO, SHARED, error_lines, fresh_cache
+from conftest import ON_CUDA, REPO, error_lines, fresh_cache
 from test_step_store import build, run_load
 
 from llama.compilation import step_store
@@ -101,14 +101,17 @@ torch.save(logits, sys.argv[2])
 print("freezing", step.config["freezing"], "packages", sorted(step.packages), "loaded", sorted(step.loaded))
 '''
 
-SMOLLM2 = r'''
+GGUF_BLOCKS = r'''
 import os, sys, torch
 os.environ["LLAMA_GGML_ARITH"] = "0"  # llama.cpp's arithmetic decodes eagerly: this checks the compiled step
 torch.set_num_threads(1)
 from llama import Llama
+from llama.layers import linear_layers
+from llama.quantization.gguf_blocks import GGUFBlocks
 g = Llama.build(sys.argv[1], None, max_seq_len=64, max_batch_size=1, compile=True)
 assert g.model.output.weight is g.model.tok_embeddings.weight
-out, _ = g.generate([[1, 504, 3575, 282, 4649, 314]], max_gen_len=8, temperature=0)
+assert all(isinstance(m.method, GGUFBlocks) for m in linear_layers(g.model.layers[0]))  # the file's Q4_1 blocks
+out, _ = g.generate([[1, 20, 30, 40, 50, 60]], max_gen_len=8, temperature=0)
 print("out", out, "packages", sorted(g.runner.compiled.packages), "loaded", sorted(g.runner.compiled.loaded))
 '''
 
@@ -138,13 +141,17 @@ def test_a_tied_model_loads_its_stored_step_in_a_new_process(tmp_path):
     assert torch.equal(torch.load(tmp_path / "logits0.pt"), torch.load(tmp_path / "logits1.pt"))
 
 
-def test_smollm2_gguf_loads_its_stored_step_in_a_new_process(tmp_path):
-    """The default model (tied embeddings, int4 in our kernels) compiles once per machine, not once per process."""
-    gguf = SHARED / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not gguf.is_file():
-        pytest.skip(f"{gguf} is absent (../shared holds the SmolLM2 GGUF)")
+def test_a_gguf_files_block_step_loads_in_a_new_process(tmp_path, stories_dir):
+    """A GGUF file run in its own blocks, as the default model is (SmolLM2's Q4_1, tied embeddings): its compiled
+    step is stored once per machine and a new process loads it, with the same greedy ids. A two-layer random file
+    of the same block type and tying checks the same path at a fraction of the 135M model's compile."""
+    from gguf_blocks_data import write_block_gguf
+
     hardware.require_kernels()
-    first, second = run_twice(SMOLLM2, lambda i: [str(gguf)], tmp_path)
+    params = {"dim": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 256, "norm_eps": 1e-5,
+              "vocab_size": 512}
+    gguf = write_block_gguf(tmp_path / "q4_1.gguf", params, stories_dir / "tokenizer.model", "Q4_1", tied=True)
+    first, second = run_twice(GGUF_BLOCKS, lambda i: [str(gguf)], tmp_path)
     assert "packages [(1, False)] loaded []" in first
     assert "packages [(1, False)] loaded [(1, False)]" in second and "Compiling" not in second
     assert first.split("out ")[1].split(" packages")[0] == second.split("out ")[1].split(" packages")[0]
