@@ -5,6 +5,7 @@ checkpoint), picks the device, dtype and quantization scheme, and settles the de
 options (compile="auto" is eager under speculation or an exact prefix cache). Nothing is loaded.
 """
 
+import os
 from dataclasses import dataclass, fields
 from typing import Optional, Union
 
@@ -108,6 +109,10 @@ class BuildArgs:
 
     def _checkpoint(self, device: torch.device, parallel_config: ParallelConfig):
         """(ModelConfig, QuantConfig): what the checkpoint is, read once, and the scheme it loads in."""
+        for name in ("ckpt_dir", "tokenizer_path"):
+            value = getattr(self, name)
+            if not isinstance(value, (str, os.PathLike)) and not (name == "tokenizer_path" and value is None):
+                raise TypeError(f"{name} must be a path (str or os.PathLike), got {value!r}")
         gguf_path = gguf_file.find_gguf(self.ckpt_dir)
         hf_dir = None if gguf_path is not None else hf_checkpoint.find_hf(self.ckpt_dir)
         stored = None if gguf_path is not None or hf_dir is not None else quantized_checkpoint.stored_scheme(self.ckpt_dir)
@@ -138,10 +143,9 @@ def memory_config(model, max_batch_size: Optional[int] = None, max_seq_len: Opti
     """The configuration of a generator around a model already built (Meta's Llama(model, tokenizer)): sized by
     model.params unless given, the model's own device and dtype. compile says what the caller's compiled step is
     (False: none; "auto": one that switches on a timer)."""
-    ref = next(model.parameters())
-    params = model.params
+    params, ref = model.params, model.norm.weight
     return LlamaConfig(
-        model=ModelConfig(kind="memory", device=ref.device, dtype=model.norm.weight.dtype),
+        model=ModelConfig(kind="memory", device=ref.device, dtype=ref.dtype),
         scheduler=SchedulerConfig(params.max_seq_len if max_seq_len is None else max_seq_len,
                                   params.max_batch_size if max_batch_size is None else max_batch_size),
         cache=CacheConfig(prefix_cache, kv_cache_memory, kv_cache_dtype), compile=CompileConfig(compile),

@@ -62,6 +62,13 @@ def test_an_unknown_option_is_refused_with_the_known_ones():
         Llama.build(str(STORIES), str(STORIES / "tokenizer.model"), 64, 2, kv_cache_size="1G")
 
 
+def test_paths_of_the_wrong_type_are_refused_by_name():
+    with pytest.raises(TypeError, match=r"ckpt_dir must be a path \(str or os.PathLike\), got None"):
+        Llama.build(None, None, 64, 2)
+    with pytest.raises(TypeError, match=r"tokenizer_path must be a path .* got 3"):
+        Llama.build(str(STORIES), 3, 64, 2)
+
+
 def test_refusals_come_before_loading(monkeypatch):
     from llama.loading import loader
 
