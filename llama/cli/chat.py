@@ -109,13 +109,39 @@ def command(session_factory, state: dict, text: str, out=sys.stdout) -> Optional
     return True
 
 
-def read_line(prompt: str) -> str:
-    """A line from the terminal; Ctrl-C at the prompt only clears it."""
-    while True:
-        try:
-            return input(prompt)
-        except KeyboardInterrupt:
-            print("^C (/bye or Ctrl-D leaves)")
+class Prompting:
+    """For the whole conversation: Ctrl-C at the prompt clears it, and one that lands anywhere else (between the
+    Enter key and the reply's start, or in a command) is dropped instead of ending the program; while a reply
+    streams, its own Interrupt takes Ctrl-C."""
+
+    def __init__(self):
+        self.at_prompt = False
+
+    def __enter__(self):
+        self.previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def _handler(self, *_):
+        if self.at_prompt:  # once per prompt: a second Ctrl-C while the first is handled is dropped
+            self.at_prompt = False
+            raise KeyboardInterrupt
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self.previous)
+
+    def read_line(self, prompt: str) -> str:
+        """A line from the terminal; Ctrl-C at the prompt only clears it."""
+        while True:
+            self.at_prompt = True
+            try:
+                line = input(prompt)
+                self.at_prompt = False  # a Ctrl-C before this line drops the line read, as at the prompt
+                return line
+            except KeyboardInterrupt:
+                print("^C (/bye or Ctrl-D leaves)")
+            except EOFError:
+                self.at_prompt = False
+                raise
 
 
 def main(argv=None) -> int:
@@ -132,15 +158,16 @@ def main(argv=None) -> int:
     state = {"system": args.system}
     state["session"] = generator.chat_session(args.system)
     print("Type a message (/help for commands, /bye or Ctrl-D to leave).")
-    for text in messages(read_line):
-        if not text.strip():
-            continue
-        done = command(generator.chat_session, state, text)
-        if done is False:
-            break
-        if done is None:
-            try:
-                reply(state["session"], text, options)
-            except ValueError as e:  # e.g. the conversation outgrew max_seq_len
-                print(f"error: {e}")
+    with Prompting() as prompting:
+        for text in messages(prompting.read_line):
+            if not text.strip():
+                continue
+            done = command(generator.chat_session, state, text)
+            if done is False:
+                break
+            if done is None:
+                try:
+                    reply(state["session"], text, options)
+                except ValueError as e:  # e.g. the conversation outgrew max_seq_len
+                    print(f"error: {e}")
     return 0

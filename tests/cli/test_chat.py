@@ -107,3 +107,30 @@ def test_ctrl_c_stops_a_reply_and_drops_the_turn():
     out = io.StringIO()
     assert reply(type("S", (), {"stream": lambda self, m, **o: iter(["a", "b"])})(), "hi", {}, out) is True
     assert out.getvalue() == "ab\n"
+
+
+def test_ctrl_c_outside_the_prompt_and_a_reply_is_dropped(monkeypatch):
+    """Between the Enter key and the reply's start a Ctrl-C used to raise KeyboardInterrupt out of the program (a
+    flaky end of test_a_conversation_in_the_terminal): now it is dropped there, and at the prompt it clears the line
+    once."""
+    import os
+    import signal
+
+    from llama.cli.chat import Prompting
+
+    lines = iter(["first"])
+
+    def read(prompt):
+        if prompting.at_prompt and not read.interrupted:
+            read.interrupted = True
+            os.kill(os.getpid(), signal.SIGINT)  # at the prompt: clears it
+        return next(lines)
+
+    read.interrupted = False
+    monkeypatch.setattr("builtins.input", read)
+    with Prompting() as prompting:
+        os.kill(os.getpid(), signal.SIGINT)  # between prompts: dropped, no KeyboardInterrupt
+        assert prompting.read_line(">>> ") == "first" and read.interrupted
+        assert not prompting.at_prompt
+        os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
