@@ -6,7 +6,8 @@ requests here, so validation, messages and limits are the same everywhere.
 import itertools
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from llama.core.frontend.params import SamplingParams, names, per_prompt, positive_int
+from llama.config.options import positive_int
+from llama.core.frontend.params import SamplingParams, names, per_prompt
 from llama.core.frontend.prefix import Prefix
 from llama.core.frontend.request import Request
 from llama.core.frontend.textstream import TextStream

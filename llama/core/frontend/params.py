@@ -142,12 +142,6 @@ class SamplingParams:
         return SamplingParams(**{**self.values(), **changes})
 
 
-def positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
 def per_prompt(name: str, value, count: int) -> list:
     """Expand a parameter given once or once per prompt into a list of `count` values.
 
