@@ -5,10 +5,6 @@ Differences that matter: positions may differ per batch row (continuous batching
 batch uses can be chosen (slots), and attention is PyTorch's SDPA with grouped-query heads left unexpanded.
 """
 
-import json
-import math
-import warnings
-from dataclasses import dataclass, fields
 from typing import Optional, Union
 
 import torch
@@ -16,146 +12,14 @@ import torch.nn.functional as F
 from fairscale.nn.model_parallel.initialize import get_model_parallel_world_size
 from torch import nn
 
-from llama import rope
 from llama.sizes import derive_ffn, ffn_hidden_dim  # noqa: F401 (Meta's path; formats import them here)
 from llama.rope import apply_rotary_emb, precompute_freqs_cis, reshape_for_broadcast  # noqa: F401 (Meta's path)
 from llama.rope import rope_tables, scale_rope_frequencies  # noqa: F401
 from llama.kernels import cpu
 from llama.kernels import exact_attention, fused_decode, ggml_arith, ggml_products, invariant, paged
 from llama.layers import ColumnLinear, Embedding, Fusable, RowLinear  # noqa: F401 (Meta's path for the layers)
-
-
-@dataclass
-class ModelArgs:
-    dim: int = 4096
-    n_layers: int = 32
-    n_heads: int = 32
-    n_kv_heads: Optional[int] = None
-    vocab_size: int = -1  # -1: take the tokenizer's
-    multiple_of: int = 256  # SwiGLU hidden size is rounded up to a multiple of this
-    ffn_dim_multiplier: Optional[float] = None
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    # Llama 3.1's rotary frequency scaling ("use_scaled_rope" in params.json). Meta's 3.2 1B/3B params.json cannot
-    # say their factor is 32 (Meta's own code applies 8): pass rope_scaling_factor to Llama.build for those.
-    use_scaled_rope: bool = False
-    rope_scaling_factor: float = 8.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_context: int = 8192
-    max_batch_size: int = 32
-    max_seq_len: int = 2048
-    # What the LLaMA-style families change (llama/formats/architectures.py reads them from their files); the
-    # defaults are Meta's architecture. Shapes are explicit where a family breaks the params.json conventions.
-    head_dim: Optional[int] = None  # None: dim // n_heads
-    hidden_dim: Optional[int] = None  # SwiGLU hidden size; None: the rule of multiple_of and ffn_dim_multiplier
-    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
-    sliding_window: Optional[int] = None  # each query sees this many newest keys, itself included (Mistral v0.1)
-    rope_scaling: Optional[dict] = None  # linear, YaRN or long-rope (llama/rope.py); Llama 3.1's is use_scaled_rope
-    embedding_multiplier: float = 1.0  # Granite's multipliers: of the embeddings,
-    residual_multiplier: float = 1.0  # of each block's attention and FFN outputs before the residual add,
-    attention_multiplier: Optional[float] = None  # the attention scale (None: head_dim ** -0.5),
-    logits_scaling: float = 1.0  # and the divisor of the logits
-
-    def __post_init__(self):
-        if self.n_kv_heads is None:
-            self.n_kv_heads = self.n_heads
-        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of", "max_batch_size", "max_seq_len"):
-            positive("model argument", name, getattr(self, name))
-        if self.head_dim is None:
-            if self.dim % self.n_heads:
-                raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
-            self.head_dim = self.dim // self.n_heads
-        if self.hidden_dim is None:
-            self.hidden_dim = ffn_hidden_dim(self.dim, self.multiple_of, self.ffn_dim_multiplier)
-        for name in ("head_dim", "hidden_dim"):
-            positive("model argument", name, getattr(self, name))
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})")
-        if self.head_dim % 2:
-            raise ValueError(f"head dimension {self.head_dim} must be even for rotary embeddings")
-        self.check_rope()
-        self.check_family()
-
-    def check_family(self) -> None:
-        """ValueError naming the field for a family setting out of range."""
-        if not isinstance(self.qkv_bias, bool):
-            raise ValueError(f"qkv_bias must be true or false, got {self.qkv_bias!r}")
-        if self.sliding_window is not None:
-            positive("model argument", "sliding_window", self.sliding_window)
-        for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
-            value = getattr(self, name)
-            if value is None and name == "attention_multiplier":
-                continue
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"{name} must be a positive number, got {value!r}")
-        rope.check(self.rope_scaling, self.head_dim)
-        if self.rope_scaling is not None and self.use_scaled_rope:
-            raise ValueError("use_scaled_rope (Llama 3.1's scaling) and rope_scaling cannot both be set")
-
-    def check_rope(self) -> None:
-        """ValueError naming the field for rotary settings that would silently give NaN or unscaled tables."""
-        number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
-        if not number(self.rope_theta) or self.rope_theta <= 0:
-            raise ValueError(f"rope_theta must be a positive number, got {self.rope_theta!r}")
-        if not isinstance(self.use_scaled_rope, bool):
-            raise ValueError(f"use_scaled_rope must be true or false, got {self.use_scaled_rope!r}")
-        if not self.use_scaled_rope:
-            return
-        low, high, ctx = self.rope_low_freq_factor, self.rope_high_freq_factor, self.rope_original_context
-        if not number(self.rope_scaling_factor) or self.rope_scaling_factor < 1:
-            raise ValueError(f"rope_scaling_factor must be a number >= 1, got {self.rope_scaling_factor!r}")
-        if not (number(low) and number(high) and 0 < low < high):
-            raise ValueError(f"rope_low_freq_factor ({low!r}) and rope_high_freq_factor ({high!r}) must be numbers "
-                             "with 0 < low < high")
-        if not isinstance(ctx, int) or isinstance(ctx, bool) or ctx < 1:
-            raise ValueError(f"rope_original_context must be a positive integer, got {ctx!r}")
-
-    def kernel_attends(self, kv_len: int) -> bool:
-        """Whether our one-token CPU attention (causal over every key, scale head_dim ** -0.5) is this
-        architecture's over kv_len keys: no other scale, and no window that kv_len passes."""
-        return self.attention_multiplier is None and (self.sliding_window is None or kv_len <= self.sliding_window)
-
-    def kernel_decodes(self, kv_len: int) -> bool:
-        """Whether the one-call fused step (llama/kernels/fused_decode.py) computes these layers: our attention,
-        no biases, no residual multiplier. Otherwise the layers run one by one, with our product kernels."""
-        return self.kernel_attends(kv_len) and not self.qkv_bias and self.residual_multiplier == 1
-
-    def mask_window(self, mask: torch.Tensor, key_pos: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The causal mask with the sliding window's term: a query at p sees keys p - window + 1 .. p."""
-        if self.sliding_window is None:
-            return mask
-        return mask & (key_pos > positions - self.sliding_window)
-
-    @classmethod
-    def from_params(cls, params: dict, **overrides) -> "ModelArgs":
-        """Build from a params.json dict; keys this architecture does not use are ignored with a warning."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(params) - known)
-        if unknown:
-            warnings.warn(f"params.json keys {', '.join(unknown)} are not used by this architecture; ignored",
-                          stacklevel=2)
-        kwargs = {k: v for k, v in params.items() if k in known}
-        kwargs.update(overrides)
-        return cls(**kwargs)
-
-    @classmethod
-    def from_json(cls, path, **overrides) -> "ModelArgs":
-        with open(path) as f:
-            return cls.from_params(json.load(f), **overrides)
-
-
-def positive(what: str, name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{what} {name} must be a positive integer, got {value!r}")
-
-
-def check_model_parallel(args: ModelArgs, mp: int) -> None:
-    """Raise ValueError unless every split dimension divides evenly across mp ranks."""
-    for name, value in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads), ("dim", args.dim),
-                        ("FFN hidden dim", args.hidden_dim), ("vocab_size", args.vocab_size)):
-        if value % mp:
-            raise ValueError(f"model parallel size {mp} does not divide {name} ({value}): use a size that does")
+from llama.model_args import ModelArgs, MoEArgs, check_model_parallel, positive  # noqa: F401 (Meta's path)
+from llama.moe import MoEFeedForward
 
 
 class RMSNorm(nn.Module):
@@ -205,6 +69,9 @@ class Attention(Fusable):
         self.wv = ColumnLinear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
         self.wo = RowLinear(args.n_heads * hd, args.dim)
         self.wqkv: Optional[ColumnLinear] = None
+        # Qwen3's qk-norm: each head of q and of k normalised (one weight per head dimension) before the rotation
+        self.q_norm = RMSNorm(hd, eps=args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(hd, eps=args.norm_eps) if args.qk_norm else None
         self.local_sizes = {"wq": self.n_local_heads * hd, "wk": self.n_local_kv_heads * hd,
                             "wv": self.n_local_kv_heads * hd}
         # (max_batch, kv_heads, max_seq, head_dim), allocated by llama.core.worker.kv_cache.KVCache, and an int8 pool's scales
@@ -222,15 +89,24 @@ class Attention(Fusable):
         """An int8 pool's (keys' scales, values' scales), None for a float one."""
         return None if self.cache_k_scales is None else (self.cache_k_scales, self.cache_v_scales)
 
+    def head_norms(self, q: torch.Tensor, k: torch.Tensor):
+        """q and k (..., heads, head_dim) through the qk-norm, where the model has one."""
+        if self.q_norm is None:
+            return q, k
+        return self.q_norm(q), self.k_norm(k)
+
     def qkv(self, x, cos, sin):
         """Rotated queries and keys and the values, each (B, T, heads, head_dim)."""
         B, T, _ = x.shape
         nq, nkv, hd = self.n_local_heads, self.n_local_kv_heads, self.head_dim
         if self.wqkv is None:
-            q = apply_rotary(self.wq(x).view(B, T, nq, hd), cos, sin)
-            k = apply_rotary(self.wk(x).view(B, T, nkv, hd), cos, sin)
-            return q, k, self.wv(x).view(B, T, nkv, hd)
+            q, k = self.head_norms(self.wq(x).view(B, T, nq, hd), self.wk(x).view(B, T, nkv, hd))
+            return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), self.wv(x).view(B, T, nkv, hd)
         qkv = self.wqkv(x)
+        if self.q_norm is not None:
+            q, k = self.head_norms(qkv[..., : nq * hd].view(B, T, nq, hd), qkv[..., nq * hd : (nq + nkv) * hd].view(
+                B, T, nkv, hd))
+            return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), qkv[..., (nq + nkv) * hd :].view(B, T, nkv, hd)
         qk = apply_rotary(qkv[..., : (nq + nkv) * hd].view(B, T, nq + nkv, hd), cos, sin)  # one rotation for both
         return qk[:, :, :nq], qk[:, :, nq:], qkv[..., (nq + nkv) * hd :].view(B, T, nkv, hd)
 
@@ -248,6 +124,9 @@ class Attention(Fusable):
         else:
             qkv = self.wqkv(x).view(B, -1)
             q, k, v = qkv[:, :nq], qkv[:, nq : nq + nkv], qkv[:, nq + nkv :]
+        if self.q_norm is not None:
+            q, k = self.head_norms(q.view(B, -1, self.head_dim), k.view(B, -1, self.head_dim))
+            q, k = q.reshape(B, nq), k.reshape(B, nkv)
         return cpu.decode_attention(q, k, v, cos, sin, self.cache_k, self.cache_v, rows, positions, kv_len,
                                             self.block_table, self.args.attention_multiplier, self.args.sliding_window)
 
@@ -317,12 +196,15 @@ class FeedForward(Fusable):
     FUSED = {"w13": ("w1", "w3")}
 
     def __init__(self, dim: Union[ModelArgs, int], hidden_dim: Optional[int] = None, multiple_of: int = 256,
-                 ffn_dim_multiplier: Optional[float] = None):
-        """FeedForward(args), or Meta's FeedForward(dim, hidden_dim, multiple_of, ffn_dim_multiplier)."""
+                 ffn_dim_multiplier: Optional[float] = None, *, width: Optional[int] = None):
+        """FeedForward(args), Meta's FeedForward(dim, hidden_dim, multiple_of, ffn_dim_multiplier), or
+        FeedForward(dim, width=hidden) for a hidden size taken as it is (an expert's)."""
         super().__init__()
         self.ggml_arith = False  # llama.cpp's arithmetic where true (Transformer.use_ggml_arith)
         if isinstance(dim, ModelArgs):
             dim, hidden = dim.dim, dim.hidden_dim
+        elif width is not None:
+            hidden = width
         else:
             hidden = ffn_hidden_dim(dim, multiple_of, ffn_dim_multiplier, hidden_dim)
         self.w1 = ColumnLinear(dim, hidden)
@@ -346,7 +228,8 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention = Attention(args)
-        self.feed_forward = FeedForward(args)
+        moe = args.moe is not None and args.moe.is_moe(layer_id)
+        self.feed_forward = MoEFeedForward(args, FeedForward) if moe else FeedForward(args)
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.residual_multiplier = args.residual_multiplier
@@ -380,9 +263,9 @@ class Transformer(nn.Module):
 
         Call after loading the weights; state_dict()/load_state_dict() keep Meta's names.
         """
-        for layer in self.layers:
-            layer.attention.fuse()
-            layer.feed_forward.fuse()
+        for module in self.modules():
+            if isinstance(module, Fusable):
+                module.fuse()
         return self
 
     def use_ggml_arith(self) -> None:

@@ -31,7 +31,14 @@ FAMILIES = {
                                              "original_max_position_embeddings": 64}}),
     "llama-yarn": ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                  "original_max_position_embeddings": 128}}),
+    # qk-norm; head_dim set apart from hidden_size / heads, as Qwen3's own configs do
+    "qwen3": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True}),
+    # 8 experts, top 2 renormalised, a dense layer first (mlp_only_layers) and experts narrower than it
+    "qwen3moe": ("qwen3_moe", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                               "norm_topk_prob": True, "mlp_only_layers": [0], "num_hidden_layers": 3}),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }
+MOE = ("qwen3moe", "mixtral")
 
 
 def sentencepiece_model() -> bytes:

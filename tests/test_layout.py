@@ -28,8 +28,9 @@ LEAVES = ("llama.quantize", "llama.reshard", "llama.convert", "llama.batch", "ll
 LAYERS: List[tuple] = [
     ("llama.settings",),  # the environment, read once
     ("llama.kernels", "llama.distributed.parallel"),  # our C++ kernels and products; devices, process groups
-    ("llama.layers", "llama.rope", "llama.sizes"),  # parallel linear layers holding a linear method; fusion
-    ("llama.quantization", "llama.model"),  # the linear methods; the transformer (which imports neither way)
+    ("llama.layers", "llama.rope", "llama.sizes", "llama.model_args"),  # parallel linear layers holding a linear
+    # method; fusion; the hyperparameters
+    ("llama.quantization", "llama.model", "llama.moe"),  # the linear methods; the transformer and its experts
     ("llama.formats", "llama.tokenizers", "llama.tokenizer", "llama.sample", "llama.compilation",
      "llama.kernels.int4_pack_store", "llama.hub", "llama.loading.memory", "llama.loading.preload"),  # files,
     # text, tokens, compiled steps; fetching a model; what loading it takes in memory

@@ -1,13 +1,17 @@
 """Hugging Face model directories (config.json + safetensors, sharded with an index, or pytorch_model*.bin) of the
-LLaMA-style families: Llama, Mistral, Qwen2/2.5, Phi-3 and Granite, read into ModelArgs and Meta-named weights.
+LLaMA-style families: Llama, Mistral, Qwen2/2.5, Phi-3, Granite, Qwen3 (qk-norm), and the mixture-of-experts
+Qwen3-MoE and Mixtral, read into ModelArgs and Meta-named weights.
 
 What each family changes is read from its config into ModelArgs fields (llama/model.py); nothing in the decode path
 knows a family. Hugging Face stores q/k rows in rotate-half (NeoX) order; the model rotates interleaved pairs
 (Meta's order), so q/k rows (and Qwen2's q/k biases) are permuted at load, as Meta's and llama.cpp's converters do.
-Phi-3's fused qkv_proj and gate_up_proj are split into Meta's q/k/v and w1/w3 (the loader fuses them again).
+Phi-3's fused qkv_proj and gate_up_proj are split into Meta's q/k/v and w1/w3 (the loader fuses them again), and
+so are the experts of transformers 5's fused layout (experts.gate_up_proj (E, 2I, D), experts.down_proj (E, D, I))
+into one FFN per expert, Mistral's names (feed_forward.experts.E.w1/w2/w3, the router feed_forward.gate).
 """
 
 import json
+import re
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -18,7 +22,9 @@ from llama.formats.meta_checkpoint import load_shard, read_json_object
 from llama.model import ModelArgs, derive_ffn
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                 "Phi3ForCausalLM": "phi3", "GraniteForCausalLM": "granite"}
+                 "Phi3ForCausalLM": "phi3", "GraniteForCausalLM": "granite", "Qwen3ForCausalLM": "qwen3",
+                 "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
+QK_NORM = ("qwen3", "qwen3_moe")
 
 
 def find_hf(path) -> Optional[Path]:
@@ -73,20 +79,22 @@ def hf_params(config: dict, source) -> dict:
         raise ValueError(f"{source}: mlp_bias is not supported (no family here has biases in its MLP)")
     if fam != "qwen2" and config.get("attention_bias"):
         raise ValueError(f"{source}: attention_bias (a bias on o_proj too) is not supported")
-    if fam == "qwen2" and config.get("use_sliding_window"):
-        raise ValueError(f"{source}: use_sliding_window (Qwen2's per-layer windows) is not supported")
+    if fam.startswith("qwen") and config.get("use_sliding_window"):
+        raise ValueError(f"{source}: use_sliding_window (Qwen's per-layer windows) is not supported")
     head_dim = config.get("head_dim") or dim // n_heads
     params = {"dim": dim, "n_layers": layers, "n_heads": n_heads, "vocab_size": vocab,
               "n_kv_heads": int(config.get("num_key_value_heads") or n_heads), "head_dim": int(head_dim),
               "hidden_dim": hidden, "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
-              "qkv_bias": fam == "qwen2"}
+              "qkv_bias": fam == "qwen2", "qk_norm": fam in QK_NORM}
     try:
         params["multiple_of"], mult = derive_ffn(dim, hidden)  # params.json's own rule, where one reproduces it
         if mult is not None:
             params["ffn_dim_multiplier"] = mult
     except ValueError:
         pass
-    if fam in ("mistral", "phi3") and config.get("sliding_window"):
+    if fam in ("mixtral", "qwen3_moe"):
+        params["moe"] = hf_moe(config, fam, source)
+    if fam in ("mistral", "phi3", "mixtral") and config.get("sliding_window"):
         params["sliding_window"] = int(config["sliding_window"])
     if fam == "granite":
         params.update(embedding_multiplier=float(config.get("embedding_multiplier", 1.0)),
@@ -95,6 +103,24 @@ def hf_params(config: dict, source) -> dict:
                       logits_scaling=float(config.get("logits_scaling", 1.0)))
     params.update(hf_rope(config, source, int(head_dim)))
     return params
+
+
+def hf_moe(config: dict, fam: str, source) -> dict:
+    """ModelArgs.moe from Mixtral's or Qwen3-MoE's config.json."""
+    try:
+        if fam == "mixtral":
+            return {"n_experts": int(config["num_local_experts"]), "top_k": int(config["num_experts_per_tok"]),
+                    "hidden_dim": int(config["intermediate_size"])}
+        experts = config.get("num_experts", config.get("num_local_experts"))  # transformers 5 writes the latter
+        if experts is None:
+            raise KeyError("num_experts")
+        return {"n_experts": int(experts), "top_k": int(config["num_experts_per_tok"]),
+                "hidden_dim": int(config["moe_intermediate_size"]),
+                "renormalize": bool(config.get("norm_topk_prob", False)),
+                "every": int(config.get("decoder_sparse_step") or 1),
+                "dense_layers": [int(i) for i in config.get("mlp_only_layers") or []]}
+    except KeyError as e:
+        raise ValueError(f"{source} lacks {e.args[0]!r}") from None
 
 
 def hf_args(config: dict, source, **overrides) -> ModelArgs:
@@ -198,7 +224,12 @@ _LAYER = {
     "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
     "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.down_proj": "feed_forward.w2",
     "mlp.up_proj": "feed_forward.w3", "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attention.q_norm", "self_attn.k_norm": "attention.k_norm",
+    "mlp.gate": "feed_forward.gate", "block_sparse_moe.gate": "feed_forward.gate",
 }
+# an expert's projections: Qwen3-MoE's (mlp.experts.E.gate_proj ...) and Mixtral's (block_sparse_moe.experts.E.w1 ...)
+_EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)$")
+_EXPERT_W = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3", "w1": "w1", "w2": "w2", "w3": "w3"}
 _GLOBAL = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
            "lm_head.weight": "output.weight"}
 
@@ -212,7 +243,30 @@ def split_fused(name: str, t: torch.Tensor, args: ModelArgs) -> Dict[str, torch.
     if name.endswith("mlp.gate_up_proj.weight"):
         gate, up = t.chunk(2)
         return {name.replace("gate_up_proj", "gate_proj"): gate, name.replace("gate_up_proj", "up_proj"): up}
+    if name.endswith("mlp.experts.gate_up_proj"):  # transformers 5's fused experts: (E, 2 * hidden, dim)
+        base = name[: -len("gate_up_proj")]
+        out = {}
+        for e, w in enumerate(t.unbind(0)):
+            gate, up = w.chunk(2)
+            out.update({f"{base}{e}.gate_proj.weight": gate, f"{base}{e}.up_proj.weight": up})
+        return out
+    if name.endswith("mlp.experts.down_proj"):  # (E, dim, hidden)
+        base = name[: -len("down_proj")]
+        return {f"{base}{e}.down_proj.weight": w for e, w in enumerate(t.unbind(0))}
     return {name: t}
+
+
+def meta_layer_name(parts) -> Optional[str]:
+    """Meta's name of a HF layer tensor model.layers.N.<local>.<kind>, None where this architecture has none."""
+    local, kind = ".".join(parts[3:-1]), parts[-1]
+    if parts[:2] != ["model", "layers"] or len(parts) <= 4 or kind not in ("weight", "bias"):
+        return None
+    if local in _LAYER:
+        return f"layers.{parts[2]}.{_LAYER[local]}.{kind}"
+    expert = _EXPERT.match(local)
+    if expert and kind == "weight":
+        return f"layers.{parts[2]}.feed_forward.experts.{expert.group(1)}.{_EXPERT_W[expert.group(2)]}.weight"
+    return None
 
 
 def hf_to_meta(hf: Dict[str, torch.Tensor], args: ModelArgs, dtype: Optional[torch.dtype] = None,
@@ -224,14 +278,8 @@ def hf_to_meta(hf: Dict[str, torch.Tensor], args: ModelArgs, dtype: Optional[tor
         if full_name.endswith("rotary_emb.inv_freq"):
             continue  # a buffer older HF checkpoints save; recomputed from the config
         for name, t in split_fused(full_name, full, args).items():
-            parts = name.split(".")
-            local, kind = ".".join(parts[3:-1]), parts[-1]
-            if name in _GLOBAL:
-                meta = _GLOBAL[name]
-            elif parts[:2] == ["model", "layers"] and len(parts) > 4 and local in _LAYER and kind in ("weight", "bias"):
-                meta = f"layers.{parts[2]}.{_LAYER[local]}.{kind}"
-            else:
-                meta = None
+            kind = name.rpartition(".")[2]
+            meta = _GLOBAL[name] if name in _GLOBAL else meta_layer_name(name.split("."))
             if meta is None or (kind == "bias" and not args.qkv_bias):
                 raise ValueError(f"unexpected tensor {full_name!r} in the Hugging Face checkpoint: not a parameter "
                                  "of this architecture")
@@ -239,6 +287,8 @@ def hf_to_meta(hf: Dict[str, torch.Tensor], args: ModelArgs, dtype: Optional[tor
                 t = unpermute(t, args.n_heads)
             elif ".wk." in meta:
                 t = unpermute(t, args.n_kv_heads)
+            elif meta.endswith("_norm.weight") and ".attention." in meta:  # qk-norm: within a head, as its rows
+                t = unpermute(t, 1)
             out[meta] = t.to(dtype) if dtype is not None else t
     if "tok_embeddings.weight" in out and (tied or "output.weight" not in out):
         out["output.weight"] = out["tok_embeddings.weight"]

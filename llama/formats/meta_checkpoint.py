@@ -43,8 +43,12 @@ LAYER_DIMS: Dict[str, Optional[int]] = {  # layers.N.<name>
     "feed_forward.w3.weight": 0,
     "attention_norm.weight": None,
     "ffn_norm.weight": None,
+    "attention.q_norm.weight": None,  # Qwen3's qk-norm: one weight per head dimension, on every rank
+    "attention.k_norm.weight": None,
+    "feed_forward.gate.weight": None,  # an MoE layer's router, on every rank whole (llama/moe.py)
 }
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^feed_forward\.experts\.\d+\.(w[123]\.weight)$")  # each expert is split as a dense FFN
 
 
 def read_json_object(path: Path) -> dict:
@@ -146,6 +150,9 @@ def parallel_dim(name: str) -> Optional[int]:
     """The dimension `name` is split along across ranks (None: replicated)."""
     m = _LAYER.match(name)
     table, local = (LAYER_DIMS, m.group(2)) if m else (GLOBAL_DIMS, name)
+    expert = _EXPERT.match(local) if m else None
+    if expert:
+        local = "feed_forward." + expert.group(1)
     if local not in table:
         raise ValueError(f"unknown tensor {name!r}: not a parameter of the Llama architecture")
     return table[local]
@@ -168,9 +175,26 @@ def expected_shapes(args: ModelArgs) -> Dict[str, Tuple[int, ...]]:
             p + "attention_norm.weight": (d,),
             p + "ffn_norm.weight": (d,),
         })
+        if args.qk_norm:
+            shapes.update({p + "attention.q_norm.weight": (hd,), p + "attention.k_norm.weight": (hd,)})
+        if args.moe is not None and args.moe.is_moe(i):
+            for w in ("w1", "w2", "w3"):
+                del shapes[f"{p}feed_forward.{w}.weight"]
+            shapes.update(moe_shapes(p, args))
         if args.qkv_bias:
             shapes.update({p + "attention.wq.bias": (args.n_heads * hd,), p + "attention.wk.bias": (args.n_kv_heads * hd,),
                            p + "attention.wv.bias": (args.n_kv_heads * hd,)})
+    return shapes
+
+
+def moe_shapes(prefix: str, args: ModelArgs) -> Dict[str, Tuple[int, ...]]:
+    """An MoE layer's tensors in place of the dense FFN's: the router and each expert's three."""
+    moe, d = args.moe, args.dim
+    shapes = {f"{prefix}feed_forward.gate.weight": (moe.n_experts, d)}
+    for e in range(moe.n_experts):
+        x = f"{prefix}feed_forward.experts.{e}."
+        shapes.update({x + "w1.weight": (moe.hidden_dim, d), x + "w2.weight": (d, moe.hidden_dim),
+                       x + "w3.weight": (moe.hidden_dim, d)})
     return shapes
 
 

@@ -113,8 +113,8 @@ def feed_forward(ff, x: torch.Tensor) -> torch.Tensor:
 
 def follows(args) -> bool:
     """Whether the architecture is one whose llama.cpp graph these ops reproduce: plain Llama attention and RoPE
-    (no rotary scaling, window, biases or Granite multipliers), head dim a multiple of 16."""
-    return (not args.use_scaled_rope and args.rope_scaling is None and args.sliding_window is None
+    (no rotary scaling, window, biases, qk-norm, experts or Granite multipliers), head dim a multiple of 16."""
+    return (not args.use_scaled_rope and not args.qk_norm and args.moe is None and args.rope_scaling is None and args.sliding_window is None
             and not args.qkv_bias and args.attention_multiplier is None and args.residual_multiplier == 1
             and args.embedding_multiplier == 1 and args.logits_scaling == 1 and args.head_dim % 16 == 0)
 
