@@ -46,6 +46,13 @@ HF_ONLY = {
     "qwen3moe-mixed": ("qwen3_moe", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
                                      "norm_topk_prob": False, "mlp_only_layers": [0], "decoder_sparse_step": 1,
                                      "num_hidden_layers": 3}),
+    # wide enough for K-quant super-blocks (256 values): llama.cpp's Q4_K_M quantizes these (tests/formats/
+    # test_gguf_moe.py), 8 heads of 64 so attention splits at whole blocks; Qwen3-MoE's experts are 768 wide as Qwen3-30B-A3B's are (3 blocks: 2 ranks split 2 + 1)
+    "qwen3moe-k": ("qwen3_moe", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 768,
+                                 "norm_topk_prob": True, "hidden_size": 256, "head_dim": 64,
+                                 "num_attention_heads": 8}),
+    "mixtral-k": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "hidden_size": 256,
+                              "intermediate_size": 512, "head_dim": 64, "num_attention_heads": 8}),
 }
 
 

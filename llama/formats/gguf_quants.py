@@ -8,6 +8,7 @@ our kernels do not run (the i-quants other than IQ4_NL/IQ4_XS, F16/F32 norms) ar
 them.
 """
 
+import re
 from typing import Dict, List, Optional
 
 import torch
@@ -47,7 +48,7 @@ def blocks(t) -> torch.Tensor:
     return gguf_file.mapped_tensor(data, torch.uint8).view(-1, data.shape[-1])
 
 
-FFN = ("feed_forward.w1.weight", "feed_forward.w3.weight", "feed_forward.w2.weight")
+FFN = re.compile(r"feed_forward\.(?:experts\.\d+\.)?w[123]\.weight$")  # a dense FFN's or an expert's
 ATTENTION = {"attention.wq": "q", "attention.wk": "kv", "attention.wv": "kv", "attention.wo": "q"}  # + .weight/.bias
 
 
@@ -56,7 +57,8 @@ def ffn_bounds(tensors: List, path, hidden: int, world: int) -> List[int]:
     cut, so the split falls on w2's block boundaries: an even split where one does, else as even as whole blocks
     allow, the larger parts first (Llama 2 7B's 11008 inputs are 43 super-blocks: 22 and 21 over 2 ranks). w1 and
     w3 take the same rows, so each rank's gate/up outputs are exactly its w2 inputs and nothing else changes."""
-    w2 = next((t for t in tensors if gguf_file.meta_name(t.name, path).endswith(".feed_forward.w2.weight")), None)
+    w2 = next((t for t in tensors if FFN.search(gguf_file.meta_name(t.name, path))
+               and gguf_file.meta_name(t.name, path).endswith("w2.weight")), None)
     qtype = None if w2 is None else native_type(w2)
     values = 1 if qtype is None else cpu.GGUF_BLOCKS[qtype][0]
     count = hidden // values
@@ -73,7 +75,7 @@ def ffn_bounds(tensors: List, path, hidden: int, world: int) -> List[int]:
 def uneven_part(name: str, rank: int, bounds, heads, head_dim: int):
     """(dim, slice) of rank's part where the FFN splits at `bounds` (ffn_bounds) or the heads at `heads`
     (gguf_heads.head_bounds), else None (an even split)."""
-    if bounds is not None and name.endswith(FFN):
+    if bounds is not None and FFN.search(name):
         return parallel_dim(name), slice(bounds[rank], bounds[rank + 1])
     base = name.rsplit(".", 1)[0]
     which = next((w for n, w in ATTENTION.items() if base.endswith(n)), None) if heads is not None else None
@@ -145,15 +147,20 @@ def native_model(reader, path, args, rank: int, world: int, device, dtype: torch
     big = sum(int(t.n_bytes) for t in reader.tensors) > 1 << 30
     for local, i in enumerate(tqdm(layer_ids, desc=f"loading {path.name}", unit="layer", disable=not big)):
         tensors = layers.get(i, [])
-        bounds = ffn_bounds(tensors, path, args.hidden_dim, world) if world > 1 else None
+        moe = args.moe is not None and args.moe.is_moe(i)
+        bounds = ffn_bounds(tensors, path, args.moe.hidden_dim if moe else args.hidden_dim, world) if world > 1 \
+            else None
         heads = gguf_heads.head_bounds(tensors, path, args, world, native_type)
         load_tensors(model.layers[local], tensors, f"layers.{i}.", path, dtype, rank, world, bounds, heads)
         if heads is not None:
             gguf_heads.set_local_heads(model.layers[local].attention, heads, rank)
         if bounds is not None:
-            ff, width = model.layers[local].feed_forward, bounds[rank + 1] - bounds[rank]
-            ff.local_sizes = {"w1": width, "w3": width}
-            ff.w1.output_size_per_partition = ff.w3.output_size_per_partition = ff.w2.input_size_per_partition = width
+            ffn = model.layers[local].feed_forward
+            for ff in (ffn.experts if moe else [ffn]):  # every expert splits at the same bounds
+                width = bounds[rank + 1] - bounds[rank]
+                ff.local_sizes = {"w1": width, "w3": width}
+                ff.w1.output_size_per_partition = ff.w3.output_size_per_partition = width
+                ff.w2.input_size_per_partition = width
         finish(model.layers[local], dtype, fuse)
         release_unused(reader, tensors, model.layers[local])
     empty = [n for n, p in model.named_parameters() if p.is_meta]

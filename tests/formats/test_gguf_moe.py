@@ -1,0 +1,181 @@
+"""Mixture-of-experts GGUF files as llama.cpp makes them: Qwen3-MoE and Mixtral directories written by transformers
+(tests/families.py, wide enough for K-quant super-blocks), converted by llama.cpp's convert_hf_to_gguf.py and
+quantized to Q4_K_M by llama.cpp's own quantizer (llama-cpp-python). The experts run in their own blocks: the
+logits equal those of the same file dequantized, the argmaxes agree with llama.cpp's on the file, a token's output
+is the same alone, batched and through the engine, and world size 2 splits every expert at whole blocks. Mixtral's
+older files, one tensor per expert, load as the newer ones do."""
+
+import ctypes
+import json
+import subprocess
+import sys
+
+import hardware
+import numpy as np
+import peers
+import pytest
+import torch
+from conftest import error_lines, rank_env
+from families import sentencepiece_model, sequence, write_byte_level_tokenizer, write_hf
+
+from llama import Llama, settings
+from llama.formats import gguf_quants
+from llama.quantization import gguf_blocks
+
+pytestmark = hardware.KERNELS
+pytest.importorskip("transformers")
+NAMES = ("qwen3moe-k", "mixtral-k")
+PATCHED_RUN = """
+import runpy, sys
+sys.path.insert(0, sys.argv[1])
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""  # as tests/formats/test_gguf_families.py runs the converter for Qwen3-MoE's random byte-level vocabulary
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """name -> (f32 file, Q4_K_M file), converted and quantized by llama.cpp."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama.cpp's quantizer makes the files")
+    converter = peers.llama_cpp_tree() / "convert_hf_to_gguf.py"
+    sp, out = sentencepiece_model(), {}
+    for name in NAMES:
+        d, _ = write_hf(name, tmp_path_factory.mktemp(name) / "hf", sp)
+        run = [str(converter)]
+        if name.startswith("qwen3moe"):
+            write_byte_level_tokenizer(d)
+            (d.parent / "run.py").write_text(PATCHED_RUN)
+            run = [str(d.parent / "run.py"), str(converter.parent), str(converter)]
+        f32, q4 = d.parent / f"{name}.f32.gguf", d.parent / f"{name}.Q4_K_M.gguf"
+        proc = subprocess.run([sys.executable, *run, str(d), "--outtype", "f32", "--outfile", str(f32)],
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, 1
+        assert llama_cpp.llama_model_quantize(str(f32).encode(), str(q4).encode(), ctypes.byref(params)) == 0
+        out[name] = (f32, q4)
+    return out
+
+
+def logits(path, seq, **options):
+    g = Llama.build(str(path), None, max_seq_len=160, max_batch_size=3, compile=False, dtype=torch.float32, **options)
+    with g.cache.hold():
+        return g, g.runner.logits([seq])[0].float()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_k_quant_experts_run_in_their_blocks_to_the_dequantized_logits(files, name, monkeypatch):
+    """Every expert's products are the file's Q4_K / Q6_K blocks (the router stays a float product), and give the
+    logits of the same file dequantized at load (LLAMA_GGUF_BLOCKS=0) within fp32 rounding."""
+    seq = sequence(100)
+    g, native = logits(files[name][1], seq)
+    experts = [ff for layer in g.model.layers for ff in layer.feed_forward.experts]
+    assert all(isinstance(lin.method, gguf_blocks.GGUFBlocks) for ff in experts
+               for lin in (ff.w13 or ff.w1, ff.w2)), "an expert is not running in its blocks"
+    kinds = gguf_quants.summary(g.model)
+    assert kinds.get("Q4_K", 0) >= len(experts) and g.model.layers[0].feed_forward.gate.weight.dtype == torch.float32
+    monkeypatch.setenv("LLAMA_GGUF_BLOCKS", "0")
+    settings.reload()
+    try:
+        _, dequantized = logits(files[name][1], seq)
+    finally:
+        monkeypatch.undo()
+        settings.reload()
+    assert (native - dequantized).abs().max() < 1e-4 * max(1.0, float(dequantized.abs().max()))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_argmaxes_agree_with_llama_cpp_on_the_same_file(files, name):
+    """llama.cpp rounds activations to int8 and its KV cache to fp16 (our default keeps them float), and a random
+    model's router flips on small differences: 89 (Qwen3-MoE) and 84 (Mixtral) of 100 positions agree (measured
+    2026-11-29, llama-cpp-python 0.3.36); a wrong expert order or routing rule agrees on few."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    seq = sequence(100)
+    _, ours = logits(files[name][1], seq)
+    lc = llama_cpp.Llama(str(files[name][1]), n_ctx=160, logits_all=True, verbose=False, n_threads=2)
+    lc.eval(seq)
+    ref = torch.tensor(np.array(lc.scores[: len(seq)]))
+    agree = float((ours.argmax(-1) == ref.argmax(-1)).float().mean())
+    assert agree >= 0.8, f"{name}: {agree:.2f} of the argmaxes agree"
+
+
+def test_a_token_s_ids_are_the_same_alone_batched_and_through_the_engine(files):
+    """Tokens grouped by expert: each row of an expert's block product is computed as it is alone."""
+    g = Llama.build(str(files["qwen3moe-k"][1]), None, max_seq_len=160, max_batch_size=3, compile=False)
+    prompts = [sequence(40, seed=2), sequence(11, seed=3), sequence(25, seed=4)]
+    alone = [g.generate([p], max_gen_len=16, temperature=0)[0][0] for p in prompts]
+    assert g.generate(prompts, max_gen_len=16, temperature=0)[0] == alone
+    with g.engine(prefill_chunk=8) as engine:
+        requests = [engine.submit(p, max_gen_len=16, temperature=0) for p in prompts]
+        assert [r.result(timeout=120) and r.generated for r in requests] == alone
+
+
+MP_SCRIPT = """
+import json, sys, torch
+from llama import Llama
+from llama.quantization import gguf_blocks
+seq = json.loads(sys.argv[1])
+for i, path in enumerate(sys.argv[3:]):
+    g = Llama.build(path, None, max_seq_len=160, max_batch_size=1, compile=False, dtype=torch.float32)
+    ff = g.model.layers[0].feed_forward.experts[0]
+    assert isinstance(ff.w2.method, gguf_blocks.GGUFBlocks), ff.w2.method
+    with g.cache.hold():
+        out = g.runner.logits([seq])[0].cpu()
+    torch.save((out, ff.w2.input_size_per_partition), f"{sys.argv[2]}.{i}.{torch.distributed.get_rank()}.pt")
+"""
+
+
+def test_world_size_2_splits_every_expert_at_whole_blocks(files, tmp_path):
+    """One torchrun for both files: Qwen3-MoE's 768-wide experts are 3 Q4_K blocks, split 512 + 256 between the
+    ranks (as Qwen3-30B-A3B's are), Mixtral's 512 evenly; the logits are world size 1's."""
+    seq = sequence(60)
+    paths = [files[n][1] for n in NAMES]
+    (tmp_path / "run.py").write_text(MP_SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(tmp_path / "run.py"), json.dumps(seq), str(tmp_path / "out"), *map(str, paths)],
+                          env=rank_env(2), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, error_lines(proc.stderr)
+    widths = {"qwen3moe-k": (512, 256), "mixtral-k": (256, 256)}
+    for i, name in enumerate(NAMES):
+        _, ref = logits(paths[i], seq)
+        for rank in range(2):
+            got, width = torch.load(tmp_path / f"out.{i}.{rank}.pt")
+            assert width == widths[name][rank]
+            assert (got - ref).abs().max() < 1e-4 * max(1.0, float(ref.abs().max()))
+
+
+def per_expert_copy(src, dst) -> None:
+    """src rewritten as Mixtral's older files are: blk.N.ffn_{gate,up,down}.E.weight, one tensor per expert."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(dst), arch)
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        kind = f.types[0]
+        sub = f.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, f.contents(), kind, sub_type=sub)
+    for t in reader.tensors:
+        if "_exps." in t.name:
+            for e in range(t.data.shape[0]):
+                w.add_tensor(t.name.replace("_exps.", f".{e}."), np.ascontiguousarray(t.data[e]))
+        else:
+            w.add_tensor(t.name, np.ascontiguousarray(t.data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_one_tensor_per_expert_files_load_as_the_newer_ones(files, tmp_path):
+    f32 = files["mixtral-k"][0]
+    per_expert = tmp_path / "mixtral-per-expert.gguf"
+    per_expert_copy(f32, per_expert)
+    seq = sequence(50)
+    _, want = logits(f32, seq)
+    _, got = logits(per_expert, seq)
+    assert torch.equal(got, want)
