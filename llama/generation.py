@@ -26,7 +26,8 @@ from llama.sample.sampling import sample_top_p, token_logprobs
 from llama.tokenizer import Tokenizer
 from llama.tokenizers import reasoning
 from llama.tokenizers.chat_format import (B_INST, B_SYS, E_INST, E_SYS, SPECIAL_TAGS, UNSAFE_ERROR, ChatFormat, Dialog,
-                                          Message, Role, chat_format_for)
+                                          Message, Role, chat_format_for, check_template_kwargs,
+                                          with_template_kwargs)
 from llama.tokenizers.text import check_text
 
 # Meta's names in its llama.generation (Llama 2's and Llama 3's repositories), for code written against them.
@@ -205,6 +206,7 @@ class Llama:
         *,
         n: int = 1,
         split_reasoning: bool = False,
+        chat_template_kwargs: Optional[Dict] = None,
         **options,
     ) -> List[ChatPrediction]:
         """Answer each dialog as the assistant, in the checkpoint's chat format.
@@ -212,9 +214,12 @@ class Llama:
         A dialog the format refuses (Llama 2: one containing its special tags) gets the reference's error text as
         its answer; the rest of the batch runs normally. A reasoning model's <think> block stays in the content
         unless split_reasoning: then it moves to generation["reasoning_content"] (llama/tokenizers/reasoning.py).
+        chat_template_kwargs: extra variables of the model's Jinja template, e.g. {"enable_thinking": False} to
+        turn Qwen3's thinking off (as transformers' apply_chat_template and vLLM take them).
         """
         count(dialogs, "dialogs")
-        encoded = [self.inputs.encode_dialog(d, i) for i, d in enumerate(dialogs)]
+        extra = check_template_kwargs(chat_template_kwargs)
+        encoded = [self.inputs.encode_dialog(with_template_kwargs(d, extra), i) for i, d in enumerate(dialogs)]
         params = expand_params(len(dialogs), temperature=temperature, top_p=top_p, max_gen_len=max_gen_len,
                                logprobs=logprobs, **options)
         run = [i for i, (toks, _) in enumerate(encoded) if toks is not None]
@@ -238,9 +243,11 @@ class Llama:
         toks = self.inputs.encode_text(prompt, prefix)
         return self.stream_request(self.inputs.requests([toks], expand_params(1, **options), prefix=prefix)[0])
 
-    def stream_chat(self, dialog: Dialog, **options) -> Iterator[str]:
-        """Yield the assistant's reply to one dialog as text deltas."""
-        toks, refusal = self.inputs.encode_dialog(dialog)
+    def stream_chat(self, dialog: Dialog, *, chat_template_kwargs: Optional[Dict] = None,
+                    **options) -> Iterator[str]:
+        """Yield the assistant's reply to one dialog as text deltas (chat_template_kwargs: as chat_completion)."""
+        toks, refusal = self.inputs.encode_dialog(with_template_kwargs(dialog, check_template_kwargs(
+            chat_template_kwargs)))
         params = expand_params(1, **options)
         if refusal is not None:
             return iter([refusal])

@@ -306,3 +306,61 @@ def assert_rows_batch_invariant(product, x):
     for m in range(2, n + 1):
         assert torch.equal(product(x[:m]), alone[:m]), f"{m} rows"
         assert torch.equal(product(x[n - m :]), alone[n - m :]), f"the last {m} rows"
+
+
+# Qwen3's added tokens from id 151643 (its tokenizer.json): (text, special). <think>, <tool_call>, <tool_response>
+# and their closings are not special: they decode as the text the reply holds.
+QWEN3_ADDED = [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True), ("<|object_ref_start|>", True),
+               ("<|object_ref_end|>", True), ("<|box_start|>", True), ("<|box_end|>", True), ("<|quad_start|>", True),
+               ("<|quad_end|>", True), ("<|vision_start|>", True), ("<|vision_end|>", True),
+               ("<|vision_pad|>", True), ("<|image_pad|>", True), ("<|video_pad|>", True), ("<tool_call>", False),
+               ("</tool_call>", False), ("<|fim_prefix|>", False), ("<|fim_middle|>", False),
+               ("<|fim_suffix|>", False), ("<|fim_pad|>", False), ("<|repo_name|>", False), ("<|file_sep|>", False),
+               ("<tool_response>", False), ("</tool_response>", False), ("<think>", False), ("</think>", False)]
+
+
+def write_qwen3_tokenizer(d):
+    """Qwen3's tokenizer as its tokenizer.json and tokenizer_config.json have it, in d: the Qwen2 BPE vocabulary
+    llama.cpp tests with (models/ggml-vocab-qwen2.gguf, 151936 ids), its padding ids from 151643 named as Qwen3's
+    added tokens, and Qwen3's real chat template (models/templates/Qwen-Qwen3-0.6B.jinja); no BOS, EOS
+    <|im_end|>. Returns the tokenizer.json's path. Both trees come from llama-cpp-python's sdist (tests/peers.py)."""
+    import json
+    import warnings
+    from pathlib import Path
+
+    import peers
+
+    from llama.formats.gguf_file import open_reader
+    from llama.tokenizers import huggingface
+
+    path = peers.llama_cpp_tree() / "models" / "ggml-vocab-qwen2.gguf"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        spec = json.loads(huggingface.from_gguf(open_reader(path), path).tok.to_str())
+    vocab, added = spec["model"]["vocab"], {a["id"]: a for a in spec["added_tokens"]}
+    names = {i: t for t, i in vocab.items()}
+    for k, (text, special) in enumerate(QWEN3_ADDED):
+        i = 151643 + k
+        del vocab[names[i]]
+        vocab[text] = i
+        added[i].update(content=text, special=special)
+    d = Path(d)
+    (d / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": None, "eos_token": "<|im_end|>", "add_bos_token": False,
+        "chat_template": peers.template("Qwen-Qwen3-0.6B.jinja")}))
+    return d / "tokenizer.json"
+
+
+def build_qwen3_chat(d, max_seq_len: int = 1024, max_batch_size: int = 2):
+    """A random-weight Llama-architecture model (dim 64, two layers) over write_qwen3_tokenizer's vocabulary:
+    what the chat template, the reasoning split and the tool-call parsing see of a Qwen3 model."""
+    from llama import Llama
+    from llama.hub.demo import write_random_checkpoint
+
+    tokenizer = write_qwen3_tokenizer(d)
+    params = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 32, "norm_eps": 1e-6,
+              "vocab_size": 151936}
+    write_random_checkpoint(d / "ckpt", params)
+    return Llama.build(str(d / "ckpt"), str(tokenizer), max_seq_len=max_seq_len, max_batch_size=max_batch_size,
+                       compile=False)

@@ -145,7 +145,8 @@ class Vocabulary:
             newline = tokenizer.encode("\n", bos=False, eos=False)
 
             class Wrapped:
-                eos_token_id, bos_token_id = tokenizer.eos_id, tokenizer.bos_id
+                # No BOS (Qwen3's tokenizer names none: bos_id -1) is llguidance's None.
+                eos_token_id, bos_token_id = tokenizer.eos_id, tokenizer.bos_id if tokenizer.bos_id >= 0 else None
                 special_token_ids = special
 
                 def __call__(self, s):

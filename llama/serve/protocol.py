@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from llama.core.frontend.params import wire_params
+from llama.tokenizers.chat_format import template_kwarg_problem, with_template_kwargs
+from llama.tokenizers.text import check_text
 
 FINISH = {"length": "length", "cancelled": "abort", "error": "error"}  # every stop token / stop string -> "stop"
 
@@ -35,7 +37,7 @@ COMMON = {"model", "max_tokens", "n", "stop", "stream", "stream_options", "logpr
           "response_format", "min_p", "prediction"}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "best_of"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                        "parallel_tool_calls"}  # tools: llama/serve/tools.py
+                        "parallel_tool_calls", "chat_template_kwargs"}  # tools: llama/serve/tools.py
 PREDICTION_CHARS_PER_TOKEN = 32  # a prediction longer than this many characters per position cannot fit a sequence
 ROLES = ("system", "user", "assistant", "tool", "ipython", "developer")
 
@@ -147,7 +149,8 @@ def parse(body, chat: bool, model_name: str, max_seq_len: int, vocab_size: int) 
         job.top_logprobs = _int(body, "top_logprobs", 0, 0, 20)
         if job.top_logprobs and not job.logprobs:
             raise bad("top_logprobs", "top_logprobs needs logprobs=true")
-        job.prompts = [_dialog(body.get("messages"))]
+        job.prompts = [with_template_kwargs(_dialog(body.get("messages")),
+                                            _template_kwargs(body.get("chat_template_kwargs")))]
     else:
         lp = _int(body, "logprobs", None, 0, 5)
         job.logprobs, job.top_logprobs = lp is not None, lp or 0
@@ -201,8 +204,38 @@ def _dialog(messages) -> List[Dict[str, str]]:
         if not isinstance(content, str):
             raise bad(f"messages[{i}].content", f"messages[{i}].content must be a string or a list of text parts")
         role = "system" if m["role"] == "developer" else m["role"]
-        dialog.append({"role": role, "content": content})
+        dialog.append({"role": role, "content": content, **_reasoning(i, m)})
     return dialog
+
+
+def _reasoning(i: int, m: Dict) -> Dict:
+    """An assistant message's reasoning_content as a response gave it: passed to the template, which may show it
+    (Qwen3's shows it in the turns after the last user message, a tool-calling loop's)."""
+    thought = m.get("reasoning_content")
+    if thought is None:
+        return {}
+    if m["role"] != "assistant" or not isinstance(thought, str):
+        raise bad(f"messages[{i}].reasoning_content", f"messages[{i}].reasoning_content must be a string, on an "
+                                                      "assistant message")
+    try:
+        return {"reasoning_content": check_text(f"messages[{i}].reasoning_content", thought)}
+    except ValueError as e:
+        raise bad(f"messages[{i}].reasoning_content", str(e)) from None
+
+
+def _template_kwargs(kwargs) -> Dict:
+    """vLLM's and SGLang's chat_template_kwargs: extra variables of the model's chat template (Qwen3's
+    {"enable_thinking": false}); unknown keys pass through, as vLLM passes them."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise bad("chat_template_kwargs", "chat_template_kwargs must be an object of template variables, e.g. "
+                                          '{"enable_thinking": false}')
+    for key, value in kwargs.items():
+        problem = template_kwarg_problem(key, value)
+        if problem is not None:
+            raise bad(f"chat_template_kwargs.{key}", f"chat_template_kwargs: {problem}")
+    return dict(kwargs)
 
 
 def _text_parts(parts: list, where: str) -> str:

@@ -165,7 +165,7 @@ def prepare(spec, formatter) -> None:
     t = spec.tools
     t.family = family_of(formatter)
     shown = t.tools if t.choice != "none" else []
-    spec.prompts = [ToolDialog(p, shown, t.family) for p in spec.prompts]
+    spec.prompts = [ToolDialog(p, shown, t.family) for p in spec.prompts]  # keeping p's chat_template_kwargs
     if not t.calls_allowed:
         return
     if spec.response_format is not None:

@@ -6,8 +6,13 @@ A chat format offers validate(dialog, index), encode_dialog_prompt(dialog) -> to
 answer to give instead of running a dialog the format forbids, or None), strip_reply_space (drop the reply's
 first space, which the template puts after its last tag) and stop_tokens ({id: finish_reason}, added to the
 tokenizer's for chat replies). `chat_format_for(tokenizer)` picks the format that belongs to a tokenizer.
+
+A template's own switches (Qwen3's enable_thinking) travel with the dialog: `with_template_kwargs(dialog,
+kwargs)` (a `TemplateDialog`) passes them to the template as extra variables, as transformers' and vLLM's
+chat_template_kwargs do; formats without a template read none of them.
 """
 
+import copy
 import datetime
 import json
 from typing import Dict, List, Literal, Optional, Sequence, TypedDict, Union
@@ -202,6 +207,69 @@ def template_environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
+# Variables the renderer sets itself (or that name the template and its tokenizing, refused by vLLM too).
+TEMPLATE_RESERVED = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "chat_template",
+                     "tokenize")
+TEMPLATE_KWARG_TYPES = {"enable_thinking": bool}  # switches real templates test with `is false`/`is true`
+
+
+def _json_value(v) -> bool:
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return True
+    if isinstance(v, (list, tuple)):
+        return all(_json_value(x) for x in v)
+    return isinstance(v, dict) and all(isinstance(k, str) and _json_value(x) for k, x in v.items())
+
+
+def template_kwarg_problem(key, value) -> Optional[str]:
+    """Why one chat_template_kwargs entry cannot go to a template (None: it can). Unknown keys pass through, as
+    vLLM passes them; a template that does not read one ignores it."""
+    if not isinstance(key, str):
+        return f"keys must be strings, got {key!r}"
+    if key in TEMPLATE_RESERVED:
+        return f"{key!r} is set by the chat format itself (reserved: {', '.join(TEMPLATE_RESERVED)})"
+    want = TEMPLATE_KWARG_TYPES.get(key)
+    if want is bool and not isinstance(value, bool):
+        return f"{key!r} must be true or false, got {value!r}"
+    if not _json_value(value):
+        return f"{key!r} must be a JSON value (null, bool, number, string, list or object), got {type(value).__name__}"
+    return None
+
+
+def check_template_kwargs(kwargs, name: str = "chat_template_kwargs") -> Dict:
+    """kwargs as a dict for the template ({} for None); TypeError unless a dict, ValueError naming a bad entry."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise TypeError(f"{name} must be a dict of template variables (e.g. {{'enable_thinking': False}}), got "
+                        f"{type(kwargs).__name__}")
+    for key, value in kwargs.items():
+        problem = template_kwarg_problem(key, value)
+        if problem is not None:
+            raise ValueError(f"{name}: {problem}")
+    return dict(kwargs)
+
+
+class TemplateDialog(list):
+    """A dialog (its messages) plus the extra variables its chat template renders with."""
+
+    def __init__(self, messages, template_kwargs: Optional[Dict] = None):
+        super().__init__(messages)
+        self.template_kwargs = dict(template_kwargs or {})
+
+
+def with_template_kwargs(dialog, kwargs: Optional[Dict]):
+    """dialog carrying kwargs for its template (dialog itself when there are none); a dialog that carries its
+    own (a tool dialog) gets a copy with them added."""
+    if not kwargs:
+        return dialog
+    if hasattr(dialog, "template_kwargs"):
+        out = copy.copy(dialog)
+        out.template_kwargs = {**dialog.template_kwargs, **kwargs}
+        return out
+    return TemplateDialog(dialog, kwargs)
+
+
 class TemplateChatFormat:
     """The chat-format interface over a Jinja template; its end-of-turn token stops replies."""
 
@@ -231,10 +299,15 @@ class TemplateChatFormat:
     def refusal(self, dialog: Dialog) -> Optional[str]:
         return None
 
-    def render(self, dialog: Dialog, tools: Optional[List[Dict]] = None) -> str:
+    def render(self, dialog: Dialog, tools: Optional[List[Dict]] = None, template_kwargs: Optional[Dict] = None) -> str:
+        """The prompt text; template_kwargs (default: the dialog's own, see with_template_kwargs) are extra
+        variables such as Qwen3's enable_thinking."""
         tok = self.tokenizer
         piece = lambda i: tok.piece(i) if i is not None and i >= 0 else ""  # noqa: E731
-        extra = {"tools": tools} if tools is not None else {}  # as transformers: unset without tools
+        extra = check_template_kwargs(getattr(dialog, "template_kwargs", None) if template_kwargs is None
+                                      else template_kwargs)
+        if tools is not None:  # as transformers: unset without tools
+            extra["tools"] = tools
         try:
             return self.template.render(messages=[dict(m) for m in dialog], add_generation_prompt=True,
                                         bos_token=piece(tok.bos_id), eos_token=piece(tok.eos_id), **extra)

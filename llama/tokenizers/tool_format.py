@@ -59,10 +59,15 @@ class ToolDialog(list):
     """Messages plus the tools offered (OpenAI's [{"type": "function", "function": {...}}]) and the family whose
     syntax renders them. Messages may carry tool_calls ([{"id", "name", "arguments": dict}]) and tool_call_id."""
 
-    def __init__(self, messages, tools: Sequence[Dict], family: str, today: Optional[str] = None):
-        """today: the date Llama 3.1's system prompt states ("21 September 2024"); None: the day it is rendered."""
+    def __init__(self, messages, tools: Sequence[Dict], family: str, today: Optional[str] = None,
+                 template_kwargs: Optional[Dict] = None):
+        """today: the date Llama 3.1's system prompt states ("21 September 2024"); None: the day it is rendered.
+        template_kwargs: extra variables of a Jinja template (chat_format.with_template_kwargs); by default
+        those messages carry."""
         super().__init__(messages)
         self.tools, self.family, self.today = list(tools), family, today
+        self.template_kwargs = dict(getattr(messages, "template_kwargs", {}) if template_kwargs is None
+                                    else template_kwargs)
 
     def validate_with(self, fmt, index: int = 0) -> None:
         from llama.tokenizers.chat_format import validate_messages  # same layer; chat_format never imports us
@@ -104,9 +109,11 @@ def encode(fmt, dialog: ToolDialog) -> List[int]:
     if dialog.family in ("llama3_json", "pythonic") and hasattr(fmt, "encode_header"):
         return meta_llama3_tokens(fmt, dialog, dialog.family)
     if dialog.family == "generic":
-        return fmt.encode_dialog_prompt(generic_messages(dialog))
-    return fmt.tokenizer.encode(fmt.render(template_messages(dialog), tools=dialog.tools or None),
-                                bos=False, eos=False)
+        from llama.tokenizers.chat_format import with_template_kwargs
+
+        return fmt.encode_dialog_prompt(with_template_kwargs(generic_messages(dialog), dialog.template_kwargs))
+    return fmt.tokenizer.encode(fmt.render(template_messages(dialog), tools=dialog.tools or None,
+                                           template_kwargs=dialog.template_kwargs), bos=False, eos=False)
 
 
 def template_messages(dialog: Sequence[Dict]) -> List[Dict]:

@@ -13,7 +13,9 @@ from vocab_gguf import llama_cpp_files
 from llama.formats.gguf_file import open_reader
 from llama.tokenizers import huggingface
 from llama.tokenizers import reasoning
-from llama.tokenizers.chat_format import TemplateChatFormat, chat_format_for
+from llama.tokenizers.chat_format import (TemplateChatFormat, chat_format_for, check_template_kwargs,
+                                          with_template_kwargs)
+from llama.tokenizers.tool_format import ToolDialog
 
 transformers = pytest.importorskip("transformers")
 DIALOG = [{"role": "system", "content": "You are terse."},
@@ -60,6 +62,49 @@ def test_our_rendering_equals_transformers_apply_chat_template(vocab, template, 
     assert reasoning.reasons(fmt) is ("</think>" in source)
     if "DeepSeek" in template or "Qwen3" in template:  # earlier turns' reasoning is dropped by the template
         assert "Add one" not in fmt.render(DIALOG) and "12346" in fmt.render(DIALOG)
+
+
+@pytest.mark.parametrize("kwargs", [{"enable_thinking": False}, {"enable_thinking": True},
+                                    {"unread": [1, {"a": None}]}])
+def test_template_kwargs_render_as_transformers(vocab, kwargs):
+    """chat_template_kwargs are the template's extra variables, as apply_chat_template(**kwargs) passes them: Qwen3
+    with thinking off ends its generation prompt in an empty think block, which leaves the reply outside one; a
+    tool dialog keeps the kwargs of the dialog it wraps."""
+    from tokenizers import Tokenizer
+
+    source = peers.template("Qwen-Qwen3-0.6B.jinja")
+    tok = vocab("qwen2")
+    tok.chat_template = source
+    fmt = chat_format_for(tok)
+    ref = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tok.tok.to_str()))
+    for dialog in (DIALOG, DIALOG[1:2]):
+        text = ref.apply_chat_template(dialog, chat_template=source, tokenize=False, add_generation_prompt=True,
+                                       **kwargs)
+        carried = with_template_kwargs(dialog, kwargs)
+        assert fmt.render(carried) == fmt.render(dialog, template_kwargs=kwargs) == text
+        assert list(carried) == list(dialog) and with_template_kwargs(dialog, {}) is dialog
+        assert fmt.encode_dialog_prompt(carried) == ref.encode(text, add_special_tokens=False)
+        assert text.endswith("<think>\n\n</think>\n\n") is (kwargs.get("enable_thinking") is False)
+        assert not reasoning.prompt_opens_think(tok, fmt.encode_dialog_prompt(carried))
+        tools = ToolDialog(carried, [], "hermes")
+        assert tools.template_kwargs == kwargs and fmt.encode_dialog_prompt(tools) == fmt.encode_dialog_prompt(carried)
+        assert with_template_kwargs(tools, {"x": 1}).template_kwargs == {**kwargs, "x": 1} and tools.template_kwargs \
+            == kwargs
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ("enable_thinking=False", TypeError, "chat_template_kwargs must be a dict"),
+    ({"enable_thinking": "false"}, ValueError, "'enable_thinking' must be true or false, got 'false'"),
+    ({"messages": []}, ValueError, "'messages' is set by the chat format itself"),
+    ({"add_generation_prompt": False}, ValueError, "'add_generation_prompt' is set by the chat format itself"),
+    ({1: True}, ValueError, "keys must be strings"),
+    ({"x": {1, 2}}, ValueError, "'x' must be a JSON value"),
+    ({"x": {"a": object()}}, ValueError, "'x' must be a JSON value"),
+])
+def test_bad_template_kwargs_are_refused_by_name(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        check_template_kwargs(kwargs)
+    assert check_template_kwargs(None) == {} and check_template_kwargs({"a": [1.5, None]}) == {"a": [1.5, None]}
 
 
 @pytest.mark.parametrize("text, in_think, expected", [

@@ -207,6 +207,7 @@ def openai_messages(msgs):
     ("meta-llama-Llama-3.1-8B-Instruct.jinja", "llama3_json", 1, ("call_a", "call_b")),
     ("meta-llama-Llama-3.2-3B-Instruct.jinja", "llama3_json", 1, ("call_a", "call_b")),
     ("Qwen-Qwen2.5-7B-Instruct.jinja", "hermes", 2, ("call_a", "call_b")),
+    ("Qwen-Qwen3-0.6B.jinja", "hermes", 2, ("call_a", "call_b")),
     ("mistralai-Mistral-Nemo-Instruct-2407.jinja", "mistral", 2, ("abcdefghi", "ABCDEFGH1")),
 ])
 def test_template_tool_dialog_equals_transformers(toks, name, family, calls, ids):
