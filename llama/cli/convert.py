@@ -10,6 +10,7 @@ undoes their rotate-half q/k row order; they also load directly with Llama.build
 """
 
 import argparse
+import dataclasses
 import math
 import mmap
 import struct
@@ -41,9 +42,11 @@ def meta_params(args: ModelArgs) -> dict:
     defaults = ModelArgs(dim=args.dim, n_heads=args.n_heads, multiple_of=args.multiple_of,
                          ffn_dim_multiplier=args.ffn_dim_multiplier)
     for name in ("head_dim", "hidden_dim", "qkv_bias", "sliding_window", "rope_scaling", "embedding_multiplier",
-                 "residual_multiplier", "attention_multiplier", "logits_scaling"):
+                 "residual_multiplier", "attention_multiplier", "logits_scaling", "qk_norm"):
         if getattr(args, name) != getattr(defaults, name):
             p[name] = getattr(args, name)
+    if args.moe is not None:  # MoEArgs as a dict (its dense_layers a list)
+        p["moe"] = {**dataclasses.asdict(args.moe), "dense_layers": list(args.moe.dense_layers)}
     if args.use_scaled_rope:
         p["use_scaled_rope"] = True
         defaults = ModelArgs()
@@ -166,7 +169,8 @@ def convert_llama2c(model_bin, out_dir, tokenizer=None, shards: int = 1) -> List
 
 def convert_hf(hf_dir, out_dir, shards: int = 1, dtype: Optional[torch.dtype] = None) -> List[Path]:
     """A Meta-layout copy of a Hugging Face directory of any family hf_checkpoint reads (params.json names what the
-    family changes: head_dim, hidden_dim, qkv_bias, sliding_window, rope_scaling, Granite's multipliers)."""
+    family changes: head_dim, hidden_dim, qkv_bias, sliding_window, rope_scaling, Granite's multipliers, qk_norm,
+    moe)."""
     hf_dir = Path(hf_dir)
     params, state = hf_checkpoint.load(hf_dir, dtype)
     args = ModelArgs(**params)

@@ -97,6 +97,24 @@ def test_a_sharded_directory_and_the_converted_meta_layout_load_the_same(sp_mode
     assert (our_logits(g, seq) - ref).abs().max() < 1e-4
 
 
+def test_an_moe_directory_converts_to_meta_shards_that_load_alike(sp_model, tmp_path):
+    """`convert hf --shards 2` of Qwen3-MoE with a dense layer first: params.json carries qk_norm and the moe dict,
+    each shard holds a slice of every expert (and the router whole), and the shards give transformers' logits."""
+    from llama.cli.convert import main
+
+    d, model = write_hf("qwen3moe-mixed", tmp_path / "hf", sp_model)
+    assert main(["hf", str(d), str(tmp_path / "meta"), "--shards", "2"]) == 0
+    params = json.loads((tmp_path / "meta" / "params.json").read_text())
+    assert params["qk_norm"] is True and params["moe"]["dense_layers"] == [0] and params["moe"]["n_experts"] == 8
+    shard = torch.load(tmp_path / "meta" / "consolidated.01.pth", mmap=True)
+    assert tuple(shard["layers.1.feed_forward.experts.7.w1.weight"].shape) == (24, 64)
+    assert tuple(shard["layers.1.feed_forward.gate.weight"].shape) == (8, 64)
+    seq = sequence(50)
+    g = Llama.build(str(tmp_path / "meta"), str(tmp_path / "meta" / "tokenizer.model"), max_seq_len=64,
+                    max_batch_size=1, compile=False, dtype=torch.float32)
+    assert (our_logits(g, seq) - ref_logits(model, seq)).abs().max() < 1e-4
+
+
 def test_unknown_architectures_and_features_are_refused_by_name(sp_model, tmp_path):
     d, _ = write_hf("llama", tmp_path / "hf", sp_model)
     config = json.loads((d / "config.json").read_text())
