@@ -162,10 +162,9 @@ class ModelArgs:
 
     def kernel_decodes(self, kv_len: int) -> bool:
         """Whether the one-call fused step (llama/kernels/fused_decode.py) computes these layers: our attention,
-        no biases, qk-norm or experts, no residual multiplier. Otherwise the layers run one by one, with our product
-        kernels."""
-        return (self.kernel_attends(kv_len) and not self.qkv_bias and not self.qk_norm and self.moe is None
-                and self.residual_multiplier == 1)
+        no biases, no residual multiplier (qk-norm and experts it takes). Otherwise the layers run one by one, with our
+        product kernels."""
+        return self.kernel_attends(kv_len) and not self.qkv_bias and self.residual_multiplier == 1
 
     def mask_window(self, mask: torch.Tensor, key_pos: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The causal mask with the sliding window's term: a query at p sees keys p - window + 1 .. p."""

@@ -22,7 +22,7 @@ import torch
 
 from llama import settings
 from llama.kernels import cpu
-from llama.kernels import invariant
+from llama.kernels import dense, invariant
 
 # the op's schemes: a bf16 or fp32 weight, group-wise int4, int8 with per-row scales, GGUF blocks with int8
 # activation blocks (llama.cpp's) or fp32 activations (group: the ggml type)
@@ -37,42 +37,71 @@ def route(linear, rows: int, dtype: torch.dtype) -> Optional[Tuple[int, int, Tup
     return linear.method.route(linear, rows, dtype)
 
 
+def router_route(router, rows: int, dtype: torch.dtype) -> Optional[Tuple[int, int, Tuple[torch.Tensor, ...]]]:
+    """An MoE router's product (llama/moe.py Router, dense.linear's rule) in the op's terms, else None."""
+    return (FLOAT, 0, (router.weight,)) if dense.ours(router.weight, rows, dtype) else None
+
+
+def ffn_linears(ffn) -> Optional[Tuple[list, int, int]]:
+    """(the FFN's products in the op's order, gate/up products per FFN, experts) of a dense FFN or an MoE layer's
+    (the router, then each expert's), or None where its experts are not all laid out alike."""
+    if not hasattr(ffn, "experts"):
+        up = (ffn.w1, ffn.w3) if ffn.w13 is None else (ffn.w13,)
+        return [*up, ffn.w2], len(up), 0
+    linears, layout = [ffn.gate], None
+    for expert in ffn.experts:
+        up = (expert.w1, expert.w3) if expert.w13 is None else (expert.w13,)
+        if layout not in (None, len(up)):
+            return None
+        layout = len(up)
+        linears += [*up, expert.w2]
+    return linears, layout, len(ffn.experts)
+
+
 def layer_inputs(layers, x: torch.Tensor):
     """The op's per-layer arguments (norms, eps, weights, schemes, groups, qkv_products, ffn_products, caches, the
-    paged pool's block table (one for every layer), or None for a slot cache) for
-    x (B, 1, dim), or None where any layer would not run entirely in our kernels."""
+    paged pool's block table (one for every layer), or None for a slot cache, head norms, expert counts, top_k,
+    renormalize) for x (B, 1, dim), or None where any layer would not run entirely in our kernels."""
     B, dtype = x.shape[0], x.dtype
     norms: List[torch.Tensor] = []
     weights: List[torch.Tensor] = []
     caches: List[torch.Tensor] = []
+    heads: List[torch.Tensor] = []
     schemes: List[int] = []
     groups: List[int] = []
-    eps, layout = None, None
+    experts: List[int] = []
+    eps, layout, moe = None, None, None
     for block in layers:
         attention, ffn = block.attention, block.feed_forward
-        for norm in (block.attention_norm, block.ffn_norm):
+        for norm in (block.attention_norm, block.ffn_norm, attention.q_norm, attention.k_norm):
+            if norm is None:
+                continue
             if not cpu.norms(x, norm.weight) or eps not in (None, norm.eps):
                 return None
             eps = norm.eps
-            norms.append(norm.weight)
+            (heads if norm is attention.q_norm or norm is attention.k_norm else norms).append(norm.weight)
         if attention.cache_k is None or not cpu.attends(x, attention.cache_k):
             return None
         caches += (attention.cache_k, attention.cache_v)
         qkv = (attention.wq, attention.wk, attention.wv) if attention.wqkv is None else (attention.wqkv,)
-        up = (ffn.w1, ffn.w3) if ffn.w13 is None else (ffn.w13,)
-        if layout not in (None, (len(qkv), len(up))):
+        found = ffn_linears(ffn)
+        if found is None or layout not in (None, (len(qkv), found[1])):
             return None
-        layout = (len(qkv), len(up))
-        for linear in (*qkv, attention.wo, *up, ffn.w2):
-            r = route(linear, B, dtype)
+        layout = (len(qkv), found[1])
+        experts.append(found[2])
+        moe = getattr(ffn, "moe", moe)
+        for linear in (*qkv, attention.wo, *found[0]):
+            r = router_route(linear, B, dtype) if linear is getattr(ffn, "gate", None) else route(linear, B, dtype)
             if r is None:
                 return None
             schemes.append(r[0])
             groups.append(r[1])
             weights += r[2]
-    if layout is None:
+    if layout is None or (heads and len(heads) != len(norms)):
         return None
-    return norms, eps, weights, schemes, groups, layout[0], layout[1], caches, layers[0].attention.block_table
+    return (norms, eps, weights, schemes, groups, layout[0], layout[1], caches, layers[0].attention.block_table, heads,
+            experts if moe is not None else [], moe.top_k if moe is not None else 0,
+            moe.renormalize if moe is not None else False)
 
 
 _kept: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # layers -> {(rows, dtype): layer_inputs()}
@@ -98,7 +127,7 @@ def run(layers, h: torch.Tensor, cos, sin, positions, rows, kv_len: int) -> Opti
     inputs = kept[key]
     if inputs is None:
         return None
-    norms, eps, weights, schemes, groups, qkv_products, ffn_products, caches, table = inputs
+    norms, eps, weights, schemes, groups, qkv_products, ffn_products, caches, table, heads, experts, top_k, norm = inputs
     blocks = layers[0].attention.blocks
     if table is not None and blocks is not None:
         blocks.direct()  # outside the runner: the pool's slot layout (llama/kernels/paged.py BlockTable)
@@ -106,5 +135,5 @@ def run(layers, h: torch.Tensor, cos, sin, positions, rows, kv_len: int) -> Opti
     B = h.shape[0]
     out = torch.ops.llama_cpu.decode_layers(h.reshape(B, -1).contiguous(), norms, eps, weights, schemes, groups,
                                             qkv_products, ffn_products, cos, sin, caches, table, rows, row0, positions,
-                                            kv_len)
+                                            kv_len, heads, experts, top_k, norm)
     return out.view(B, 1, -1)

@@ -18,8 +18,12 @@ pytestmark = hardware.KERNELS
 SHAPE = dict(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, multiple_of=32)
 
 
-def model_in(scheme, fused, dtype=torch.float32):
-    model = random_model(seed=3, dtype=dtype, max_batch=4, **SHAPE)
+# Qwen3-MoE's kind: qk-norm, a dense layer first, then layers of 4 experts of which each token takes 2
+MOE = dict(qk_norm=True, moe=dict(n_experts=4, top_k=2, hidden_dim=64, dense_layers=[0]))
+
+
+def model_in(scheme, fused, dtype=torch.float32, moe=False):
+    model = random_model(seed=3, dtype=dtype, max_batch=4, **SHAPE, **(MOE if moe else {}))
     if fused:
         model.fuse()
     if scheme == "int4":
@@ -42,7 +46,7 @@ CASES = {"one row": (1, 5, None), "rows and positions": (3, [5, 7, 6], [2, 0, 3]
     ("int4", torch.float32, True), ("int4", torch.bfloat16, False), ("int8-dynamic", torch.float32, True),
     ("int8-dynamic", torch.float32, False),
 ])
-def test_one_call_is_the_layer_by_layer_step(scheme, dtype, fused, case, monkeypatch):
+def test_one_call_is_the_layer_by_layer_step(scheme, dtype, fused, case, monkeypatch, moe=False):
     """Logits and every cache write bitwise equal to the layer-by-layer step, and the op really ran."""
     B, start, rows = CASES[case]
     ran = []
@@ -51,7 +55,7 @@ def test_one_call_is_the_layer_by_layer_step(scheme, dtype, fused, case, monkeyp
                         raising=False)
     models = []
     for one_call in (True, False):
-        model = model_in(scheme, fused, dtype)
+        model = model_in(scheme, fused, dtype, moe)
         cache_rows = range(4) if rows is None or isinstance(rows, slice) else rows
         for r in cache_rows:  # what earlier steps wrote, in every row the step reads
             prefill_row = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(r))
@@ -68,6 +72,17 @@ def test_one_call_is_the_layer_by_layer_step(scheme, dtype, fused, case, monkeyp
     for la, lb in zip(a.layers, b.layers):
         assert torch.equal(la.attention.cache_k, lb.attention.cache_k)
         assert torch.equal(la.attention.cache_v, lb.attention.cache_v)
+
+
+@pytest.mark.parametrize("case", ["one row", "rows and positions"])
+@pytest.mark.parametrize("scheme, dtype, fused", [
+    ("none", torch.float32, False), ("none", torch.bfloat16, True), ("int4", torch.float32, True),
+    ("int8-dynamic", torch.float32, True),
+])
+def test_one_call_takes_qk_norm_and_experts(scheme, dtype, fused, case, monkeypatch):
+    """The same for Qwen3-MoE's layers: qk-norm over each head, the router's top 2 of 4 experts (tokens grouped by
+    expert, each row's outputs added in rank order), a dense layer among them."""
+    test_one_call_is_the_layer_by_layer_step(scheme, dtype, fused, case, monkeypatch, moe=True)
 
 
 def test_batch_rows_equal_solo_steps():
@@ -134,7 +149,7 @@ def test_op_refuses_inconsistent_arguments():
     w = torch.zeros(64, 64)
     cache = torch.zeros(1, 2, 8, 16)
     args = dict(cos=torch.zeros(1, 8), sin=torch.zeros(1, 8), table=None, rows=None, row0=0,
-                positions=torch.tensor([0]), kv_len=1)
+                positions=torch.tensor([0]), kv_len=1, head_norms=[], experts=[], top_k=0, renormalize=False)
     op = torch.ops.llama_cpu.decode_layers
     with pytest.raises(RuntimeError, match="qkv_products must be 1 or 3"):
         op(x, [w[0], w[0]], 1e-5, [w] * 4, [0] * 4, [0] * 4, 2, 1, caches=[cache, cache], **args)
@@ -142,6 +157,14 @@ def test_op_refuses_inconsistent_arguments():
         op(x, [w[0], w[0]], 1e-5, [w] * 4, [0] * 4, [0] * 4, 1, 2, caches=[cache, cache], **args)
     with pytest.raises(RuntimeError, match="the schemes take 6 weight tensors, got 5"):
         op(x, [w[0], w[0]], 1e-5, [w] * 5, [0, 0, 0, 0, 1], [0] * 5, 1, 2, caches=[cache, cache], **args)
+    moe = {**args, "experts": [4], "top_k": 2}  # an MoE layer: attention, the router, 4 experts of 2 products
+    with pytest.raises(RuntimeError, match="11 products for 1 layers, got 4 schemes"):
+        op(x, [w[0], w[0]], 1e-5, [w] * 4, [0] * 4, [0] * 4, 1, 1, caches=[cache, cache], **moe)
+    with pytest.raises(RuntimeError, match="layer 0 has 4 experts for top_k 5"):
+        op(x, [w[0], w[0]], 1e-5, [w] * 11, [0] * 11, [0] * 11, 1, 1, caches=[cache, cache], **{**moe, "top_k": 5})
+    with pytest.raises(RuntimeError, match="no head norms or two per layer, got 1"):
+        op(x, [w[0], w[0]], 1e-5, [w] * 4, [0] * 4, [0] * 4, 1, 2, caches=[cache, cache],
+           **{**args, "head_norms": [w[0]]})
 
 
 def test_kept_arguments_follow_changes_to_the_model(monkeypatch):
