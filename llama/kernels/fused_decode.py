@@ -44,10 +44,12 @@ def router_route(router, rows: int, dtype: torch.dtype) -> Optional[Tuple[int, i
 
 def ffn_linears(ffn) -> Optional[Tuple[list, int, int]]:
     """(the FFN's products in the op's order, gate/up products per FFN, experts) of a dense FFN or an MoE layer's
-    (the router, then each expert's), or None where its experts are not all laid out alike."""
+    (the router, then each expert's), or None where its experts are not all laid out alike or it routes otherwise."""
     if not hasattr(ffn, "experts"):
         up = (ffn.w1, ffn.w3) if ffn.w13 is None else (ffn.w13,)
         return [*up, ffn.w2], len(up), 0
+    if ffn.moe.router != "softmax" or getattr(ffn, "shared_expert", None) is not None:
+        return None  # the op routes as softmax top-k, with no expert every token takes
     linears, layout = [ffn.gate], None
     for expert in ffn.experts:
         up = (expert.w1, expert.w3) if expert.w13 is None else (expert.w13,)
