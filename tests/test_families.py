@@ -12,6 +12,7 @@ import hardware
 import pytest
 import torch
 from conftest import error_lines, rank_env
+from helpers import assert_verify_rows_are_decode_steps, draft_tally, logprobs_in_any_company
 from families import MOE, hf_greedy, our_logits, sentencepiece_model, sequence, write_hf
 
 from llama import Llama
@@ -130,14 +131,122 @@ def test_quantized_experts_stay_close_to_fp32(fp32_logits, name, scheme, monkeyp
         assert agree >= 0.9 and (rel < 0.1).float().mean() >= 0.9, (agree, rel)
 
 
-@pytest.mark.parametrize("name", ["mistral", "granite", "qwen2"])
+@pytest.mark.parametrize("name", ["mistral", "granite", "qwen2", "qwen3moe"])
 def test_a_compiled_step_gives_the_eager_ids(dirs, name):
     """torch.compile's decode step (decode_step: the whole cache under the causal mask with the window's term,
-    the attention scale, the multipliers and biases) against the eager greedy ids."""
+    the attention scale, the multipliers and biases; Qwen3-MoE's qk-norm, and its MoE layers run eagerly between
+    graphs) against the eager greedy ids."""
     d, _ = dirs(name)
     eager = Llama.build(str(d), None, max_seq_len=128, max_batch_size=2, compile=False, dtype=torch.float32)
     compiled = Llama.build(str(d), None, max_seq_len=128, max_batch_size=2, compile=True, dtype=torch.float32)
     assert greedy(compiled) == greedy(eager)
+
+
+def test_compile_auto_on_an_moe_model(dirs, monkeypatch):
+    """compile="auto" leaves a small model eager, as any; past its size threshold it takes the lazy rule with
+    Inductor's default mode (our kernels run every product), and nothing is kept on disk (MoE layers break the
+    graph, which an exported step cannot)."""
+    from llama.compilation import compiled_decode
+
+    d, _ = dirs("mixtral")
+    assert Llama.build(str(d), None, max_seq_len=128, max_batch_size=2, dtype=torch.float32).runner.compiled is None
+    monkeypatch.setattr(compiled_decode, "AUTO_MIN_PARAMS", 0)
+    c = Llama.build(str(d), None, max_seq_len=128, max_batch_size=2, dtype=torch.float32).runner.compiled
+    assert c.lazy and c.mode == ("default" if c.outside else "max-autotune") and c.package_path((2, False)) is None
+
+
+@pytest.fixture(scope="module")
+def spec_off():
+    from llama.core.speculation import speculative
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(speculative, "MEASURE", False)  # drafts decided by the tokens alone, not by the machine's load
+    yield mp
+    mp.undo()
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_moe_rows_are_bitwise_alike_in_every_pass(dirs, name):
+    """prefix_cache="exact": a position's logits are the same bit for bit in one pass, in chunks (the first one
+    token), from another row's cached blocks, beside a longer companion and as a decode step; (tokens, logprobs)
+    alone, batched, from the cache (hits counted) and through the engine in chunks of 5; transformers' greedy ids."""
+    hardware.require_kernels()
+    d, model = dirs(name)
+    g = Llama.build(str(d), None, max_seq_len=256, max_batch_size=6, compile=False, dtype=torch.float32,
+                    prefix_cache="exact")
+    assert greedy(g) == [hf_greedy(model, p, 20) for p in PROMPTS]
+    story = "once upon a time a little girl named lily saw the sun the moon and a star over a tree "
+    texts = [story * 2 + "the cat runs", story * 2 + "the quick brown fox", "hello world"]
+    opts = dict(temperature=0.0, max_gen_len=12, logprobs=True)
+    alone, batch, cached, chunked = logprobs_in_any_company(g, texts, opts, longer=texts[0] * 2)
+    assert batch == alone and cached == alone and chunked == alone
+    assert g.cache.pool.stats["cached_tokens"] > 0
+    prompt, other = sequence(71, seed=5), sequence(120, seed=6)
+    run = PassRows(g)
+    whole = run.prefill([0], [prompt], [0])[0]
+    got, s = [], 0
+    for c in (1, 16, 5, 1, 30, 71):
+        chunk = prompt[s : s + c]
+        if chunk:
+            got.append(run.prefill([1], [chunk], [s])[0])
+            s += len(chunk)
+    assert torch.equal(torch.cat(got), whole), "chunked"
+    run.give(2, shared=run.blocks[0][:3])
+    assert torch.equal(run.prefill([2], [prompt[48:]], [48])[0], whole[48:]), "cached"
+    both = run.prefill([3, 4], [prompt[:40], other[:90]], [0, 0])
+    assert torch.equal(both[0, :40], whole[:40]), "batched"
+    run.prefill([5], [prompt[:-1]], [0])
+    assert torch.equal(run.decode(5, prompt[-1], 70), whole[-1]), "decoded"
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_moe_speculation_gives_the_plain_ids_and_verify_rows_are_decode_steps(dirs, name, spec_off):
+    """Prompt lookup (the default mode) and a draft model (the model itself), paged pool and prefix cache on:
+    drafts accepted, the ids without speculation; and each row of a Verify pass is the one-token step's, bit for
+    bit, with its tokens grouped by expert beside the other rows."""
+    hardware.require_kernels()
+    d, _ = dirs(name)
+    tally = draft_tally(spec_off.setattr)
+    build = lambda **kw: Llama.build(str(d), None, max_seq_len=128, max_batch_size=2, compile=False,  # noqa: E731
+                                     dtype=torch.float32, **kw)
+    off = build()
+    want = greedy(off, 40)
+    for kw in (dict(speculative="ngram"), dict(draft_model=str(d))):
+        tally.clear()
+        assert greedy(build(**kw), 40) == want, kw
+        assert tally["accepted"] > 0, (kw, dict(tally))
+    assert greedy(off, 40) == want  # cached prefixes this time
+    assert off.cache.pool.stats["cached_tokens"] > 0
+    assert_verify_rows_are_decode_steps(build(prefix_cache="off"), (name,))
+
+
+class PassRows:
+    """Prefill passes and decode steps straight through the runner, each cache row with blocks of its own."""
+
+    def __init__(self, g):
+        self.g, self.pool, self.blocks = g, g.cache.pool, {}
+
+    def give(self, row, shared=()):
+        from llama.core.scheduling.plan import SetBlocks
+
+        self.blocks[row] = list(shared) + self.pool.allocate(self.pool.blocks_for(256) - len(shared))
+        self.g.runner.execute([SetBlocks(rows=[row], blocks=[self.blocks[row]])])
+
+    def prefill(self, rows, chunks, starts):
+        from llama.core.scheduling.plan import Prefill
+
+        for row in rows:
+            if row not in self.blocks:
+                self.give(row)
+        width = max(map(len, chunks))
+        op = Prefill(tokens=[c + [0] * (width - len(c)) for c in chunks], start=starts, rows=rows, last=None,
+                     kv_len=max(starts) + width)
+        return self.g.runner.execute([op])[0]
+
+    def decode(self, row, token, pos):
+        from llama.core.scheduling.plan import Decode
+
+        return self.g.runner.execute([Decode(tokens=[0] * row + [token], pos=[0] * row + [pos], active=[row])])[0][row]
 
 
 PIPE_SCRIPT = """
