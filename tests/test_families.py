@@ -275,6 +275,47 @@ def test_pipeline_stages_and_tensor_parallel_from_a_hf_directory(dirs, name, T, 
         assert json.loads((tmp_path / f"out.{rank}.json").read_text()) == want
 
 
+MP_SCRIPT = """
+import json, sys, torch
+from llama import Llama
+from llama.moe import MoEFeedForward
+seq = json.loads(sys.argv[1])
+for d in sys.argv[3:]:
+    g = Llama.build(d, None, max_seq_len=256, max_batch_size=1, compile=False, dtype=torch.float32)
+    shapes = [[list(ffn.gate.weight.shape), list(ffn.experts[0].w2.weight.shape)] for ffn in
+              (layer.feed_forward for layer in g.model.layers) if isinstance(ffn, MoEFeedForward)]
+    with g.cache.hold():
+        out = g.runner.logits([seq])[0].cpu()
+    rank = torch.distributed.get_rank()
+    torch.save(out, f"{sys.argv[2]}.{d.split('/')[-2]}.{rank}.pt")
+    json.dump(shapes, open(f"{sys.argv[2]}.{d.split('/')[-2]}.{rank}.json", "w"))
+"""
+
+
+def test_world_size_2_splits_every_expert_and_keeps_the_router_whole(dirs, tmp_path):
+    """One torchrun, 2 gloo ranks, Qwen3, Qwen3-MoE and Mixtral in turn: each rank holds half of every expert's
+    hidden size (tensor parallel) and the whole router; transformers' logits within 1e-4."""
+    names = ["qwen3", *MOE]
+    seq = sequence(200)
+    (tmp_path / "run.py").write_text(MP_SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(tmp_path / "run.py"), json.dumps(seq), str(tmp_path / "out"),
+                           *(str(dirs(name)[0]) for name in names)],
+                          env=rank_env(2), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, error_lines(proc.stderr)
+    for name in names:
+        d, model = dirs(name)
+        with torch.no_grad():
+            ref = model(torch.tensor([seq])).logits[0]
+        moe = model.config.num_experts if name == "qwen3moe" else getattr(model.config, "num_local_experts", 0)
+        hidden = getattr(model.config, "moe_intermediate_size", None) or model.config.intermediate_size
+        for rank in range(2):
+            got = torch.load(tmp_path / f"out.{d.parent.name}.{rank}.pt")
+            assert (got - ref).abs().max() < 1e-4 * max(1.0, float(ref.abs().max())), (name, rank)
+            shapes = json.loads((tmp_path / f"out.{d.parent.name}.{rank}.json").read_text())
+            assert shapes == ([] if name == "qwen3" else [[[moe, 64], [64, hidden // 2]]] * 2), (name, shapes)
+
+
 def test_a_stored_int8_checkpoint_of_qwen2_keeps_its_biases(dirs, tmp_path):
     """`convert hf` then `python -m llama.quantize --scheme int8`: the stored checkpoint (biases in full precision)
     loads to logits close to fp32's, as a quantized load does."""
