@@ -54,7 +54,10 @@ class MoEFeedForward(nn.Module):
         self.gate = Router(args.dim, moe.n_experts)
         self.experts = nn.ModuleList(expert(args.dim, width=moe.hidden_dim) for _ in range(moe.n_experts))
 
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Eager even inside a compiled step (a graph break there): the grouping's sizes are data (which experts
+        the tokens picked), and the routing decision is then the eager one."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, experts = route(self.gate(flat), self.moe)

@@ -166,7 +166,8 @@ class CompiledDecode:
     def reset(self) -> None:
         """Forget compiled graphs (for a model whose caches were reallocated); loaded packages stay (they take
         the caches as inputs)."""
-        self.fn = torch.compile(self.model.decode_step, dynamic=False, fullgraph=True)
+        # an MoE layer runs eagerly between graphs (llama/moe.py: a graph break each), every other step in one graph
+        self.fn = torch.compile(self.model.decode_step, dynamic=False, fullgraph=self.model.params.moe is None)
         self.seen = {key: t for key, t in self.seen.items() if key in self.packages}
 
     @torch.inference_mode()  # freezing folds the weights in only for inference graphs

@@ -13,7 +13,8 @@ Key: a fingerprint of the weights (shapes, dtypes and a strided sample of every 
 batch size, whether rows are given, Inductor's settings, the PyTorch version and the CPU capability. Packages live in
 `$LLAMA_CACHE/aoti/` (default ~/.cache/llama); `LLAMA_COMPILE_CACHE=0` turns them off (torch.compile is used as
 before). CPU and a single process only: a model-parallel step holds collectives, and CUDA uses CUDA graphs; and
-not oneDNN's int8-dynamic (int8-dynamic off x86), whose prepacked weights torch.export cannot trace.
+not oneDNN's int8-dynamic (int8-dynamic off x86), whose prepacked weights torch.export cannot trace, nor a model
+with MoE layers (their grouping runs eagerly between graphs: llama/moe.py).
 A package that cannot be read is rebuilt; one that cannot be built or written falls back to torch.compile."""
 
 import hashlib
@@ -41,8 +42,9 @@ SIZE = "step.size"  # the library's size in bytes
 
 def enabled(model) -> bool:
     """Whether this model's compiled steps are kept on disk: CPU, one process, not turned off, and no oneDNN-packed
-    weights (int8-dynamic's opaque tensors off x86, which torch.export cannot trace)."""
-    if not settings.get().compile_cache:
+    weights (int8-dynamic's opaque tensors off x86, which torch.export cannot trace), and no MoE layers (they run
+    eagerly between graphs, which an exported step cannot)."""
+    if not settings.get().compile_cache or model.params.moe is not None:
         return False
     return model.norm.weight.device.type == "cpu" and parallel.model_parallel_size() == 1 \
         and parallel.pipeline_parallel_size() == 1 and not any(b.is_mkldnn for b in model.buffers())

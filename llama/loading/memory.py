@@ -1,9 +1,10 @@
 """Refusing, before loading, a configuration whose memory would not fit: a clear error instead of an OOM kill.
 
 estimate() counts what a rank holds once loaded: the linear layers' weights in the target dtype or quantization
-scheme, the embedding and norms in the target dtype, the KV cache (max_batch_size x max_seq_len, both K and V, in
-the activation dtype), and, for compile=True/"max-autotune"/"default" with float weights on CPU, one frozen copy
-of the weights inside the compiled graph, except in a single process where our CPU kernels run (the compiled step
+scheme (every expert of an MoE layer: all are resident, whichever the tokens pick), the embedding, norms and MoE
+routers in the target dtype, the KV cache (max_batch_size x max_seq_len, both K and V, in the activation dtype),
+and, for compile=True/"max-autotune"/"default" with float weights on CPU, one frozen copy of the weights inside the
+compiled graph, except in a single process where our CPU kernels run (the compiled step
 calls them on the model's own weights; llama/compilation/compiled_decode.py). compile="auto" checks memory itself before compiling
 and stays eager when a copy would not fit. Available memory is MemAvailable from /proc/meminfo, or the bytes in
 $LLAMA_MEMORY_LIMIT (a number, optionally with a K/M/G/T suffix: for tests and for sharing a machine); on other
@@ -50,6 +51,11 @@ def linear_bytes(n: int, k: int, scheme, dtype: torch.dtype, group_size: Optiona
     return n * k * torch.empty((), dtype=dtype).element_size()
 
 
+def ffn_bytes(hidden: int, d: int, scheme, dtype: torch.dtype, group_size: Optional[int]) -> int:
+    """Bytes of one SwiGLU FFN (a dense layer's, or one expert's): gate and up (fused), and down."""
+    return linear_bytes(2 * hidden, d, scheme, dtype, group_size) + linear_bytes(d, hidden, scheme, dtype, group_size)
+
+
 def estimate(args: ModelArgs, dtype: torch.dtype, scheme=None, group_size: Optional[int] = None,
              compile=None, world_size: int = 1, kernels: bool = False) -> Dict[str, int]:
     """Bytes one rank needs, by part: weights, embeddings, kv_cache, compile_copy, total. scheme: a quantization
@@ -58,13 +64,18 @@ def estimate(args: ModelArgs, dtype: torch.dtype, scheme=None, group_size: Optio
     scheme = schemes.lookup(scheme)
     d, hd, hidden = args.dim, args.head_dim, args.hidden_dim
     size = torch.empty((), dtype=dtype).element_size()
-    shapes = [(args.n_heads * hd + 2 * args.n_kv_heads * hd, d), (d, args.n_heads * hd), (2 * hidden, d),
-              (d, hidden)]
+    attention = [(args.n_heads * hd + 2 * args.n_kv_heads * hd, d), (d, args.n_heads * hd)]
     vocab = max(args.vocab_size, 1)
-    weights = args.n_layers * sum(linear_bytes(n, k, scheme, dtype, group_size) for n, k in shapes)
+    n_moe = sum(args.moe.is_moe(i) for i in range(args.n_layers)) if args.moe is not None else 0
+    weights = args.n_layers * sum(linear_bytes(n, k, scheme, dtype, group_size) for n, k in attention)
+    weights += (args.n_layers - n_moe) * ffn_bytes(hidden, d, scheme, dtype, group_size)
+    if n_moe:  # every expert of every MoE layer is resident, whichever the tokens pick
+        weights += n_moe * args.moe.n_experts * ffn_bytes(args.moe.hidden_dim, d, scheme, dtype, group_size)
     weights += linear_bytes(vocab, d, scheme, dtype, group_size)
     weights //= world_size
-    embeddings = (vocab * d) // world_size * size + (2 * args.n_layers + 1) * d * size
+    norms = (2 * args.n_layers + 1) * d + (2 * args.n_layers * hd if args.qk_norm else 0)
+    routers = n_moe * args.moe.n_experts * d if n_moe else 0  # float, whole on every rank
+    embeddings = (vocab * d) // world_size * size + (norms + routers) * size
     kv = 2 * args.n_layers * args.max_batch_size * args.max_seq_len * (args.n_kv_heads // world_size) * hd * size
     eager_compile = compile is True or compile in ("max-autotune", "default")
     copy = weights if eager_compile and scheme is None and not (kernels and world_size == 1) else 0
