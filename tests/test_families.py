@@ -42,11 +42,12 @@ def greedy(g, n=20):
 
 
 @pytest.mark.parametrize("name,fused", [("llama", True), ("llama-yarn", True), ("phi3-longrope", True),
-                                        ("qwen2", False), ("granite", False), ("mistral", False), ("qwen3", False),
-                                        *((name, False) for name in MOE)])
+                                        ("qwen2", False), ("granite", False), ("mistral", False), ("qwen3", True),
+                                        *((name, True) for name in MOE)])
 def test_the_fused_step_runs_where_it_computes_the_family_and_declines_otherwise(dirs, name, fused, monkeypatch):
-    """Rope scalings only change the tables, so the one-call step takes them; q/k/v biases, Granite's multipliers,
-    a window the keys pass, qk-norm and experts are declined, and the layers run one by one, with the same ids as transformers."""
+    """Rope scalings only change the tables, so the one-call step takes them, and Qwen3's qk-norm and experts too;
+    q/k/v biases, Granite's multipliers and a window the keys pass are declined, and the layers run one by one,
+    with the same ids as transformers."""
     hardware.require_kernels()
     d, model = dirs(name)
     g = Llama.build(str(d), None, max_seq_len=128, max_batch_size=2, compile=False, dtype=torch.float32)
