@@ -42,7 +42,7 @@ def test_moe_layers_follow_every_and_dense_layers():
     assert args.moe.dense_layers == (3,)
     assert [args.moe.is_moe(i) for i in range(4)] == [False, True, False, False]
     assert ModelArgs(**SHAPE, moe=MoEArgs(**MOE)).moe == MoEArgs(**MOE)
-    assert not ModelArgs(**SHAPE, moe=MOE, qk_norm=True).kernel_decodes(8)  # the one-call step has no experts
+    assert ModelArgs(**SHAPE, moe=MOE, qk_norm=True).kernel_decodes(8)  # the one-call step takes experts and qk-norm
 
 
 def test_model_parallel_must_divide_the_experts_hidden_size():
