@@ -159,6 +159,11 @@ class Attention(Fusable):
         ck[idx, :, positions.expand(B, T)] = k.to(ck.dtype)
         cv[idx, :, positions.expand(B, T)] = v.to(cv.dtype)
 
+    def sdpa(self, q, keys, values, mask):
+        """SDPA of q (B, heads, T, head_dim) over keys and values (B, kv_heads, kv_len, head_dim) under mask."""
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.args.attention_multiplier,
+                                              enable_gqa=self.n_local_kv_heads != self.n_local_heads)
+
     def forward(self, x, cos, sin, start, positions, rows, kv_len, mask):
         B, T, _ = x.shape
         if self.ggml_arith:
@@ -170,10 +175,16 @@ class Attention(Fusable):
                 and (exact or self.args.kernel_attends(kv_len)):
             return self.wo(self.decode(x, cos, sin, positions, rows, kv_len).view(B, T, -1))
         q, k, v = self.qkv(x, cos, sin)
+        return self.attend(q, k, v, start, positions, rows, kv_len, mask, exact)
+
+    def attend(self, q, k, v, start, positions, rows, kv_len, mask, exact: bool):
+        """Store the new keys and values (B, T, heads, head_dim), then attend the queries q over the cache under
+        mask (SDPA; our kernel over an int8 pool while `exact`), and project: the block's attention output."""
+        B, T = q.shape[:2]
         self.store(k, v, start, positions, rows)
         ck, cv, rows = self.cached_rows(rows) if self.block_table is None else (None, None, rows)
         if self.block_table is not None:
-            table = self.table_rows(rows, B, x.device)
+            table = self.table_rows(rows, B, q.device)
             if exact and exact_attention.takes(q, self.cache_k):
                 out = exact_attention.attend(q, self.cache_k, self.cache_v, table, positions, kv_len,
                                              self.args.attention_multiplier, self.args.sliding_window, self.kv_scales())
@@ -186,9 +197,7 @@ class Attention(Fusable):
         if T == 1 and torch.compiler.is_compiling():
             out = paged.decode_attention(q, keys, values, mask, self.args.attention_multiplier)
         else:
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=self.n_local_kv_heads != self.n_local_heads,
-                scale=self.args.attention_multiplier)
+            out = self.sdpa(q.transpose(1, 2), keys, values, mask)
         return self.wo(paged.from_stored(out.transpose(1, 2), self.cache_k).reshape(B, T, -1))
 
 
@@ -227,7 +236,11 @@ class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: ModelArgs):
         super().__init__()
         self.layer_id = layer_id
-        self.attention = Attention(args)
+        if args.irope:  # Llama 4's layers (llama/irope.py subclasses Attention, so it is imported here)
+            from llama.irope import IRoPEAttention
+            self.attention = IRoPEAttention(args, layer_id)
+        else:
+            self.attention = Attention(args)
         moe = args.moe is not None and args.moe.is_moe(layer_id)
         self.feed_forward = MoEFeedForward(args, FeedForward) if moe else FeedForward(args)
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
