@@ -102,7 +102,7 @@ class ModelArgs:
     logits_scaling: float = 1.0  # and the divisor of the logits
     qk_norm: bool = False  # an RMSNorm over each head of q and of k before the rotation (Qwen3)
     moe: Optional[MoEArgs] = None  # mixture-of-experts FFNs (llama/moe.py); a dict in params.json
-    # Llama 4's iRoPE (llama/irope.py): layers n, 2n, .. (1-based) of nope_layer_interval have no rotation and attend
+    # Llama 4's iRoPE (llama/model.py IRoPEAttention, llama/rope.py): layers n, 2n, .. (1-based) of nope_layer_interval have no rotation and attend
     # globally; the others attend within chunks of attention_chunk_size positions, their q and k L2-normalised after
     # the rotation (qk_l2_norm: Meta's use_qk_norm, no weight); attn_temperature_tuning scales a NoPE layer's queries
     # by log(floor((p + 1) / floor_scale) + 1) * attn_scale + 1 at position p.
@@ -170,7 +170,7 @@ class ModelArgs:
 
     @property
     def irope(self) -> bool:
-        """Whether the layers attend as Llama 4's do (llama/irope.py): chunks, NoPE layers, L2 qk-norm, temperature."""
+        """Whether the layers attend as Llama 4's do (llama/model.py IRoPEAttention): chunks, NoPE layers, L2 qk-norm, temperature."""
         return (self.attention_chunk_size is not None or self.nope_layer_interval is not None or self.qk_l2_norm
                 or self.attn_temperature_tuning)
 

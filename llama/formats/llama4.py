@@ -21,7 +21,7 @@ from typing import Dict, Optional
 
 import torch
 
-from llama.irope import scaled_rope_args
+from llama.rope import scaled_rope_args
 from llama.model_args import ModelArgs
 
 MOE_KEYS = ("num_experts", "capacity_factor", "auto_scale_F", "top_k", "interleave_moe_layer_step")
