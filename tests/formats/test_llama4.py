@@ -289,3 +289,21 @@ def test_vision_is_skipped_naming_it_and_fp8_weights_are_refused(shape, tmp_path
     (tmp_path / "params.json").write_text(json.dumps(params))
     with pytest.raises(ValueError, match="'moe_args': unknown key"):
         Llama.build(str(tmp_path), str(STORIES / "tokenizer.model"), max_seq_len=64, max_batch_size=1)
+
+
+@pytest.mark.parametrize("mode", ["on", "exact"])
+def test_prefix_cached_suffixes_attend_within_their_chunks(shape, mode):
+    """A prompt that continues another's output reuses its cached blocks (chunks and NoPE layers over the cached
+    keys): Meta's ids, with the cache on and under prefix_cache="exact" (each query alone over its keys)."""
+    name, ref, d, gen, prompts = shape
+    g = Llama.build(str(d), str(STORIES / "tokenizer.model"), max_seq_len=128, max_batch_size=2, prefix_cache=mode,
+                    compile=False)
+    g.tokenizer.stop_tokens = {}
+    first = prompts[0] + meta_greedy(ref, prompts[0])
+    longer = first + prompts[1]
+    with g.engine(prefill_chunk=16) as engine:
+        assert engine.submit(prompts[0], max_gen_len=N, temperature=0).result(timeout=300) is not None
+        request = engine.submit(longer, max_gen_len=N, temperature=0)
+        request.result(timeout=300)
+    assert g.cache.pool.stats["cached_tokens"] > 0, g.cache.pool.stats
+    assert request.generated == meta_greedy(ref, longer)
