@@ -15,6 +15,7 @@ from torch import nn
 from llama.sizes import derive_ffn, ffn_hidden_dim  # noqa: F401 (Meta's path; formats import them here)
 from llama.rope import apply_rotary_emb, precompute_freqs_cis, reshape_for_broadcast  # noqa: F401 (Meta's path)
 from llama.rope import rope_tables, scale_rope_frequencies  # noqa: F401
+from llama import rope
 from llama.kernels import cpu
 from llama.kernels import exact_attention, fused_decode, ggml_arith, ggml_products, invariant, paged
 from llama.layers import ColumnLinear, Embedding, Fusable, RowLinear  # noqa: F401 (Meta's path for the layers)
@@ -159,6 +160,11 @@ class Attention(Fusable):
         ck[idx, :, positions.expand(B, T)] = k.to(ck.dtype)
         cv[idx, :, positions.expand(B, T)] = v.to(cv.dtype)
 
+    def sdpa(self, q, keys, values, mask):
+        """SDPA of q (B, heads, T, head_dim) over keys and values (B, kv_heads, kv_len, head_dim) under mask."""
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.args.attention_multiplier,
+                                              enable_gqa=self.n_local_kv_heads != self.n_local_heads)
+
     def forward(self, x, cos, sin, start, positions, rows, kv_len, mask):
         B, T, _ = x.shape
         if self.ggml_arith:
@@ -170,10 +176,16 @@ class Attention(Fusable):
                 and (exact or self.args.kernel_attends(kv_len)):
             return self.wo(self.decode(x, cos, sin, positions, rows, kv_len).view(B, T, -1))
         q, k, v = self.qkv(x, cos, sin)
+        return self.attend(q, k, v, start, positions, rows, kv_len, mask, exact)
+
+    def attend(self, q, k, v, start, positions, rows, kv_len, mask, exact: bool):
+        """Store the new keys and values (B, T, heads, head_dim), then attend the queries q over the cache under
+        mask (SDPA; our kernel over an int8 pool while `exact`), and project: the block's attention output."""
+        B, T = q.shape[:2]
         self.store(k, v, start, positions, rows)
         ck, cv, rows = self.cached_rows(rows) if self.block_table is None else (None, None, rows)
         if self.block_table is not None:
-            table = self.table_rows(rows, B, x.device)
+            table = self.table_rows(rows, B, q.device)
             if exact and exact_attention.takes(q, self.cache_k):
                 out = exact_attention.attend(q, self.cache_k, self.cache_v, table, positions, kv_len,
                                              self.args.attention_multiplier, self.args.sliding_window, self.kv_scales())
@@ -186,10 +198,68 @@ class Attention(Fusable):
         if T == 1 and torch.compiler.is_compiling():
             out = paged.decode_attention(q, keys, values, mask, self.args.attention_multiplier)
         else:
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=self.n_local_kv_heads != self.n_local_heads,
-                scale=self.args.attention_multiplier)
+            out = self.sdpa(q.transpose(1, 2), keys, values, mask)
         return self.wo(paged.from_stored(out.transpose(1, 2), self.cache_k).reshape(B, T, -1))
+
+
+class IRoPEAttention(Attention):
+    """Llama 4's attention (Meta's iRoPE) in layer layer_id, in Meta's order: a RoPE layer rotates q and k, then
+    L2-normalises each head (qk_l2_norm: no weight, eps = norm_eps) and attends within its chunk (a query at p sees
+    keys (p // C) * C .. p); a NoPE layer (every nope_layer_interval-th) neither rotates nor normalises, scales its
+    queries by the temperature of their positions (attn_temperature_tuning) and attends causally over all keys.
+
+    Each pass builds the masks from its positions, so chunks hold in a prefill, a decode step, a speculative
+    verification (per-row positions), a prefix-cached suffix and the paged pool alike. Our CPU decode kernel and the
+    one-call decode step take a fixed window only (and rotate before any norm), so these layers always run the
+    masked SDPA path (ModelArgs.kernel_attends is false for them). Under prefix_cache="exact" each query attends
+    alone over just the keys it sees, so its bits do not depend on the rest of the pass."""
+
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__(args)
+        self.rotates = not args.is_nope(layer_id)
+        self.chunk = args.attention_chunk_size if self.rotates else None
+        self.l2 = args.qk_l2_norm and self.rotates
+        self.tuned = args.attn_temperature_tuning and not self.rotates
+
+    def projections(self, x):
+        """q (B, T, heads, head_dim), k and v (B, T, kv_heads, head_dim): separate or fused products."""
+        B, T, _ = x.shape
+        nq, nkv, hd = self.n_local_heads, self.n_local_kv_heads, self.head_dim
+        if self.wqkv is None:
+            return self.wq(x).view(B, T, nq, hd), self.wk(x).view(B, T, nkv, hd), self.wv(x).view(B, T, nkv, hd)
+        q, k, v = self.wqkv(x).split([nq * hd, nkv * hd, nkv * hd], dim=-1)
+        return q.view(B, T, nq, hd), k.view(B, T, nkv, hd), v.view(B, T, nkv, hd)
+
+    def forward(self, x, cos, sin, start, positions, rows, kv_len, mask):
+        if not torch.compiler.is_compiling() and self.blocks is not None:
+            self.blocks.direct()  # outside the runner: the slot layout (llama/kernels/paged.py BlockTable)
+        q, k, v = self.projections(x)
+        if self.rotates:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.l2:
+            q, k = rope.l2_norm(q, self.args.norm_eps), rope.l2_norm(k, self.args.norm_eps)
+        if self.tuned:
+            q = (q * rope.temperature(positions, self.args.floor_scale, self.args.attn_scale)).to(q.dtype)
+        if self.chunk is not None:
+            mask = rope.chunk_mask(positions, kv_len, self.chunk)
+        elif mask is None:
+            mask = rope.causal_mask(positions, kv_len)
+        return self.attend(q, k, v, start, positions, rows, kv_len, mask, False)
+
+    def sdpa(self, q, keys, values, mask):
+        """SDPA under the mask; while row-invariant arithmetic is on, one query at a time over just the keys it
+        sees (a contiguous span), so its bits do not depend on the pass."""
+        if not invariant.active():
+            return super().sdpa(q, keys, values, mask)
+        B, H, T, D = q.shape
+        out = q.new_empty(B, H, T, D)
+        for b in range(B):
+            for t in range(T):
+                seen = mask[b if mask.shape[0] > 1 else 0, 0, t].nonzero()
+                lo, hi = int(seen[0]), int(seen[-1]) + 1
+                out[b, :, t : t + 1] = super().sdpa(q[b : b + 1, :, t : t + 1], keys[b : b + 1, :, lo:hi].contiguous(),
+                                                    values[b : b + 1, :, lo:hi].contiguous(), None)[0]
+        return out
 
 
 class FeedForward(Fusable):
@@ -227,7 +297,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: ModelArgs):
         super().__init__()
         self.layer_id = layer_id
-        self.attention = Attention(args)
+        self.attention = IRoPEAttention(args, layer_id) if args.irope else Attention(args)
         moe = args.moe is not None and args.moe.is_moe(layer_id)
         self.feed_forward = MoEFeedForward(args, FeedForward) if moe else FeedForward(args)
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)

@@ -12,12 +12,13 @@ import torch
 from llama import rope
 from llama.sizes import ffn_hidden_dim
 
-ROUTERS = ("softmax",)
+ROUTERS = ("softmax", "sigmoid")
 
 
 @dataclass(frozen=True)
 class MoEArgs:
-    """A mixture-of-experts FFN (Mixtral, Qwen3-MoE): which layers have one, its experts, and how a token picks them.
+    """A mixture-of-experts FFN (Mixtral, Qwen3-MoE, Llama 4): which layers have one, its experts, and how a token
+    picks them.
 
     Layer i is an MoE layer when (i + 1) % every == 0 and i is not in dense_layers (Qwen3-MoE's decoder_sparse_step
     and mlp_only_layers); the others keep the dense FFN of ModelArgs.hidden_dim."""
@@ -26,17 +27,20 @@ class MoEArgs:
     top_k: int
     hidden_dim: int  # each expert's SwiGLU hidden size
     renormalize: bool = True  # the top-k weights divided by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
-    router: str = "softmax"  # softmax over every expert's logit, then the top k
+    router: str = "softmax"  # softmax over every expert's logit, then the top k; "sigmoid": the top k logits' sigmoids
     every: int = 1
     dense_layers: Tuple[int, ...] = ()
+    scale_inputs: bool = False  # a routed expert's input is scaled by its weight, not its output (Llama 4)
+    shared_expert: bool = False  # one more expert of hidden_dim that every token goes through, added (Llama 4)
 
     def __post_init__(self):
         for name in ("n_experts", "top_k", "hidden_dim", "every"):
             positive("MoE argument", name, getattr(self, name))
         if self.top_k > self.n_experts:
             raise ValueError(f"MoE top_k ({self.top_k}) must be at most n_experts ({self.n_experts})")
-        if not isinstance(self.renormalize, bool):
-            raise ValueError(f"MoE renormalize must be true or false, got {self.renormalize!r}")
+        for name in ("renormalize", "scale_inputs", "shared_expert"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"MoE {name} must be true or false, got {getattr(self, name)!r}")
         if self.router not in ROUTERS:
             raise ValueError(f"MoE router {self.router!r} is not supported (supported: {', '.join(ROUTERS)})")
         layers = self.dense_layers
@@ -98,6 +102,16 @@ class ModelArgs:
     logits_scaling: float = 1.0  # and the divisor of the logits
     qk_norm: bool = False  # an RMSNorm over each head of q and of k before the rotation (Qwen3)
     moe: Optional[MoEArgs] = None  # mixture-of-experts FFNs (llama/moe.py); a dict in params.json
+    # Llama 4's iRoPE (llama/model.py IRoPEAttention, llama/rope.py): layers n, 2n, .. (1-based) of nope_layer_interval have no rotation and attend
+    # globally; the others attend within chunks of attention_chunk_size positions, their q and k L2-normalised after
+    # the rotation (qk_l2_norm: Meta's use_qk_norm, no weight); attn_temperature_tuning scales a NoPE layer's queries
+    # by log(floor((p + 1) / floor_scale) + 1) * attn_scale + 1 at position p.
+    attention_chunk_size: Optional[int] = None
+    nope_layer_interval: Optional[int] = None
+    qk_l2_norm: bool = False
+    attn_temperature_tuning: bool = False
+    floor_scale: float = 8192.0
+    attn_scale: float = 0.1
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -136,6 +150,33 @@ class ModelArgs:
         rope.check(self.rope_scaling, self.head_dim)
         if self.rope_scaling is not None and self.use_scaled_rope:
             raise ValueError("use_scaled_rope (Llama 3.1's scaling) and rope_scaling cannot both be set")
+        self.check_irope()
+
+    def check_irope(self) -> None:
+        """ValueError naming the field for Llama 4's attention settings out of range."""
+        for name in ("attention_chunk_size", "nope_layer_interval"):
+            if getattr(self, name) is not None:
+                positive("model argument", name, getattr(self, name))
+        for name in ("qk_l2_norm", "attn_temperature_tuning"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("floor_scale", "attn_scale"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if self.irope and (self.sliding_window is not None or self.attention_multiplier is not None):
+            raise ValueError("Llama 4's attention (attention_chunk_size, nope_layer_interval, qk_l2_norm, "
+                             "attn_temperature_tuning) cannot be combined with sliding_window or attention_multiplier")
+
+    @property
+    def irope(self) -> bool:
+        """Whether the layers attend as Llama 4's do (llama/model.py IRoPEAttention): chunks, NoPE layers, L2 qk-norm, temperature."""
+        return (self.attention_chunk_size is not None or self.nope_layer_interval is not None or self.qk_l2_norm
+                or self.attn_temperature_tuning)
+
+    def is_nope(self, layer_id: int) -> bool:
+        """Whether layer layer_id has no rotary embedding (a global-attention layer of Llama 4's iRoPE)."""
+        return self.nope_layer_interval is not None and (layer_id + 1) % self.nope_layer_interval == 0
 
     def check_rope(self) -> None:
         """ValueError naming the field for rotary settings that would silently give NaN or unscaled tables."""
@@ -157,8 +198,9 @@ class ModelArgs:
 
     def kernel_attends(self, kv_len: int) -> bool:
         """Whether our one-token CPU attention (causal over every key, scale head_dim ** -0.5) is this
-        architecture's over kv_len keys: no other scale, and no window that kv_len passes."""
-        return self.attention_multiplier is None and (self.sliding_window is None or kv_len <= self.sliding_window)
+        architecture's over kv_len keys: no other scale, no window that kv_len passes, not Llama 4's layers."""
+        return self.attention_multiplier is None and (self.sliding_window is None or kv_len <= self.sliding_window) \
+            and not self.irope
 
     def kernel_decodes(self, kv_len: int) -> bool:
         """Whether the one-call fused step (llama/kernels/fused_decode.py) computes these layers: our attention,

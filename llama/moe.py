@@ -34,7 +34,11 @@ class Router(nn.Module):
 
 def route(logits: torch.Tensor, moe: MoEArgs) -> Tuple[torch.Tensor, torch.Tensor]:
     """(weights (N, k) fp32, experts (N, k) int64) of router logits (N, n_experts): softmax over every expert in
-    fp32, the top k (ties to the lower index, as torch.topk), renormalised to sum to one where the model does."""
+    fp32, the top k (ties to the lower index, as torch.topk), renormalised to sum to one where the model does;
+    Llama 4's "sigmoid": the top k logits, each through a sigmoid in fp32."""
+    if moe.router == "sigmoid":
+        top, experts = torch.topk(logits, moe.top_k, dim=-1)
+        return torch.sigmoid(top.float()), experts
     probs = torch.softmax(logits.float(), dim=-1)
     weights, experts = torch.topk(probs, moe.top_k, dim=-1)
     if moe.renormalize:
@@ -44,7 +48,8 @@ def route(logits: torch.Tensor, moe: MoEArgs) -> Tuple[torch.Tensor, torch.Tenso
 
 class MoEFeedForward(nn.Module):
     """An MoE layer's FFN: the router and moe.n_experts experts, each built by `expert(dim, width=hidden_dim)` (the
-    model's dense FeedForward)."""
+    model's dense FeedForward), and Llama 4's shared expert (feed_forward.shared_expert) where the model has one:
+    its output of every token is added to the routed experts' (Meta's order: shared + routed)."""
 
     def __init__(self, args: ModelArgs, expert):
         super().__init__()
@@ -53,6 +58,7 @@ class MoEFeedForward(nn.Module):
         self.ggml_arith = False  # never set: llama.cpp's arithmetic is not followed for MoE (ggml_arith.follows)
         self.gate = Router(args.dim, moe.n_experts)
         self.experts = nn.ModuleList(expert(args.dim, width=moe.hidden_dim) for _ in range(moe.n_experts))
+        self.shared_expert = expert(args.dim, width=moe.hidden_dim) if moe.shared_expert else None
 
     @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -61,10 +67,17 @@ class MoEFeedForward(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, experts = route(self.gate(flat), self.moe)
-        return combine(self.expert_outputs(flat, experts), weights.to(x.dtype)).view(shape)
+        if self.moe.scale_inputs:  # Llama 4: each expert takes its input times its weight; outputs add unweighted
+            out = combine(self.expert_outputs(flat, experts, weights.to(x.dtype)), None)
+        else:
+            out = combine(self.expert_outputs(flat, experts), weights.to(x.dtype))
+        if self.shared_expert is not None:
+            out = self.shared_expert(flat) + out
+        return out.view(shape)
 
-    def expert_outputs(self, flat: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """(N, k, dim): each token's output of each of its k experts, one product per expert over its tokens."""
+    def expert_outputs(self, flat: torch.Tensor, experts: torch.Tensor, scales=None) -> torch.Tensor:
+        """(N, k, dim): each token's output of each of its k experts, one product per expert over its tokens (the
+        tokens' rows times their scales (N, k) first, where given)."""
         n, k = experts.shape
         out = flat.new_empty(n * k, flat.shape[-1])
         picks = experts.flatten()
@@ -74,14 +87,20 @@ class MoEFeedForward(nn.Module):
         for e, count in enumerate(counts):
             if count:
                 pairs = order[start : start + count]
-                out[pairs] = self.experts[e](flat[pairs // k])
+                rows = flat[pairs // k] if scales is None else flat[pairs // k] * scales.flatten()[pairs, None]
+                out[pairs] = self.experts[e](rows)
                 start += count
         return out.view(n, k, -1)
 
 
-def combine(outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """sum over k of weights[:, k] * outputs[:, k], added in rank order: elementwise, so a row's sum never depends
-    on the other rows."""
+def combine(outputs: torch.Tensor, weights) -> torch.Tensor:
+    """sum over k of weights[:, k] * outputs[:, k] (weights None: of outputs[:, k]), added in rank order:
+    elementwise, so a row's sum never depends on the other rows."""
+    if weights is None:
+        acc = outputs[:, 0]
+        for i in range(1, outputs.shape[1]):
+            acc = acc + outputs[:, i]
+        return acc
     acc = outputs[:, 0] * weights[:, :1]
     for i in range(1, outputs.shape[1]):
         acc = acc + outputs[:, i] * weights[:, i : i + 1]

@@ -7,12 +7,18 @@ a config): {"rope_type": "linear", "factor"}, {"rope_type": "yarn", "factor", "o
 "original_context", "attention_factor"}, or {"rope_type": "factors", "factors"}: one divisor per frequency, as
 llama.cpp's `rope_freqs.weight` holds Llama 3.1's scaling. The formulas are transformers' (modeling_rope_utils), so the tables match
 theirs; YaRN's and long-rope's attention factor multiplies cos and sin, as there.
+
+Llama 4's iRoPE (Meta's llama_models/llama4/model.py; the layers are llama/model.py IRoPEAttention): its RoPE layers
+attend within chunks of attention_chunk_size positions (chunk_mask), their q and k L2-normalised after the rotation
+(l2_norm); every nope_layer_interval-th layer has no rotation, attends globally, and may scale its queries by a
+temperature that grows with the position (temperature). Scout's scaled frequencies: scaled_rope_args.
 """
 
 import math
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 TYPES = ("linear", "yarn", "longrope", "factors")
 _KEYS = {"linear": ("factor",),
@@ -128,6 +134,46 @@ def rope_tables(head_dim: int, end: int, theta: float = 10000.0, scaling: Option
     if factor != 1.0:
         return torch.cos(angles) * factor, torch.sin(angles) * factor
     return torch.cos(angles), torch.sin(angles)
+
+
+def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Meta's rmsnorm without a weight over the last dimension: in fp32, rounded back to x's dtype."""
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).type_as(x)
+
+
+def temperature(positions: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
+    """The queries' scale at positions (B|1, T): log(floor((p + 1) / floor_scale) + 1) * attn_scale + 1, fp32, as
+    (B|1, T, 1, 1)."""
+    p = positions.to(torch.float32)
+    return (torch.log(torch.floor((p + 1.0) / floor_scale) + 1.0) * attn_scale + 1.0)[:, :, None, None]
+
+
+def chunk_mask(positions: torch.Tensor, kv_len: int, chunk: int) -> torch.Tensor:
+    """(B|1, 1, T, kv_len) bool: a query at p sees keys (p // chunk) * chunk .. p."""
+    key_pos = torch.arange(kv_len, device=positions.device)[None, None, :]
+    p = positions[:, :, None]
+    return ((key_pos <= p) & (key_pos >= torch.div(p, chunk, rounding_mode="floor") * chunk))[:, None]
+
+
+def causal_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+    key_pos = torch.arange(kv_len, device=positions.device)[None, None, :]
+    return (key_pos <= positions[:, :, None])[:, None]
+
+
+def scaled_rope_args(theta: float, head_dim: int, factor: float, low: float, high: float, context: int) -> dict:
+    """ModelArgs' rotary fields for Llama 3.1-style scaling with these factors. Llama 4 Scout's low and high
+    frequency factors are equal (1 and 1: Meta's defaults): a step, no blend between them, which
+    ModelArgs' use_scaled_rope (low < high) does not take; it becomes one divisor per frequency (rope "factors":
+    `factor` past the original context's wavelength, 1 below), the same frequencies Meta's apply_scaling gives."""
+    if low < high:
+        return {"use_scaled_rope": True, "rope_scaling_factor": float(factor), "rope_low_freq_factor": float(low),
+                "rope_high_freq_factor": float(high), "rope_original_context": int(context)}
+    if low != high:
+        raise ValueError(f"rope low_freq_factor ({low}) must be at most high_freq_factor ({high})")
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
+    wavelen = 2 * math.pi / freqs
+    factors = [float(factor) if w > context / low else 1.0 for w in wavelen.tolist()]
+    return {"rope_scaling": {"rope_type": "factors", "factors": factors}}
 
 
 # Meta's rotary functions (llama, llama3, llama-models), for code written against them; the model uses the above.

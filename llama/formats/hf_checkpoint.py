@@ -18,12 +18,14 @@ from typing import Dict, Optional
 import torch
 
 from llama import rope
+from llama.formats import llama4
 from llama.formats.meta_checkpoint import load_shard, read_json_object
 from llama.model import ModelArgs, derive_ffn
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                  "Phi3ForCausalLM": "phi3", "GraniteForCausalLM": "granite", "Qwen3ForCausalLM": "qwen3",
-                 "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
+                 "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral", "Llama4ForCausalLM": "llama4",
+                 "Llama4ForConditionalGeneration": "llama4"}  # Llama 4: llama/formats/llama4.py
 QK_NORM = ("qwen3", "qwen3_moe")
 
 
@@ -67,6 +69,8 @@ def family(config: dict, source) -> str:
 def hf_params(config: dict, source) -> dict:
     """ModelArgs keyword arguments from a config.json; refuses what these architectures do not compute."""
     fam = family(config, source)
+    if fam == "llama4":
+        return llama4.hf_params(config, source)
     try:
         dim, n_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
         hidden, layers, vocab = int(config["intermediate_size"]), int(config["num_hidden_layers"]), int(config["vocab_size"])
@@ -273,6 +277,8 @@ def hf_to_meta(hf: Dict[str, torch.Tensor], args: ModelArgs, dtype: Optional[tor
                tied: bool = False) -> Dict[str, torch.Tensor]:
     """Rename HF tensors to Meta's names, split Phi-3's fused ones and permute q/k rows into Meta's rotary order;
     a missing lm_head (or tie_word_embeddings) means tied embeddings."""
+    if llama4.is_llama4(args):
+        return llama4.hf_to_meta(hf, args, dtype, tied)
     out = {}
     for full_name, full in hf.items():
         if full_name.endswith("rotary_emb.inv_freq"):

@@ -19,6 +19,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from llama.formats import libc
+from llama.formats import llama4
 from llama.formats.checklist import write_checklist
 from llama.model import ModelArgs, check_model_parallel
 
@@ -46,6 +47,9 @@ LAYER_DIMS: Dict[str, Optional[int]] = {  # layers.N.<name>
     "attention.q_norm.weight": None,  # Qwen3's qk-norm: one weight per head dimension, on every rank
     "attention.k_norm.weight": None,
     "feed_forward.gate.weight": None,  # an MoE layer's router, on every rank whole (llama/moe.py)
+    "feed_forward.shared_expert.w1.weight": 0,  # Llama 4's shared expert: split as a dense FFN
+    "feed_forward.shared_expert.w2.weight": 1,
+    "feed_forward.shared_expert.w3.weight": 0,
 }
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^feed_forward\.experts\.\d+\.(w[123]\.weight)$")  # each expert is split as a dense FFN
@@ -74,6 +78,8 @@ def read_params(ckpt_dir) -> dict:
     for key, what in UNSUPPORTED_PARAMS.items():
         if key in params:
             raise ValueError(f"{path} has {key!r}: {what}, which this Llama implementation cannot compute")
+    if "moe_args" in params or "vision_args" in params:  # Llama 4: its text model, in our fields
+        return llama4.meta_params(params, path)
     return params
 
 
@@ -83,9 +89,7 @@ UNSUPPORTED_PARAMS = {
     "quantization_args": "a Llama 3.2 int4 (QLoRA / SpinQuant) checkpoint, packed 4-bit weights with their own scales",
     "lora_args": "a checkpoint with LoRA adapters to merge",
     "vision_chunk_size": "a Llama 3.2 Vision checkpoint (image encoder and cross-attention layers)",
-    "vision_args": "a multimodal (Llama 4) checkpoint",
-    "moe_args": "a mixture-of-experts (Llama 4) checkpoint",
-}
+}  # Llama 4's moe_args and vision_args: llama/formats/llama4.py (its text model loads; vision is skipped)
 
 
 def shard_paths(ckpt_dir) -> List[Path]:
@@ -191,8 +195,8 @@ def moe_shapes(prefix: str, args: ModelArgs) -> Dict[str, Tuple[int, ...]]:
     """An MoE layer's tensors in place of the dense FFN's: the router and each expert's three."""
     moe, d = args.moe, args.dim
     shapes = {f"{prefix}feed_forward.gate.weight": (moe.n_experts, d)}
-    for e in range(moe.n_experts):
-        x = f"{prefix}feed_forward.experts.{e}."
+    for e in [*range(moe.n_experts), *(["shared"] if moe.shared_expert else [])]:
+        x = f"{prefix}feed_forward.experts.{e}." if e != "shared" else f"{prefix}feed_forward.shared_expert."
         shapes.update({x + "w1.weight": (moe.hidden_dim, d), x + "w2.weight": (d, moe.hidden_dim),
                        x + "w3.weight": (moe.hidden_dim, d)})
     return shapes
@@ -317,6 +321,8 @@ def open_shards(ckpt_dir, args: ModelArgs) -> ShardSet:
         state, is_mapped = _load_shard(p)
         for name in DROPPED:
             state.pop(name, None)
+        if llama4.is_llama4(args):  # Meta's Llama 4 names and 3-D experts, as views in ours
+            state = llama4.meta_shard(state, args, p)
         for name, t in state.items():
             try:
                 parallel_dim(name)
@@ -366,7 +372,7 @@ def load_state_dict(ckpt_dir, args: ModelArgs, rank: int = 0, world_size: int = 
     check_model_parallel(with_vocab(args, world_size), world_size)  # heads, dim, FFN: before any file is read
     sset = open_shards(ckpt_dir, args)
     check_model_parallel(sset.args, world_size)  # vocab_size may only be known from the weights
-    state = {name: sset.slice(name, rank, world_size) for name in sset.shards[0]}
+    state = {name: sset.slice(name, rank, world_size).contiguous() for name in sset.shards[0]}  # Llama 4: views
     for name, src in sset.sources.items():
         # Tied: at size 1 the whole table serves both (no copy, even when merged from several shards); above, the
         # output's vocabulary rows are another cut than the embedding's columns.

@@ -48,7 +48,7 @@ def ffn_linears(ffn) -> Optional[Tuple[list, int, int]]:
     if not hasattr(ffn, "experts"):
         up = (ffn.w1, ffn.w3) if ffn.w13 is None else (ffn.w13,)
         return [*up, ffn.w2], len(up), 0
-    if ffn.moe.router != "softmax" or getattr(ffn, "shared_expert", None) is not None:
+    if ffn.moe.router != "softmax" or ffn.moe.scale_inputs or getattr(ffn, "shared_expert", None) is not None:
         return None  # the op routes as softmax top-k, with no expert every token takes
     linears, layout = [ffn.gate], None
     for expert in ffn.experts:
