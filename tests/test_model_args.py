@@ -16,7 +16,7 @@ MOE = dict(n_experts=4, top_k=2, hidden_dim=32)
     ({"every": -1}, r"MoE argument every must be a positive integer, got -1"),
     ({"top_k": 5}, r"MoE top_k \(5\) must be at most n_experts \(4\)"),
     ({"renormalize": 1}, r"MoE renormalize must be true or false, got 1"),
-    ({"router": "sigmoid"}, r"MoE router 'sigmoid' is not supported \(supported: softmax\)"),
+    ({"router": "relu"}, r"MoE router 'relu' is not supported \(supported: softmax, sigmoid\)"),
     ({"dense_layers": [0, -1]}, r"MoE dense_layers must be a list of layer indices, got \[0, -1\]"),
     ({"dense_layers": 3}, r"MoE dense_layers must be a list of layer indices, got 3"),
 ])
@@ -29,7 +29,7 @@ def test_moe_arguments_out_of_range_are_refused_by_name(change, message):
 
 def test_a_moe_dict_with_unknown_keys_or_of_another_type_is_refused():
     with pytest.raises(ValueError, match=r"moe has unknown keys experts, k \(known: dense_layers, every, hidden_dim, "
-                                         r"n_experts, renormalize, router, top_k\)"):
+                                         r"n_experts, renormalize, router, scale_inputs, shared_expert, top_k\)"):
         ModelArgs(**SHAPE, moe={"experts": 4, "k": 2, "hidden_dim": 32})
     with pytest.raises(ValueError, match=r"moe: .*missing 1 required positional argument: 'hidden_dim'"):
         ModelArgs(**SHAPE, moe={"n_experts": 4, "top_k": 2})
