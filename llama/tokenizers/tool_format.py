@@ -24,6 +24,8 @@ import re
 from datetime import datetime
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from llama.tokenizers.messages import validate_messages, with_template_kwargs
+
 BUILTINS = ("brave_search", "wolfram_alpha", "photogen", "code_interpreter")
 FAMILIES = ("llama3_json", "pythonic", "hermes", "mistral", "generic")
 # family -> (trigger text that starts a call, whether it counts only at the start of the reply)
@@ -70,8 +72,6 @@ class ToolDialog(list):
                                     else template_kwargs)
 
     def validate_with(self, fmt, index: int = 0) -> None:
-        from llama.tokenizers.chat_format import validate_messages  # same layer; chat_format never imports us
-
         validate_messages([{"role": m["role"], "content": m["content"]} for m in self], index,
                           ("system", "user", "assistant", "tool", "ipython"))
         if self[-1]["role"] == "assistant":
@@ -105,12 +105,12 @@ def functions(tools: Sequence[Dict]) -> List[Dict]:
 
 # ------------------------------------------------------------------------------------------------ rendering
 def encode(fmt, dialog: ToolDialog) -> List[int]:
-    """The prompt tokens of a tool dialog in fmt's family."""
+    """The prompt tokens of a tool dialog in fmt's family (Llama 4's format renders its own)."""
+    if hasattr(fmt, "encode_tool_dialog"):
+        return fmt.encode_tool_dialog(dialog)
     if dialog.family in ("llama3_json", "pythonic") and hasattr(fmt, "encode_header"):
         return meta_llama3_tokens(fmt, dialog, dialog.family)
     if dialog.family == "generic":
-        from llama.tokenizers.chat_format import with_template_kwargs
-
         return fmt.encode_dialog_prompt(with_template_kwargs(generic_messages(dialog), dialog.template_kwargs))
     return fmt.tokenizer.encode(fmt.render(template_messages(dialog), tools=dialog.tools or None,
                                            template_kwargs=dialog.template_kwargs), bos=False, eos=False)
