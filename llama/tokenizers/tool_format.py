@@ -8,6 +8,8 @@ Families (`family_of(formatter)`):
                <|python_tag|>, results as ipython; a Meta checkpoint renders as llama-models'
                ChatFormat(tool_prompt_format=json) does.
   pythonic     Meta's Llama 3.2/3.3: calls as a Python list [f(a=1), g(b="x")] (tool_prompt_format=python_list).
+               Llama 4 speaks either Meta family (pythonic by default; its format renders its own dialogs,
+               llama4_chat.py), and may wrap a reply in <|python_start|>..<|python_end|>.
   hermes       <tool_call>{"name": ..., "arguments": ...}</tool_call> (Hermes, Qwen 2.5), the template's own text.
   mistral      [TOOL_CALLS][{"name": ..., "arguments": ...}], 9-character call ids.
   generic      a template without tools (SmolLM2) or Llama 2: our tool prompt in the system message and the hermes
@@ -282,6 +284,8 @@ def parse(family: str, text: str) -> Tuple[Optional[str], List[Tuple[str, Dict]]
         return (None, calls) if calls and len(calls) == len(items) else (text, [])
     tagged = body.startswith("<|python_tag|>")
     body = body[len("<|python_tag|>"):].strip() if tagged else body
+    if body.startswith("<|python_start|>"):  # Llama 4's wrapper of a call or of code_interpreter's code
+        tagged, body = True, body[len("<|python_start|>"):].replace("<|python_end|>", "").strip()
     calls = _python_calls(body) if family == "pythonic" else _json_calls(body, "parameters")
     if not calls and family == "llama3_json":
         calls = _python_calls(body)
