@@ -96,6 +96,23 @@ def test_special_token_text_is_plain_unless_allowed(tok):
     assert tok.piece(tok.eot_id) == "<|eot|>"
 
 
+def test_a_llama4_tokenizer_json_stops_on_every_stop_token(tmp_path):
+    """A Hugging Face Llama 4 directory's tokenizer.json names one eos_token (<|eot|> for Instruct models): the
+    family's other stops (<|end_of_text|>, <|eom|>) end a generation too."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    hf = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz ")}, merges=[]))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    names = ["<|begin_of_text|>", "<|end_of_text|>", "<|header_start|>", "<|header_end|>", "<|eom|>", "<|eot|>"]
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in names])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|begin_of_text|>",
+                                                               "eos_token": "<|eot|>", "add_bos_token": True}))
+    tok = load_tokenizer(tmp_path / "tokenizer.json")
+    ids = {t: hf.token_to_id(t) for t in names}
+    assert tok.stop_tokens == {ids["<|end_of_text|>"]: "eos", ids["<|eot|>"]: "eot", ids["<|eom|>"]: "eom"}
+
+
 # ------------------------------------------------------------------------------------------------- chat format
 def raw(m):
     """llama-models' RawMessage of one of our messages."""
