@@ -31,7 +31,7 @@ LAYERS: List[tuple] = [
     ("llama.layers", "llama.rope", "llama.sizes", "llama.model_args"),  # parallel linear layers holding a linear
     # method; fusion; the hyperparameters
     ("llama.quantization", "llama.model", "llama.moe"),  # the linear methods; the transformer and its experts
-    ("llama.formats", "llama.tokenizers", "llama.tokenizer", "llama.sample", "llama.compilation",
+    ("llama.formats", "llama.tokenizers", "llama.tokenizer", "llama.llama4", "llama.sample", "llama.compilation",
      "llama.kernels.int4_pack_store", "llama.hub", "llama.loading.memory", "llama.loading.preload"),  # files,
     # text, tokens, compiled steps; fetching a model; what loading it takes in memory
     ("llama.config",),  # the typed configuration: options checked and resolved once, before anything loads

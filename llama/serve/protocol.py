@@ -13,6 +13,7 @@ from typing import Dict, List, Optional
 
 from llama.core.frontend.params import wire_params
 from llama.tokenizers.chat_format import template_kwarg_problem, with_template_kwargs
+from llama.tokenizers.messages import NO_VISION, is_image
 from llama.tokenizers.text import check_text
 
 FINISH = {"length": "length", "cancelled": "abort", "error": "error"}  # every stop token / stop string -> "stop"
@@ -242,6 +243,8 @@ def _text_parts(parts: list, where: str) -> str:
     """The text of OpenAI content parts; a part that is not text is a 400 naming it (where[j])."""
     texts = []
     for j, part in enumerate(parts):
+        if is_image(part):
+            raise bad(f"{where}[{j}]", f"{where}[{j}]: {NO_VISION}")
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
             raise bad(f"{where}[{j}]", f"{where}[{j}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) are "
                                       "supported")

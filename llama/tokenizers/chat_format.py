@@ -1,6 +1,6 @@
 """Chat formats: turning a dialog into prompt tokens, one interface for every model family: Meta's Llama 2 and
-Llama 3 formats token for token, and a model's own Jinja template (GGUF, Hugging Face), rendered as Hugging Face
-renders it.
+Llama 3 formats token for token (Llama 4's is llama4_chat.py), and a model's own Jinja template (GGUF, Hugging
+Face), rendered as Hugging Face renders it.
 
 A chat format offers validate(dialog, index), encode_dialog_prompt(dialog) -> token ids, refusal(dialog) (the
 answer to give instead of running a dialog the format forbids, or None), strip_reply_space (drop the reply's
@@ -12,7 +12,6 @@ kwargs)` (a `TemplateDialog`) passes them to the template as extra variables, as
 chat_template_kwargs do; formats without a template read none of them.
 """
 
-import copy
 import datetime
 import json
 from typing import Dict, List, Literal, Optional, Sequence, TypedDict, Union
@@ -20,7 +19,8 @@ from typing import Dict, List, Literal, Optional, Sequence, TypedDict, Union
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from llama.tokenizers.text import check_text
+from llama.tokenizers.llama4_chat import Llama4ChatFormat
+from llama.tokenizers.messages import TemplateDialog, validate_messages, with_template_kwargs  # noqa: F401 (kept here)
 
 Role = Literal["system", "user", "assistant", "ipython", "tool"]
 
@@ -36,21 +36,6 @@ B_INST, E_INST = "[INST]", "[/INST]"
 B_SYS, E_SYS = "<<SYS>>\n", "\n<</SYS>>\n\n"
 SPECIAL_TAGS = [B_INST, E_INST, "<<SYS>>", "<</SYS>>"]
 UNSAFE_ERROR = "Error: special tags are not allowed as part of the prompt."
-
-
-def validate_messages(dialog, index: int = 0, roles: Sequence[str] = ("system", "user", "assistant")) -> None:
-    """Raise ValueError unless dialog is a non-empty list of {'role', 'content': str} with known roles."""
-    where = f"dialog {index}"
-    if not isinstance(dialog, (list, tuple)) or not dialog:
-        raise ValueError(f"{where} must be a non-empty list of messages, got {dialog!r:.80}")
-    for i, msg in enumerate(dialog):
-        if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
-            raise ValueError(f"{where}, message {i}: must be a dict with 'role' and 'content', got {msg!r:.80}")
-        if msg["role"] not in roles:
-            raise ValueError(f"{where}, message {i}: unknown role {msg['role']!r} (use {', '.join(roles)})")
-        if not isinstance(msg["content"], str):
-            raise ValueError(f"{where}, message {i}: content must be a str, got {type(msg['content']).__name__}")
-        check_text(f"{where}, message {i}: content", msg["content"])
 
 
 def validate_dialog(dialog, index: int = 0) -> None:
@@ -78,7 +63,8 @@ def has_special_tags(dialog: Dialog) -> bool:
 
 class ChatFormat:
     """The Llama 2 chat template, token for token as Meta's reference builds it. Meta's `ChatFormat(tokenizer)`
-    is Llama 3's (llama3's llama/tokenizer.py), so given a Llama 3 tokenizer it returns a Llama3ChatFormat."""
+    is Llama 3's (llama3's llama/tokenizer.py), so given a Llama 3 tokenizer it returns a Llama3ChatFormat, and
+    given a Llama 4 one a Llama4ChatFormat (llama4_chat.py)."""
 
     strip_reply_space = True  # the reply follows "[/INST]" and starts with the template's separator space
     stop_tokens: Dict[int, str] = {}
@@ -86,6 +72,8 @@ class ChatFormat:
     def __new__(cls, tokenizer=None):  # None: copy and pickle make the object without arguments
         if cls is ChatFormat and "<|start_header_id|>" in getattr(tokenizer, "special_tokens", {}):
             return Llama3ChatFormat(tokenizer)
+        if cls is ChatFormat and "<|header_start|>" in getattr(tokenizer, "special_tokens", {}):
+            return Llama4ChatFormat(tokenizer)
         return super().__new__(cls)
 
     def __init__(self, tokenizer):
@@ -250,26 +238,6 @@ def check_template_kwargs(kwargs, name: str = "chat_template_kwargs") -> Dict:
     return dict(kwargs)
 
 
-class TemplateDialog(list):
-    """A dialog (its messages) plus the extra variables its chat template renders with."""
-
-    def __init__(self, messages, template_kwargs: Optional[Dict] = None):
-        super().__init__(messages)
-        self.template_kwargs = dict(template_kwargs or {})
-
-
-def with_template_kwargs(dialog, kwargs: Optional[Dict]):
-    """dialog carrying kwargs for its template (dialog itself when there are none); a dialog that carries its
-    own (a tool dialog) gets a copy with them added."""
-    if not kwargs:
-        return dialog
-    if hasattr(dialog, "template_kwargs"):
-        out = copy.copy(dialog)
-        out.template_kwargs = {**dialog.template_kwargs, **kwargs}
-        return out
-    return TemplateDialog(dialog, kwargs)
-
-
 class TemplateChatFormat:
     """The chat-format interface over a Jinja template; its end-of-turn token stops replies."""
 
@@ -334,12 +302,14 @@ def meta_tool_style(params) -> str:
 
 def chat_format_for(tokenizer, params=None, tool_style: Optional[str] = None):
     """The chat format that belongs to a tokenizer (the family is decided by the tokenizer, not by a flag): the
-    model's own Jinja template when it carries one, else Meta's Llama 3 (tool syntax by `params`' shape unless
-    tool_style names one) or Llama 2 format."""
+    model's own Jinja template when it carries one, else Meta's Llama 4 (pythonic tool calls unless tool_style names
+    the other syntax), Llama 3 (tool syntax by `params`' shape unless tool_style names one) or Llama 2 format."""
     if tool_style is not None and tool_style not in TOOL_STYLES:
         raise ValueError(f"tool_style must be one of {TOOL_STYLES} or None, got {tool_style!r}")
     if getattr(tokenizer, "chat_template", None):
         return TemplateChatFormat(tokenizer, tokenizer.chat_template)
     if "<|start_header_id|>" in getattr(tokenizer, "special_tokens", {}):
         return Llama3ChatFormat(tokenizer, tool_style or meta_tool_style(params))
+    if "<|header_start|>" in getattr(tokenizer, "special_tokens", {}):
+        return Llama4ChatFormat(tokenizer, tool_style or "pythonic")
     return ChatFormat(tokenizer)

@@ -15,6 +15,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
 
 from llama.tokenizers import pretokenizers
 from llama.tokenizers.llama3 import STOP_REASONS
+from llama.tokenizers.llama4 import STOP_REASONS as LLAMA4_STOPS
 from llama.tokenizers.text import check_text
 
 CONTROL, UNKNOWN, USER_DEFINED = 3, 2, 4  # llama.cpp's token types: control (special), unknown, user-defined
@@ -32,9 +33,9 @@ class HFTokenizer:
         self.chat_template = chat_template
         self.stop_tokens: Dict[int, str] = {eos_id: "eos"}
         self.special_ids = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
-        if "<|start_header_id|>" in self.special_ids:  # a Llama 3 vocabulary: stop on each of the family's stops
-            self.stop_tokens.update({self.special_ids[t]: reason for t, reason in STOP_REASONS.items()
-                                     if t in self.special_ids})
+        family = (STOP_REASONS if "<|start_header_id|>" in self.special_ids  # Llama 3's or 4's vocabulary: stop
+                  else LLAMA4_STOPS if "<|header_start|>" in self.special_ids else {})  # on each of the family's stops
+        self.stop_tokens.update({self.special_ids[t]: reason for t, reason in family.items() if t in self.special_ids})
 
     def encode(self, s: str, bos: bool, eos: bool) -> List[int]:
         if not isinstance(s, str):

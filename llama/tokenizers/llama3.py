@@ -9,7 +9,7 @@ special tokens, by id.
 
 import base64
 from pathlib import Path
-from typing import AbstractSet, Collection, Dict, Iterator, List, Literal, Union
+from typing import AbstractSet, Collection, Dict, Iterator, List, Literal, Optional, Union
 
 import tiktoken
 
@@ -66,15 +66,47 @@ def split_runs(text: str, limit: int = MAX_RUN) -> Iterator[str]:
     yield text[start:]
 
 
-class Llama3Tokenizer:
+class TiktokenTokenizer:
+    """What Meta's tiktoken tokenizers share (Llama 3 here, Llama 4 in llama4.py): encoding in Meta's chunks and
+    runs, special-token text as plain text unless allowed, decoding. A subclass sets self.model (a
+    tiktoken.Encoding), bos_id and eos_id."""
+
+    _split_whitespaces_or_nonwhitespaces = staticmethod(split_runs)  # Meta's name, for code that calls it
+    model: tiktoken.Encoding
+    bos_id: int
+    eos_id: int
+
+    def encode(self, s: str, bos: bool, eos: bool,
+               allowed_special: Union[Literal["all"], AbstractSet[str], None] = frozenset(),
+               disallowed_special: Union[Literal["all"], Collection[str]] = ()) -> List[int]:
+        """Ids of s. By default special-token text in s is encoded as plain text, never as the special id;
+        allowed_special/disallowed_special are tiktoken's (Meta llama3's encode): "all" or a set of names (None:
+        none, as llama4's default)."""
+        if not isinstance(s, str):
+            raise TypeError(f"encode expects a str, got {type(s).__name__}")
+        allowed_special = frozenset() if allowed_special is None else allowed_special
+        ids: List[int] = [self.bos_id] if bos else []
+        for i in range(0, len(s), MAX_CHARS):
+            for piece in split_runs(s[i : i + MAX_CHARS]):
+                ids += self.model.encode(piece, allowed_special=allowed_special, disallowed_special=disallowed_special)
+        return ids + [self.eos_id] if eos else ids
+
+    def decode(self, t: List[int]) -> str:
+        return self.model.decode(list(t))
+
+    def piece(self, token_id: int) -> str:
+        return self.model.decode_single_token_bytes(token_id).decode("utf-8", errors="replace")
+
+
+class Llama3Tokenizer(TiktokenTokenizer):
     """The Llama 3.x tokenizer, with the interface of llama.tokenizers.sentencepiece.Tokenizer and Meta llama3's."""
 
     num_reserved_special_tokens = NUM_SPECIAL
     pat_str = PATTERN
-    _split_whitespaces_or_nonwhitespaces = staticmethod(split_runs)  # Meta's name, for code that calls it
 
-    def __init__(self, model_path):
-        ranks = read_ranks(model_path)
+    def __init__(self, model_path, ranks: Optional[Dict[bytes, int]] = None):
+        """ranks: the file's ranks when the caller has read them already (read_ranks)."""
+        ranks = read_ranks(model_path) if ranks is None else ranks
         n_base = len(ranks)
         names = NAMED_SPECIAL + [f"<|reserved_special_token_{i}|>" for i in range(2, 2 + NUM_SPECIAL - len(NAMED_SPECIAL))]
         self.special_tokens = {name: n_base + i for i, name in enumerate(names)}
@@ -88,22 +120,3 @@ class Llama3Tokenizer:
         self.eom_id: int = self.special_tokens["<|eom_id|>"]
         self.python_tag_id: int = self.special_tokens["<|python_tag|>"]
         self.stop_tokens: Dict[int, str] = {self.special_tokens[t]: reason for t, reason in STOP_REASONS.items()}
-
-    def encode(self, s: str, bos: bool, eos: bool,
-               allowed_special: Union[Literal["all"], AbstractSet[str]] = frozenset(),
-               disallowed_special: Union[Literal["all"], Collection[str]] = ()) -> List[int]:
-        """Ids of s. By default special-token text in s is encoded as plain text, never as the special id;
-        allowed_special/disallowed_special are tiktoken's (Meta llama3's encode): "all" or a set of names."""
-        if not isinstance(s, str):
-            raise TypeError(f"encode expects a str, got {type(s).__name__}")
-        ids: List[int] = [self.bos_id] if bos else []
-        for i in range(0, len(s), MAX_CHARS):
-            for piece in split_runs(s[i : i + MAX_CHARS]):
-                ids += self.model.encode(piece, allowed_special=allowed_special, disallowed_special=disallowed_special)
-        return ids + [self.eos_id] if eos else ids
-
-    def decode(self, t: List[int]) -> str:
-        return self.model.decode(list(t))
-
-    def piece(self, token_id: int) -> str:
-        return self.model.decode_single_token_bytes(token_id).decode("utf-8", errors="replace")

@@ -1,5 +1,5 @@
-"""Tokenizers: Meta's SentencePiece model (Llama 2) here, tiktoken (Llama 3) in tokenizer_llama3.py, and
-`load_tokenizer`, which picks the kind from the file.
+"""Tokenizers: Meta's SentencePiece model (Llama 2) here, tiktoken (Llama 3 and 4) in llama3.py and llama4.py,
+and `load_tokenizer`, which picks the kind from the file.
 
 Every tokenizer offers: n_words, bos_id, eos_id, pad_id, encode(s, bos, eos), decode(ids), piece(id), and
 stop_tokens: {token id: finish_reason} for the tokens that end a generation (the stop token is not part of the
@@ -12,7 +12,8 @@ from typing import Dict, List, Optional
 from sentencepiece import SentencePieceProcessor
 
 from llama.tokenizers import huggingface
-from llama.tokenizers.llama3 import Llama3Tokenizer, is_rank_file
+from llama.tokenizers.llama3 import is_rank_file
+from llama.tokenizers.llama4 import rank_file_tokenizer
 from llama.tokenizers.text import check_text
 
 
@@ -26,11 +27,12 @@ def _check_path(model_path) -> str:
 
 class Tokenizer:
     """Meta's SentencePiece tokenizer (Llama 2). Meta's `llama.tokenizer.Tokenizer(path)` also names Llama 3's
-    tokenizer, so given a Llama 3 tiktoken file it returns a Llama3Tokenizer (Meta llama3's interface)."""
+    tokenizer, so given a tiktoken file it returns a Llama3Tokenizer (Meta llama3's interface), or a
+    Llama4Tokenizer for Llama 4's (llama-models' llama4 interface)."""
 
     def __new__(cls, model_path: Optional[str] = None):  # None: copy and pickle make the object without arguments
         if cls is Tokenizer and model_path is not None and is_rank_file(_check_path(model_path)):
-            return Llama3Tokenizer(model_path)
+            return rank_file_tokenizer(model_path)
         return super().__new__(cls)
 
     def __init__(self, model_path: str):
@@ -66,14 +68,14 @@ class Tokenizer:
 
 def load_tokenizer(path):
     """The tokenizer stored in `path`, of whichever kind the file is: Meta's sentencepiece model (Llama 2), tiktoken
-    rank file (Llama 3) or Hugging Face tokenizer.json. No flag: the file says which."""
+    rank file (Llama 3 or 4, by its number of ranks) or Hugging Face tokenizer.json. No flag: the file says which."""
     path = _check_path(path)
     if is_rank_file(path):
-        return Llama3Tokenizer(path)
+        return rank_file_tokenizer(path)
     if path.endswith(".json"):
         return huggingface.from_tokenizer_json(path)
     try:
         return Tokenizer(path)
     except ValueError:
         raise ValueError(f"{path} is neither a sentencepiece model (Llama 2) nor a tiktoken BPE rank file "
-                         "(Llama 3)") from None
+                         "(Llama 3 or 4)") from None

@@ -8,6 +8,8 @@ Families (`family_of(formatter)`):
                <|python_tag|>, results as ipython; a Meta checkpoint renders as llama-models'
                ChatFormat(tool_prompt_format=json) does.
   pythonic     Meta's Llama 3.2/3.3: calls as a Python list [f(a=1), g(b="x")] (tool_prompt_format=python_list).
+               Llama 4 speaks either Meta family (pythonic by default; its format renders its own dialogs,
+               llama4_chat.py), and may wrap a reply in <|python_start|>..<|python_end|>.
   hermes       <tool_call>{"name": ..., "arguments": ...}</tool_call> (Hermes, Qwen 2.5), the template's own text.
   mistral      [TOOL_CALLS][{"name": ..., "arguments": ...}], 9-character call ids.
   generic      a template without tools (SmolLM2) or Llama 2: our tool prompt in the system message and the hermes
@@ -23,6 +25,8 @@ import json
 import re
 from datetime import datetime
 from typing import Dict, List, Optional, Sequence, Tuple
+
+from llama.tokenizers.messages import validate_messages, with_template_kwargs
 
 BUILTINS = ("brave_search", "wolfram_alpha", "photogen", "code_interpreter")
 FAMILIES = ("llama3_json", "pythonic", "hermes", "mistral", "generic")
@@ -70,8 +74,6 @@ class ToolDialog(list):
                                     else template_kwargs)
 
     def validate_with(self, fmt, index: int = 0) -> None:
-        from llama.tokenizers.chat_format import validate_messages  # same layer; chat_format never imports us
-
         validate_messages([{"role": m["role"], "content": m["content"]} for m in self], index,
                           ("system", "user", "assistant", "tool", "ipython"))
         if self[-1]["role"] == "assistant":
@@ -105,12 +107,12 @@ def functions(tools: Sequence[Dict]) -> List[Dict]:
 
 # ------------------------------------------------------------------------------------------------ rendering
 def encode(fmt, dialog: ToolDialog) -> List[int]:
-    """The prompt tokens of a tool dialog in fmt's family."""
+    """The prompt tokens of a tool dialog in fmt's family (Llama 4's format renders its own)."""
+    if hasattr(fmt, "encode_tool_dialog"):
+        return fmt.encode_tool_dialog(dialog)
     if dialog.family in ("llama3_json", "pythonic") and hasattr(fmt, "encode_header"):
         return meta_llama3_tokens(fmt, dialog, dialog.family)
     if dialog.family == "generic":
-        from llama.tokenizers.chat_format import with_template_kwargs
-
         return fmt.encode_dialog_prompt(with_template_kwargs(generic_messages(dialog), dialog.template_kwargs))
     return fmt.tokenizer.encode(fmt.render(template_messages(dialog), tools=dialog.tools or None,
                                            template_kwargs=dialog.template_kwargs), bos=False, eos=False)
@@ -282,6 +284,8 @@ def parse(family: str, text: str) -> Tuple[Optional[str], List[Tuple[str, Dict]]
         return (None, calls) if calls and len(calls) == len(items) else (text, [])
     tagged = body.startswith("<|python_tag|>")
     body = body[len("<|python_tag|>"):].strip() if tagged else body
+    if body.startswith("<|python_start|>"):  # Llama 4's wrapper of a call or of code_interpreter's code
+        tagged, body = True, body[len("<|python_start|>"):].replace("<|python_end|>", "").strip()
     calls = _python_calls(body) if family == "pythonic" else _json_calls(body, "parameters")
     if not calls and family == "llama3_json":
         calls = _python_calls(body)
