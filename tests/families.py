@@ -33,12 +33,20 @@ FAMILIES = {
                                                  "original_max_position_embeddings": 128}}),
     # qk-norm; head_dim set apart from hidden_size / heads, as Qwen3's own configs do
     "qwen3": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True}),
-    # 8 experts, top 2 renormalised, a dense layer first (mlp_only_layers) and experts narrower than it
+    # 8 experts, top 2 renormalised, experts narrower than the dense FFN width (llama.cpp's converter takes no
+    # dense layers in a qwen3moe: HF_ONLY's qwen3moe-mixed has them)
     "qwen3moe": ("qwen3_moe", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
-                               "norm_topk_prob": True, "mlp_only_layers": [0], "num_hidden_layers": 3}),
+                               "norm_topk_prob": True}),
     "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }
 MOE = ("qwen3moe", "mixtral")
+# families only a Hugging Face directory holds: a dense layer among MoE ones (mlp_only_layers, decoder_sparse_step),
+# and the top-k weights left as the softmax gave them (norm_topk_prob false)
+HF_ONLY = {
+    "qwen3moe-mixed": ("qwen3_moe", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                     "norm_topk_prob": False, "mlp_only_layers": [0], "decoder_sparse_step": 1,
+                                     "num_hidden_layers": 3}),
+}
 
 
 def sentencepiece_model() -> bytes:
@@ -60,7 +68,7 @@ def hf_model(name: str, seed: int = 0):
     """transformers' model of family `name` with seeded random weights, fp32, in eval mode."""
     import transformers
 
-    model_type, extra = FAMILIES[name]
+    model_type, extra = {**FAMILIES, **HF_ONLY}[name]
     config = transformers.AutoConfig.for_model(model_type, **{**COMMON, **extra})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -103,3 +111,31 @@ def our_logits(g, seq):
     """Every position's logits of `seq` from Llama g (fp32 on the CPU), compared with transformers' in the tests."""
     with g.cache.hold():
         return g.runner.logits([seq])[0].cpu()
+
+
+def write_byte_level_tokenizer(out: Path) -> None:
+    """A byte-level BPE tokenizer.json of VOCAB tokens (Qwen's kind, which llama.cpp's converter reads for
+    Qwen3-MoE): <unk>, <s>, </s>, the printable ASCII bytes, Ġ (a space) and merges of common pairs; with
+    tokenizer_config.json naming its BOS and EOS."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    pieces = ["<unk>", "<s>", "</s>"] + [chr(c) for c in range(33, 127)] + ["Ġ"]
+    merges = []
+    for a, b in (("Ġ", "t"), ("h", "e"), ("Ġ", "a"), ("i", "n"), ("e", "r"), ("o", "n"), ("Ġt", "he"), ("r", "e"),
+                 ("a", "t"), ("e", "n"), ("o", "r"), ("Ġ", "s"), ("e", "d"), ("Ġ", "w"), ("i", "s"), ("Ġ", "c"),
+                 ("a", "n"), ("i", "t"), ("Ġ", "b"), ("o", "u"), ("Ġ", "f"), ("a", "r"), ("Ġ", "o"), ("Ġ", "d"),
+                 ("Ġ", "l"), ("Ġ", "m"), ("Ġ", "p"), ("e", "s"), ("l", "l"), ("Ġ", "h"), ("Ġ", "r"), ("Ġ", "n")):
+        if len(pieces) < VOCAB:
+            pieces.append(a + b)
+            merges.append((a, b))
+    tok = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=merges, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    out = Path(out)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                           "bos_token": "<s>", "eos_token": "</s>",
+                                                           "unk_token": "<unk>", "add_bos_token": False}))

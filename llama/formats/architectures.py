@@ -3,8 +3,12 @@ hyperparameters into ModelArgs fields, and the tensor layout into Meta's.
 
 - llama (Llama 2/3 (3.1's scaling as `rope_freqs.weight`), SmolLM2, Mistral's files, which carry no window), granite (its four scales): q/k rows are in
   Meta's interleaved rotary order already (the converter permutes them).
-- qwen2 (q/k/v biases) and phi3 (fused attn_qkv, ffn_up holding gate and up, long-rope factor tensors): NeoX
-  rotary with q/k rows as Hugging Face stores them, so they are permuted here into Meta's order.
+- qwen2 (q/k/v biases), phi3 (fused attn_qkv, ffn_up holding gate and up, long-rope factor tensors), qwen3 and
+  qwen3moe (qk-norm): NeoX rotary with q/k rows (and the qk-norm weights) as Hugging Face stores them, so they are
+  permuted here into Meta's order.
+- mixture of experts (qwen3moe, and Mixtral's `llama` files with `llama.expert_count`): the router ffn_gate_inp and
+  the experts' ffn_{gate,up,down}_exps, each one (n_experts, rows, row bytes) tensor, cut here into one tensor per
+  expert under the older files' names (blk.N.ffn_gate.E.weight ...), so both layouts read alike.
 
 adapt() rewrites a reader's tensor list once, before anything reads it: fused tensors become row ranges of their
 parts and q/k rows a permuted copy, all under the names the plain llama layout uses, so every reading path
@@ -19,8 +23,10 @@ import numpy as np
 from llama import rope
 from llama.model import derive_ffn
 
-SUPPORTED = ("llama", "qwen2", "phi3", "granite")
-NEOX = ("qwen2", "phi3")  # q/k rows in Hugging Face's rotate-half order
+SUPPORTED = ("llama", "qwen2", "phi3", "granite", "qwen3", "qwen3moe")
+NEOX = ("qwen2", "phi3", "qwen3", "qwen3moe")  # q/k rows in Hugging Face's rotate-half order
+QK_NORM = ("qwen3", "qwen3moe")
+EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # (n_experts, rows, row bytes): one tensor per projection
 
 
 def field(reader, key: str, default=None, path=None):
@@ -69,6 +75,11 @@ def read_params(reader, path: Path) -> dict:
     window = int(g("attention.sliding_window", 0))
     if window > 0:
         params["sliding_window"] = window
+    if arch in QK_NORM:
+        params["qk_norm"] = True
+    moe = moe_params(reader, arch, path, hidden)
+    if moe is not None:
+        params["moe"] = moe
     if arch == "granite":
         params.update(attention_multiplier=float(g("attention.scale", head_dim ** -0.5)),
                       embedding_multiplier=float(g("embedding_scale", 1.0)),
@@ -77,6 +88,21 @@ def read_params(reader, path: Path) -> dict:
     if scaling is not None:
         params["rope_scaling"] = scaling
     return params
+
+
+def moe_params(reader, arch: str, path, hidden: int):
+    """ModelArgs.moe from `{arch}.expert_count` and friends (None for a dense model); llama.cpp's graph for these
+    architectures renormalises the top-k weights and scales them by nothing else."""
+    g = lambda key, default=None: field(reader, f"{arch}.{key}", default, path)  # noqa: E731
+    n = int(g("expert_count", 0))
+    if n == 0:
+        return None
+    scale = float(g("expert_weights_scale", 1.0))
+    if scale not in (0.0, 1.0):
+        raise ValueError(f"{path}: {arch}.expert_weights_scale {scale:g} is not supported (only 1)")
+    every = int(g("interleave_moe_layer_step", 1)) or 1
+    return {"n_experts": n, "top_k": int(g("expert_used_count")), "every": every,
+            "hidden_dim": int(g("expert_feed_forward_length", hidden)), "renormalize": True}
 
 
 def rope_scaling(reader, arch: str, path, head_dim: int):
@@ -123,6 +149,20 @@ def _part(t, name: str, rows):
                       n_bytes=int(t.n_bytes * n_rows // t.data.shape[0]))
 
 
+def _expert(t, name: str, e: int):
+    """Expert e's matrix of a (n_experts, rows, row bytes) reader tensor, renamed (a view of the file)."""
+    data = t.data[e]
+    shape = t.shape[:2].copy()
+    return t._replace(name=name, data=data, shape=shape, n_elements=int(np.prod(shape)),
+                      n_bytes=int(t.n_bytes // t.data.shape[0]))
+
+
+def split_experts(t, prefix: str, local: str) -> list:
+    """A layer's ffn_*_exps tensor as one tensor per expert, named as the older per-expert files name them."""
+    proj = local.split("_exps")[0]  # ffn_gate, ffn_up, ffn_down
+    return [_expert(t, f"{prefix}{proj}.{e}.weight", e) for e in range(t.data.shape[0])]
+
+
 def adapt(reader, path, params: dict) -> None:
     """Rewrite reader.tensors into the plain llama layout (see the module docstring); once per reader."""
     if getattr(reader, "llama_layout", False):
@@ -146,11 +186,16 @@ def adapt(reader, path, params: dict) -> None:
             out += [_part(t, prefix + "ffn_gate.weight", slice(0, half)), _part(t, prefix + "ffn_up.weight",
                                                                                  slice(half, 2 * half))]
             continue
+        if local.rsplit(".", 1)[0] in EXPERTS:
+            out += split_experts(t, prefix, local)
+            continue
         out.append(t)
     if arch in NEOX:
         for i, t in enumerate(out):
             local = t.name.rpartition("attn_")[2]
             if t.name.startswith("blk.") and local in ("q.weight", "q.bias", "k.weight", "k.bias"):
                 out[i] = _part(t, t.name, neox_to_meta(t.data.shape[0], n_heads if local[0] == "q" else n_kv))
+            elif t.name.startswith("blk.") and local in ("q_norm.weight", "k_norm.weight"):  # within one head
+                out[i] = _part(t, t.name, neox_to_meta(t.data.shape[0], 1))
     reader.tensors = out
     reader.llama_layout = True

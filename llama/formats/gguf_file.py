@@ -1,7 +1,8 @@
 """GGUF files (llama.cpp's format: weights, hyperparameters, tokenizer and chat template in one file), read with
 the `gguf` package and turned into this package's parameters, Meta-named weights and tokenizer.
 
-The architectures of llama/formats/architectures.py are accepted (llama, qwen2, phi3, granite). Quantized tensors
+The architectures of llama/formats/architectures.py are accepted (llama with or without experts, qwen2, phi3,
+granite, qwen3, qwen3moe). Quantized tensors
 of any type gguf's numpy code dequantizes are, where they do not run in their own blocks
 (llama/formats/gguf_quants.py), dequantized at load, tensor by tensor, to the requested dtype; F32/F16/BF16 are
 cast, or, already in the requested dtype, used in place: the
@@ -36,7 +37,11 @@ _LAYER = {"attn_q.weight": "attention.wq.weight", "attn_k.weight": "attention.wk
           "ffn_gate.weight": "feed_forward.w1.weight", "ffn_down.weight": "feed_forward.w2.weight",
           "ffn_up.weight": "feed_forward.w3.weight", "attn_norm.weight": "attention_norm.weight",
           "ffn_norm.weight": "ffn_norm.weight", "attn_q.bias": "attention.wq.bias",
-          "attn_k.bias": "attention.wk.bias", "attn_v.bias": "attention.wv.bias"}
+          "attn_k.bias": "attention.wk.bias", "attn_v.bias": "attention.wv.bias",
+          "attn_q_norm.weight": "attention.q_norm.weight", "attn_k_norm.weight": "attention.k_norm.weight",
+          "ffn_gate_inp.weight": "feed_forward.gate.weight"}
+_EXPERT = re.compile(r"^ffn_(gate|up|down)\.(\d+)\.weight$")  # an expert's matrix (architectures.split_experts)
+_EXPERT_W = {"gate": "w1", "down": "w2", "up": "w3"}
 
 
 def find_gguf(path) -> Optional[Path]:
@@ -130,6 +135,9 @@ def meta_name(name: str, path: Path) -> str:
     parts = name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER:
         return f"layers.{parts[1]}.{_LAYER[parts[2]]}"
+    expert = _EXPERT.match(parts[2]) if len(parts) == 3 and parts[0] == "blk" else None
+    if expert:
+        return f"layers.{parts[1]}.feed_forward.experts.{expert.group(2)}.{_EXPERT_W[expert.group(1)]}.weight"
     raise ValueError(f"{path}: tensor {name!r} is not a parameter of the Llama architecture")
 
 

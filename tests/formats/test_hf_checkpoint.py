@@ -1,5 +1,6 @@
 """Hugging Face directories of the LLaMA-style families (tests/families.py: Llama, Mistral with a sliding window,
-Qwen2 with q/k/v biases and tied embeddings, Phi-3 with fused tensors and long-rope, Granite's multipliers, YaRN),
+Qwen2 with q/k/v biases and tied embeddings, Phi-3 with fused tensors and long-rope, Granite's multipliers, YaRN,
+Qwen3's qk-norm, the mixture-of-experts Qwen3-MoE (with a dense layer among the MoE ones) and Mixtral),
 written by transformers with random weights: our logits within 1e-4 of transformers' over 300 positions, and the
 same greedy ids alone, batched and through the engine."""
 
@@ -7,7 +8,7 @@ import json
 
 import pytest
 import torch
-from families import FAMILIES, hf_greedy, our_logits, sentencepiece_model, sequence, write_hf
+from families import FAMILIES, HF_ONLY, hf_greedy, our_logits, sentencepiece_model, sequence, write_hf
 
 from llama import Llama
 
@@ -41,7 +42,7 @@ def ref_logits(model, seq):
         return model(torch.tensor([seq])).logits[0]
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", [*FAMILIES, *HF_ONLY])
 def test_logits_match_transformers_over_300_positions(family, name):
     _, model, g = family(name)
     seq = sequence(300)
@@ -49,7 +50,7 @@ def test_logits_match_transformers_over_300_positions(family, name):
     assert (our_logits(g, seq) - ref).abs().max() < 1e-4 * max(1.0, float(ref.abs().max()))
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", [*FAMILIES, *HF_ONLY])
 def test_greedy_ids_alone_batched_and_through_the_engine(family, name):
     """Prompts longer than twice Mistral's window of 24, so decoding attends past it. Long-rope's factors are
     chosen once from max_seq_len (transformers chooses per forward pass, by its length): within the original
