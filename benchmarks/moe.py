@@ -25,7 +25,7 @@ from pathlib import Path
 
 from harness import (child_main, decode_rate, greedy_decoders, machine, peak_rss, print_results, prompt_tokens,
                      run_child, run_requests, workdir)
-from moe_gguf import QWEN3_30B_A3B, tensor_bytes, write_moe_gguf
+from moe_gguf import bytes_per_token, expected_distinct, write_moe_gguf
 
 ENGINES = ("ours", "llamacpp")
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
@@ -170,29 +170,6 @@ def measure(cfg: dict) -> dict:
 
 
 # --------------------------------------------------------------------------------------------- bytes and roofline
-def bytes_per_token(path: Path, distinct_experts: float = None) -> dict:
-    """What one token reads of the file (GB) and the parameters it uses (B), at batch 1 (top_k experts a layer) or
-    a step of several tokens touching `distinct_experts` experts a layer (the step's bytes, not divided)."""
-    import gguf
-
-    shape = QWEN3_30B_A3B
-    used = shape.top_k if distinct_experts is None else distinct_experts
-    reads = params = 0.0
-    for t in gguf.GGUFReader(path).tensors:
-        share = used / shape.n_experts if "_exps" in t.name else 1.0
-        if t.name == "token_embd.weight":
-            share = 1 / t.shape[-1]  # one row
-        reads += share * int(t.n_bytes)
-        params += share * int(t.n_elements)
-    return {"read_gb": reads / 1e9, "params_b": params / 1e9}
-
-
-def expected_distinct(batch: int) -> float:
-    """Distinct experts a layer that `batch` tokens routed uniformly at random touch: n (1 - (1 - k/n)^batch)."""
-    n, k = QWEN3_30B_A3B.n_experts, QWEN3_30B_A3B.top_k
-    return n * (1 - (1 - k / n) ** batch)
-
-
 def read_roofline(work: Path, threads: int) -> float:
     """Best read GB/s of ../shared/tools/read_bandwidth.c (its 512-bit loads made 256-bit where the CPU lacks
     AVX-512: every cache line is still read), built once into the workdir."""

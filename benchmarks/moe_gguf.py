@@ -246,3 +246,29 @@ def tensor_bytes(path: Path) -> Dict[str, int]:
     import gguf
 
     return {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+
+
+def bytes_per_token(path: Path, distinct_experts: float = None) -> dict:
+    """What one token reads of the file (GB) and the parameters it uses (B), at batch 1 (top_k experts a layer) or
+    a step of several tokens touching `distinct_experts` experts a layer (the step's bytes, not divided)."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
+    n_experts = reader.fields[gguf.Keys.LLM.EXPERT_COUNT.format(arch=arch)].contents()
+    used = reader.fields[gguf.Keys.LLM.EXPERT_USED_COUNT.format(arch=arch)].contents()
+    used = used if distinct_experts is None else distinct_experts
+    reads = params = 0.0
+    for t in reader.tensors:
+        share = used / n_experts if "_exps" in t.name else 1.0
+        if t.name == "token_embd.weight":
+            share = 1 / t.shape[-1]  # one row
+        reads += share * int(t.n_bytes)
+        params += share * int(t.n_elements)
+    return {"read_gb": reads / 1e9, "params_b": params / 1e9}
+
+
+def expected_distinct(batch: int) -> float:
+    """Distinct experts a layer that `batch` tokens routed uniformly at random touch: n (1 - (1 - k/n)^batch)."""
+    n, k = QWEN3_30B_A3B.n_experts, QWEN3_30B_A3B.top_k
+    return n * (1 - (1 - k / n) ** batch)
