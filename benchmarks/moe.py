@@ -15,6 +15,7 @@ the experts at batch 1, the distinct experts of a step at batch 8), set against 
 """
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -163,6 +164,16 @@ def measure_load(cfg: dict) -> dict:
     return {"load_s": built - start, "first_token_s": time.perf_counter() - start, "peak_rss_gb": peak_rss() / 1e9}
 
 
+def run_child_live(config: dict):
+    """harness.run_child with the child's stderr (its per-block progress) passed through as it runs."""
+    out = subprocess.run([sys.executable, __file__, "--child", json.dumps(config)], stdout=subprocess.PIPE, text=True)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        print(f"the measuring process failed (exit {out.returncode})", file=sys.stderr)
+        return None
+    return json.loads(line[len("RESULT "):])
+
+
 def measure(cfg: dict) -> dict:
     from moe_profile import measure_profile
 
@@ -215,7 +226,7 @@ def load_rows(path: Path, args) -> list:
 def speed_rows(path: Path, args, roofline: float) -> list:
     cfg = {"mode": "speed", "file": str(path), "engines": args.engines, "blocks": args.blocks,
            "tokens": args.tokens, "batch": args.batch, "prompt": args.prompt}
-    res = run_child(__file__, cfg)
+    res = run_child_live(cfg)
     if res is None:
         return []
     one, many = bytes_per_token(path), bytes_per_token(path, expected_distinct(args.batch))
@@ -270,8 +281,8 @@ def main():
         print_results("moe-speed", speed_rows(path, args, roofline), args.json,
                       extra={"roofline_gbs": roofline, "bytes": {"b1": one, f"b{args.batch}": many}})
         if args.profile and "ours" in args.engines:
-            res = run_child(__file__, {"mode": "profile", "file": str(path), "batch": args.batch,
-                                       "tokens": args.tokens})
+            res = run_child_live({"mode": "profile", "file": str(path), "batch": args.batch,
+                                  "tokens": args.tokens})
             if res is not None:
                 print_results("moe-profile", res["rows"], args.json, extra={"distinct": res["distinct"]})
 
