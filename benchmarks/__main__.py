@@ -68,6 +68,9 @@ MEASUREMENTS = {
                                  "(LLAMA_GGML_ARITH=1) against our own, fresh processes alternating"),
     "gguf-cpu-time": ("gguf_cpu_time", "process CPU time of one-row GGUF block products per format, one thread: "
                                        "checkouts compared on a busy machine (run from each)"),
+    "moe": ("moe", "mixture-of-experts at Qwen3-30B-A3B's shape (a random GGUF qwen3moe, Q4_K_M and bf16, cut to "
+                   "N layers): decode at batch 1 and 8, prefill, load and peak RSS beside llama.cpp on the same file, "
+                   "bytes a token reads against the read roofline, and where our step goes (--profile)"),
     "tied-memory": ("tied_memory", "peak RSS with tied against untied embeddings (Llama 3.2's vocabulary)"),
 }
 PROG = "python -m benchmarks"
