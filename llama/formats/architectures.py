@@ -145,16 +145,19 @@ def _part(t, name: str, rows):
     n_rows = data.shape[0]
     shape = t.shape.copy()
     shape[-1] = n_rows  # GGUF lists the fastest dimension first: rows are the last
+    row_bytes = int(t.n_bytes) // t.data.shape[0]
+    first = rows.start or 0 if isinstance(rows, slice) else 0  # where a row range starts (for releasing its pages)
     return t._replace(name=name, data=data, shape=shape, n_elements=int(np.prod(shape)),
-                      n_bytes=int(t.n_bytes * n_rows // t.data.shape[0]))
+                      n_bytes=row_bytes * n_rows, data_offset=int(t.data_offset) + first * row_bytes)
 
 
 def _expert(t, name: str, e: int):
     """Expert e's matrix of a (n_experts, rows, row bytes) reader tensor, renamed (a view of the file)."""
     data = t.data[e]
     shape = t.shape[:2].copy()
-    return t._replace(name=name, data=data, shape=shape, n_elements=int(np.prod(shape)),
-                      n_bytes=int(t.n_bytes // t.data.shape[0]))
+    size = int(t.n_bytes) // t.data.shape[0]
+    return t._replace(name=name, data=data, shape=shape, n_elements=int(np.prod(shape)), n_bytes=size,
+                      data_offset=int(t.data_offset) + e * size)  # its own bytes: gguf_file.release drops them
 
 
 def split_experts(t, prefix: str, local: str) -> list:
