@@ -203,29 +203,32 @@ def rand_gen(tmp_path_factory):
     return Llama.build(str(d), str(d / "tokenizer.model"), max_seq_len=128, max_batch_size=4)
 
 
-@pytest.fixture
-def two_ranks(stories_dir, tmp_path):
-    """Run a script under `torchrun --standalone --nproc_per_node 2` on stories260K resharded into 2 shards.
+def run_two_ranks(tmp: Path, script: str, *extra: str, timeout: float = 600) -> list:
+    """Run a script under `torchrun --standalone --nproc_per_node 2` on stories260K resharded into 2 shards in tmp.
 
     The script gets argv: checkpoint dir, tokenizer, goldens path, output prefix, then `extra`; each rank writes
-    json to f"{prefix}.{RANK}.json". Returns the two ranks' json.
+    json to f"{prefix}.{RANK}.json". Returns the two ranks' json. A module-scoped fixture can call it once for
+    several tests (one launch: one python, torch and process-group start instead of one per test).
     """
     import subprocess
     import sys
 
     from llama.formats.reshard import reshard
 
-    def run(script: str, *extra: str, timeout: float = 600) -> list:
-        reshard(stories_dir, tmp_path / "two", 2)
-        (tmp_path / "run.py").write_text(script)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(tmp_path / "run.py"), str(tmp_path / "two"), str(stories_dir / "tokenizer.model"),
-               str(need(GOLDENS)), str(tmp_path / "out"), *extra]
-        proc = subprocess.run(cmd, cwd=tmp_path, env=rank_env(2), capture_output=True, text=True, timeout=timeout)
-        assert proc.returncode == 0, error_lines(proc.stderr)
-        return [json.loads((tmp_path / f"out.{r}.json").read_text()) for r in range(2)]
+    reshard(need(STORIES), tmp / "two", 2)
+    (tmp / "run.py").write_text(script)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(tmp / "run.py"), str(tmp / "two"), str(STORIES / "tokenizer.model"),
+           str(need(GOLDENS)), str(tmp / "out"), *extra]
+    proc = subprocess.run(cmd, cwd=tmp, env=rank_env(2), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, error_lines(proc.stderr)
+    return [json.loads((tmp / f"out.{r}.json").read_text()) for r in range(2)]
 
-    return run
+
+@pytest.fixture
+def two_ranks(stories_dir, tmp_path):
+    """run_two_ranks in this test's tmp_path: two_ranks(script, *extra, timeout=600)."""
+    return lambda script, *extra, timeout=600: run_two_ranks(tmp_path, script, *extra, timeout=timeout)
 
 
 @pytest.fixture(params=["avx2", "avx512-vnni"])
