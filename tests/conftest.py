@@ -77,17 +77,19 @@ HOST_MEMORY = pytest.mark.skipif(ON_CUDA, reason="hardware: measures host memory
 
 
 # The files that take minutes (compiles, torchrun launches, servers), heaviest first (measured with --durations,
-# 2026-11-26). They run first, so that under `-n 2 --dist loadfile` the two workers end together on the many light
+# 2026-11-29). They run first, so that under `-n 2 --dist loadfile` the two workers end together on the many light
 # files; xdist's own order (files by test count) puts these few-test files last, where one of them alone is the
 # tail. A stale entry costs balance, never a test.
 SLOW_FIRST = (
-    "compilation/test_step_store_kernels.py", "formats/test_gguf_families.py", "formats/test_gguf_file.py",
-    "compilation/test_compiled_decode.py", "test_examples.py", "compilation/test_step_store.py",
-    "distributed/test_tensor_parallel.py", "kernels/test_cpu.py", "serve/test_serve.py",
-    "quantization/test_gguf_blocks.py", "formats/test_fetch.py", "tokenizers/test_pretokenizers.py",
-    "quantization/test_int4.py", "formats/test_gguf_blocks_real.py", "serve/test_serve_tools.py", "cli/test_chat.py",
-    "distributed/test_pipeline.py", "quantization/test_int8.py", "test_families.py", "test_llama3.py",
-    "distributed/test_pipeline_nodes.py", "tokenizers/test_tool_vocab.py",
+    "compilation/test_compiled_decode.py", "formats/test_gguf_file.py", "formats/test_gguf_families.py",
+    "compilation/test_step_store_kernels.py", "compilation/test_step_store.py", "distributed/test_tensor_parallel.py",
+    "distributed/test_speculative_parallel.py", "compilation/test_compiled_speculation.py", "test_examples.py",
+    "distributed/test_pipeline.py", "distributed/test_gguf_stages.py", "kernels/test_cpu.py", "serve/test_serve.py",
+    "quantization/test_gguf_llama_cpp.py", "quantization/test_gguf_blocks.py", "hub/test_fetch.py",
+    "distributed/test_pipeline_nodes.py", "tokenizers/test_pretokenizers.py", "quantization/test_int4.py",
+    "formats/test_gguf_blocks_real.py", "serve/test_serve_tools.py", "cli/test_chat.py",
+    "distributed/test_prefix_cache_parallel.py", "core/frontend/test_engine.py", "quantization/test_int8.py",
+    "test_families.py", "test_llama3.py", "tokenizers/test_tool_vocab.py",
 )
 
 
