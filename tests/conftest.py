@@ -77,17 +77,19 @@ HOST_MEMORY = pytest.mark.skipif(ON_CUDA, reason="hardware: measures host memory
 
 
 # The files that take minutes (compiles, torchrun launches, servers), heaviest first (measured with --durations,
-# 2026-11-26). They run first, so that under `-n 2 --dist loadfile` the two workers end together on the many light
+# 2026-11-29). They run first, so that under `-n 2 --dist loadfile` the two workers end together on the many light
 # files; xdist's own order (files by test count) puts these few-test files last, where one of them alone is the
 # tail. A stale entry costs balance, never a test.
 SLOW_FIRST = (
-    "compilation/test_step_store_kernels.py", "formats/test_gguf_families.py", "formats/test_gguf_file.py",
-    "compilation/test_compiled_decode.py", "test_examples.py", "compilation/test_step_store.py",
-    "distributed/test_tensor_parallel.py", "kernels/test_cpu.py", "serve/test_serve.py",
-    "quantization/test_gguf_blocks.py", "formats/test_fetch.py", "tokenizers/test_pretokenizers.py",
-    "quantization/test_int4.py", "formats/test_gguf_blocks_real.py", "serve/test_serve_tools.py", "cli/test_chat.py",
-    "distributed/test_pipeline.py", "quantization/test_int8.py", "test_families.py", "test_llama3.py",
-    "distributed/test_pipeline_nodes.py", "tokenizers/test_tool_vocab.py",
+    "compilation/test_compiled_decode.py", "formats/test_gguf_file.py", "formats/test_gguf_families.py",
+    "compilation/test_step_store_kernels.py", "compilation/test_step_store.py", "distributed/test_tensor_parallel.py",
+    "distributed/test_speculative_parallel.py", "compilation/test_compiled_speculation.py", "test_examples.py",
+    "distributed/test_pipeline.py", "distributed/test_gguf_stages.py", "kernels/test_cpu.py", "serve/test_serve.py",
+    "quantization/test_gguf_llama_cpp.py", "quantization/test_gguf_blocks.py", "hub/test_fetch.py",
+    "distributed/test_pipeline_nodes.py", "tokenizers/test_pretokenizers.py", "quantization/test_int4.py",
+    "formats/test_gguf_blocks_real.py", "serve/test_serve_tools.py", "cli/test_chat.py",
+    "distributed/test_prefix_cache_parallel.py", "core/frontend/test_engine.py", "quantization/test_int8.py",
+    "test_families.py", "test_llama3.py", "tokenizers/test_tool_vocab.py",
 )
 
 
@@ -203,29 +205,32 @@ def rand_gen(tmp_path_factory):
     return Llama.build(str(d), str(d / "tokenizer.model"), max_seq_len=128, max_batch_size=4)
 
 
-@pytest.fixture
-def two_ranks(stories_dir, tmp_path):
-    """Run a script under `torchrun --standalone --nproc_per_node 2` on stories260K resharded into 2 shards.
+def run_two_ranks(tmp: Path, script: str, *extra: str, timeout: float = 600) -> list:
+    """Run a script under `torchrun --standalone --nproc_per_node 2` on stories260K resharded into 2 shards in tmp.
 
     The script gets argv: checkpoint dir, tokenizer, goldens path, output prefix, then `extra`; each rank writes
-    json to f"{prefix}.{RANK}.json". Returns the two ranks' json.
+    json to f"{prefix}.{RANK}.json". Returns the two ranks' json. A module-scoped fixture can call it once for
+    several tests (one launch: one python, torch and process-group start instead of one per test).
     """
     import subprocess
     import sys
 
     from llama.formats.reshard import reshard
 
-    def run(script: str, *extra: str, timeout: float = 600) -> list:
-        reshard(stories_dir, tmp_path / "two", 2)
-        (tmp_path / "run.py").write_text(script)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(tmp_path / "run.py"), str(tmp_path / "two"), str(stories_dir / "tokenizer.model"),
-               str(need(GOLDENS)), str(tmp_path / "out"), *extra]
-        proc = subprocess.run(cmd, cwd=tmp_path, env=rank_env(2), capture_output=True, text=True, timeout=timeout)
-        assert proc.returncode == 0, error_lines(proc.stderr)
-        return [json.loads((tmp_path / f"out.{r}.json").read_text()) for r in range(2)]
+    reshard(need(STORIES), tmp / "two", 2)
+    (tmp / "run.py").write_text(script)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(tmp / "run.py"), str(tmp / "two"), str(STORIES / "tokenizer.model"),
+           str(need(GOLDENS)), str(tmp / "out"), *extra]
+    proc = subprocess.run(cmd, cwd=tmp, env=rank_env(2), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, error_lines(proc.stderr)
+    return [json.loads((tmp / f"out.{r}.json").read_text()) for r in range(2)]
 
-    return run
+
+@pytest.fixture
+def two_ranks(stories_dir, tmp_path):
+    """run_two_ranks in this test's tmp_path: two_ranks(script, *extra, timeout=600)."""
+    return lambda script, *extra, timeout=600: run_two_ranks(tmp_path, script, *extra, timeout=timeout)
 
 
 @pytest.fixture(params=["avx2", "avx512-vnni"])

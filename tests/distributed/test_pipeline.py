@@ -160,25 +160,25 @@ def gguf_outputs(g) -> dict:
 
 
 def rank_main(argv) -> None:
-    """One rank of a pipeline job: build from each checkpoint at (T, P), record outputs, stage and weight bytes,
-    and serve ENGINE_REQUESTS through the engine (rank 0 submits, the others follow); mode "engine" also runs the
-    calls on Llama of extras(), the engine one step at a time and the staggered run; mode "gguf" builds the GGUF
-    file instead."""
+    """One rank of a pipeline job: a .gguf among the paths is built first (its outputs, stage and layers under
+    "gguf"); then from each checkpoint at (T, P), record outputs, stage and weight bytes, and serve ENGINE_REQUESTS
+    through the engine (rank 0 submits, the others follow); mode "engine" also runs the calls on Llama of extras(),
+    the engine one step at a time and the staggered run."""
     import torch
     import torch.distributed as dist
 
     from llama import Llama
 
     torch.set_num_threads(1)
-    T, P, out, mode, *dirs = argv
+    T, P, out, mode, *paths = argv
     rank = int(os.environ["RANK"])
+    dirs = [d for d in paths if not d.endswith(".gguf")]
     result = {"group_rank": int(os.environ.get("GROUP_RANK", 0)), "dirs": {}, "two": dirs[-1]}
-    if mode == "gguf":  # each rank dequantizes only its stage's tensors
-        g = Llama.build(dirs[0], None, max_seq_len=64, max_batch_size=2, pipeline_parallel_size=int(P),
+    for path in [d for d in paths if d.endswith(".gguf")]:  # each rank dequantizes only its stage's tensors
+        g = Llama.build(path, None, max_seq_len=64, max_batch_size=2, pipeline_parallel_size=int(P),
                         device="cpu", dtype="float32")
-        result.update(gguf_outputs(g), stage=g.model.stage.index, layers=list(g.model.stage.layers))
-    else:
-        stories_main(int(T), int(P), mode, dirs, rank, result)
+        result["gguf"] = {**gguf_outputs(g), "stage": g.model.stage.index, "layers": list(g.model.stage.layers)}
+    stories_main(int(T), int(P), mode, dirs, rank, result)
     with open(f"{out}.{rank}.json", "w") as f:
         json.dump(result, f)
     dist.barrier()
@@ -217,10 +217,10 @@ def stories_main(T: int, P: int, mode: str, dirs, rank: int, result: dict) -> No
 
 
 # ------------------------------------------------------------------------------------------------------ launching
-def launch(tmp, args, T, P, out, mode, dirs):
+def launch(tmp, args, T, P, out, mode, dirs, **env):
     cmd = [sys.executable, "-m", "torch.distributed.run", *args, "--no-python", sys.executable,
            "-c", SCRIPT, str(T), str(P), str(tmp / out), mode, *map(str, dirs)]
-    return subprocess.Popen(cmd, cwd=tmp, env=rank_env(T * P), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    return subprocess.Popen(cmd, cwd=tmp, env=rank_env(T * P, **env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
 
 
@@ -281,9 +281,12 @@ def single():
 
 @pytest.fixture(scope="module")
 def p2(checkpoints):
-    """torchrun --nproc_per_node 2 at T=1 x P=2, both checkpoints, the engine on the last build."""
+    """torchrun --nproc_per_node 2 at T=1 x P=2: the GGUF file (dequantized: LLAMA_GGUF_BLOCKS=0, which only GGUF
+    files read), then both checkpoints, the engine on the last build. One launch for every P=2 test here."""
     tmp, dirs, tied = checkpoints
-    finish([launch(tmp, ["--standalone", "--nproc_per_node", "2"], 1, 2, "p2", "engine", [tied, *dirs])])
+    gguf = [GGUF] if GGUF.is_file() else []
+    finish([launch(tmp, ["--standalone", "--nproc_per_node", "2"], 1, 2, "p2", "engine", [*gguf, tied, *dirs],
+                   LLAMA_GGUF_BLOCKS="0")])
     return outputs(tmp, "p2", 2)
 
 
@@ -393,7 +396,7 @@ def test_pipelined_engine_keeps_both_groups_in_flight_at_once(p2):
         assert (e1, e2) == ("finish", "launch") and g1 == g2 and t2 > t1
 
 
-def test_two_stages_from_a_gguf_file_match_one_process(tmp_path, monkeypatch):
+def test_two_stages_from_a_gguf_file_match_one_process(p2, monkeypatch):
     """With LLAMA_GGUF_BLOCKS=0 (the GPU's path), each rank dequantizes only its stage's tensors of a Q4_1 GGUF file
     (tied embeddings: the table is the first stage's embedding and the last stage's output) and the greedy text is
     the single process's, dequantized too (stages in the file's blocks: tests/distributed/test_gguf_stages.py)."""
@@ -401,11 +404,9 @@ def test_two_stages_from_a_gguf_file_match_one_process(tmp_path, monkeypatch):
         pytest.skip(f"{GGUF} not found")
     from llama import Llama
 
-    monkeypatch.setenv("LLAMA_GGUF_BLOCKS", "0")
-    procs = [launch(tmp_path, ["--standalone", "--nproc_per_node", "2"], 1, 2, "gguf", "gguf", [GGUF])]
-    want = gguf_outputs(Llama.build(str(GGUF), None, max_seq_len=64, max_batch_size=2, dtype="float32"))  # meanwhile
-    finish(procs)
-    ranks = outputs(tmp_path, "gguf", 2)
+    monkeypatch.setenv("LLAMA_GGUF_BLOCKS", "0")  # as p2's ranks ran
+    want = gguf_outputs(Llama.build(str(GGUF), None, max_seq_len=64, max_batch_size=2, dtype="float32"))
+    ranks = [r["gguf"] for r in p2]
     assert [r["greedy"] for r in ranks] == [want["greedy"]] * 2
     assert [r["stage"] for r in ranks] == [0, 1] and [r["layers"] for r in ranks] == [list(range(15)),
                                                                                       list(range(15, 30))]

@@ -28,41 +28,52 @@ def converter():
 
 # llama.cpp's converter reads Qwen3-MoE's vocabulary as a byte-level BPE tokenizer.json and names its pre-tokenizer
 # by hashing how it splits a fixed text, which only a real Qwen vocabulary matches: for the random one here
-# (families.write_byte_level_tokenizer) the run is told it is Qwen2's, in this process only. The tensors and the
+# (families.write_byte_level_tokenizer) the run is told it is Qwen2's, for that file only. The tensors and the
 # metadata the tests check are the converter's own.
 BPE_FAMILIES = ("qwen3moe",)
-PATCHED_RUN = """
-import runpy, sys
+# Every family converted by the converter's own main() in one process (one python, torch and transformers start
+# instead of one per family); a failed conversion is kept by name, for that family's tests to report.
+CONVERT_ALL = """
+import json, sys, traceback
 sys.path.insert(0, sys.argv[1])
+import convert_hf_to_gguf as convert
 from conversion import base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
-sys.argv = sys.argv[2:]
-runpy.run_path(sys.argv[0], run_name="__main__")
+jobs, report = json.loads(sys.argv[2]), sys.argv[3]  # main() reads sys.argv: set per job below
+own_pre, failed = base.TextModel.get_vocab_base_pre, {}
+for name, hf, out, bpe in jobs:
+    base.TextModel.get_vocab_base_pre = (lambda self, tokenizer: "qwen2") if bpe else own_pre
+    sys.argv = [convert.__file__, hf, "--outtype", "f32", "--outfile", out]
+    try:
+        convert.main()
+    except BaseException:  # SystemExit too: main() exits on what it refuses
+        failed[name] = traceback.format_exc()
+json.dump(failed, open(report, "w"))
 """
 
 
 @pytest.fixture(scope="module")
 def converted(converter, tmp_path_factory):
-    """converted(name) -> (gguf path, transformers model, HF dir), converted once per module."""
-    sp, done = sentencepiece_model(), {}
+    """converted(name) -> (gguf path, transformers model, HF dir): every family converted at the first call."""
+    done, failed = {}, {}
 
     def get(name):
-        if name not in done:
-            d, model = write_hf(name, tmp_path_factory.mktemp(name) / "hf", sp)
-            out = d.parent / f"{name}.gguf"
-            run = [str(converter)]
-            if name in BPE_FAMILIES:
-                write_byte_level_tokenizer(d)
-                (d.parent / "run.py").write_text(PATCHED_RUN)
-                run = [str(d.parent / "run.py"), str(converter.parent), str(converter)]
-            proc = subprocess.run([sys.executable, *run, str(d), "--outtype", "f32", "--outfile", str(out)],
-                                  capture_output=True, text=True, timeout=600)
+        if not done:
+            sp, jobs = sentencepiece_model(), []
+            for family in FAMILIES:
+                d, model = write_hf(family, tmp_path_factory.mktemp(family) / "hf", sp)
+                if family in BPE_FAMILIES:
+                    write_byte_level_tokenizer(d)
+                done[family] = (d.parent / f"{family}.gguf", model, d)
+                jobs.append([family, str(d), str(done[family][0]), family in BPE_FAMILIES])
+            report = tmp_path_factory.mktemp("convert") / "failed.json"
+            proc = subprocess.run([sys.executable, "-c", CONVERT_ALL, str(converter.parent), json.dumps(jobs),
+                                   str(report)], capture_output=True, text=True, timeout=900)
             assert proc.returncode == 0, proc.stderr[-3000:]
-            done[name] = (out, model, d)
+            failed.update(json.loads(report.read_text()))
+        assert name not in failed, failed[name][-3000:]
         return done[name]
 
     return get
-
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -79,28 +90,40 @@ def test_llama_cpp_s_gguf_gives_transformers_logits(converted, name):
 MP_SCRIPT = """
 import json, sys, torch
 from llama import Llama
-g = Llama.build(sys.argv[1], None, max_seq_len=320, max_batch_size=1, compile=False, dtype=torch.float32)
-seq = json.loads(sys.argv[2])
-with g.cache.hold():
-    out = g.runner.logits([seq])[0].cpu()
-torch.save(out, sys.argv[3] + "." + str(torch.distributed.get_rank()) + ".pt")
+seq, out = json.loads(sys.argv[1]), sys.argv[2]
+for i, path in enumerate(sys.argv[3:]):
+    g = Llama.build(path, None, max_seq_len=320, max_batch_size=1, compile=False, dtype=torch.float32)
+    with g.cache.hold():
+        logits = g.runner.logits([seq])[0].cpu()
+    torch.save(logits, f"{out}.{i}.{torch.distributed.get_rank()}.pt")
 """
 
 
-@pytest.mark.parametrize("name", ["qwen2", "phi3-longrope", "granite"])
-def test_world_size_2_gives_the_same_logits(converted, name, tmp_path):
-    """torchrun with 2 gloo ranks: each rank cuts its slice (Qwen2's biases with their rows)."""
-    path, model, _ = converted(name)
-    seq = sequence(200)
-    (tmp_path / "run.py").write_text(MP_SCRIPT)
+MP_FAMILIES = ["qwen2", "phi3-longrope", "granite"]
+
+
+@pytest.fixture(scope="module")
+def world_size_2(converted, tmp_path_factory):
+    """One torchrun launch with 2 gloo ranks, each building every MP_FAMILIES file in turn: {name: [logits of rank
+    0, rank 1]}."""
+    paths = [str(converted(name)[0]) for name in MP_FAMILIES]
+    tmp = tmp_path_factory.mktemp("world_size_2")
+    (tmp / "run.py").write_text(MP_SCRIPT)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(tmp_path / "run.py"), str(path), json.dumps(seq), str(tmp_path / "out")],
+                           str(tmp / "run.py"), json.dumps(sequence(200)), str(tmp / "out"), *paths],
                           env=rank_env(2), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, error_lines(proc.stderr)
+    return {name: [torch.load(tmp / f"out.{i}.{rank}.pt") for rank in range(2)] for i, name in enumerate(MP_FAMILIES)}
+
+
+@pytest.mark.parametrize("name", MP_FAMILIES)
+def test_world_size_2_gives_the_same_logits(converted, world_size_2, name):
+    """torchrun with 2 gloo ranks: each rank cuts its slice (Qwen2's biases with their rows)."""
+    _, model, _ = converted(name)
+    seq = sequence(200)
     with torch.no_grad():
         ref = model(torch.tensor([seq])).logits[0]
-    for rank in range(2):
-        got = torch.load(tmp_path / f"out.{rank}.pt")
+    for got in world_size_2[name]:
         assert (got - ref).abs().max() < 1e-4 * max(1.0, float(ref.abs().max()))
 
 

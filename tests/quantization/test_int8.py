@@ -7,7 +7,7 @@ import textwrap
 import hardware
 import pytest
 import torch
-from conftest import CPU_ONLY
+from conftest import CPU_ONLY, run_two_ranks
 from test_model import random_model
 
 from llama import Llama
@@ -82,23 +82,36 @@ SCRIPT = textwrap.dedent("""
     import torch.distributed as dist
     from llama.generation import Llama
 
-    ckpt, tokenizer, goldens, out, scheme = sys.argv[1:]
+    ckpt, tokenizer, goldens, out, *schemes = sys.argv[1:]
     prompts = [g["prompt_tokens"] for g in json.load(open(goldens)).values()]
-    llama = Llama.build(ckpt, tokenizer, max_seq_len=160, max_batch_size=2, device="cpu", quantize=scheme)
-    attn = llama.model.layers[0].attention
-    greedy, _ = llama.generate(prompts, max_gen_len=64, temperature=0.0)
+    result = {}
+    for scheme in schemes:
+        llama = Llama.build(ckpt, tokenizer, max_seq_len=160, max_batch_size=2, device="cpu", quantize=scheme)
+        attn = llama.model.layers[0].attention
+        greedy, _ = llama.generate(prompts, max_gen_len=64, temperature=0.0)
+        result[scheme] = {"greedy": greedy, "wqkv_rows": attn.wqkv.scales.shape[0],
+                          "int8": attn.wo.packed is not None or attn.wo.weight.dtype == torch.int8}
     with open(f"{out}.{os.environ['RANK']}.json", "w") as f:
-        json.dump({"greedy": greedy, "wqkv_rows": attn.wqkv.scales.shape[0],
-                   "int8": attn.wo.packed is not None or attn.wo.weight.dtype == torch.int8}, f)
+        json.dump(result, f)
     dist.barrier()
     dist.destroy_process_group()
 """)
 
 
-@pytest.mark.parametrize("scheme, agree", [("int8", 32), ("int8-dynamic", 32)])  # 102/114 and 57/79 alone
-def test_int8_under_model_parallel(goldens, two_ranks, scheme, agree):
+SCHEMES = {"int8": 32, "int8-dynamic": 32}  # greedy ids that must agree with fp32: 102/114 and 57/79 alone
+
+
+@pytest.fixture(scope="module")
+def mp_ranks(tmp_path_factory):
+    """One torchrun launch for both schemes (each rank builds one model per scheme): {scheme: the ranks' json}."""
+    ranks = run_two_ranks(tmp_path_factory.mktemp("int8_mp"), SCRIPT, *SCHEMES, timeout=400)
+    return {scheme: [r[scheme] for r in ranks] for scheme in SCHEMES}
+
+
+@pytest.mark.parametrize("scheme, agree", list(SCHEMES.items()))
+def test_int8_under_model_parallel(goldens, mp_ranks, scheme, agree):
     """Two ranks, each quantizing its own shard of a 2-shard checkpoint, follow the fp32 goldens."""
-    ranks = two_ranks(SCRIPT, scheme, timeout=300)
+    ranks = mp_ranks[scheme]
     assert ranks[0]["greedy"] == ranks[1]["greedy"]
     assert ranks[0]["int8"]
     assert ranks[0]["wqkv_rows"] == (8 + 4 + 4) * 8 // 2  # this rank's q, k, v heads only
