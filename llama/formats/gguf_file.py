@@ -2,7 +2,7 @@
 the `gguf` package and turned into this package's parameters, Meta-named weights and tokenizer.
 
 The architectures of llama/formats/architectures.py are accepted (llama with or without experts, qwen2, phi3,
-granite, qwen3, qwen3moe). Quantized tensors
+granite, qwen3, qwen3moe, llama4). Quantized tensors
 of any type gguf's numpy code dequantizes are, where they do not run in their own blocks
 (llama/formats/gguf_quants.py), dequantized at load, tensor by tensor, to the requested dtype; F32/F16/BF16 are
 cast, or, already in the requested dtype, used in place: the
