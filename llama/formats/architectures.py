@@ -6,7 +6,10 @@ hyperparameters into ModelArgs fields, and the tensor layout into Meta's.
 - qwen2 (q/k/v biases), phi3 (fused attn_qkv, ffn_up holding gate and up, long-rope factor tensors), qwen3 and
   qwen3moe (qk-norm): NeoX rotary with q/k rows (and the qk-norm weights) as Hugging Face stores them, so they are
   permuted here into Meta's order.
-- mixture of experts (qwen3moe, and Mixtral's `llama` files with `llama.expert_count`): the router ffn_gate_inp and
+- llama4 (Llama 4's text model): q/k rows as Hugging Face stores them, which for Llama 4 is Meta's interleaved order
+  (the converter permutes nothing); the shared expert's ffn_{gate,up,down}_shexp; what the metadata does not carry
+  (chunk, NoPE interval, temperature, L2 qk-norm) is what llama.cpp fixes for the architecture (llama4_params).
+- mixture of experts (qwen3moe, llama4, and Mixtral's `llama` files with `llama.expert_count`): the router ffn_gate_inp and
   the experts' ffn_{gate,up,down}_exps, each one (n_experts, rows, row bytes) tensor, cut here into one tensor per
   expert under the older files' names (blk.N.ffn_gate.E.weight ...), so both layouts read alike.
 
@@ -23,7 +26,7 @@ import numpy as np
 from llama import rope
 from llama.model import derive_ffn
 
-SUPPORTED = ("llama", "qwen2", "phi3", "granite", "qwen3", "qwen3moe")
+SUPPORTED = ("llama", "qwen2", "phi3", "granite", "qwen3", "qwen3moe", "llama4")
 NEOX = ("qwen2", "phi3", "qwen3", "qwen3moe")  # q/k rows in Hugging Face's rotate-half order
 QK_NORM = ("qwen3", "qwen3moe")
 EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # (n_experts, rows, row bytes): one tensor per projection
@@ -80,6 +83,8 @@ def read_params(reader, path: Path) -> dict:
     moe = moe_params(reader, arch, path, hidden)
     if moe is not None:
         params["moe"] = moe
+    if arch == "llama4":
+        params.update(llama4_params(reader, path, params))
     if arch == "granite":
         params.update(attention_multiplier=float(g("attention.scale", head_dim ** -0.5)),
                       embedding_multiplier=float(g("embedding_scale", 1.0)),
@@ -103,6 +108,47 @@ def moe_params(reader, arch: str, path, hidden: int):
     every = int(g("interleave_moe_layer_step", 1)) or 1
     return {"n_experts": n, "top_k": int(g("expert_used_count")), "every": every,
             "hidden_dim": int(g("expert_feed_forward_length", hidden)), "renormalize": True}
+
+
+# What llama.cpp's llama4 graph fixes rather than reads (src/models/llama4.cpp): chunks of 8192 positions on the
+# layers that rotate, every 4th layer without rotation (n_no_rope_layer_step), the NoPE layers' temperature
+# log(floor((p + 1) / 8192) + 1) * 0.1 + 1, and the L2 qk-norm unless the model has 128 experts (Maverick).
+LLAMA4_CHUNK, LLAMA4_NOPE, LLAMA4_FLOOR, LLAMA4_TEMP = 8192, 4, 8192.0, 0.1
+
+
+def llama4_params(reader, path, params: dict) -> dict:
+    """ModelArgs fields of a `llama4` file as llama.cpp computes it; refuses the variants llama.cpp computes
+    differently from Llama 4 (no experts, all layers global, another chunk pattern or a separate chunk theta)."""
+    g = lambda key, default=None: field(reader, f"llama4.{key}", default, path)  # noqa: E731
+    moe = params.get("moe")
+    if moe is None:
+        raise ValueError(f"{path}: a llama4 file without llama4.expert_count (llama.cpp's MobileLLM layout) is not "
+                         "supported: Llama 4's text model has experts")
+    if int(g("attention.sliding_window", LLAMA4_CHUNK)) == 0:
+        raise ValueError(f"{path}: llama4.attention.sliding_window 0 (every layer global, llama.cpp's MobileLLM "
+                         "layout) is not supported: Llama 4 attends within chunks")
+    pattern = reader.fields.get("llama4.attention.sliding_window_pattern")
+    if pattern is not None:
+        value = pattern.contents()
+        n = params["n_layers"]
+        chunked = [bool(v) for v in value] if isinstance(value, list) else \
+            [i % int(value) < int(value) - 1 for i in range(n)]
+        if chunked != [(i + 1) % LLAMA4_NOPE != 0 for i in range(n)]:
+            raise ValueError(f"{path}: llama4.attention.sliding_window_pattern {value} is not every 4th layer "
+                             "global, which llama.cpp ties to its NoPE layers (every 4th) and this Llama "
+                             "implementation cannot compute apart")
+    base = g("rope.freq_base_swa", params["rope_theta"])
+    if float(base) != params["rope_theta"]:
+        raise ValueError(f"{path}: llama4.rope.freq_base_swa {float(base):g} differs from llama4.rope.freq_base "
+                         f"{params['rope_theta']:g}, which Llama 4 does not have")
+    scale = float(g("attention.scale", 0.0))
+    head_dim = params.get("head_dim", params["dim"] // params["n_heads"])
+    if scale not in (0.0, head_dim ** -0.5):
+        raise ValueError(f"{path}: llama4.attention.scale {scale:g} is not supported (only head_dim ** -0.5)")
+    moe = {**moe, "router": "sigmoid", "renormalize": False, "scale_inputs": True, "shared_expert": True}
+    return {"moe": moe, "attention_chunk_size": LLAMA4_CHUNK, "nope_layer_interval": LLAMA4_NOPE,
+            "qk_l2_norm": moe["n_experts"] != 128, "attn_temperature_tuning": True, "floor_scale": LLAMA4_FLOOR,
+            "attn_scale": LLAMA4_TEMP}
 
 
 def rope_scaling(reader, arch: str, path, head_dim: int):

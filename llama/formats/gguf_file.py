@@ -2,7 +2,7 @@
 the `gguf` package and turned into this package's parameters, Meta-named weights and tokenizer.
 
 The architectures of llama/formats/architectures.py are accepted (llama with or without experts, qwen2, phi3,
-granite, qwen3, qwen3moe). Quantized tensors
+granite, qwen3, qwen3moe, llama4). Quantized tensors
 of any type gguf's numpy code dequantizes are, where they do not run in their own blocks
 (llama/formats/gguf_quants.py), dequantized at load, tensor by tensor, to the requested dtype; F32/F16/BF16 are
 cast, or, already in the requested dtype, used in place: the
@@ -39,7 +39,10 @@ _LAYER = {"attn_q.weight": "attention.wq.weight", "attn_k.weight": "attention.wk
           "ffn_norm.weight": "ffn_norm.weight", "attn_q.bias": "attention.wq.bias",
           "attn_k.bias": "attention.wk.bias", "attn_v.bias": "attention.wv.bias",
           "attn_q_norm.weight": "attention.q_norm.weight", "attn_k_norm.weight": "attention.k_norm.weight",
-          "ffn_gate_inp.weight": "feed_forward.gate.weight"}
+          "ffn_gate_inp.weight": "feed_forward.gate.weight",
+          "ffn_gate_shexp.weight": "feed_forward.shared_expert.w1.weight",  # Llama 4's shared expert
+          "ffn_down_shexp.weight": "feed_forward.shared_expert.w2.weight",
+          "ffn_up_shexp.weight": "feed_forward.shared_expert.w3.weight"}
 _EXPERT = re.compile(r"^ffn_(gate|up|down)\.(\d+)\.weight$")  # an expert's matrix (architectures.split_experts)
 _EXPERT_W = {"gate": "w1", "down": "w2", "up": "w3"}
 

@@ -138,7 +138,7 @@ def test_an_unknown_architecture_is_refused_naming_the_supported_ones(converted,
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(ValueError, match=r"architecture 'gemma' is not supported \(supported: llama, qwen2, phi3, granite, "
-                                         r"qwen3, qwen3moe\)"):
+                                         r"qwen3, qwen3moe, llama4\)"):
         Llama.build(str(tmp_path / "x.gguf"), None, max_seq_len=32, max_batch_size=1)
 
 
