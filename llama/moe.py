@@ -60,10 +60,9 @@ class MoEFeedForward(nn.Module):
         self.experts = nn.ModuleList(expert(args.dim, width=moe.hidden_dim) for _ in range(moe.n_experts))
         self.shared_expert = expert(args.dim, width=moe.hidden_dim) if moe.shared_expert else None
 
-    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Eager even inside a compiled step (a graph break there): the grouping's sizes are data (which experts
-        the tokens picked), and the routing decision is then the eager one."""
+        """Eager even inside a compiled step (a graph break there; eager_in_compiled_steps): the grouping's sizes
+        are data (which experts the tokens picked), and the routing decision is then the eager one."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, experts = route(self.gate(flat), self.moe)
@@ -105,3 +104,13 @@ def combine(outputs: torch.Tensor, weights) -> torch.Tensor:
     for i in range(1, outputs.shape[1]):
         acc = acc + outputs[:, i] * weights[:, i : i + 1]
     return acc
+
+
+def eager_in_compiled_steps() -> None:
+    """Mark MoEFeedForward.forward to run eagerly inside compiled steps (torch.compiler.disable), once: called by the
+    compilation layer before it traces (llama/compilation/compiled_decode.py), not at import, because
+    torch.compiler.disable imports Dynamo (about 2 s of every `import llama` otherwise)."""
+    if not getattr(MoEFeedForward.forward, "_eager_in_graphs", False):
+        eager = torch.compiler.disable(MoEFeedForward.forward)
+        eager._eager_in_graphs = True
+        MoEFeedForward.forward = eager

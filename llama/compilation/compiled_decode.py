@@ -27,8 +27,8 @@ import warnings
 from typing import Callable, Dict, Optional, Union
 
 import torch
-import torch._inductor.config as inductor_config
 
+from llama import moe
 from llama.compilation import step_store
 from llama.distributed import parallel
 from llama.kernels import cpu
@@ -56,6 +56,14 @@ EAGER_KERNEL_MIN_BYTES = 1 << 30
 
 # Inductor's own lowering of oneDNN's int8 linear (int8-dynamic) warns about its internal tensor copy: not ours.
 warnings.filterwarnings("ignore", message="To copy construct from a tensor", module="torch._inductor.mkldnn_lowerings")
+
+
+def inductor_config():
+    """torch._inductor.config, imported when a step first compiles: importing it pulls in Dynamo (about 2 s of
+    every `import llama` otherwise)."""
+    import torch._inductor.config as config
+
+    return config
 
 
 class CompiledDecode:
@@ -167,6 +175,7 @@ class CompiledDecode:
         """Forget compiled graphs (for a model whose caches were reallocated); loaded packages stay (they take
         the caches as inputs)."""
         # an MoE layer runs eagerly between graphs (llama/moe.py: a graph break each), every other step in one graph
+        moe.eager_in_compiled_steps()
         self.fn = torch.compile(self.model.decode_step, dynamic=False, fullgraph=self.model.params.moe is None)
         self.seen = {key: t for key, t in self.seen.items() if key in self.packages}
 
@@ -205,7 +214,7 @@ class CompiledDecode:
         if key in self.packages:
             return self.packages[key](tokens, pos, rows)
         if key in self.seen:
-            with inductor_config.patch(self.config):
+            with inductor_config().patch(self.config):
                 return self._own(self.fn(tokens, pos, rows))
         start = time.time()
         if self.package_path(key) is not None:
@@ -224,7 +233,7 @@ class CompiledDecode:
                 return out
         elif parallel.is_main_process():
             print(f"Compiling the decode step for batch size {key[0]} ({self.mode}); done once per batch size")
-        with inductor_config.patch(self.config):
+        with inductor_config().patch(self.config):
             out = self._own(self.fn(tokens, pos, rows))
         self.seen[key] = time.time() - start
         return out
