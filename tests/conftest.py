@@ -89,7 +89,8 @@ SLOW_FIRST = (
     "distributed/test_pipeline_nodes.py", "tokenizers/test_pretokenizers.py", "quantization/test_int4.py",
     "formats/test_gguf_blocks_real.py", "serve/test_serve_tools.py", "cli/test_chat.py",
     "distributed/test_prefix_cache_parallel.py", "core/frontend/test_engine.py", "quantization/test_int8.py",
-    "test_families.py", "test_llama3.py", "tokenizers/test_tool_vocab.py",
+    "test_families.py", "test_llama3.py", "tokenizers/test_tool_vocab.py", "formats/test_gguf_moe.py",
+    "formats/test_llama4_checkpoint.py", "serve/test_serve_qwen3.py", "formats/test_gguf_llama4.py",
 )
 
 
