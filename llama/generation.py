@@ -14,7 +14,7 @@ from llama.core.frontend.decode_core import DecodeCore
 from llama.core.speculation.draft_model import DraftModel
 from llama.core.frontend.engine import Engine
 from llama.core.frontend.inputs import RequestBuilder, count, expand_params, refusal_prediction, string_list
-from llama.core.worker.kv_cache import KVCache, build_cache
+from llama.core.worker.kv_cache import build_cache
 from llama.core.frontend.params import SamplingParams
 from llama.core.frontend.prefix import Prefix
 from llama.core.frontend.request import BatchError, Request

@@ -1,11 +1,9 @@
 """The example scripts run as plain python and under torchrun, on the shared model and on the demo checkpoint.
 (The default model they fetch is tested in test_fetch.py.)"""
 
-import os
 import subprocess
 import sys
 
-import pytest
 from conftest import REPO, fresh_cache, rank_env
 
 

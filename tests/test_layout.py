@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Set
 
-import pytest
 from conftest import REPO, rank_env
 
 PACKAGE = REPO / "llama"

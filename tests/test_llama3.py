@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, SHARED, need, rank_env
+from conftest import SHARED, need, rank_env
 from helpers import meta_to_hf
 
 from llama import Llama
@@ -378,7 +378,6 @@ def test_tied_embeddings_add_no_copy_to_peak_rss(tmp_path):
     """Peak RSS of Llama.build (fp32, 1 layer, vocab 128256, dim 512: a 251 MiB table) from a tied checkpoint of 1
     shard and of 2 vocabulary-split shards: one table, plus at most one shard's half while merging. A second copy
     of the table (an untied output) would add a whole table to either."""
-    import os
     import subprocess
     import sys
 
@@ -499,7 +498,6 @@ def test_one_and_two_shards_at_world_size_2(llama3, tmp_path):
     one process (positions past 1000 included); so do tied ones (no output.weight), 1 shard and 2 vocabulary-split
     shards, whose output slice each rank cuts from the embedding."""
     import json
-    import os
     import subprocess
     import sys
 

@@ -2,7 +2,6 @@
 MP=1, a two-node rendezvous on 127.0.0.1, a clear error at an impossible size, and refusal of bad checkpoints."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -11,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import GOLDENS, REPO, STORIES, need, rank_env
-from helpers import ONCE, build_stories
+from conftest import GOLDENS, STORIES, rank_env
+from helpers import ONCE
 from serve_util import free_port
 
 from llama.formats.reshard import reshard

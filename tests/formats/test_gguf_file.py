@@ -203,7 +203,6 @@ dist.destroy_process_group()
 def test_gguf_under_model_parallel_gives_the_goldens(golden, tmp_path):
     """torchrun with 3 gloo ranks (the smallest size above 1 that divides SmolLM2's 9 and 3 heads): each rank
     cuts its slice of the dequantized GGUF, and every rank gives the goldens' greedy ids."""
-    import os
     import subprocess
     import sys
 

@@ -1,7 +1,6 @@
 """python -m llama.reshard: rewrite a checkpoint with another shard count, verified and loadable."""
 
 import json
-import os
 import subprocess
 import sys
 

@@ -7,7 +7,7 @@ import jsonschema
 import pytest
 import torch
 
-from llama.sample.tool_grammar import ToolGrammar, ToolMatcher
+from llama.sample.tool_grammar import ToolGrammar
 from llama.tokenizers.tool_format import ToolDialog, parse
 
 FNS = [{"name": "get_weather", "parameters": {

@@ -13,7 +13,7 @@ from concurrent.futures import CancelledError
 
 import pytest
 import torch
-from conftest import REPO, STORIES, rank_env
+from conftest import STORIES, rank_env
 
 PROMPTS = ["Once upon a time", "Lily and her mom", "The little dog", "One day, Tom saw", "There was a big tree",
            "Sam liked to play", "The sun was hot", "A bird sat on"]
