@@ -14,11 +14,12 @@ chat_template_kwargs do; formats without a template read none of them.
 
 import datetime
 import json
-from typing import Dict, List, Literal, Optional, Sequence, TypedDict, Union
+from typing import Dict, List, Literal, Optional, Sequence, TypedDict
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from llama.tokenizers.header_format import HeaderChatFormat
 from llama.tokenizers.llama4_chat import Llama4ChatFormat
 from llama.tokenizers.messages import TemplateDialog, validate_messages, with_template_kwargs  # noqa: F401 (kept here)
 
@@ -115,7 +116,7 @@ class ChatFormat:
         return tokens + self.encode_prompt_turn(msgs[-1]["content"])
 
 
-class Llama3ChatFormat:
+class Llama3ChatFormat(HeaderChatFormat):
     """Llama 3.x's header format, token for token as Meta's llama-models builds it:
     <|begin_of_text|>, then per message <|start_header_id|>role<|end_header_id|>\n\n content <|eot_id|>, then the
     assistant header. Content is kept as given (llama-models; the original llama3 code and Hugging Face's template
@@ -123,35 +124,10 @@ class Llama3ChatFormat:
     with "<|python_tag|>" is a built-in tool call: the tag is its special token and the message ends in <|eom_id|>,
     as the model wrote it."""
 
-    strip_reply_space = False
-    ROLES = ("system", "user", "assistant", "ipython", "tool")
+    HEADER = ("<|start_header_id|>", "<|end_header_id|>")
 
     def __init__(self, tokenizer, tool_style: str = "llama3_json"):
-        self.tokenizer = tokenizer
-        self.tool_style = tool_style  # Meta's tool syntax: llama3_json (3.1) or pythonic (3.2, 3.3)
-        self.special = tokenizer.special_tokens
-        self.stop_tokens: Dict[int, str] = {}  # the tokenizer's eos/eot/eom already stop every generation
-
-    def validate(self, dialog, index: int = 0) -> None:
-        if hasattr(dialog, "render_with"):
-            return dialog.validate_with(self, index)
-        validate_messages(dialog, index, self.ROLES)
-        for i, msg in enumerate(dialog):
-            if msg["role"] == "system" and i > 0:
-                raise ValueError(f"dialog {index}, message {i}: a system message may only come first")
-        if dialog[-1]["role"] in ("assistant", "system"):
-            raise ValueError(f"dialog {index}: the last message must be from the user or a tool (ipython), got "
-                             f"{dialog[-1]['role']!r}")
-
-    def refusal(self, dialog: Dialog) -> Optional[str]:
-        return None  # special-token text in content is encoded as plain text, so nothing needs refusing
-
-    def encode_header(self, role: Union[str, Message]) -> List[int]:
-        """The header of a role, or of a message (Meta llama3's encode_header(message))."""
-        role = role["role"] if isinstance(role, dict) else role
-        role = "ipython" if role == "tool" else role
-        return ([self.special["<|start_header_id|>"]] + self.tokenizer.encode(role, bos=False, eos=False)
-                + [self.special["<|end_header_id|>"]] + self.tokenizer.encode("\n\n", bos=False, eos=False))
+        super().__init__(tokenizer, tool_style)
 
     def encode_message(self, message: Message) -> List[int]:
         tokens, content, end = self.encode_header(message["role"]), message["content"], "<|eot_id|>"

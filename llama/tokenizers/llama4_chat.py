@@ -11,51 +11,26 @@ syntax writes them: `pythonic` by default (the [f(a=1)] call list with llama-mod
 ships no Llama 4 tool prompt), or `llama3_json` (Llama 3.1's system text and custom-tools message).
 """
 
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Tuple
 
-from llama.tokenizers.messages import validate_messages
+from llama.tokenizers.header_format import HeaderChatFormat
 from llama.tokenizers.tool_format import BUILTINS, call_text, meta_system_text, meta_tools_message, parse
 
-ROLES = ("system", "user", "assistant", "ipython", "tool")
 EOM_REASONS = ("eom", "end_of_message")  # an assistant message's stop_reason that ends it in <|eom|>
 
 
-class Llama4ChatFormat:
+class Llama4ChatFormat(HeaderChatFormat):
     """The chat-format interface (see chat_format.py) for a Llama 4 tokenizer; tool_style: the tool syntax,
     "pythonic" or "llama3_json"."""
 
-    strip_reply_space = False
+    HEADER = ("<|header_start|>", "<|header_end|>")
 
     def __init__(self, tokenizer, tool_style: str = "pythonic"):
-        self.tokenizer = tokenizer
-        self.tool_style = tool_style
-        self.special = tokenizer.special_tokens
-        self.stop_tokens: Dict[int, str] = {}  # the tokenizer's eos/eot/eom already stop every generation
+        super().__init__(tokenizer, tool_style)
         self.possible_headers = {r: f"<|header_start|>{'ipython' if r == 'tool' else r}<|header_end|>\n\n"
                                  for r in ("user", "system", "tool", "assistant")}  # llama-models' name
 
-    def validate(self, dialog, index: int = 0) -> None:
-        if hasattr(dialog, "render_with"):
-            return dialog.validate_with(self, index)
-        validate_messages(dialog, index, ROLES)
-        for i, msg in enumerate(dialog):
-            if msg["role"] == "system" and i > 0:
-                raise ValueError(f"dialog {index}, message {i}: a system message may only come first")
-        if dialog[-1]["role"] in ("assistant", "system"):
-            raise ValueError(f"dialog {index}: the last message must be from the user or a tool (ipython), got "
-                             f"{dialog[-1]['role']!r}")
-
-    def refusal(self, dialog) -> Optional[str]:
-        return None  # special-token text in content is encoded as plain text, so nothing needs refusing
-
-    def encode_header(self, role: Union[str, Dict]) -> List[int]:
-        """<|header_start|>role<|header_end|>\\n\\n, "tool" written "ipython" (llama-models' _encode_header)."""
-        role = role["role"] if isinstance(role, dict) else role
-        role = "ipython" if role == "tool" else role
-        return ([self.special["<|header_start|>"]] + self.tokenizer.encode(role, bos=False, eos=False)
-                + [self.special["<|header_end|>"]] + self.tokenizer.encode("\n\n", bos=False, eos=False))
-
-    _encode_header = encode_header  # llama-models' name
+    _encode_header = HeaderChatFormat.encode_header  # llama-models' name
 
     def encode_message(self, message: Dict, family: Optional[str] = None) -> List[int]:
         """One message: header, content, an assistant's tool_calls ([{"name", "arguments"}]) in `family`'s syntax
