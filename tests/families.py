@@ -146,3 +146,29 @@ def write_byte_level_tokenizer(out: Path) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
                                                            "bos_token": "<s>", "eos_token": "</s>",
                                                            "unk_token": "<unk>", "add_bos_token": False}))
+
+
+# llama.cpp's converter reads a byte-level BPE vocabulary (Qwen3-MoE's, Llama 4's) and names its pre-tokenizer by
+# hashing how it splits a fixed text, which only a real vocabulary matches: for write_byte_level_tokenizer's random
+# one the run is told it is Qwen2's, in its own process only. The tensors and metadata tests check are the
+# converter's own.
+BPE_RUN = """
+import runpy, sys
+sys.path.insert(0, sys.argv[1])
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def converter_command(converter: Path, hf_dir: Path, bpe: bool) -> list:
+    """The command line (before the converter's own arguments) that runs llama.cpp's convert_hf_to_gguf.py on
+    hf_dir: with bpe, through BPE_RUN (written beside hf_dir)."""
+    import sys
+
+    if not bpe:
+        return [sys.executable, str(converter), str(hf_dir)]
+    run = Path(hf_dir).parent / "bpe_run.py"
+    run.write_text(BPE_RUN)
+    return [sys.executable, str(run), str(converter.parent), str(converter), str(hf_dir)]

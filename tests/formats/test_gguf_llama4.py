@@ -6,7 +6,6 @@ and the model is built with those, so transformers' config takes the same. The f
 and llama.cpp's argmaxes; the Q8_0 file runs in its blocks (the experts' included) close to the f32 one."""
 
 import subprocess
-import sys
 import types
 
 import hardware
@@ -14,21 +13,13 @@ import numpy as np
 import peers
 import pytest
 import torch
-from families import VOCAB, our_logits, sequence, write_byte_level_tokenizer
+from families import VOCAB, converter_command, our_logits, sequence, write_byte_level_tokenizer
 
 from llama import Llama
 from llama.formats import architectures, gguf_file, gguf_quants
 from llama.quantization import gguf_blocks
 
 transformers = pytest.importorskip("transformers")
-PATCHED_RUN = """
-import runpy, sys
-sys.path.insert(0, sys.argv[1])
-from conversion import base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
-sys.argv = sys.argv[2:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""  # as tests/formats/test_gguf_families.py runs the converter for a random byte-level vocabulary
 N_LAYERS, N_EXPERTS = 4, 4
 
 
@@ -60,11 +51,9 @@ def files(tmp_path_factory):
     model = hf_model()
     model.save_pretrained(d)
     write_byte_level_tokenizer(d)
-    (d.parent / "run.py").write_text(PATCHED_RUN)
-    converter = peers.llama_cpp_tree() / "convert_hf_to_gguf.py"
+    command = converter_command(peers.llama_cpp_tree() / "convert_hf_to_gguf.py", d, bpe=True)
     outs = {kind: d.parent / f"llama4.{kind}.gguf" for kind in ("f32", "q8_0")}
-    procs = [subprocess.Popen([sys.executable, str(d.parent / "run.py"), str(converter.parent), str(converter), str(d),
-                               "--outtype", kind, "--outfile", str(out)], stdout=subprocess.DEVNULL,
+    procs = [subprocess.Popen([*command, "--outtype", kind, "--outfile", str(out)], stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True) for kind, out in outs.items()]
     for proc in procs:
         _, err = proc.communicate(timeout=600)

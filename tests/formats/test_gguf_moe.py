@@ -16,7 +16,7 @@ import peers
 import pytest
 import torch
 from conftest import error_lines, rank_env
-from families import sentencepiece_model, sequence, write_byte_level_tokenizer, write_hf
+from families import converter_command, sentencepiece_model, sequence, write_byte_level_tokenizer, write_hf
 
 from llama import Llama, settings
 from llama.formats import gguf_quants
@@ -25,14 +25,6 @@ from llama.quantization import gguf_blocks
 pytestmark = hardware.KERNELS
 pytest.importorskip("transformers")
 NAMES = ("qwen3moe-k", "mixtral-k")
-PATCHED_RUN = """
-import runpy, sys
-sys.path.insert(0, sys.argv[1])
-from conversion import base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
-sys.argv = sys.argv[2:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""  # as tests/formats/test_gguf_families.py runs the converter for Qwen3-MoE's random byte-level vocabulary
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +35,11 @@ def files(tmp_path_factory):
     sp, out = sentencepiece_model(), {}
     for name in NAMES:
         d, _ = write_hf(name, tmp_path_factory.mktemp(name) / "hf", sp)
-        run = [str(converter)]
-        if name.startswith("qwen3moe"):
+        bpe = name.startswith("qwen3moe")
+        if bpe:
             write_byte_level_tokenizer(d)
-            (d.parent / "run.py").write_text(PATCHED_RUN)
-            run = [str(d.parent / "run.py"), str(converter.parent), str(converter)]
         f32, q4 = d.parent / f"{name}.f32.gguf", d.parent / f"{name}.Q4_K_M.gguf"
-        proc = subprocess.run([sys.executable, *run, str(d), "--outtype", "f32", "--outfile", str(f32)],
+        proc = subprocess.run([*converter_command(converter, d, bpe), "--outtype", "f32", "--outfile", str(f32)],
                               capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         params = llama_cpp.llama_model_quantize_default_params()
