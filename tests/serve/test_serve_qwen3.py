@@ -10,6 +10,7 @@ tokenizer.json and template."""
 import json
 
 import pytest
+import helpers
 from helpers import build_qwen3_chat
 
 from llama.tokenizers.chat_format import with_template_kwargs
@@ -54,13 +55,8 @@ def reference(qwen3):
 
 
 def forcing(tokenizer, text):
-    ids = tokenizer.encode(text, bos=False, eos=False)
-
-    def force(generated, logits):
-        out = logits.new_full(logits.shape, float("-inf"))
-        out[ids[len(generated)] if len(generated) < len(ids) else tokenizer.eos_id] = 0.0
-        return out
-    return force
+    """helpers.forcing of text's tokens."""
+    return helpers.forcing(tokenizer.encode(text, bos=False, eos=False), tokenizer.eos_id)
 
 
 class Forced:

@@ -5,6 +5,7 @@ generation prompt opens `<think>\\n`), its reply forced token by token."""
 
 import json
 
+import helpers
 import peers
 import pytest
 from conftest import SHARED, need
@@ -32,13 +33,8 @@ def r1(tmp_path_factory):
 
 
 def forcing(tokenizer, text):
-    ids = tokenizer.encode(text, bos=False, eos=False)
-
-    def force(generated, logits):
-        out = logits.new_full(logits.shape, float("-inf"))
-        out[ids[len(generated)] if len(generated) < len(ids) else tokenizer.eos_id] = 0.0
-        return out
-    return force
+    """helpers.forcing of text's tokens."""
+    return helpers.forcing(tokenizer.encode(text, bos=False, eos=False), tokenizer.eos_id)
 
 
 def test_the_python_api_keeps_the_block_unless_asked(r1):
