@@ -9,6 +9,7 @@ import ctypes
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import hardware
 import numpy as np
@@ -140,7 +141,8 @@ def per_expert_copy(src, dst) -> None:
     """src rewritten as Mixtral's older files are: blk.N.ffn_{gate,up,down}.E.weight, one tensor per expert."""
     import gguf
 
-    reader = gguf.GGUFReader(str(src))
+    from llama.formats import gguf_file
+    reader = gguf_file.open_reader(Path(src))
     arch = reader.fields["general.architecture"].contents()
     w = gguf.GGUFWriter(str(dst), arch)
     for key, f in reader.fields.items():
