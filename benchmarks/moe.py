@@ -26,7 +26,7 @@ from pathlib import Path
 
 from harness import (child_main, decode_rate, greedy_decoders, machine, peak_rss, print_results, prompt_tokens,
                      run_child, run_requests, workdir)
-from moe_gguf import bytes_per_token, expected_distinct, write_moe_gguf
+from moe_gguf import bytes_per_token, expected_distinct, open_reader, write_moe_gguf
 
 ENGINES = ("ours", "llamacpp")
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
@@ -229,7 +229,8 @@ def speed_rows(path: Path, args, roofline: float) -> list:
     res = run_child_live(cfg)
     if res is None:
         return []
-    one, many = bytes_per_token(path), bytes_per_token(path, expected_distinct(args.batch))
+    reader = open_reader(path)
+    one, many = bytes_per_token(reader), bytes_per_token(reader, expected_distinct(args.batch))
     rows = []
     for case in res["blocks"][0]:
         got = {e: [b[case][e] for b in res["blocks"]] for e in res["blocks"][0][case]}
@@ -273,7 +274,8 @@ def main():
           flush=True)
     for scheme in args.schemes:
         path = file_for(args, scheme)
-        one, many = bytes_per_token(path), bytes_per_token(path, expected_distinct(args.batch))
+        reader = open_reader(path)
+        one, many = bytes_per_token(reader), bytes_per_token(reader, expected_distinct(args.batch))
         print(f"{path.name}: a batch-1 token reads {one['read_gb'] * 1e3:.0f} MB ({one['params_b']:.2f} B active "
               f"parameters); a batch-{args.batch} step {many['read_gb'] * 1e3:.0f} MB "
               f"({expected_distinct(args.batch):.1f} distinct experts a layer if routed uniformly)", flush=True)

@@ -241,19 +241,28 @@ def tiny_shape(**changes) -> MoEShape:
                             expert_dim=256, ffn_dim=512, context=256), **changes)
 
 
-def tensor_bytes(path: Path) -> Dict[str, int]:
-    """{tensor name: bytes} of a GGUF file."""
+def open_reader(source):
+    """The package's GGUF reader of a path (llama/formats/gguf_file.py: gguf's reader, parsing arrays in one pass),
+    or the reader given, so that callers asking several questions of one file open it once."""
     import gguf
 
-    return {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+    from llama.formats import gguf_file
+
+    return source if isinstance(source, gguf.GGUFReader) else gguf_file.open_reader(Path(source))
 
 
-def bytes_per_token(path: Path, distinct_experts: float = None) -> dict:
-    """What one token reads of the file (GB) and the parameters it uses (B), at batch 1 (top_k experts a layer) or
-    a step of several tokens touching `distinct_experts` experts a layer (the step's bytes, not divided)."""
+def tensor_bytes(source) -> Dict[str, int]:
+    """{tensor name: bytes} of a GGUF file (a path or an open reader)."""
+    return {t.name: int(t.n_bytes) for t in open_reader(source).tensors}
+
+
+def bytes_per_token(source, distinct_experts: float = None) -> dict:
+    """What one token reads of the file (a path or an open reader; GB) and the parameters it uses (B), at batch 1
+    (top_k experts a layer) or a step of several tokens touching `distinct_experts` experts a layer (the step's
+    bytes, not divided)."""
     import gguf
 
-    reader = gguf.GGUFReader(path)
+    reader = open_reader(source)
     arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
     n_experts = reader.fields[gguf.Keys.LLM.EXPERT_COUNT.format(arch=arch)].contents()
     used = reader.fields[gguf.Keys.LLM.EXPERT_USED_COUNT.format(arch=arch)].contents()

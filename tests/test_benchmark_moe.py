@@ -17,11 +17,16 @@ def tiny(tmp_path_factory):
     return moe_gguf.write_moe_gguf(path, "Q4_K_M", shape=moe_gguf.tiny_shape(), vocab=vocab)
 
 
-def test_metadata_and_tensors_are_qwen3moe_q4_k_m(tiny):
+@pytest.fixture(scope="module")
+def reader(tiny):
+    """The file opened once: gguf-py takes seconds to parse its 151,936-token vocabulary."""
+    return moe_gguf.open_reader(tiny)
+
+
+def test_metadata_and_tensors_are_qwen3moe_q4_k_m(reader):
     import gguf
 
     shape = moe_gguf.tiny_shape()
-    reader = gguf.GGUFReader(tiny)
     meta = {f.name: f.contents() for f in reader.fields.values() if not f.name.startswith("tokenizer.ggml.")}
     assert meta["general.architecture"] == "qwen3moe" and meta["general.file_type"] == 15  # MOSTLY_Q4_K_M
     assert {k.split(".", 1)[1]: v for k, v in meta.items() if k.startswith("qwen3moe.")} == {
@@ -57,13 +62,13 @@ def test_llama_cpp_loads_and_runs_it(tiny):
     assert peer.n_vocab() == 151936 and np.isfinite(logits).all() and logits.std() > 0
 
 
-def test_a_token_reads_top_k_of_the_experts(tiny):
-    sizes = moe_gguf.tensor_bytes(tiny)
+def test_a_token_reads_top_k_of_the_experts(tiny, reader):
+    sizes = moe_gguf.tensor_bytes(reader)
     experts = sum(v for k, v in sizes.items() if "_exps" in k)
     dense = sum(v for k, v in sizes.items() if "_exps" not in k and k != "token_embd.weight")
     row = sizes["token_embd.weight"] / 151936
-    assert moe_gguf.bytes_per_token(tiny)["read_gb"] * 1e9 == pytest.approx(dense + experts * 2 / 8 + row)
-    assert moe_gguf.bytes_per_token(tiny, 8)["read_gb"] * 1e9 == pytest.approx(dense + experts + row)
+    assert moe_gguf.bytes_per_token(reader)["read_gb"] * 1e9 == pytest.approx(dense + experts * 2 / 8 + row)
+    assert moe_gguf.bytes_per_token(reader, 8)["read_gb"] * 1e9 == pytest.approx(dense + experts + row)
 
 
 def test_bad_arguments_are_refused(tmp_path):
