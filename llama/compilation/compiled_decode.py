@@ -174,10 +174,19 @@ class CompiledDecode:
     def reset(self) -> None:
         """Forget compiled graphs (for a model whose caches were reallocated); loaded packages stay (they take
         the caches as inputs)."""
-        # an MoE layer runs eagerly between graphs (llama/moe.py: a graph break each), every other step in one graph
-        moe.eager_in_compiled_steps()
-        self.fn = torch.compile(self.model.decode_step, dynamic=False, fullgraph=self.model.params.moe is None)
+        self._fn = None
         self.seen = {key: t for key, t in self.seen.items() if key in self.packages}
+
+    @property
+    def fn(self):
+        """torch.compile's wrapper of the step, made when a step first compiles: making it imports Dynamo (2-9 s
+        on a 2-core machine), which a process that never compiles (compile="auto" below its switch, a GGUF file's
+        eager decode) should not pay at build."""
+        if self._fn is None:
+            # an MoE layer runs eagerly between graphs (llama/moe.py: a graph break each), every other step in one
+            moe.eager_in_compiled_steps()
+            self._fn = torch.compile(self.model.decode_step, dynamic=False, fullgraph=self.model.params.moe is None)
+        return self._fn
 
     @torch.inference_mode()  # freezing folds the weights in only for inference graphs
     def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, rows: Optional[torch.Tensor] = None, cap: int = 0):
@@ -217,6 +226,7 @@ class CompiledDecode:
             with inductor_config().patch(self.config):
                 return self._own(self.fn(tokens, pos, rows))
         start = time.time()
+        moe.eager_in_compiled_steps()  # before a package traces the step too
         if self.package_path(key) is not None:
             if parallel.is_main_process():
                 print(f"Loading the compiled decode step for batch size {key[0]} (compiled by an earlier process)"
