@@ -8,8 +8,9 @@ longest prompt's end.
 
 Underneath is this package's `Llama` (Llama.build, its decode core and KV cache): Llama4.llama, with `model`
 (llama.model.Transformer), `tokenizer` and `formatter` (llama.llama4.chat_format.ChatFormat); `args` is Meta's
-ModelArgs of params.json. The tokenizer is ckpt_dir/tokenizer.model, else the one llama-models ships (if it is
-installed). Keyword options after Meta's arguments go to Llama.build (device, dtype, quantize, ...).
+ModelArgs of params.json (`Llama4(llama, args)` wraps a Llama built otherwise). The tokenizer is
+ckpt_dir/tokenizer.model, else the one llama-models ships (if it is installed). Keyword options after Meta's
+arguments go to Llama.build (device, dtype, quantize, ...).
 
 Differences: an item that has stopped while others run yields its pad token, ignore_token and finished (Meta's
 keeps decoding it); sampling at temperature > 0 is this package's sampler; logits_processor is called once per
@@ -19,6 +20,7 @@ tokenizer that is not Llama 4's are refused naming what is missing.
 """
 
 import os
+from contextlib import closing
 from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
@@ -125,7 +127,9 @@ class Llama4:
                  print_model_input: bool = False,
                  logits_processor: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
                  ) -> Iterator[List[GenerationResult]]:
-        """Meta's generate: per step, one GenerationResult per input (checked before the first step)."""
+        """Meta's generate: per step, one GenerationResult per input (the inputs are checked before the first
+        step). logits_processor(tokens, logits) -> logits runs through the decode core's per-row processors: once per
+        item and step, with that item's tokens (1, cur_pos) and its next-token logits (1, 1, vocab)."""
         prompts = self.prompts(llm_inputs)
         max_seq = self.llama.max_seq_len
         if max_gen_len is not None and (not isinstance(max_gen_len, int) or isinstance(max_gen_len, bool)
@@ -225,7 +229,9 @@ class Llama4:
 
 
 def until_finished(steps: Iterator[List[GenerationResult]]) -> Iterator[List[GenerationResult]]:
-    for results in steps:
-        yield results
-        if all(r.finished for r in results):
-            break
+    """Meta's completion loop: stop once every item has finished (closing the steps frees the Llama's cache)."""
+    with closing(steps):
+        for results in steps:
+            yield results
+            if all(r.finished for r in results):
+                break
