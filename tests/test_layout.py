@@ -35,8 +35,9 @@ LAYERS: List[tuple] = [
     # text, tokens, compiled steps; fetching a model; what loading it takes in memory
     ("llama.config",),  # the typed configuration: options checked and resolved once, before anything loads
     ("llama.core",),  # requests, plan, scheduler, runner, engine, KV cache
-    ("llama.distributed", "llama.loading"),  # pipeline stages (an Execution for the runner); the model factory
-    ("llama.generation",),  # the Llama facade
+    ("llama.distributed", "llama.loading", "llama.llama4.model"),  # pipeline stages (an Execution for the runner);
+    # the model factory; Meta's Llama 4 Transformer, which keeps a KV cache of its own
+    ("llama.generation", "llama.llama4.generation"),  # the Llama facade; Meta's Llama4 generator over it
     ("llama.serve", "llama.cli", "llama.quantization.cli", "llama", *LEAVES),  # user-facing
 ]
 

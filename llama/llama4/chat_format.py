@@ -1,14 +1,15 @@
 """llama-models' `llama_models.llama4.chat_format` names, for code written against it: `ChatFormat(tokenizer,
 vision_args=None, max_num_chunks=16)` with Meta's `encode_dialog_prompt(messages, tool_prompt_format)` (messages
 as llama-models' RawMessage objects or as dicts; the result has `.tokens`, and `.images` None), `encode_message`,
-`_encode_header`, `decode_assistant_message(tokens, stop_reason)` and `role_str`. The prompt is
-llama.tokenizers.llama4_chat's, token for token Meta's. Differences: images are refused (vision_args, or an image
-in a message: no vision encoder here), and a decoded message is a dict ({"role", "content", "stop_reason",
-"tool_calls": [{"name", "arguments"}]}) keeping every call of a list, where Meta's RawMessage keeps the first."""
+`_encode_header`, `encode_content(content)` (a completion's prompt), `decode_assistant_message(tokens, stop_reason)`
+and `role_str`. The prompt is llama.tokenizers.llama4_chat's, token for token Meta's. Differences: images are
+refused (vision_args, or an image in a message: no vision encoder here), and a decoded message is a dict ({"role",
+"content", "stop_reason", "tool_calls": [{"name", "arguments"}]}) keeping every call of a list,
+where Meta's RawMessage keeps the first."""
 
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
+from llama.llama4.datatypes import LLMInput
 from llama.tokenizers.llama4_chat import Llama4ChatFormat
 from llama.tokenizers.messages import NO_VISION, has_image
 
@@ -20,14 +21,6 @@ def role_str(role) -> str:
     """A role's header text (Meta's role_str): "tool" is written "ipython"."""
     role = getattr(role, "value", role)
     return "ipython" if role == "tool" else role
-
-
-@dataclass
-class LLMInput:
-    """Meta's llama4 LLMInput: the prompt's tokens (and images, always None here)."""
-
-    tokens: List[int]
-    images: Optional[list] = None
 
 
 def as_message(m) -> Dict:
@@ -70,6 +63,17 @@ class ChatFormat(Llama4ChatFormat):
         for m in messages:
             tokens += super().encode_message(as_message(m), family)
         return LLMInput(tokens + self.encode_header("assistant"))
+
+    def encode_content(self, content) -> LLMInput:
+        """Meta's completion prompt: the text of content (a string, a text item with .text, or a list of them),
+        each piece encoded as it is, <|begin_of_text|> before the first; an image item is refused."""
+        tokens = []
+        for i, c in enumerate(content if isinstance(content, list) else [content]):
+            text = getattr(c, "text", c)
+            if not isinstance(text, str):
+                raise ValueError(f"content item {i} is a {type(c).__name__}, not text: {NO_VISION}")
+            tokens += self.tokenizer.encode(text, bos=i == 0, eos=False)
+        return LLMInput(tokens)
 
     def encode_message(self, message, tool_prompt_format="json") -> Tuple[List[int], list]:
         """Meta's (tokens, images) of one message."""
