@@ -174,7 +174,7 @@ def test_auto_leaves_batch_sizes_our_cpu_kernels_run_eager(monkeypatch):
 def test_auto_keeps_the_default_gguf_model_eager_at_small_batches(monkeypatch):
     """compile="auto" never compiles the default model's (SmolLM2's GGUF blocks, 135M parameters, far below
     EAGER_KERNEL_MIN_BYTES) steps of up to EAGER_KERNEL_MAX_BATCH rows: its eager step is one call into our kernels,
-    so a first run never stops to compile."""
+    so a first run never stops to compile, nor imports Dynamo."""
     from conftest import SHARED
 
     from llama import Llama
@@ -189,6 +189,7 @@ def test_auto_keeps_the_default_gguf_model_eager_at_small_batches(monkeypatch):
     assert not step.ready(step.key(1, None))
     g.generate([[1, 504, 3575, 282, 4649, 314]], max_gen_len=4, temperature=0)
     assert not step.packages and not step.seen, (step.packages, step.seen)
+    assert step._fn is None  # nor was torch.compile's wrapper made: making it imports Dynamo (seconds)
 
 
 def test_a_batch_size_that_would_not_fit_in_memory_stays_eager(stories_dir, goldens, monkeypatch, capsys):
