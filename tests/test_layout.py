@@ -170,6 +170,17 @@ def test_python_m_quantize_runs_without_a_runtime_warning():
     assert "usage:" in proc.stdout and "RuntimeWarning" not in proc.stderr
 
 
+def test_import_llama_leaves_the_heavy_optional_modules_unloaded():
+    """Every process pays `import llama` (a torchrun rank, a server, a CLI call): gguf (with the mistral_common it
+    imports, 0.8 s) loads with the first GGUF file read, Dynamo (2-9 s) with the first compiled step."""
+    code = ("import sys, llama; from llama import Llama; "
+            "print(sorted(m for m in ('gguf', 'mistral_common', 'torch._dynamo', 'transformers') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env=rank_env(1))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]", proc.stdout
+
+
 def sizes():
     """(path, lines) of every module and (path:function, lines) of every function (nested ones too)."""
     modules, functions = {}, {}

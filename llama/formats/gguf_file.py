@@ -21,10 +21,8 @@ import warnings
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
-import gguf
 import numpy as np
 import torch
-from gguf.quants import dequantize
 from tqdm import tqdm
 
 from llama.formats import architectures
@@ -60,52 +58,11 @@ def find_gguf(path) -> Optional[Path]:
     return None
 
 
-class _Reader(gguf.GGUFReader):
-    """gguf's reader over a plain ndarray view of its memory map. Its parser slices the map once per value (a few
-    per vocabulary string: several hundred thousand for a Llama 3 file), and every slice of an `np.memmap` runs
-    the subclass's `__array_finalize__`; over a plain view the same parse takes about a third of the time.
-    Tensors still map the file's bytes; `memmap` keeps the map itself (`release` advises the kernel on it)."""
-
-    @property
-    def data(self):
-        return self._plain
-
-    @data.setter
-    def data(self, value):
-        self.memmap, self._plain = value, value.view(np.ndarray)
-
-    def _get_field_parts(self, orig_offs: int, raw_type: int):
-        """An array's parts as gguf's own parser lays them out (the item type, the length, then each item's parts,
-        `data` indexing the values), cut in one pass instead of one recursive call and several numpy calls per
-        item: a 151,936-string vocabulary took gguf-py seconds (about 19 s on a busy 2-core machine), now a
-        fraction of one. Other fields, and files in the other byte order, take gguf's own path."""
-        if raw_type != gguf.GGUFValueType.ARRAY or self.byte_order != "I":
-            return super()._get_field_parts(orig_offs, raw_type)
-        raw_itype = self._get(orig_offs, np.uint32)
-        alen = self._get(orig_offs + 4, np.uint64)
-        itype, n, offs = gguf.GGUFValueType(int(raw_itype[0])), int(alen[0]), orig_offs + 12
-        parts, data = [raw_itype, alen], []
-        if itype == gguf.GGUFValueType.STRING:
-            buf = self._plain
-            lengths = memoryview(buf)
-            for _ in range(n):
-                size = int.from_bytes(lengths[offs:offs + 8], "little")
-                data.append(len(parts) + 1)
-                parts += (buf[offs:offs + 8].view(np.uint64), buf[offs + 8:offs + 8 + size])
-                offs += 8 + size
-        elif itype in self.gguf_scalar_to_np:
-            values = self._get(offs, self.gguf_scalar_to_np[itype], n)
-            data = list(range(len(parts), len(parts) + n))
-            parts += list(values.reshape(n, 1)) if n else []
-            offs += int(values.nbytes)
-        else:  # nested arrays: gguf's general parser
-            return super()._get_field_parts(orig_offs, raw_type)
-        return offs - orig_offs, parts, data, [gguf.GGUFValueType.ARRAY] + ([itype] if n else [])
-
-
 def _open_one(path: Path):
     try:
-        return _Reader(str(path))
+        from llama.formats.gguf_reader import Reader  # gguf (and the mistral_common it imports) only when reading
+
+        return Reader(str(path))
     except (ValueError, OSError, IndexError, KeyError) as e:  # the reader's errors for truncated/corrupt files
         raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {e}") from None
 
@@ -283,6 +240,9 @@ def layer_groups(reader, path: Path) -> Tuple[list, Dict[int, list], Dict[str, T
 def dequantize_tensor(data: np.ndarray, kind: str, dtype: torch.dtype, chunk: int = 1 << 20) -> torch.Tensor:
     """A GGUF tensor's values as a flat torch tensor of dtype, decoded by the gguf package a few rows at a time,
     so the float32 it decodes to never exists for a whole large matrix at once."""
+    import gguf
+    from gguf.quants import dequantize
+
     qtype = gguf.GGMLQuantizationType[kind]
     rows = data.reshape(-1, data.shape[-1]) if data.ndim > 1 else data.reshape(1, -1)
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]

@@ -184,11 +184,11 @@ def toks():
     """Our tokenizer and transformers' for the same GGUF file (SmolLM2)."""
     from transformers import AutoTokenizer
 
-    from llama.formats.gguf_file import _Reader
+    from llama.formats.gguf_reader import Reader
     from llama.tokenizers.huggingface import from_gguf
 
     gguf = GGUF if GGUF.exists() else pytest.skip(f"{GGUF} is absent")
-    return from_gguf(_Reader(str(gguf)), gguf), AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    return from_gguf(Reader(str(gguf)), gguf), AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
 
 def openai_messages(msgs):
