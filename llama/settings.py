@@ -38,6 +38,7 @@ class Settings:
     api_key: Optional[str]  # LLAMA_API_KEY: one more bearer key the server accepts
     async_decode: Optional[bool]  # LLAMA_ASYNC_DECODE: None (auto) queues decode steps ahead on CUDA only
     speculative_timing: str  # LLAMA_SPECULATIVE_TIMING: "prior" drafts by the tokens alone
+    models_debug: bool  # LLAMA_MODELS_DEBUG: llama-models' own switch, "1" prints Llama4.generate's input
 
 
 def _text(name: str) -> str:
@@ -126,6 +127,7 @@ def read() -> Settings:
         api_key=_text("LLAMA_API_KEY") or None,
         async_decode=auto_flag("LLAMA_ASYNC_DECODE"),
         speculative_timing=_choice("LLAMA_SPECULATIVE_TIMING", SPECULATIVE_TIMINGS, "measured"),
+        models_debug=_text("LLAMA_MODELS_DEBUG") == "1",  # llama-models compares with "1", so do we
     )
 
 

@@ -12,7 +12,7 @@ from llama import settings
 
 VARIABLES = ("LLAMA_CACHE", "LLAMA_DEVICE", "LLAMA_DTYPE", "LLAMA_MEMORY_LIMIT", "LLAMA_CPU_KERNELS",
              "LLAMA_FUSED_DECODE", "LLAMA_GGUF_BLOCKS", "LLAMA_GGML_ARITH", "LLAMA_INT4_CACHE", "LLAMA_COMPILE_CACHE", "LLAMA_OFFLINE", "LLAMA_API_KEY",
-             "LLAMA_ASYNC_DECODE", "LLAMA_GGUF_ACTIVATIONS", "LLAMA_SPECULATIVE_TIMING")
+             "LLAMA_ASYNC_DECODE", "LLAMA_GGUF_ACTIVATIONS", "LLAMA_SPECULATIVE_TIMING", "LLAMA_MODELS_DEBUG")
 FLAGS = {"LLAMA_CPU_KERNELS": ("cpu_kernels", True), "LLAMA_FUSED_DECODE": ("fused_decode", True),
          "LLAMA_GGUF_BLOCKS": ("gguf_blocks", True), "LLAMA_GGML_ARITH": ("ggml_arith", False),
          "LLAMA_INT4_CACHE": ("int4_cache", True), "LLAMA_COMPILE_CACHE": ("compile_cache", True),
@@ -33,7 +33,8 @@ def test_defaults(clean):
                                   cpu_kernels=True, fused_decode=True, gguf_blocks=True, ggml_arith=False,
                                   gguf_activations="float", int4_cache=True,
                                   compile_cache=True,
-                                  offline=False, api_key=None, async_decode=None, speculative_timing="measured")
+                                  offline=False, api_key=None, async_decode=None, speculative_timing="measured",
+                                  models_debug=False)
     assert settings.cache_dir() == Path.home() / ".cache" / "llama"
 
 
@@ -58,6 +59,16 @@ def test_gguf_activations_take_float_or_int8(clean):
     clean.setenv("LLAMA_GGUF_ACTIVATIONS", "fp16")
     with pytest.raises(ValueError, match=r"LLAMA_GGUF_ACTIVATIONS must be one of \['float', 'int8'\].*'fp16'"):
         settings.reload()
+
+
+def test_models_debug_is_llama_models_switch(clean):
+    """llama-models prints Llama4.generate's input when LLAMA_MODELS_DEBUG is exactly "1"; so does
+    llama.llama4.generation."""
+    assert not settings.reload().models_debug
+    clean.setenv("LLAMA_MODELS_DEBUG", "1")
+    assert settings.reload().models_debug
+    clean.setenv("LLAMA_MODELS_DEBUG", "yes")
+    assert not settings.reload().models_debug
 
 
 def test_speculative_timing_takes_measured_or_prior(clean):

@@ -19,7 +19,6 @@ max_seq_len tokens or more is a ValueError (Meta's prints and yields nothing); i
 tokenizer that is not Llama 4's are refused naming what is missing.
 """
 
-import os
 from contextlib import closing
 from dataclasses import dataclass
 from importlib.util import find_spec
@@ -31,6 +30,7 @@ import torch
 from llama.core.frontend.params import SamplingParams
 from llama.formats import llama4 as formats
 from llama.formats.meta_checkpoint import read_json_object
+from llama import settings
 from llama.generation import Llama
 from llama.llama4.args import ModelArgs
 from llama.llama4.chat_format import ChatFormat
@@ -140,7 +140,7 @@ class Llama4:
         if logits_processor is not None and not callable(logits_processor):
             raise TypeError(f"logits_processor must be callable (tokens, logits) -> logits, got "
                             f"{type(logits_processor).__name__}")
-        if print_model_input or os.environ.get("LLAMA_MODELS_DEBUG", "0") == "1":
+        if print_model_input or settings.get().models_debug:
             print("Input to model:\n" + "\n".join(self.tokenizer.decode(p) for p in prompts))
         total_len = min(max_gen_len + max(map(len, prompts)), max_seq)
         recorders = [Recorder() if logprobs else None for _ in prompts]
