@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import SHARED, need
+from helpers import first_layers_gguf
 
 
 pytestmark = hardware.KERNELS
@@ -98,10 +99,14 @@ def test_every_block_product_equals_llama_cpps_bit_for_bit():
     check(model.output, peer["result_norm"], "result_output")  # the tied Q8_0 embedding table
 
 
-def requantized(tmp_path_factory, ftype: str):
-    """The shared Q4_1 file quantized by llama.cpp's own quantizer to ftype."""
+def requantized(tmp_path_factory, ftype: str, layers: int = 0):
+    """The shared Q4_1 file (cut to its first `layers` blocks, if given) quantized by llama.cpp's own quantizer to
+    ftype."""
     src = need(SMOLLM)
     out = tmp_path_factory.mktemp(ftype) / f"SmolLM2-135M-Instruct.{ftype}.gguf"
+    if layers:
+        src = out.with_name(f"first-{layers}-layers.gguf")
+        first_layers_gguf(need(SMOLLM), src, layers)
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
     params.allow_requantize, params.nthread = True, 1
@@ -112,12 +117,14 @@ def requantized(tmp_path_factory, ftype: str):
 
 # (file type, block types among its products: SmolLM2's 576 inputs are not whole super-blocks, so llama.cpp falls
 # back to 32-value types there; no quantization of it holds Q2_K products, which test_gguf_q8k.py covers)
-K_FILES = [("Q4_K_M", {"Q4_K", "Q6_K", "Q5_0", "Q8_0"}), ("Q3_K_M", {"Q4_0", "Q5_1", "Q5_K"}), ("Q2_K", {"Q3_K"}),
-           ("IQ4_XS", {"IQ4_XS"})]
+# IQ4_XS's quantizer searches each block (35 s for the whole model on one core): its first 4 layers hold 4 IQ4_XS
+# products (every ffn_down), enough; the K-quant mixes need the whole depth for every type above.
+K_FILES = [("Q4_K_M", {"Q4_K", "Q6_K", "Q5_0", "Q8_0"}, 0), ("Q3_K_M", {"Q4_0", "Q5_1", "Q5_K"}, 0),
+           ("Q2_K", {"Q3_K"}, 0), ("IQ4_XS", {"IQ4_XS"}, 4)]
 
 
-@pytest.mark.parametrize("ftype,kinds", K_FILES, ids=[f for f, _ in K_FILES])
-def test_k_quant_products_equal_llama_cpps_bit_for_bit(ftype, kinds, tmp_path_factory):
+@pytest.mark.parametrize("ftype,kinds,layers", K_FILES, ids=[f for f, _, _ in K_FILES])
+def test_k_quant_products_equal_llama_cpps_bit_for_bit(ftype, kinds, layers, tmp_path_factory):
     """llama.cpp's quantizations of the same model: with q8_K activations and its order of fp32 operations, each
     product fed llama.cpp's input equals its result bit for bit. Q4_K: the rows llama.cpp multiplies one at a time
     (its repacked q4_K_8x8 gemv, which decodes; batches of 4 rows go through its gemm, which adds each 64 values'
@@ -125,7 +132,7 @@ def test_k_quant_products_equal_llama_cpps_bit_for_bit(ftype, kinds, tmp_path_fa
     from llama import Llama
     from llama.quantization import gguf_blocks
 
-    path = requantized(tmp_path_factory, ftype)
+    path = requantized(tmp_path_factory, ftype, layers)
     peer = llama_cpp_tensors(path, TOKENS)
     model = Llama.build(str(path), None, max_seq_len=64, max_batch_size=1, compile=False).model
     gemv = slice(len(TOKENS) - len(TOKENS) % 4, None)  # the rows past the last whole group of 4
