@@ -395,3 +395,20 @@ def first_layers_gguf(src, dst, layers: int) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+# A new process's peak RSS growth (VmHWM) loading the last of these GGUF files in bf16 and decoding two tokens, a
+# tiny file loaded first so that what any load costs besides the weights is in the base.
+PEAK_PROBE = """
+import json, sys
+from llama import Llama
+hwm = lambda: int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1]) * 1024
+peaks = []
+for path in sys.argv[1:]:  # a tiny file first: what any load costs besides the weights is then in the base
+    base = hwm()
+    g = Llama.build(path, None, max_seq_len=16, max_batch_size=1, compile=False, dtype="bfloat16", preload=True)
+    out = g.generate([[1, 5, 6]], max_gen_len=2, temperature=0)
+    peaks.append(hwm() - base)
+    del g
+print(json.dumps({"peak": peaks[-1]}))
+"""

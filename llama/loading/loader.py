@@ -76,8 +76,8 @@ def gguf_model(reader, path, args: ModelArgs, rank: int, world_size: int, device
         return gguf_quants.native_model(reader, path, args, rank, world_size, device, dtype, fuse)
     with torch.device("meta"):
         model = Transformer(args)
-    # whole tensors already in dtype stay mapped on CPU, their pages kept (gguf_file.in_place); slices,
-    # quantized layers and layers moved to a GPU are copies, after which the pages they came from are released
+    # whole tensors already in dtype stay mapped on CPU, their pages kept (gguf_file.in_place) while the model holds
+    # them; slices, fused or quantized weights and layers moved to a GPU are copies, whose source pages are released
     keep = dtype if quantize is None and world_size == 1 and torch.device(device).type == "cpu" else None
     full = gguf_file.read_tensors(globals_, path, dtype)
     state = {name: meta_checkpoint.split_tensor(name, t, rank, world_size) for name, t in full.items()}
@@ -101,7 +101,9 @@ def gguf_model(reader, path, args: ModelArgs, rank: int, world_size: int, device
         except RuntimeError as e:
             raise ValueError(f"{path}: layer {i} does not match the metadata: {e}") from None
         prepare(model.layers[i], device, dtype, quantize, group_size, fuse)
-        gguf_file.release(reader, layers[i], keep)
+        # what the layer holds in place keeps its pages; what fusing or repacking copied (a bf16 expert's w1/w3
+        # into w13) releases them, else a bf16 MoE file peaked at 1.6x its size
+        gguf_quants.release_unused(reader, layers[i], model.layers[i])
     return model
 
 

@@ -11,6 +11,7 @@ import hardware
 import pytest
 import torch
 from conftest import CPU_KERNELS_ONLY, HOST_MEMORY, REPO, STORIES, need, rank_env
+from helpers import PEAK_PROBE
 from gguf_blocks_data import Q4_K_M, dequantized, reference_product, write_block_gguf
 
 from llama import Llama
@@ -161,21 +162,6 @@ def test_the_gpu_path_dequantizes_instead():
 
     assert not gguf_quants.runs_natively(Reader(), None, "cuda")
     assert not gguf_quants.runs_natively(Reader(), "int8", "cpu")
-
-
-PEAK_PROBE = """
-import json, sys
-from llama import Llama
-hwm = lambda: int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1]) * 1024
-peaks = []
-for path in sys.argv[1:]:  # a tiny file first: what any load costs besides the weights is then in the base
-    base = hwm()
-    g = Llama.build(path, None, max_seq_len=16, max_batch_size=1, compile=False, dtype="bfloat16", preload=True)
-    out = g.generate([[1, 5, 6]], max_gen_len=2, temperature=0)
-    peaks.append(hwm() - base)
-    del g
-print(json.dumps({"peak": peaks[-1]}))
-"""
 
 
 @HOST_MEMORY
