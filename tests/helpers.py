@@ -1,5 +1,7 @@
 """Shared test helpers: prompts of stories260K's goldens, and processors that pin a model's output."""
 
+import contextlib
+
 ONCE = "Once upon a time"
 LILY = "Lily and Ben went to the park"
 REPLACEMENT = "\ufffd"
@@ -400,6 +402,7 @@ def first_layers_gguf(src, dst, layers: int) -> None:
 # A new process's peak RSS growth (VmHWM) loading the last of these GGUF files in bf16 and decoding two tokens, a
 # tiny file loaded first so that what any load costs besides the weights is in the base.
 PEAK_PROBE = """
+import contextlib
 import json, sys
 from llama import Llama
 hwm = lambda: int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1]) * 1024
@@ -412,3 +415,24 @@ for path in sys.argv[1:]:  # a tiny file first: what any load costs besides the 
     del g
 print(json.dumps({"peak": peaks[-1]}))
 """
+
+
+
+@contextlib.contextmanager
+def transformers_reading_gguf():
+    """A context in which transformers' GGUF loader (the reference of the tests that read a GGUF file with it) skips
+    two of gguf-py's costs, 20-40 s of the suite: the file's metadata is parsed by our reader (llama/formats/
+    gguf_reader.py, whose parse equals gguf's field for field, tensor for tensor: tests/formats/test_gguf_file.py),
+    and gguf.get_tensor_name_map is memoized (transformers builds it once per tensor, 397 times for SmolLM2). The
+    names, dequantization, tokenizer and model transformers makes of them are its own."""
+    import functools
+
+    import gguf
+    import pytest
+
+    from llama.formats.gguf_reader import Reader
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", Reader)
+        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
+        yield

@@ -10,6 +10,7 @@ import hardware
 import pytest
 import torch
 from conftest import SHARED, need
+from helpers import transformers_reading_gguf
 
 from llama import Llama
 from llama.formats import gguf_quants
@@ -73,8 +74,9 @@ def test_q4_k_m_argmaxes_agree_with_transformers_on_the_same_file(q4_k_m, own_ar
     pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF files")
     transformers = pytest.importorskip("transformers")
     golden = json.loads(need(GOLDENS).read_text())
-    ref_model = transformers.AutoModelForCausalLM.from_pretrained(str(q4_k_m.parent), gguf_file=q4_k_m.name,
-                                                                  torch_dtype=torch.float32)
+    with transformers_reading_gguf():
+        ref_model = transformers.AutoModelForCausalLM.from_pretrained(str(q4_k_m.parent), gguf_file=q4_k_m.name,
+                                                                      torch_dtype=torch.float32)
     gen = Llama.build(str(q4_k_m), None, max_seq_len=256, max_batch_size=1, compile=False)
     agree = total = 0
     for g in golden["prompts"].values():

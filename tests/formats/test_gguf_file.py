@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import HOST_MEMORY, REPO, SHARED, need, rank_env
+from helpers import transformers_reading_gguf
 
 from llama import Llama
 
@@ -415,8 +416,9 @@ def test_logits_match_transformers_on_the_same_gguf_within_1e_3(smol, golden):
 
     pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF files")
     transformers = pytest.importorskip("transformers")
-    ref_model = transformers.AutoModelForCausalLM.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name,
-                                                                  torch_dtype=torch.float32)
+    with transformers_reading_gguf():
+        ref_model = transformers.AutoModelForCausalLM.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name,
+                                                                      torch_dtype=torch.float32)
     for g in golden["prompts"].values():
         seq = g["prompt_tokens"] + g["generated_tokens"]
         with torch.no_grad():

@@ -11,6 +11,7 @@ from pathlib import Path
 import peers
 import pytest
 from conftest import SHARED
+from helpers import transformers_reading_gguf
 
 from llama.tokenizers.chat_format import Llama3ChatFormat, TemplateChatFormat, template_environment
 from llama.tokenizers.tool_format import ToolDialog, call_text, family_of, meta_system_text, meta_tools_message, parse
@@ -188,7 +189,9 @@ def toks():
     from llama.tokenizers.huggingface import from_gguf
 
     gguf = GGUF if GGUF.exists() else pytest.skip(f"{GGUF} is absent")
-    return from_gguf(Reader(str(gguf)), gguf), AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    with transformers_reading_gguf():
+        ref = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    return from_gguf(Reader(str(gguf)), gguf), ref
 
 
 def openai_messages(msgs):
