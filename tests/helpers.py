@@ -436,3 +436,19 @@ def transformers_reading_gguf():
         mp.setattr(gguf, "GGUFReader", Reader)
         mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
         yield
+
+
+@contextlib.contextmanager
+def ready_client(app, timeout: float = 120.0):
+    """Starlette's TestClient of a server app once its model is in: the app loads it in a background thread and
+    answers 503 "the model is still loading" until then, as a server should; a test's first request met that on
+    a busy machine. Waits for /health to stop answering 503 (at most `timeout` seconds)."""
+    import time
+
+    from starlette.testclient import TestClient
+
+    with TestClient(app) as client:
+        deadline = time.monotonic() + timeout
+        while client.get("/health").status_code == 503 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        yield client

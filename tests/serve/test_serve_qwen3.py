@@ -11,7 +11,7 @@ import json
 
 import pytest
 import helpers
-from helpers import build_qwen3_chat
+from helpers import build_qwen3_chat, ready_client
 
 from llama.tokenizers.chat_format import with_template_kwargs
 
@@ -78,12 +78,11 @@ class Forced:
 
 @pytest.fixture(scope="module")
 def server(qwen3):
-    from starlette.testclient import TestClient
 
     from llama.serve.app import create_app
 
     app = create_app(lambda: qwen3, "qwen3")
-    with TestClient(app) as client:
+    with ready_client(app) as client:
         yield Forced(qwen3, client, app)
 
 

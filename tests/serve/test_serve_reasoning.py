@@ -9,6 +9,7 @@ import helpers
 import peers
 import pytest
 from conftest import SHARED, need
+from helpers import ready_client
 
 from llama import Llama
 
@@ -50,13 +51,12 @@ def test_the_python_api_keeps_the_block_unless_asked(r1):
 def test_the_server_returns_reasoning_content_whole_and_streamed(r1):
     pytest.importorskip("starlette", reason="the server needs the serve extra: pip install -e '.[serve]'")
     pytest.importorskip("httpx")
-    from starlette.testclient import TestClient
 
     from llama.serve.app import create_app
 
     app = create_app(lambda: r1, "r1")
     force = forcing(r1.tokenizer, REPLY)
-    with TestClient(app) as client:
+    with ready_client(app) as client:
         engine = app.state.llama.engine
         submit = engine.submit_samples
         engine.submit_samples = lambda p, n, **kw: submit(p, n, **kw, logits_processors=[force])

@@ -4,6 +4,7 @@ tokenizer and chat template, and OpenAI-shaped 4xx errors for bad input."""
 import json
 
 import pytest
+from helpers import ready_client
 
 pytest.importorskip("starlette", reason="the server needs the serve extra: pip install -e '.[serve]'")
 pytest.importorskip("httpx")
@@ -11,11 +12,10 @@ pytest.importorskip("httpx")
 
 @pytest.fixture(scope="module")
 def client(stories):
-    from starlette.testclient import TestClient
 
     from llama.serve.app import create_app
 
-    with TestClient(create_app(lambda: stories, "stories")) as c:
+    with ready_client(create_app(lambda: stories, "stories")) as c:
         yield c
 
 

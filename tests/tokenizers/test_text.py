@@ -4,6 +4,7 @@ every path with a ValueError, or the server's 400, that names the field; nothing
 import json
 
 import pytest
+from helpers import ready_client
 
 from llama.sample.grammar import Grammar
 from llama.tokenizers.text import check_text
@@ -44,7 +45,6 @@ def test_every_python_path_refuses_unpaired_surrogates_by_field(stories):
 def test_the_server_answers_400_naming_the_field(stories):
     pytest.importorskip("starlette", reason="the server needs the serve extra: pip install -e '.[serve]'")
     pytest.importorskip("httpx")
-    from starlette.testclient import TestClient
 
     from llama.serve.app import create_app
 
@@ -52,7 +52,7 @@ def test_the_server_answers_400_naming_the_field(stories):
         "/v1/completions": [{"prompt": LONE}, {"prompt": "Once", "stop": [LONE]}],
         "/v1/chat/completions": [{"messages": [{"role": "user", "content": LONE}]}],
     }
-    with TestClient(create_app(lambda: stories, "stories")) as client:
+    with ready_client(create_app(lambda: stories, "stories")) as client:
         for path, bodies in bad.items():
             for body in bodies:
                 # json.dumps escapes the surrogate as \ud800: valid JSON, as a client would send it

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 from conftest import CPU_SPECULATION, STORIES, need
-from helpers import ONCE, draft_tally
+from helpers import ONCE, draft_tally, ready_client
 
 from llama.core.frontend.params import Param, SamplingParams, Wire, names, register, unregister
 
@@ -47,11 +47,10 @@ def recorder(seen):
 def serve(stories):
     pytest.importorskip("starlette", reason="the server needs the serve extra: pip install -e '.[serve]'")
     pytest.importorskip("httpx")
-    from starlette.testclient import TestClient
 
     from llama.serve.app import create_app
 
-    return TestClient(create_app(lambda: stories, "stories"))
+    return ready_client(create_app(lambda: stories, "stories"))
 
 
 # --------------------------------------------------------------------------------------------- the three paths

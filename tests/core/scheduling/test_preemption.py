@@ -6,6 +6,7 @@ the same tokens greedy and seeded, with n samples, stop strings, logprobs and a 
 
 import pytest
 from conftest import STORIES, need
+from helpers import ready_client
 
 from llama.core.scheduling.block_pool import BlockPool
 from llama.core.frontend.params import SamplingParams
@@ -168,14 +169,12 @@ def test_server_counts_preemptions_and_answers_every_request(roomy):
     pytest.importorskip("httpx")
     from concurrent.futures import ThreadPoolExecutor
 
-    from starlette.testclient import TestClient
-
     from llama.serve.app import create_app
 
     tight = build("on", blocks=9)
     body = dict(model="s", max_tokens=60, temperature=0)
     want = [w["generation"] for w in roomy.text_completion(PROMPTS, temperature=0.0, max_gen_len=60)]
-    with TestClient(create_app(lambda: tight, "s")) as c:
+    with ready_client(create_app(lambda: tight, "s")) as c:
         with ThreadPoolExecutor(6) as ex:
             rs = list(ex.map(lambda p: c.post("/v1/completions", json={**body, "prompt": p}), PROMPTS))
         assert [r.status_code for r in rs] == [200] * 6, [r.text for r in rs]

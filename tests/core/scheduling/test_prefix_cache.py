@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 from conftest import STORIES, need
-from helpers import logprobs_in_any_company
+from helpers import logprobs_in_any_company, ready_client
 
 from llama.core.scheduling.plan import Prefill
 
@@ -187,8 +187,6 @@ def test_server_reports_cached_tokens_and_the_pool_and_answers_every_request(off
     pytest.importorskip("httpx")
     from concurrent.futures import ThreadPoolExecutor
 
-    from starlette.testclient import TestClient
-
     from llama.serve.app import create_app
 
     one_row = build("on", slots=4, seq=128)
@@ -196,7 +194,7 @@ def test_server_reports_cached_tokens_and_the_pool_and_answers_every_request(off
     body = dict(model="s", prompt=PROMPTS[0], max_tokens=12, temperature=0)
     want = off.text_completion([PROMPTS[0]], temperature=0.0, max_gen_len=12)[0]["generation"]
     keys = {"a": {"Authorization": "Bearer key-a"}, "b": {"Authorization": "Bearer key-b"}}
-    with TestClient(create_app(lambda: tight, "s", api_keys=["key-a", "key-b"])) as c:
+    with ready_client(create_app(lambda: tight, "s", api_keys=["key-a", "key-b"])) as c:
         first = c.post("/v1/completions", json=body, headers=keys["a"]).json()
         again = c.post("/v1/completions", json=body, headers=keys["a"]).json()
         other = c.post("/v1/completions", json=body, headers=keys["b"]).json()
