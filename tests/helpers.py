@@ -369,11 +369,9 @@ def build_qwen3_chat(d, max_seq_len: int = 1024, max_batch_size: int = 2):
 
 
 
-def first_layers_gguf(src, dst, layers: int) -> None:
-    """The GGUF file src cut to its first `layers` blocks at dst: block_count and the blk.N tensors change, every
-    other key and tensor is copied as it is (quantized ones in their blocks). A real model's file that llama.cpp's
-    quantizer goes through several times faster."""
-    import re
+def rewrite_gguf(src, dst, tensors, fields=None) -> None:
+    """A copy of the GGUF file src at dst: every metadata key as it is (those in `fields`: that value, same type),
+    and the tensors `tensors(reader)` yields as (name, array, ggml type)."""
     from pathlib import Path
 
     import gguf
@@ -381,22 +379,38 @@ def first_layers_gguf(src, dst, layers: int) -> None:
 
     from llama.formats import gguf_file
     reader = gguf_file.open_reader(Path(src))
-    arch = reader.fields["general.architecture"].contents()
-    w = gguf.GGUFWriter(str(dst), arch)
+    w = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
     for key, f in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
         kind = f.types[0]
         sub = f.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(key, layers if key == f"{arch}.block_count" else f.contents(), kind, sub_type=sub)
-    for t in reader.tensors:
-        m = re.match(r"blk\.(\d+)\.", t.name)
-        if m is None or int(m.group(1)) < layers:
-            w.add_tensor(t.name, np.ascontiguousarray(t.data), raw_dtype=t.tensor_type)
+        w.add_key_value(key, (fields or {}).get(key, f.contents()), kind, sub_type=sub)
+    for name, data, qtype in tensors(reader):
+        w.add_tensor(name, np.ascontiguousarray(data), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def first_layers_gguf(src, dst, layers: int) -> None:
+    """The GGUF file src cut to its first `layers` blocks at dst: block_count and the blk.N tensors change, every
+    other key and tensor is copied as it is (quantized ones in their blocks). A real model's file that llama.cpp's
+    quantizer goes through several times faster."""
+    import re
+
+    def first(reader):
+        for t in reader.tensors:
+            m = re.match(r"blk\.(\d+)\.", t.name)
+            if m is None or int(m.group(1)) < layers:
+                yield t.name, t.data, t.tensor_type
+
+    from pathlib import Path
+
+    from llama.formats import gguf_file
+    arch = gguf_file.open_reader(Path(src)).fields["general.architecture"].contents()
+    rewrite_gguf(src, dst, first, {f"{arch}.block_count": layers})
 
 
 # A new process's peak RSS growth (VmHWM) loading the last of these GGUF files in bf16 and decoding two tokens, a

@@ -9,7 +9,6 @@ import ctypes
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import hardware
 import numpy as np
@@ -17,7 +16,7 @@ import peers
 import pytest
 import torch
 from conftest import HOST_MEMORY, REPO, error_lines, rank_env
-from helpers import PEAK_PROBE
+from helpers import PEAK_PROBE, rewrite_gguf
 from families import converter_command, sentencepiece_model, sequence, write_byte_level_tokenizer, write_hf
 
 from llama import Llama, settings
@@ -139,29 +138,16 @@ def test_world_size_2_splits_every_expert_at_whole_blocks(files, tmp_path):
 
 
 def per_expert_copy(src, dst) -> None:
-    """src rewritten as Mixtral's older files are: blk.N.ffn_{gate,up,down}.E.weight, one tensor per expert."""
-    import gguf
+    """src (an f32 file) rewritten as Mixtral's older files are: blk.N.ffn_{gate,up,down}.E.weight, one tensor per
+    expert."""
+    def split(reader):
+        for t in reader.tensors:
+            if "_exps." in t.name:
+                yield from ((t.name.replace("_exps.", f".{e}."), t.data[e], None) for e in range(t.data.shape[0]))
+            else:
+                yield t.name, t.data, None
 
-    from llama.formats import gguf_file
-    reader = gguf_file.open_reader(Path(src))
-    arch = reader.fields["general.architecture"].contents()
-    w = gguf.GGUFWriter(str(dst), arch)
-    for key, f in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        kind = f.types[0]
-        sub = f.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(key, f.contents(), kind, sub_type=sub)
-    for t in reader.tensors:
-        if "_exps." in t.name:
-            for e in range(t.data.shape[0]):
-                w.add_tensor(t.name.replace("_exps.", f".{e}."), np.ascontiguousarray(t.data[e]))
-        else:
-            w.add_tensor(t.name, np.ascontiguousarray(t.data))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    rewrite_gguf(src, dst, split)
 
 
 def test_one_tensor_per_expert_files_load_as_the_newer_ones(files, tmp_path):
