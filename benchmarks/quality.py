@@ -1,12 +1,13 @@
 """How much an arithmetic changes what a GGUF file's model says, against the same file dequantized to fp32.
 
     python -m benchmarks quality [FILE.gguf] [--tokens 10240] [--window 512] [--llamacpp]
-        [--arith float int8] [--workdir DIR]
+        [--arith int16 float int8] [--workdir DIR]
 
-Per arithmetic (ours "float": fp32 activations, the default; ours "int8": llama.cpp's int8 activation blocks;
-"llama.cpp": llama-cpp-python's own logits on the same file, with --llamacpp), over at least --tokens tokens of real
+Per arithmetic (ours "int16": int16 activation blocks, the default; ours "float": fp32 activations; ours "int8":
+llama.cpp's int8 activation blocks; "llama.cpp": llama-cpp-python's own logits on the same file, with --llamacpp), over at least --tokens tokens of real
 English text (the Python reference manual's topics shipped in the standard library, `pydoc_data.topics`, the same
-text on every machine), in windows of --window tokens scored teacher-forced:
+text on every machine), in windows of --window tokens scored teacher-forced (ours with every row in the row kernel
+a decode step runs, llama/kernels/invariant.py, not the fp32 GEMM a long prompt takes):
 - KL divergence per token, KL(reference || arithmetic) in nats, mean with its standard error and 99th percentile;
 - top-1 agreement: how often the arithmetic's argmax is the reference's, with its standard error;
 - greedy answers to 24 factual questions (chat template, temperature 0, 32 tokens): how many are the
@@ -46,6 +47,10 @@ QUESTIONS = [
 ]
 
 
+LABELS = {"int16": "ours, int16 activations (default)", "float": "ours, fp32 activations",
+          "int8": "ours, int8 activations"}
+
+
 def english_text(chars: int) -> str:
     """The first `chars` characters of the Python reference manual's topics, in their sorted order."""
     from pydoc_data.topics import topics
@@ -69,20 +74,24 @@ def token_windows(tok, tokens: int, window: int):
 
 
 def build(path: Path, arith: str):
-    """Our model of the file with this arithmetic: 'reference' (every tensor dequantized to fp32), 'float', 'int8'."""
+    """Our model of the file with this arithmetic: 'reference' (every tensor dequantized to fp32), 'int16', 'float',
+    'int8'."""
     from llama import Llama, settings
 
     os.environ["LLAMA_GGUF_BLOCKS"] = "0" if arith == "reference" else "1"
-    os.environ["LLAMA_GGUF_ACTIVATIONS"] = "int8" if arith == "int8" else "float"
+    os.environ["LLAMA_GGUF_ACTIVATIONS"] = "float" if arith == "reference" else arith
     settings.reset()
     return Llama.build(str(path), None, max_seq_len=1024, max_batch_size=len(QUESTIONS), compile=False,
                        dtype="float32")
 
 
-def our_logprobs(gen, window):
+def our_logprobs(gen, window, rows: bool = False):
+    """Log-probabilities of each next token; rows: every position through the row kernel of a decode step."""
     import torch
 
-    with gen.cache.hold():
+    from llama.kernels import invariant
+
+    with gen.cache.hold(), invariant.rows(rows):
         logits = gen.runner.logits([window])[0].float()
     return torch.log_softmax(logits[:-1], dim=-1)
 
@@ -146,7 +155,7 @@ def main() -> None:
     p.add_argument("file", nargs="?", default=str(SHARED_Q4_1))
     p.add_argument("--tokens", type=int, default=10240)
     p.add_argument("--window", type=int, default=512)
-    p.add_argument("--arith", nargs="+", default=["float", "int8"], choices=["float", "int8"])
+    p.add_argument("--arith", nargs="+", default=list(LABELS), choices=list(LABELS))
     p.add_argument("--llamacpp", action="store_true", help="also llama.cpp's logits (llama-cpp-python)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--workdir", default=None)
@@ -177,15 +186,15 @@ def main() -> None:
         answers = {"reference": ref_answers}
         for arith in a.arith:
             gen = build(path, arith)
-            stats = compare(ref, tqdm(windows, desc=f"ours, {arith}", unit="window"), lambda w: our_logprobs(gen, w))
+            stats = compare(ref, tqdm(windows, desc=f"ours, {arith}", unit="window"),
+                            lambda w: our_logprobs(gen, w, rows=True))
             answers[arith] = our_answers(gen)
-            label = "ours, fp32 activations (default)" if arith == "float" else "ours, int8 activations"
-            rows.append({"arithmetic": label, **stats, **score_answers(answers[arith], ref_answers)})
+            rows.append({"arithmetic": LABELS[arith], **stats, **score_answers(answers[arith], ref_answers)})
             del gen
         if a.llamacpp:
             import llama_cpp
 
-            gen = build(path, "float")  # for the chat prompts' token ids only
+            gen = build(path, "int16")  # for the chat prompts' token ids only
             llm = llama_cpp.Llama(str(path), n_ctx=max(a.window, 256), n_batch=a.window, n_threads=a.threads,
                                   logits_all=True, verbose=False)
             stats = compare(ref, tqdm(windows, desc="llama.cpp", unit="window"), lambda w: peer_logprobs(llm, w))

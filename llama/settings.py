@@ -31,7 +31,7 @@ class Settings:
     fused_decode: bool  # LLAMA_FUSED_DECODE
     gguf_blocks: bool  # LLAMA_GGUF_BLOCKS
     ggml_arith: bool  # LLAMA_GGML_ARITH
-    gguf_activations: str  # LLAMA_GGUF_ACTIVATIONS: "float" (default) or "int8" (llama.cpp's activation blocks)
+    gguf_activations: str  # LLAMA_GGUF_ACTIVATIONS: "int16" (default), "float" or "int8" (llama.cpp's blocks)
     int4_cache: bool  # LLAMA_INT4_CACHE
     compile_cache: bool  # LLAMA_COMPILE_CACHE
     offline: bool  # LLAMA_OFFLINE: never fetch the default model
@@ -95,7 +95,7 @@ def _dtype(name: str) -> Optional[torch.dtype]:
     return DTYPES[text] if text else None
 
 
-GGUF_ACTIVATIONS = ("float", "int8")
+GGUF_ACTIVATIONS = ("int16", "float", "int8")
 # "measured": whether a draft pays is decided from step times measured on this machine; "prior": from the prior
 # costs alone, so the drafts (and the acceptance counts) depend on the tokens only, whatever the load.
 SPECULATIVE_TIMINGS = ("measured", "prior")
@@ -120,7 +120,7 @@ def read() -> Settings:
         fused_decode=flag("LLAMA_FUSED_DECODE", True),
         gguf_blocks=flag("LLAMA_GGUF_BLOCKS", True),
         ggml_arith=flag("LLAMA_GGML_ARITH", False),
-        gguf_activations=_choice("LLAMA_GGUF_ACTIVATIONS", GGUF_ACTIVATIONS, "float"),
+        gguf_activations=_choice("LLAMA_GGUF_ACTIVATIONS", GGUF_ACTIVATIONS, "int16"),
         int4_cache=flag("LLAMA_INT4_CACHE", True),
         compile_cache=flag("LLAMA_COMPILE_CACHE", True),
         offline=flag("LLAMA_OFFLINE", False),

@@ -31,7 +31,7 @@ def test_defaults(clean):
     s = settings.reload()
     assert s == settings.Settings(cache=Path.home() / ".cache" / "llama", device=None, dtype=None, memory_limit=None,
                                   cpu_kernels=True, fused_decode=True, gguf_blocks=True, ggml_arith=False,
-                                  gguf_activations="float", int4_cache=True,
+                                  gguf_activations="int16", int4_cache=True,
                                   compile_cache=True,
                                   offline=False, api_key=None, async_decode=None, speculative_timing="measured",
                                   models_debug=False)
@@ -52,12 +52,12 @@ def test_each_variable_is_parsed(clean, tmp_path):
     assert not (s.cpu_kernels or s.fused_decode or s.gguf_blocks or s.ggml_arith or s.int4_cache or s.compile_cache)
 
 
-def test_gguf_activations_take_float_or_int8(clean):
-    for text, want in (("int8", "int8"), (" INT8 ", "int8"), ("float", "float"), ("", "float")):
+def test_gguf_activations_take_int16_float_or_int8(clean):
+    for text, want in (("int8", "int8"), (" INT8 ", "int8"), ("float", "float"), ("int16", "int16"), ("", "int16")):
         clean.setenv("LLAMA_GGUF_ACTIVATIONS", text)
         assert settings.reload().gguf_activations == want, text
     clean.setenv("LLAMA_GGUF_ACTIVATIONS", "fp16")
-    with pytest.raises(ValueError, match=r"LLAMA_GGUF_ACTIVATIONS must be one of \['float', 'int8'\].*'fp16'"):
+    with pytest.raises(ValueError, match=r"LLAMA_GGUF_ACTIVATIONS must be one of \['int16', 'float', 'int8'\].*'fp16'"):
         settings.reload()
 
 

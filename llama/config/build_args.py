@@ -31,7 +31,8 @@ class BuildArgs:
     A checkpoint written by `python -m llama.quantize` loads without requantizing: int4 as int4, int8 as the
     fastest int8 scheme the device runs (int8-dynamic in our CPU kernels, else weight-only; quantize="int8"
     asks for weight-only).
-    GGUF blocks multiply fp32 activations on CPU (LLAMA_GGUF_ACTIVATIONS=int8: llama.cpp's int8 ones).
+    GGUF blocks multiply int16 activation blocks on CPU (LLAMA_GGUF_ACTIVATIONS=float: fp32 ones; int8:
+    llama.cpp's int8 blocks).
     A configuration whose weights and KV cache would not fit in available memory (or LLAMA_MEMORY_LIMIT
     bytes) is refused before loading, naming what would fit (llama/loading/memory.py).
     compile="auto" (default): on CPU, models of 50M+ parameters compile their one-token decode step once eager

@@ -30,7 +30,7 @@ def runs_natively(reader, quantize: Optional[str], device) -> bool:
 
 
 def activations() -> str:
-    """The arithmetic of the blocks' products, read once per load: LLAMA_GGUF_ACTIVATIONS ("float" by default,
+    """The arithmetic of the blocks' products, read once per load: LLAMA_GGUF_ACTIVATIONS ("int16" by default,
     chosen by measured quality; "int8" is llama.cpp's), and always "int8" under LLAMA_GGML_ARITH, whose point is
     llama.cpp's logits bit for bit."""
     s = settings.get()

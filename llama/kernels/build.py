@@ -184,7 +184,7 @@ def locked_build(lib: Library, out_dir: Path, cxx: str) -> Path:
 CPU_KERNELS = Library(
     "cpu_kernels",
     tuple(CSRC / n for n in ("cpu_kernels.cpp", "decode_ops.cpp", "decode_layers.cpp", "gguf_blocks.cpp",
-                             "gguf_gemm.cpp", "gguf_float.cpp")),
+                             "gguf_gemm.cpp", "gguf_float.cpp", "gguf_x16.cpp")),
     tuple(CSRC / n for n in ("simd.h", "ops.h", "float_tiles.h", "int4_tiles.h", "gguf_dot.h", "gguf_format.h",
                              "gguf_simd.h", "gguf_copies.h", "gguf_gemm.h", "check.h", "gguf_x8.h", "gguf_x8_dot.h",
                              "gguf_rows.h", "gguf_krows.h")),

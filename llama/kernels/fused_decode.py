@@ -25,8 +25,8 @@ from llama.kernels import cpu
 from llama.kernels import dense, invariant
 
 # the op's schemes: a bf16 or fp32 weight, group-wise int4, int8 with per-row scales, GGUF blocks with int8
-# activation blocks (llama.cpp's) or fp32 activations (group: the ggml type)
-FLOAT, INT4, INT8, GGUF, GGUF_FLOAT = 0, 1, 2, 3, 4
+# activation blocks (llama.cpp's), fp32 activations or int16 activation blocks (group: the ggml type)
+FLOAT, INT4, INT8, GGUF, GGUF_FLOAT, GGUF_X16 = 0, 1, 2, 3, 4, 5
 
 
 def route(linear, rows: int, dtype: torch.dtype) -> Optional[Tuple[int, int, Tuple[torch.Tensor, ...]]]:

@@ -3,14 +3,19 @@ kernels without dequantizing: a layer holds its (N, row bytes) uint8 blocks, mem
 from it, and its method knows their ggml type and the activations' arithmetic.
 
 Why: a Q4_K_M file of a 7B model is 4 GB; dequantized it is 13.5 GB in bf16 and runs at bf16's speed. Kept as the
-file's blocks, it is read at its own size, as llama.cpp reads it. Two arithmetics, chosen at load
-(LLAMA_GGUF_ACTIVATIONS):
-- "float" (the default): each 32-value chunk of a weight row is decoded to fp32 in registers and multiplied by
-  fp32 activations (csrc/gguf_float.cpp), the dequantized file's product to fp32 rounding. Chosen by measured quality: llama.cpp's
-  int8 activations make small models answer worse (docs/performance.md, "Quality of the default arithmetic").
+file's blocks, it is read at its own size, as llama.cpp reads it. Three arithmetics, chosen at load
+(LLAMA_GGUF_ACTIVATIONS), by measured quality, then speed (docs/performance.md, "Quality of the default
+arithmetic"):
+- "int16" (the default): activations quantized to int16 in blocks of 32, times the weight codes widened to int16,
+  summed exactly in int32 (csrc/gguf_x16.cpp): within 2^-16 of each activation block's largest value of the
+  dequantized file's product, about 1.5x the fp32 path's speed on AVX2. Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K and Q6_K;
+  the other formats run "float".
+- "float": each 32-value chunk of a weight row is decoded to fp32 in registers and multiplied by fp32 activations
+  (csrc/gguf_float.cpp), the dequantized file's product to fp32 rounding.
 - "int8": activations quantized to int8 blocks as llama.cpp does (Q8_0 for the 32-value formats, Q8_K for the
-  super-block formats; csrc/gguf_blocks.cpp), llama.cpp's products bit for bit.
-Either way a row's result never depends on its batch.
+  super-block formats; csrc/gguf_blocks.cpp), llama.cpp's products bit for bit. It makes small models answer worse.
+A prompt's pass of more than 16 rows runs "float"'s GEMM under "int16" too. Every way a row's result never depends
+on its batch.
 
 Each type has its own method class, so fusing (llama/layers.py fuse_columns) only concatenates projections of one
 type: a Q4_K_M file keeps its Q6_K projections apart from its Q4_K ones.
@@ -31,6 +36,10 @@ NAMES = {8: "Q8_0", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 20: "IQ4_NL", 12
          23: "IQ4_XS", 10: "Q2_K", 11: "Q3_K"}
 
 
+# each arithmetic's scheme in the one-call decode step (llama/kernels/fused_decode.py)
+SCHEMES = {"int8": fused_decode.GGUF, "float": fused_decode.GGUF_FLOAT, "int16": fused_decode.GGUF_X16}
+
+
 class GGUFBlocks(LinearMethod):
     """A weight as GGUF blocks of one ggml type (`qtype`), (N, row bytes) uint8 in layer.weight, laid out as the
     file has them or (`layout` other than qtype) repacked for our kernels (Q4_K's 8-row groups: repack())."""
@@ -38,7 +47,7 @@ class GGUFBlocks(LinearMethod):
     quantized = True
     qtype = -1
     layout = -1  # the id our kernels take: qtype, or cpu.Q4_K_X8
-    activations = "float"  # "float": fp32 activations (gguf_linear_float); "int8": llama.cpp's int8 blocks
+    activations = "int16"  # "int16" (gguf_linear_x16), "float" (gguf_linear_float) or "int8" (llama.cpp's blocks)
     # SmolLM2's Q4_1 decodes no faster compiled (0.98x eager, `python -m benchmarks compile-gguf`, docs/performance.md
     # "First run"), and compiling mid-run cost a newcomer minutes on a busy machine
     eager_decode = True
@@ -46,12 +55,14 @@ class GGUFBlocks(LinearMethod):
     def apply(self, layer, x):
         if self.activations == "int8":
             return cpu.gguf_linear(x, layer.weight, self.layout)
+        if self.activations == "int16":
+            return cpu.gguf_linear_x16(x, layer.weight, self.layout)
         return cpu.gguf_linear_float(x, layer.weight, self.layout)
 
     def route(self, layer, rows, dtype):
         if layer.weight.device.type != "cpu":
             return None
-        scheme = fused_decode.GGUF if self.activations == "int8" else fused_decode.GGUF_FLOAT
+        scheme = SCHEMES[self.activations]
         return scheme, self.layout, (layer.weight,)
 
     def in_our_kernels(self, layer):
@@ -69,7 +80,7 @@ class GGUFBlocks(LinearMethod):
 
 
 @lru_cache(maxsize=None)
-def method_class(qtype: int, layout: int = -1, activations: str = "float") -> type:
+def method_class(qtype: int, layout: int = -1, activations: str = "int16") -> type:
     layout = qtype if layout < 0 else layout
     name = f"GGUFBlocks_{NAMES[qtype]}" + ("_x8" if layout != qtype else "") + f"_{activations}"
     # a repacked weight's rows are not the file's: it is neither concatenated nor cut into Meta's layers
@@ -77,8 +88,8 @@ def method_class(qtype: int, layout: int = -1, activations: str = "float") -> ty
     return type(name, (GGUFBlocks,), {"qtype": qtype, "layout": layout, "activations": activations, **extra})
 
 
-def method(qtype: int, activations: str = "float") -> GGUFBlocks:
-    """The method for weights of ggml type qtype multiplied with `activations` ("float" or "int8"); one class per
+def method(qtype: int, activations: str = "int16") -> GGUFBlocks:
+    """The method for weights of ggml type qtype multiplied with `activations` ("int16", "float" or "int8"); one class per
     type and arithmetic, so only equal ones fuse."""
     if qtype not in NAMES:
         raise ValueError(f"ggml type {qtype} is not run natively (natively: {', '.join(NAMES.values())})")

@@ -35,7 +35,7 @@ def dequantizing():
 
 @pytest.fixture(scope="module")
 def smol():
-    """The default path: the file's blocks in our kernels with fp32 activations (what a user gets)."""
+    """The default path: the file's blocks in our kernels with int16 activation blocks (what a user gets)."""
     pytest.importorskip("gguf", reason="the gguf package reads GGUF files")
     return Llama.build(str(need(GGUF)), None, max_seq_len=256, max_batch_size=3)
 

@@ -49,6 +49,10 @@ def files(tmp_path_factory):
         out[name] = (f32, q4)
     return out
 
+# logits' distance, relative to their largest, of two passes that differ by the default int16 activation blocks'
+# rounding (gguf_x16.cpp): 1.1e-4 to 2.2e-4 measured on these 2-layer files, where fp32 activations kept within 1e-4
+INT16_LOGITS = 1e-3
+
 
 def logits(path, seq, **options):
     g = Llama.build(str(path), None, max_seq_len=160, max_batch_size=3, compile=False, dtype=torch.float32, **options)
@@ -59,7 +63,9 @@ def logits(path, seq, **options):
 @pytest.mark.parametrize("name", NAMES)
 def test_k_quant_experts_run_in_their_blocks_to_the_dequantized_logits(files, name, monkeypatch):
     """Every expert's products are the file's Q4_K / Q6_K blocks (the router stays a float product), and give the
-    logits of the same file dequantized at load (LLAMA_GGUF_BLOCKS=0) within fp32 rounding."""
+    logits of the same file dequantized at load (LLAMA_GGUF_BLOCKS=0) within the default arithmetic's rounding:
+    int16 activation blocks (an expert's few rows never take the fp32 GEMM) err by up to 2^-16 of a block's largest
+    value, 2e-4 of the logits' largest here (INT16_LOGITS)."""
     seq = sequence(100)
     g, native = logits(files[name][1], seq)
     experts = [ff for layer in g.model.layers for ff in layer.feed_forward.experts]
@@ -74,7 +80,7 @@ def test_k_quant_experts_run_in_their_blocks_to_the_dequantized_logits(files, na
     finally:
         monkeypatch.undo()
         settings.reload()
-    assert (native - dequantized).abs().max() < 1e-4 * max(1.0, float(dequantized.abs().max()))
+    assert (native - dequantized).abs().max() < INT16_LOGITS * max(1.0, float(dequantized.abs().max()))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -120,7 +126,8 @@ for i, path in enumerate(sys.argv[3:]):
 
 def test_world_size_2_splits_every_expert_at_whole_blocks(files, tmp_path):
     """One torchrun for both files: Qwen3-MoE's 768-wide experts are 3 Q4_K blocks, split 512 + 256 between the
-    ranks (as Qwen3-30B-A3B's are), Mixtral's 512 evenly; the logits are world size 1's."""
+    ranks (as Qwen3-30B-A3B's are), Mixtral's 512 evenly; the logits are world size 1's within INT16_LOGITS (the
+    all-reduce sums in another order, and int16 activation blocks can round a value the other way after it)."""
     seq = sequence(60)
     paths = [files[n][1] for n in NAMES]
     (tmp_path / "run.py").write_text(MP_SCRIPT)
@@ -134,7 +141,7 @@ def test_world_size_2_splits_every_expert_at_whole_blocks(files, tmp_path):
         for rank in range(2):
             got, width = torch.load(tmp_path / f"out.{i}.{rank}.pt")
             assert width == widths[name][rank]
-            assert (got - ref).abs().max() < 1e-4 * max(1.0, float(ref.abs().max()))
+            assert (got - ref).abs().max() < INT16_LOGITS * max(1.0, float(ref.abs().max()))
 
 
 def per_expert_copy(src, dst) -> None:

@@ -1,5 +1,5 @@
-"""gguf_linear_float (llama/kernels/csrc/gguf_float.cpp): GGUF block weights times fp32 activations, the default
-arithmetic of a GGUF file on CPU. Checked against gguf's own numpy dequantization times the activations in
+"""gguf_linear_float (llama/kernels/csrc/gguf_float.cpp): GGUF block weights times fp32 activations
+(LLAMA_GGUF_ACTIVATIONS=float; the default is gguf_x16.cpp's int16 activations, tests/kernels/test_gguf_x16.py). Checked against gguf's own numpy dequantization times the activations in
 float64, for every block format our kernels run, and for batch invariance: a row's result is bitwise the same
 alone, in any batch, and in the fused decode op."""
 

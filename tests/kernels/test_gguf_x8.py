@@ -53,8 +53,8 @@ def test_only_q4_k_repacks():
 
 
 def test_a_load_holds_q4_k_repacked_and_a_tied_output_shares_the_embedding(tmp_path, monkeypatch):
-    """Q4_K_X8 is the int8 kernels' layout: the load repacks for LLAMA_GGUF_ACTIVATIONS=int8 (fp32 activations read
-    the file's layout, which test_gguf_float.py covers)."""
+    """Q4_K_X8 is the int8 kernels' layout: the load repacks for LLAMA_GGUF_ACTIVATIONS=int8 (int16 and fp32
+    activations read the file's layout, which test_gguf_x16.py and test_gguf_float.py cover)."""
     from llama import Llama, settings
 
     monkeypatch.setenv("LLAMA_GGUF_ACTIVATIONS", "int8")

@@ -1,6 +1,6 @@
 """GGUF files whose matrices are K-quants, i-quants and the 32-value block formats run in their own blocks
 (llama/formats/gguf_quants.py, llama/quantization/gguf_blocks.py): the model's logits are the dequantized weights
-times our int8 activations to fp32 rounding, greedy ids equal the dequantized model's, batches do not change a
+times the activations in each arithmetic (int16 blocks, fp32, int8 blocks) to fp32 rounding, greedy ids equal the dequantized model's, batches do not change a
 row's result, and loading takes about the file's size in memory."""
 
 import json
@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import CPU_KERNELS_ONLY, HOST_MEMORY, REPO, STORIES, need, rank_env
 from helpers import PEAK_PROBE
-from gguf_blocks_data import Q4_K_M, dequantized, reference_product, write_block_gguf
+from gguf_blocks_data import Q4_K_M, X16_TYPES, dequantized, reference_product, write_block_gguf, x16_reference_product
 
 from llama import Llama
 from llama.formats import gguf_quants
@@ -35,11 +35,14 @@ def build(path, **kw):
 
 def reference_apply(self, layer, x):
     """A block layer's product as gguf's dequantized weights times the activations, in fp64: our int8 activation
-    codes with int8 activations, x itself with fp32 ones (the default) (the weight's blocks as the file holds them:
-    Q4_K's are repacked at load for int8)."""
+    codes with int8 activations, int16 ones with int16 activations (the default; the formats gguf_x16.cpp does not
+    decode run in fp32), x itself with fp32 ones (the weight's blocks as the file holds them: Q4_K's are repacked at
+    load for int8)."""
     rows = x.reshape(-1, x.shape[-1])
     blocks, kind = self.file_blocks(layer).numpy(), gguf_blocks.NAMES[self.qtype]
-    if self.activations == "float":
+    if self.activations == "int16" and kind in X16_TYPES:
+        return x16_reference_product(rows, blocks, kind).float().view(*x.shape[:-1], -1).to(x.dtype)
+    if self.activations in ("float", "int16"):
         ref = rows.double() @ dequantized(blocks, kind).double().T
         return ref.float().view(*x.shape[:-1], -1).to(x.dtype)
     ref = reference_product(rows, blocks, kind)
@@ -49,7 +52,10 @@ def reference_apply(self, layer, x):
 def check_exact(gen, monkeypatch, seq):
     """Every block product of a forward pass over seq equals reference_apply on the same input, to fp32 rounding
     (compared product by product: over a whole model one activation code rounded the other way at an exact half
-    would carry its 1/254 on)."""
+    would carry its 1/254 on). The pass runs every row in the row kernels a decode step uses (row-invariant
+    arithmetic): a long prompt's rows would otherwise take the fp32 GEMM (tests/kernels/test_gguf_x16.py)."""
+    from llama.kernels import invariant
+
     errors = []
     ours = gguf_blocks.GGUFBlocks.apply
 
@@ -60,7 +66,8 @@ def check_exact(gen, monkeypatch, seq):
 
     with monkeypatch.context() as m:
         m.setattr(gguf_blocks.GGUFBlocks, "apply", both)
-        gen.model(torch.tensor([seq]), 0)
+        with invariant.rows():
+            gen.model(torch.tensor([seq]), 0)
     assert len(errors) >= 4 * len(gen.model.layers) + 1 and max(errors) < 1e-6, errors
 
 
@@ -93,13 +100,13 @@ def test_a_q4_k_m_file_runs_in_its_blocks_exactly_and_greedy_ids_equal_the_dequa
 
 
 @CPU_KERNELS_ONLY
-@pytest.mark.parametrize("activations", ["float", "int8"])
+@pytest.mark.parametrize("activations", ["int16", "float", "int8"])
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q6_K", "Q5_K", "Q4_0", "IQ4_XS", "IQ4_NL", "Q5_0", "Q4_1",
                                   "Q5_1", "Q2_K", "Q3_K"])
 def test_every_native_format_gives_dequantized_weights_times_the_activations(kind, activations, tmp_path,
                                                                               monkeypatch):
-    """The default (fp32 activations) and llama.cpp's int8 activations (LLAMA_GGUF_ACTIVATIONS=int8), each against
-    its own fp64 reference."""
+    """The default (int16 activation blocks), fp32 activations and llama.cpp's int8 activations
+    (LLAMA_GGUF_ACTIVATIONS), each against its own fp64 reference."""
     from llama import settings
 
     monkeypatch.setenv("LLAMA_GGUF_ACTIVATIONS", activations)
@@ -114,10 +121,18 @@ def test_every_native_format_gives_dequantized_weights_times_the_activations(kin
 
 
 @CPU_KERNELS_ONLY
-def test_the_one_call_decode_step_takes_block_weights_and_gives_the_layer_by_layer_ids(q4km, monkeypatch):
+@pytest.mark.parametrize("activations", ["int16", "float", "int8"])
+def test_the_one_call_decode_step_takes_block_weights_and_gives_the_layer_by_layer_ids(q4km, monkeypatch,
+                                                                                       activations):
+    """In each arithmetic (the op's GGUF_X16, GGUF_FLOAT and GGUF schemes)."""
+    from llama import settings
     from llama.kernels import fused_decode
 
+    monkeypatch.setenv("LLAMA_GGUF_ACTIVATIONS", activations)
+    settings.reload()
     gen = build(q4km)
+    assert {m.method.activations for m in gen.model.modules()
+            if isinstance(getattr(m, "method", None), gguf_blocks.GGUFBlocks)} == {activations}
     ran = []
     real_op = torch.ops.llama_cpu.decode_layers
     monkeypatch.setattr(fused_decode.torch.ops.llama_cpu, "decode_layers", lambda *a: ran.append(1) or real_op(*a),

@@ -68,7 +68,7 @@ def llama_cpp_tensors(path, tokens):
 @pytest.fixture(autouse=True)
 def int8_activations(monkeypatch):
     """llama.cpp's arithmetic (LLAMA_GGUF_ACTIVATIONS=int8): these tests compare its products bit for bit, where
-    the default multiplies fp32 activations (closer to the file's weights, docs/performance.md)."""
+    the default multiplies int16 activation blocks (closer to the file's weights, docs/performance.md)."""
     from llama import settings
 
     monkeypatch.setenv("LLAMA_GGUF_ACTIVATIONS", "int8")

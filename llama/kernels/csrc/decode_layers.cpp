@@ -27,8 +27,9 @@ namespace {
 using namespace llama_cpu;
 
 // How a product's weight is held, and the tensors it takes from the weight list.
-// kGGUF (int8 activation blocks, llama.cpp's) and kGGUFFloat (fp32 activations): group is the ggml type
-enum Scheme : int64_t { kFloat = 0, kInt4 = 1, kInt8 = 2, kGGUF = 3, kGGUFFloat = 4 };
+// kGGUF (int8 activation blocks, llama.cpp's), kGGUFFloat (fp32 activations) and kGGUFX16 (int16 activation
+// blocks): group is the ggml type
+enum Scheme : int64_t { kFloat = 0, kInt4 = 1, kInt8 = 2, kGGUF = 3, kGGUFFloat = 4, kGGUFX16 = 5 };
 int64_t tensors_of(int64_t scheme) { return scheme == kInt4 || scheme == kInt8 ? 2 : 1; }
 
 // 8 floats rounded to bf16 as PyTorch rounds (nearest even; NaN as 0x7FC0): store_f's rule, 8 lanes at a time.
@@ -111,8 +112,10 @@ struct Products {
       y = int8_linear(x.to(at::kFloat), w[0], w[1]);
     else if (scheme == kGGUF)
       y = gguf_linear(x.to(at::kFloat).contiguous(), w[0], group);
-    else
+    else if (scheme == kGGUFFloat)
       y = gguf_linear_float(x.to(at::kFloat).contiguous(), w[0], group);
+    else
+      y = gguf_linear_x16(x.to(at::kFloat).contiguous(), w[0], group);
     return rounded(y, x.scalar_type());
   }
 };
@@ -228,7 +231,7 @@ void check_arguments(const at::Tensor& x, size_t norms, at::TensorList weights, 
               " products for ", L, " layers, got ", schemes.size(), " schemes and ", groups.size(), " group sizes");
   size_t tensors = 0;
   for (const int64_t scheme : schemes) {
-    LLAMA_CHECK(scheme >= kFloat && scheme <= kGGUFFloat, "decode_layers: unknown scheme ", scheme);
+    LLAMA_CHECK(scheme >= kFloat && scheme <= kGGUFX16, "decode_layers: unknown scheme ", scheme);
     tensors += tensors_of(scheme);
   }
   LLAMA_CHECK(tensors == weights.size(), "decode_layers: the schemes take ", tensors, " weight tensors, got ",
@@ -240,9 +243,9 @@ void check_arguments(const at::Tensor& x, size_t norms, at::TensorList weights, 
 // place). weights: every product's tensors, layer by layer in the order attention inputs (qkv_products: 1 for a
 // fused q/k/v, or 3), output, then a dense layer's feed-forward inputs (ffn_products: 1 for a fused gate/up, or 2)
 // and down, or an MoE layer's router and each of its experts' inputs and down; schemes holds one entry per product
-// (0: a bf16 or fp32 weight; 1: int4 codes and scales, groups[i] the group size; 2: int8 weight and scales; 3 and
-// 4: GGUF blocks, groups[i] the ggml type, with int8 or fp32 activations) and says how many tensors it takes (1, 2,
-// 2, 1, 1). cos, sin, table, rows, row0, positions and kv_len are decode_attention's (one block table for every
+// (0: a bf16 or fp32 weight; 1: int4 codes and scales, groups[i] the group size; 2: int8 weight and scales; 3, 4
+// and 5: GGUF blocks, groups[i] the ggml type, with int8, fp32 or int16 activations) and says how many tensors it
+// takes (1, 2, 2, 1, 1, 1). cos, sin, table, rows, row0, positions and kv_len are decode_attention's (one block table for every
 // layer's paged pool). head_norms: empty, or each layer's q and k norm weights (Qwen3's qk-norm, over each head).
 // experts: empty, or per layer 0 (dense) or its expert count, routed top_k (renormalised where asked). Returns the
 // last layer's output (B, D).

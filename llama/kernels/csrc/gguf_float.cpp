@@ -5,8 +5,9 @@
 //
 // Why: llama.cpp's CPU arithmetic (gguf_blocks.cpp, int8 activation blocks) answers wrongly at near-ties on small
 // models: SmolLM2-135M Q4_1 answers "What is the capital of France?" with nonsense while the same file dequantized
-// says Paris (docs/performance.md, "Quality of the default arithmetic"). This is the default; int8 activations stay
-// available (LLAMA_GGUF_ACTIVATIONS=int8).
+// says Paris (docs/performance.md, "Quality of the default arithmetic"). The default is gguf_x16.cpp's int16
+// activation blocks, as close to the file and faster; this path is LLAMA_GGUF_ACTIVATIONS=float, and it runs the
+// formats gguf_x16.cpp does not decode. int8 activations stay available (LLAMA_GGUF_ACTIVATIONS=int8).
 //
 // Exactness: every output (row m, column n) is summed by the same operations in the same order (row_dot), whether
 // its row goes alone or beside another, so a row's result never depends on the other rows of its batch or on the

@@ -1,0 +1,304 @@
+// Products with GGUF block weights and activations quantized to int16 in blocks of 32 (each block scaled by its own
+// largest magnitude): the weight codes are widened to int16 in registers and multiplied with one vpmaddwd per 16
+// values, where the fp32 path (gguf_float.cpp) converts every code to fp32 first.
+//
+// Why: on AVX2 the fp32 path is compute-bound (about 8 products per ns per core on SmolLM2's shapes), and llama.cpp's
+// int8 activations, which are faster, make small models answer worse (docs/performance.md, "Quality of the default
+// arithmetic"). 16-bit activations err by at most 2^-16 of their block's largest value, 256 times less than int8's,
+// and the products are summed exactly in int32, so the model stays at the fp32 path's distance from the dequantized
+// file (measured there) at int arithmetic's speed.
+//
+// Exactness: a row's activations are quantized alone, and every output (row m, column n) is summed by the same
+// operations in the same order whether its row goes alone or beside another, so a row's result never depends on the
+// other rows of its batch or on the thread split (tests/kernels/test_gguf_x16.py).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include "check.h"
+#include "ops.h"
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#pragma GCC target("f16c")  // every AVX2 CPU has F16C (llama/kernels/cpu.py requires it)
+
+namespace {
+
+#include "gguf_format.h"
+
+#define LLAMA_INLINE inline __attribute__((always_inline))
+
+LLAMA_INLINE float half_f16c(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// The 8 lanes' sum in a fixed order.
+LLAMA_INLINE float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+// Activation rows quantized per 32 values: q = round(x / scale), scale = max |x| / 32767 (0 for a block of zeros),
+// and each block's exact fp32 sum (for the formats' offsets).
+struct Acts {
+  std::vector<int16_t> q;
+  std::vector<float> scale, sum;
+};
+
+Acts quantize(const float* x, int64_t M, int64_t K) {
+  const int64_t blocks = M * (K / 32);
+  Acts a{std::vector<int16_t>(M * K), std::vector<float>(blocks), std::vector<float>(blocks)};
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t c = 0; c < blocks; ++c) {
+    const float* xp = x + 32 * c;
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xp + 8 * i), amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, amax);
+    float m = 0.f, t = 0.f;
+    for (float l : lanes) m = l > m ? l : m;
+    for (int i = 0; i < 32; ++i) t += xp[i];  // left to right, as gguf_float.cpp's chunk_sums
+    a.sum[c] = t;
+    a.scale[c] = std::isfinite(t) ? m / 32767.f : NAN;  // an inf or NaN activation makes the block's products NaN
+    const __m256 inv = _mm256_set1_ps(m > 0.f ? 32767.f / m : 0.f);
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // nearest, ties to even
+    // packs works within 128-bit lanes: [0-3 8-11 4-7 12-15] -> put the 64-bit quarters back in order
+    const __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8);
+    const __m256i hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q.data() + 32 * c), lo);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q.data() + 32 * c + 16), hi);
+  }
+  return a;
+}
+
+// A 32-value chunk of a weight row as int16 codes: values 0-15 in w[0], 16-31 in w[1], with a scale for each half
+// and an offset per unit of the activations' sum: value = scale * code + offset.
+struct Chunk {
+  __m256i w[2];
+  float s0, s1, offset;
+  uint8_t sc[8], mn[8];  // Q4_K: the block's 6-bit scales and mins, unpacked at its chunk 0
+};
+
+// 16 bytes of nibbles -> low nibbles (values 0-15) and high nibbles (16-31) as int16
+LLAMA_INLINE void nibbles16(const uint8_t* qs, Chunk& c) {
+  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  const __m256i m = _mm256_set1_epi16(0x0F);
+  c.w[0] = _mm256_and_si256(bytes, m), c.w[1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), m);
+}
+
+// Q5_0 and Q5_1: the fifth bits (bit j of qh for value j) added to the nibbles as 16
+LLAMA_INLINE void fifth_bits(const uint8_t* qh, Chunk& c) {
+  uint32_t h;
+  std::memcpy(&h, qh, 4);
+  const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, -32768);
+  const __m256i sixteen = _mm256_set1_epi16(16);
+  for (int half = 0; half < 2; ++half) {
+    const __m256i bits = _mm256_and_si256(_mm256_set1_epi16(int16_t(h >> (16 * half))), bit);
+    c.w[half] = _mm256_or_si256(c.w[half], _mm256_and_si256(_mm256_cmpeq_epi16(bits, bit), sixteen));
+  }
+}
+
+LLAMA_INLINE void signed16(__m128i lo, __m128i hi, Chunk& c) {
+  c.w[0] = _mm256_cvtepi8_epi16(lo), c.w[1] = _mm256_cvtepi8_epi16(hi);
+}
+
+// the formats with an offset (value = scale * code + offset), multiplied by the activations' exact block sums
+constexpr bool has_offset(int64_t type) {
+  return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q4_K;
+}
+constexpr int chunks_of(int64_t type) { return type == Q4_K || type == Q6_K ? 8 : 1; }
+
+template <int64_t TYPE>
+LLAMA_INLINE void chunk_of(const uint8_t* b, int j, Chunk& c) {
+  switch (TYPE) {
+    case Q4_0: {
+      const float d = half_f16c(b);
+      nibbles16(b + 2, c);
+      c.s0 = c.s1 = d, c.offset = -8.f * d;
+      return;
+    }
+    case Q4_1:
+      nibbles16(b + 4, c);
+      c.s0 = c.s1 = half_f16c(b), c.offset = half_f16c(b + 2);
+      return;
+    case Q5_0: {  // d (q - 16), q = nibble | fifth bit << 4
+      const float d = half_f16c(b);
+      nibbles16(b + 6, c);
+      fifth_bits(b + 2, c);
+      c.s0 = c.s1 = d, c.offset = -16.f * d;
+      return;
+    }
+    case Q5_1:
+      nibbles16(b + 8, c);
+      fifth_bits(b + 4, c);
+      c.s0 = c.s1 = half_f16c(b), c.offset = half_f16c(b + 2);
+      return;
+    case Q8_0: {
+      const __m128i* q = reinterpret_cast<const __m128i*>(b + 2);
+      signed16(_mm_loadu_si128(q), _mm_loadu_si128(q + 1), c);
+      c.s0 = c.s1 = half_f16c(b), c.offset = 0.f;
+      return;
+    }
+    case IQ4_NL: {
+      const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4)), m = _mm_set1_epi8(0x0F);
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
+      signed16(_mm_shuffle_epi8(table, _mm_and_si128(raw, m)),
+               _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(raw, 4), m)), c);
+      c.s0 = c.s1 = half_f16c(b), c.offset = 0.f;
+      return;
+    }
+    case Q4_K: {  // sub-block j: the 32 bytes of pair j / 2, low nibbles for even j; d sc[j] q - dmin m[j]
+      if (j == 0) scale_min_k4(b + 4, c.sc, c.mn);
+      const __m128i* src = reinterpret_cast<const __m128i*>(b + 16 + 32 * (j / 2));
+      const __m256i m = _mm256_set1_epi16(0x0F);
+      const int shift = 4 * (j % 2);
+      c.w[0] = _mm256_and_si256(_mm256_srli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(src)), shift), m);
+      c.w[1] = _mm256_and_si256(_mm256_srli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(src + 1)), shift), m);
+      c.s0 = c.s1 = half_f16c(b) * float(c.sc[j]), c.offset = -(half_f16c(b + 2) * float(c.mn[j]));
+      return;
+    }
+    case Q6_K: {  // chunk j = 4 h + part: values 128 h + 32 part ...; d sc[i / 16] (q - 32)
+      const int h = j / 4, part = j % 4;
+      const __m256i lowsrc = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * (part % 2)));
+      const __m256i low = _mm256_and_si256(_mm256_srli_epi16(lowsrc, 4 * (part / 2)), _mm256_set1_epi8(0x0F));
+      const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+      const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(high, 2 * part), _mm256_set1_epi8(3));
+      const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(hb, 4)), _mm256_set1_epi8(32));
+      signed16(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1), c);
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+      const float d = half_f16c(b + 208);
+      c.s0 = d * float(sc[2 * j]), c.s1 = d * float(sc[2 * j + 1]), c.offset = 0.f;
+      return;
+    }
+  }
+}
+
+template <int64_t TYPE, int MR>
+struct Chains {
+  __m256 acc[MR];
+  float off[MR];
+
+  // chunk t of the row (block t / chunks, part t % chunks) into these sums
+  LLAMA_INLINE void add(const uint8_t* row, const Format& f, int64_t K, int64_t t, const int16_t* q,
+                        const float* scale, const float* sum, Chunk& c) {
+    constexpr int per = chunks_of(TYPE);
+    const int64_t kb = K / 32;
+    chunk_of<TYPE>(row + (t / per) * f.bytes, int(t % per), c);
+    for (int i = 0; i < MR; ++i) {
+      const __m256i* xq = reinterpret_cast<const __m256i*>(q + i * K + 32 * t);
+      const __m256i p0 = _mm256_madd_epi16(c.w[0], _mm256_loadu_si256(xq));
+      const __m256i p1 = _mm256_madd_epi16(c.w[1], _mm256_loadu_si256(xq + 1));
+      const float xs = scale[i * kb + t];
+      if (TYPE != Q6_K) {
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), _mm256_set1_ps(c.s0 * xs), acc[i]);
+      } else {
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(c.s0 * xs), acc[i]);
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(c.s1 * xs), acc[i]);
+      }
+      if (has_offset(TYPE)) off[i] += c.offset * sum[i * kb + t];
+    }
+  }
+};
+
+// One weight row's products with MR quantized activation rows (row i: codes q + i K, block scales and sums at i K /
+// 32): out[i * out_stride]. Each row's sum takes the same operations in the same order whatever MR is: each chunk's
+// exact int32 sums (one per half where the halves' scales differ), times its scales and the activation block's
+// scale, into one of two 8-lane chains (even and odd chunks, so an FMA need not wait for the one before), and the
+// offsets into two scalars.
+// One weight row's products with MR quantized activation rows (row i: codes q + i K, block scales and sums at i K /
+// 32): out[i * out_stride]. Each row's sum takes the same operations in the same order whatever MR is: each chunk's
+// exact int32 sums (one per half where the halves' scales differ), times its scales and the activation block's
+// scale, into one of two 8-lane chains (even and odd chunks, so an FMA need not wait for the one before), and the
+// offsets into two scalars.
+template <int64_t TYPE, int MR>
+void row_dot(const uint8_t* row, const Format& f, int64_t K, const int16_t* q, const float* scale, const float* sum,
+             float* out, int64_t out_stride) {
+  Chains<TYPE, MR> even, odd;
+  for (int i = 0; i < MR; ++i) even.acc[i] = odd.acc[i] = _mm256_setzero_ps(), even.off[i] = odd.off[i] = 0.f;
+  const int64_t chunks = K / 32;
+  Chunk c;
+  int64_t t = 0;
+  for (; t + 2 <= chunks; t += 2) {
+    even.add(row, f, K, t, q, scale, sum, c);
+    odd.add(row, f, K, t + 1, q, scale, sum, c);
+  }
+  if (t < chunks) even.add(row, f, K, t, q, scale, sum, c);
+  for (int i = 0; i < MR; ++i)
+    out[i * out_stride] = hsum(_mm256_add_ps(even.acc[i], odd.acc[i])) + (even.off[i] + odd.off[i]);
+}
+
+// y[:, n0:n1] for every activation row, two rows at a time through each weight row.
+template <int64_t TYPE>
+void rows_of(const uint8_t* wp, int64_t row_bytes, const Format& f, int64_t M, int64_t K, int64_t N, const Acts& a,
+             float* yp, int64_t n0, int64_t n1) {
+  const int64_t kb = K / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = wp + n * row_bytes;
+    int64_t m = 0;
+    for (; m + 2 <= M; m += 2)
+      row_dot<TYPE, 2>(row, f, K, a.q.data() + m * K, a.scale.data() + m * kb, a.sum.data() + m * kb, yp + m * N + n, N);
+    if (m < M)
+      row_dot<TYPE, 1>(row, f, K, a.q.data() + m * K, a.scale.data() + m * kb, a.sum.data() + m * kb, yp + m * N + n, N);
+  }
+}
+
+using RowsFn = void (*)(const uint8_t*, int64_t, const Format&, int64_t, int64_t, int64_t, const Acts&, float*,
+                        int64_t, int64_t);
+
+RowsFn rows_fn(int64_t type) {
+  switch (type) {
+    case Q4_0: return rows_of<Q4_0>;
+    case Q4_1: return rows_of<Q4_1>;
+    case Q5_0: return rows_of<Q5_0>;
+    case Q5_1: return rows_of<Q5_1>;
+    case Q8_0: return rows_of<Q8_0>;
+    case IQ4_NL: return rows_of<IQ4_NL>;
+    case Q4_K: return rows_of<Q4_K>;
+    case Q6_K: return rows_of<Q6_K>;
+    default: return nullptr;
+  }
+}
+
+}  // namespace
+
+namespace llama_cpu {
+
+// x (M, K) fp32 times the GGUF weight w (N, row bytes) of ggml type `type`, with x quantized to int16 blocks of 32:
+// y (M, N) fp32. The formats without an int16 decoding here (rows_fn) run gguf_linear_float's fp32 arithmetic.
+at::Tensor gguf_linear_x16(const at::Tensor& x, const at::Tensor& w, int64_t type) {
+  const RowsFn fn = rows_fn(type);
+  if (fn == nullptr) return gguf_linear_float(x, w, type);
+  Format f;
+  format_of(type, f);
+  LLAMA_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "gguf_linear_x16: x must be a contiguous 2-d float32 tensor");
+  LLAMA_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
+              "gguf_linear_x16: the weight must be a contiguous 2-d uint8 tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), row_bytes = w.size(1);
+  LLAMA_CHECK(K % f.values == 0 && row_bytes == K / f.values * f.bytes, "gguf_linear_x16: x has ", K,
+              " inputs, the weight rows ", row_bytes, " bytes of blocks of ", f.values);
+  LLAMA_CHECK(__builtin_cpu_supports("f16c"), "gguf_linear_x16: the CPU lacks F16C");
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const Acts a = quantize(x.data_ptr<float>(), M, K);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { fn(wp, row_bytes, f, M, K, N, a, yp, n0, n1); });
+  return y;
+}
+
+}  // namespace llama_cpu
+
+TORCH_LIBRARY_FRAGMENT(llama_cpu, m) { m.def("gguf_linear_x16(Tensor x, Tensor weight, int type) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(llama_cpu, CPU, m) { m.impl("gguf_linear_x16", llama_cpu::gguf_linear_x16); }
