@@ -90,11 +90,6 @@ def reference_product(x: torch.Tensor, blocks: np.ndarray, kind: str) -> torch.T
 
 # the formats gguf_linear_x16 (csrc/gguf_x16.cpp) decodes to int16 codes; the others run the fp32 path
 X16_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_K", "Q6_K")
-# byte ranges of a block's codes, for the formats whose offset (value = scale * code + offset) the kernel multiplies
-# by the activations' exact fp32 sum: with them zeroed, a block dequantizes to its offsets alone
-OFFSET_CODE_BYTES = {"Q4_0": (2, 18), "Q4_1": (4, 20), "Q5_0": (2, 22), "Q5_1": (4, 24), "Q4_K": (16, 144)}
-
-
 def x16_activations(x: torch.Tensor) -> torch.Tensor:
     """x (M, K) as gguf_linear_x16 sees it, fp64: per block of 32, codes round(x * (32767 / amax)) half to even (one
     fp32 division, one fp32 product) times amax / 32767 (one fp32 division)."""
@@ -106,19 +101,9 @@ def x16_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 def x16_reference_product(x: torch.Tensor, blocks: np.ndarray, kind: str) -> torch.Tensor:
-    """x (M, K) times the blocks' weights as gguf dequantizes them, in gguf_linear_x16's arithmetic, fp64: the
-    scaled codes times the int16 activations, the offsets times x itself."""
-    import gguf
-
-    w = dequantized(blocks, kind).double()
-    if kind not in OFFSET_CODE_BYTES:
-        return x16_activations(x) @ w.T
-    lo, hi = OFFSET_CODE_BYTES[kind]
-    nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][1]
-    zeroed = blocks.reshape(blocks.shape[0], -1, nbytes).copy()
-    zeroed[:, :, lo:hi] = 0
-    offsets = dequantized(zeroed.reshape(blocks.shape[0], -1), kind).double()
-    return x16_activations(x) @ (w - offsets).T + x.double() @ offsets.T
+    """x (M, K) times the blocks' weights as gguf dequantizes them, in gguf_linear_x16's arithmetic, fp64: the int16
+    activations (x16_activations) times the weights, offsets included."""
+    return x16_activations(x) @ dequantized(blocks, kind).double().T
 
 
 MATRICES = {"tok_embeddings.weight": "token_embd.weight", "output.weight": "output.weight",

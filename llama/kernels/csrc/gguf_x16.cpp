@@ -1,6 +1,7 @@
 // Products with GGUF block weights and activations quantized to int16 in blocks of 32 (each block scaled by its own
 // largest magnitude): the weight codes are widened to int16 in registers and multiplied with one vpmaddwd per 16
-// values, where the fp32 path (gguf_float.cpp) converts every code to fp32 first.
+// values, where the fp32 path (gguf_float.cpp) converts every code to fp32 first. The result is the quantized
+// activations' product with the dequantized weights, to fp32 rounding, offsets included.
 //
 // Why: on AVX2 the fp32 path is compute-bound (about 8 products per ns per core on SmolLM2's shapes), and llama.cpp's
 // int8 activations, which are faster, make small models answer worse (docs/performance.md, "Quality of the default
@@ -48,7 +49,8 @@ LLAMA_INLINE float hsum(__m256 v) {
 }
 
 // Activation rows quantized per 32 values: q = round(x / scale), scale = max |x| / 32767 (0 for a block of zeros),
-// and each block's exact fp32 sum (for the formats' offsets).
+// and each block's sum scale * (sum of q) (for the formats' offsets): the products are exactly those of the
+// activations q * scale, which the fp32 GEMM of a long prompt multiplies (gguf_quantize_x16).
 struct Acts {
   std::vector<int16_t> q;
   std::vector<float> scale, sum;
@@ -64,14 +66,22 @@ Acts quantize(const float* x, int64_t M, int64_t K) {
     for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xp + 8 * i), amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, amax);
-    float m = 0.f, t = 0.f;
+    float m = 0.f;
     for (float l : lanes) m = l > m ? l : m;
-    for (int i = 0; i < 32; ++i) t += xp[i];  // left to right, as gguf_float.cpp's chunk_sums
-    a.sum[c] = t;
-    a.scale[c] = std::isfinite(t) ? m / 32767.f : NAN;  // an inf or NaN activation makes the block's products NaN
-    const __m256 inv = _mm256_set1_ps(m > 0.f ? 32767.f / m : 0.f);
+    int nan = 0;
+    for (int i = 0; i < 4; ++i) nan |= _mm256_movemask_ps(_mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
+    // an inf or NaN activation makes the block's products NaN
+    const float scale = nan || !std::isfinite(m) ? NAN : m / 32767.f;
+    const __m256 inv = _mm256_set1_ps(m > 0.f && std::isfinite(m) ? 32767.f / m : 0.f);
     __m256i q[4];
     for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // nearest, ties to even
+    alignas(32) int32_t total[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(total),
+                       _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+    int32_t codes = 0;
+    for (int32_t t : total) codes += t;
+    a.scale[c] = scale;
+    a.sum[c] = scale * float(codes);  // |codes| < 2^20: float(codes) is exact
     // packs works within 128-bit lanes: [0-3 8-11 4-7 12-15] -> put the 64-bit quarters back in order
     const __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8);
     const __m256i hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8);
@@ -297,8 +307,28 @@ at::Tensor gguf_linear_x16(const at::Tensor& x, const at::Tensor& w, int64_t typ
   return y;
 }
 
+// x (M, K) fp32 as gguf_linear_x16 multiplies it: each block of 32 quantized to int16 and back, q * scale (fp32).
+// A long prompt's rows multiply these by the unpacked weights in a GEMM, the row kernel's products to fp32 rounding.
+at::Tensor gguf_quantize_x16(const at::Tensor& x) {
+  LLAMA_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % 32 == 0,
+              "gguf_quantize_x16: x must be a contiguous 2-d float32 tensor of whole blocks of 32 values");
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor y = at::empty({M, K}, x.options());
+  if (M == 0 || K == 0) return y;
+  const Acts a = quantize(x.data_ptr<float>(), M, K);
+  float* yp = y.data_ptr<float>();
+  for (int64_t i = 0; i < M * K; ++i) yp[i] = float(a.q[i]) * a.scale[i / 32];
+  return y;
+}
+
 }  // namespace llama_cpu
 
-TORCH_LIBRARY_FRAGMENT(llama_cpu, m) { m.def("gguf_linear_x16(Tensor x, Tensor weight, int type) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(llama_cpu, m) {
+  m.def("gguf_linear_x16(Tensor x, Tensor weight, int type) -> Tensor");
+  m.def("gguf_quantize_x16(Tensor x) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(llama_cpu, CPU, m) { m.impl("gguf_linear_x16", llama_cpu::gguf_linear_x16); }
+TORCH_LIBRARY_IMPL(llama_cpu, CPU, m) {
+  m.impl("gguf_linear_x16", llama_cpu::gguf_linear_x16);
+  m.impl("gguf_quantize_x16", llama_cpu::gguf_quantize_x16);
+}
