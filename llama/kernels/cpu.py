@@ -95,7 +95,6 @@ def _register_fakes() -> None:
                        ("gguf_linear", lambda x, weight, type: rows_out(x, weight.shape[0])),
                        ("gguf_linear_float", lambda x, weight, type: rows_out(x, weight.shape[0])),
                        ("gguf_linear_x16", lambda x, weight, type: rows_out(x, weight.shape[0])),
-                       ("gguf_quantize_x16", lambda x: torch.empty_like(x)),
                        ("gguf_unpack", lambda weight, type: weight.new_empty(
                            (weight.shape[0], gguf_values(type, weight.shape[1])), dtype=torch.float32)),
                        ("gguf_rows", lambda weight, ids, type: weight.new_empty(
@@ -119,8 +118,8 @@ def onednn_bf16() -> bool:
 
 # Past this many rows (a prompt's prefill), an int4 or int8 product dequantizes its weight to bf16 a slice of
 # SLICE_BYTES at a time and runs oneDNN's bf16 GEMM, where onednn_bf16(): faster than our kernels from about 48
-# rows, 1.5x at 256 (docs/performance.md, "Prefill at 7B"). Ours are compute-bound there; at fewer rows they read
-# the weights at the memory's rate, a quarter or half of the bytes of bf16.
+# rows, 1.5x at 256 (docs/performance-history.md, "Prefill at 7B (2026-11-25)"). Ours are compute-bound there; at
+# fewer rows they read the weights at the memory's rate, a quarter or half of the bytes of bf16.
 QUANT_KERNEL_MAX_ROWS = 32
 SLICE_BYTES = 8 << 20
 
@@ -203,36 +202,27 @@ def gguf_linear_x16(x: torch.Tensor, weight: torch.Tensor, qtype: int) -> torch.
     multiplied by the weight codes widened to int16, summed exactly in int32 (csrc/gguf_x16.cpp): the dequantized
     file's product with the quantized activations, within 2^-16 of each activation block's largest value of the
     unquantized product, about 1.5x the fp32 path's speed on AVX2; result in x's dtype. Formats without an int16
-    decoding run gguf_linear_float's arithmetic. A prompt's pass of more than GGUF_FLOAT_MAX_ROWS rows multiplies the
-    same quantized activations (gguf_quantize_x16) by unpacked slices in a GEMM, under gguf_linear_float's rules:
-    the row kernel's result to fp32 rounding."""
-    return _gguf_rows(x, weight, qtype, torch.ops.llama_cpu.gguf_linear_x16, torch.ops.llama_cpu.gguf_quantize_x16)
+    decoding run gguf_linear_float's arithmetic, and a prompt's pass of more than GGUF_FLOAT_MAX_ROWS rows its fp32
+    GEMM, under its rules: the prompt's own activations, unquantized (as close to the file as fp32 activations are;
+    a 128-token prompt's logits within 1e-3 of transformers', tests/formats/test_gguf_file.py)."""
+    return _gguf_rows(x, weight, qtype, torch.ops.llama_cpu.gguf_linear_x16)
 
 
-def _gguf_rows(x: torch.Tensor, weight: torch.Tensor, qtype: int, row_op, prepare=None) -> torch.Tensor:
-    """row_op's product, or for a prompt's pass of many rows (while rows need not be invariant) the fp32 GEMM of
-    the rows (as `prepare` gives them) by unpacked slices."""
+def _gguf_rows(x: torch.Tensor, weight: torch.Tensor, qtype: int, row_op) -> torch.Tensor:
+    """row_op's product, or for a prompt's pass of many rows (while rows need not be invariant) the fp32 GEMM on
+    unpacked slices."""
     rows = x.numel() // x.shape[-1]
     prompt = x.dim() == 3 and x.shape[1] > 1
     if prompt and rows > GGUF_FLOAT_MAX_ROWS and not invariant.active() and not torch.compiler.is_compiling():
         n = weight.shape[0]
         step = max(16, SLICE_BYTES // (4 * x.shape[-1]))
-        flat = _rows(x) if prepare is None or not x16_decodes(qtype) else prepare(_rows(x))
+        flat = _rows(x)
         y = torch.empty(rows, n, dtype=torch.float32)
         for n0 in range(0, n, step):
             y[:, n0 : n0 + step] = F.linear(flat, torch.ops.llama_cpu.gguf_unpack(weight[n0 : n0 + step], qtype))
         return y.view(*x.shape[:-1], n).to(x.dtype)
     y = row_op(_rows(x), weight, qtype)
     return y.view(*x.shape[:-1], -1).to(x.dtype)
-
-
-# the ggml types gguf_linear_x16 decodes to int16 codes (csrc/gguf_x16.cpp rows_fn); it runs the others as
-# gguf_linear_float does, with fp32 activations
-X16_TYPES = frozenset({2, 3, 6, 7, 8, 20, 12, 14})  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q6_K
-
-
-def x16_decodes(qtype: int) -> bool:
-    return qtype in X16_TYPES
 
 
 # Past this many rows of a prompt, gguf_linear_float multiplies unpacked fp32 slices in a GEMM (MKL's sgemm), faster

@@ -14,8 +14,8 @@ arithmetic"):
   (csrc/gguf_float.cpp), the dequantized file's product to fp32 rounding.
 - "int8": activations quantized to int8 blocks as llama.cpp does (Q8_0 for the 32-value formats, Q8_K for the
   super-block formats; csrc/gguf_blocks.cpp), llama.cpp's products bit for bit. It makes small models answer worse.
-A prompt's pass of more than 16 rows multiplies unpacked fp32 weights in a GEMM, by the same int16 activations
-under "int16". Every way a row's result never depends on its batch.
+A prompt's pass of more than 16 rows multiplies its fp32 activations by unpacked fp32 weights in a GEMM under
+"int16" too. Every way a row's result never depends on its batch.
 
 Each type has its own method class, so fusing (llama/layers.py fuse_columns) only concatenates projections of one
 type: a Q4_K_M file keeps its Q6_K projections apart from its Q4_K ones.

@@ -1,7 +1,8 @@
 // Products with GGUF block weights and activations quantized to int16 in blocks of 32 (each block scaled by its own
 // largest magnitude): the weight codes are widened to int16 in registers and multiplied with one vpmaddwd per 16
 // values, where the fp32 path (gguf_float.cpp) converts every code to fp32 first. The result is the quantized
-// activations' product with the dequantized weights, to fp32 rounding, offsets included.
+// activations' product with the dequantized weights, to fp32 rounding, offsets included. A long prompt's rows take
+// gguf_float.cpp's fp32 GEMM instead (llama/kernels/cpu.py).
 //
 // Why: on AVX2 the fp32 path is compute-bound (about 8 products per ns per core on SmolLM2's shapes), and llama.cpp's
 // int8 activations, which are faster, make small models answer worse (docs/performance.md, "Quality of the default
@@ -50,7 +51,7 @@ LLAMA_INLINE float hsum(__m256 v) {
 
 // Activation rows quantized per 32 values: q = round(x / scale), scale = max |x| / 32767 (0 for a block of zeros),
 // and each block's sum scale * (sum of q) (for the formats' offsets): the products are exactly those of the
-// activations q * scale, which the fp32 GEMM of a long prompt multiplies (gguf_quantize_x16).
+// activations q * scale.
 struct Acts {
   std::vector<int16_t> q;
   std::vector<float> scale, sum;
@@ -307,28 +308,8 @@ at::Tensor gguf_linear_x16(const at::Tensor& x, const at::Tensor& w, int64_t typ
   return y;
 }
 
-// x (M, K) fp32 as gguf_linear_x16 multiplies it: each block of 32 quantized to int16 and back, q * scale (fp32).
-// A long prompt's rows multiply these by the unpacked weights in a GEMM, the row kernel's products to fp32 rounding.
-at::Tensor gguf_quantize_x16(const at::Tensor& x) {
-  LLAMA_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % 32 == 0,
-              "gguf_quantize_x16: x must be a contiguous 2-d float32 tensor of whole blocks of 32 values");
-  const int64_t M = x.size(0), K = x.size(1);
-  at::Tensor y = at::empty({M, K}, x.options());
-  if (M == 0 || K == 0) return y;
-  const Acts a = quantize(x.data_ptr<float>(), M, K);
-  float* yp = y.data_ptr<float>();
-  for (int64_t i = 0; i < M * K; ++i) yp[i] = float(a.q[i]) * a.scale[i / 32];
-  return y;
-}
-
 }  // namespace llama_cpu
 
-TORCH_LIBRARY_FRAGMENT(llama_cpu, m) {
-  m.def("gguf_linear_x16(Tensor x, Tensor weight, int type) -> Tensor");
-  m.def("gguf_quantize_x16(Tensor x) -> Tensor");
-}
+TORCH_LIBRARY_FRAGMENT(llama_cpu, m) { m.def("gguf_linear_x16(Tensor x, Tensor weight, int type) -> Tensor"); }
 
-TORCH_LIBRARY_IMPL(llama_cpu, CPU, m) {
-  m.impl("gguf_linear_x16", llama_cpu::gguf_linear_x16);
-  m.impl("gguf_quantize_x16", llama_cpu::gguf_quantize_x16);
-}
+TORCH_LIBRARY_IMPL(llama_cpu, CPU, m) { m.impl("gguf_linear_x16", llama_cpu::gguf_linear_x16); }
