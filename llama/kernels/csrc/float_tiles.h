@@ -113,7 +113,7 @@ LLAMA_AVX512_BF16 void bf16_tile_dot(const uint16_t* x, int64_t m0, int64_t K, i
   }
   // Three weight rows per pass: 24 accumulators, 3 weight vectors and one of x fill 28 of the 32 registers, and
   // every vector of x loaded serves three rows instead of two (3-7 % faster than pairs on 7B-shaped layers at 16-64
-  // rows, 5-13 % on 1.38B's; docs/performance.md, "Prefill at 7B").
+  // rows, 5-13 % on 1.38B's; docs/performance-history.md, "Prefill at 7B (2026-11-25)").
   for (; n + 3 <= n1; n += 3) bf16_rows_dot<T, 3>(x, m0, K, N, weight, n, y);
   if (n + 2 <= n1) bf16_rows_dot<T, 2>(x, m0, K, N, weight, n, y), n += 2;
   if (n < n1) bf16_rows_dot<T, 1>(x, m0, K, N, weight, n, y);
