@@ -79,10 +79,10 @@ Acts quantize(const float* x, int64_t M, int64_t K) {
     alignas(32) int32_t total[8];
     _mm256_store_si256(reinterpret_cast<__m256i*>(total),
                        _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
-    int32_t codes = 0;
+    int64_t codes = 0;  // 64 bits: a NaN's code is INT32_MIN (the block's results are NaN anyway)
     for (int32_t t : total) codes += t;
     a.scale[c] = scale;
-    a.sum[c] = scale * float(codes);  // |codes| < 2^20: float(codes) is exact
+    a.sum[c] = scale * float(codes);  // finite blocks: |codes| < 2^20, so float(codes) is exact
     // packs works within 128-bit lanes: [0-3 8-11 4-7 12-15] -> put the 64-bit quarters back in order
     const __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8);
     const __m256i hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8);
