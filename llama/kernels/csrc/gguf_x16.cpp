@@ -57,7 +57,9 @@ struct Acts {
   std::vector<float> scale, sum;
 };
 
-Acts quantize(const float* x, int64_t M, int64_t K) {
+// spread: each block's codes in the order [0-7 16-23 | 8-15 24-31], the order in which AVX2's in-lane byte unpacking
+// widens 32 bytes of codes (Q4_K's 32 nibbles of a chunk), where the natural order would take lane-crossing widenings.
+Acts quantize(const float* x, int64_t M, int64_t K, bool spread) {
   const int64_t blocks = M * (K / 32);
   Acts a{std::vector<int16_t>(M * K), std::vector<float>(blocks), std::vector<float>(blocks)};
   const __m256 sign = _mm256_set1_ps(-0.f);
@@ -84,20 +86,20 @@ Acts quantize(const float* x, int64_t M, int64_t K) {
     a.scale[c] = scale;
     a.sum[c] = scale * float(codes);  // finite blocks: |codes| < 2^20, so float(codes) is exact
     // packs works within 128-bit lanes: [0-3 8-11 4-7 12-15] -> put the 64-bit quarters back in order
-    const __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8);
-    const __m256i hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8);
+    const __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[spread ? 2 : 1]), 0xD8);
+    const __m256i hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[spread ? 1 : 2], q[3]), 0xD8);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q.data() + 32 * c), lo);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q.data() + 32 * c + 16), hi);
   }
   return a;
 }
 
-// A 32-value chunk of a weight row as int16 codes: values 0-15 in w[0], 16-31 in w[1], with a scale for each half
-// and an offset per unit of the activations' sum: value = scale * code + offset.
+// A 32-value block of a weight row as int16 codes: values 0-15 in w[0], 16-31 in w[1], with its scale and an offset
+// per unit of the activations' sum: value = scale * code + offset. (Q4_K and Q6_K go a super-block at a time:
+// ksuper_dot.)
 struct Chunk {
   __m256i w[2];
-  float s0, s1, offset;
-  uint8_t sc[8], mn[8];  // Q4_K: the block's 6-bit scales and mins, unpacked at its chunk 0
+  float scale, offset;
 };
 
 // 16 bytes of nibbles -> low nibbles (values 0-15) and high nibbles (16-31) as int16
@@ -124,40 +126,37 @@ LLAMA_INLINE void signed16(__m128i lo, __m128i hi, Chunk& c) {
 }
 
 // the formats with an offset (value = scale * code + offset), multiplied by the activations' exact block sums
-constexpr bool has_offset(int64_t type) {
-  return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q4_K;
-}
-constexpr int chunks_of(int64_t type) { return type == Q4_K || type == Q6_K ? 8 : 1; }
+constexpr bool has_offset(int64_t type) { return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1; }
 
 template <int64_t TYPE>
-LLAMA_INLINE void chunk_of(const uint8_t* b, int j, Chunk& c) {
+LLAMA_INLINE void chunk_of(const uint8_t* b, Chunk& c) {
   switch (TYPE) {
     case Q4_0: {
       const float d = half_f16c(b);
       nibbles16(b + 2, c);
-      c.s0 = c.s1 = d, c.offset = -8.f * d;
+      c.scale = d, c.offset = -8.f * d;
       return;
     }
     case Q4_1:
       nibbles16(b + 4, c);
-      c.s0 = c.s1 = half_f16c(b), c.offset = half_f16c(b + 2);
+      c.scale = half_f16c(b), c.offset = half_f16c(b + 2);
       return;
     case Q5_0: {  // d (q - 16), q = nibble | fifth bit << 4
       const float d = half_f16c(b);
       nibbles16(b + 6, c);
       fifth_bits(b + 2, c);
-      c.s0 = c.s1 = d, c.offset = -16.f * d;
+      c.scale = d, c.offset = -16.f * d;
       return;
     }
     case Q5_1:
       nibbles16(b + 8, c);
       fifth_bits(b + 4, c);
-      c.s0 = c.s1 = half_f16c(b), c.offset = half_f16c(b + 2);
+      c.scale = half_f16c(b), c.offset = half_f16c(b + 2);
       return;
     case Q8_0: {
       const __m128i* q = reinterpret_cast<const __m128i*>(b + 2);
       signed16(_mm_loadu_si128(q), _mm_loadu_si128(q + 1), c);
-      c.s0 = c.s1 = half_f16c(b), c.offset = 0.f;
+      c.scale = half_f16c(b), c.offset = 0.f;
       return;
     }
     case IQ4_NL: {
@@ -165,30 +164,7 @@ LLAMA_INLINE void chunk_of(const uint8_t* b, int j, Chunk& c) {
       const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
       signed16(_mm_shuffle_epi8(table, _mm_and_si128(raw, m)),
                _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(raw, 4), m)), c);
-      c.s0 = c.s1 = half_f16c(b), c.offset = 0.f;
-      return;
-    }
-    case Q4_K: {  // sub-block j: the 32 bytes of pair j / 2, low nibbles for even j; d sc[j] q - dmin m[j]
-      if (j == 0) scale_min_k4(b + 4, c.sc, c.mn);
-      const __m128i* src = reinterpret_cast<const __m128i*>(b + 16 + 32 * (j / 2));
-      const __m256i m = _mm256_set1_epi16(0x0F);
-      const int shift = 4 * (j % 2);
-      c.w[0] = _mm256_and_si256(_mm256_srli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(src)), shift), m);
-      c.w[1] = _mm256_and_si256(_mm256_srli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(src + 1)), shift), m);
-      c.s0 = c.s1 = half_f16c(b) * float(c.sc[j]), c.offset = -(half_f16c(b + 2) * float(c.mn[j]));
-      return;
-    }
-    case Q6_K: {  // chunk j = 4 h + part: values 128 h + 32 part ...; d sc[i / 16] (q - 32)
-      const int h = j / 4, part = j % 4;
-      const __m256i lowsrc = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * (part % 2)));
-      const __m256i low = _mm256_and_si256(_mm256_srli_epi16(lowsrc, 4 * (part / 2)), _mm256_set1_epi8(0x0F));
-      const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
-      const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(high, 2 * part), _mm256_set1_epi8(3));
-      const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(hb, 4)), _mm256_set1_epi8(32));
-      signed16(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1), c);
-      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-      const float d = half_f16c(b + 208);
-      c.s0 = d * float(sc[2 * j]), c.s1 = d * float(sc[2 * j + 1]), c.offset = 0.f;
+      c.scale = half_f16c(b), c.offset = 0.f;
       return;
     }
   }
@@ -199,53 +175,136 @@ struct Chains {
   __m256 acc[MR];
   float off[MR];
 
-  // chunk t of the row (block t / chunks, part t % chunks) into these sums
+  // block t of the row into these sums
   LLAMA_INLINE void add(const uint8_t* row, const Format& f, int64_t K, int64_t t, const int16_t* q,
-                        const float* scale, const float* sum, Chunk& c) {
-    constexpr int per = chunks_of(TYPE);
+                        const float* scale, const float* sum) {
     const int64_t kb = K / 32;
-    chunk_of<TYPE>(row + (t / per) * f.bytes, int(t % per), c);
+    Chunk c;
+    chunk_of<TYPE>(row + t * f.bytes, c);
     for (int i = 0; i < MR; ++i) {
       const __m256i* xq = reinterpret_cast<const __m256i*>(q + i * K + 32 * t);
       const __m256i p0 = _mm256_madd_epi16(c.w[0], _mm256_loadu_si256(xq));
       const __m256i p1 = _mm256_madd_epi16(c.w[1], _mm256_loadu_si256(xq + 1));
       const float xs = scale[i * kb + t];
-      if (TYPE != Q6_K) {
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), _mm256_set1_ps(c.s0 * xs), acc[i]);
-      } else {
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(c.s0 * xs), acc[i]);
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(c.s1 * xs), acc[i]);
-      }
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), _mm256_set1_ps(c.scale * xs), acc[i]);
       if (has_offset(TYPE)) off[i] += c.offset * sum[i * kb + t];
     }
   }
 };
 
 // One weight row's products with MR quantized activation rows (row i: codes q + i K, block scales and sums at i K /
-// 32): out[i * out_stride]. Each row's sum takes the same operations in the same order whatever MR is: each chunk's
-// exact int32 sums (one per half where the halves' scales differ), times its scales and the activation block's
-// scale, into one of two 8-lane chains (even and odd chunks, so an FMA need not wait for the one before), and the
-// offsets into two scalars.
-// One weight row's products with MR quantized activation rows (row i: codes q + i K, block scales and sums at i K /
-// 32): out[i * out_stride]. Each row's sum takes the same operations in the same order whatever MR is: each chunk's
-// exact int32 sums (one per half where the halves' scales differ), times its scales and the activation block's
-// scale, into one of two 8-lane chains (even and odd chunks, so an FMA need not wait for the one before), and the
-// offsets into two scalars.
+// 32): out[i * out_stride]. Each row's sum takes the same operations in the same order whatever MR is: each block's
+// exact int32 sums, times its scale and the activation block's scale, into one of two 8-lane chains (even and odd
+// blocks, so an FMA need not wait for the one before), and the offsets into two scalars.
 template <int64_t TYPE, int MR>
 void row_dot(const uint8_t* row, const Format& f, int64_t K, const int16_t* q, const float* scale, const float* sum,
              float* out, int64_t out_stride) {
   Chains<TYPE, MR> even, odd;
   for (int i = 0; i < MR; ++i) even.acc[i] = odd.acc[i] = _mm256_setzero_ps(), even.off[i] = odd.off[i] = 0.f;
   const int64_t chunks = K / 32;
-  Chunk c;
   int64_t t = 0;
   for (; t + 2 <= chunks; t += 2) {
-    even.add(row, f, K, t, q, scale, sum, c);
-    odd.add(row, f, K, t + 1, q, scale, sum, c);
+    even.add(row, f, K, t, q, scale, sum);
+    odd.add(row, f, K, t + 1, q, scale, sum);
   }
-  if (t < chunks) even.add(row, f, K, t, q, scale, sum, c);
+  if (t < chunks) even.add(row, f, K, t, q, scale, sum);
   for (int i = 0; i < MR; ++i)
     out[i * out_stride] = hsum(_mm256_add_ps(even.acc[i], odd.acc[i])) + (even.off[i] + odd.off[i]);
+}
+
+// Q4_K's 6-bit scales (bytes 0-7) and mins (8-15) of a block's 12 bytes, as gguf_format.h's scale_min_k4 unpacks
+// them, built in registers (through memory, the 16-byte load would wait on two 8-byte stores).
+LLAMA_INLINE __m128i scales_mins_k4(const uint8_t* s) {
+  uint32_t u[3];
+  std::memcpy(u, s, 12);
+  const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
+  return _mm_setr_epi32(int(u[0] & low6), int((u[2] & low4) | (((u[0] >> 6) & low2) << 4)), int(u[1] & low6),
+                        int(((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4)));
+}
+
+// Q4_K and Q6_K a super-block (256 values, 8 chunks) at a time: its scales are decoded once, as vectors, and each
+// chunk's combined scale (weight scale times activation block scale, the same two roundings as chunk_of's) is read
+// from a small table, where decoding them a chunk at a time cost more than the products (about 3x the bytes' time on
+// AVX2). Each chunk's sums go into the same even or odd chain as row_dot's, in the same order; the offsets (Q4_K's
+// mins) are summed 8 blocks to a vector, then across its lanes.
+template <int64_t TYPE, int MR>
+void ksuper_dot(const uint8_t* row, int64_t K, const int16_t* q, const float* scale, const float* sum, float* out,
+                int64_t out_stride) {
+  constexpr int64_t bytes = TYPE == Q4_K ? 144 : 210;
+  const int64_t kb = K / 32;
+  __m256 even[MR], odd[MR], off[MR];
+  for (int i = 0; i < MR; ++i) even[i] = odd[i] = off[i] = _mm256_setzero_ps();
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  alignas(32) float comb[MR][2][8];  // [row][half (Q6_K's two scales a chunk)][chunk]
+  for (int64_t s = 0; s < K / 256; ++s) {
+    const uint8_t* b = row + s * bytes;
+    const int16_t* xq = q + 256 * s;
+    if constexpr (TYPE == Q4_K) {
+      const __m128i raw = scales_mins_k4(b + 4);
+      const __m256 ws = _mm256_mul_ps(_mm256_set1_ps(half_f16c(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw)));
+      const __m256 wm = _mm256_mul_ps(_mm256_set1_ps(half_f16c(b + 2)),
+                                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8))));
+      for (int i = 0; i < MR; ++i) {
+        _mm256_store_ps(comb[i][0], _mm256_mul_ps(ws, _mm256_loadu_ps(scale + i * kb + 8 * s)));
+        off[i] = _mm256_sub_ps(off[i], _mm256_mul_ps(wm, _mm256_loadu_ps(sum + i * kb + 8 * s)));
+      }
+      for (int p = 0; p < 4; ++p) {  // the 32 bytes of chunks 2p (low nibbles) and 2p + 1 (high)
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * p));
+        const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+        // the activations are spread (quantize): values [0-7 16-23] and [8-15 24-31] of each chunk
+        const __m256i zero = _mm256_setzero_si256();
+        const __m256i w0 = _mm256_unpacklo_epi8(lo, zero), w1 = _mm256_unpackhi_epi8(lo, zero);
+        const __m256i w2 = _mm256_unpacklo_epi8(hi, zero), w3 = _mm256_unpackhi_epi8(hi, zero);
+        for (int i = 0; i < MR; ++i) {
+          const __m256i* x = reinterpret_cast<const __m256i*>(xq + i * K + 64 * p);
+          const __m256i a = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(x)),
+                                             _mm256_madd_epi16(w1, _mm256_loadu_si256(x + 1)));
+          even[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_broadcast_ss(&comb[i][0][2 * p]), even[i]);
+          const __m256i c = _mm256_add_epi32(_mm256_madd_epi16(w2, _mm256_loadu_si256(x + 2)),
+                                             _mm256_madd_epi16(w3, _mm256_loadu_si256(x + 3)));
+          odd[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), _mm256_broadcast_ss(&comb[i][0][2 * p + 1]), odd[i]);
+        }
+      }
+    } else {  // Q6_K: chunk j = 4 h + part, values 0-15 scaled by sc[2j], 16-31 by sc[2j + 1]
+      const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+      const __m128i split = _mm_shuffle_epi8(sc, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+      const __m256 d = _mm256_set1_ps(half_f16c(b + 208));
+      const __m256 s0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(split)));
+      const __m256 s1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(split, 8))));
+      for (int i = 0; i < MR; ++i) {
+        const __m256 xs = _mm256_loadu_ps(scale + i * kb + 8 * s);
+        _mm256_store_ps(comb[i][0], _mm256_mul_ps(s0, xs));
+        _mm256_store_ps(comb[i][1], _mm256_mul_ps(s1, xs));
+      }
+      const __m256i two = _mm256_set1_epi8(0x30), bias = _mm256_set1_epi8(32);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
+        const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
+        const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+        const __m256i parts[4] = {
+            _mm256_or_si256(_mm256_and_si256(l0, nib), _mm256_and_si256(_mm256_slli_epi16(hb, 4), two)),
+            _mm256_or_si256(_mm256_and_si256(l1, nib), _mm256_and_si256(_mm256_slli_epi16(hb, 2), two)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), nib), _mm256_and_si256(hb, two)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), nib),
+                            _mm256_and_si256(_mm256_srli_epi16(hb, 2), two))};
+        for (int part = 0; part < 4; ++part) {
+          const int j = 4 * h + part;
+          const __m256i v = _mm256_sub_epi8(parts[part], bias);
+          const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
+          const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
+          for (int i = 0; i < MR; ++i) {
+            const __m256i* x = reinterpret_cast<const __m256i*>(xq + i * K + 32 * j);
+            __m256& acc = j % 2 ? odd[i] : even[i];
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(w0, _mm256_loadu_si256(x))),
+                                  _mm256_broadcast_ss(&comb[i][0][j]), acc);
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(w1, _mm256_loadu_si256(x + 1))),
+                                  _mm256_broadcast_ss(&comb[i][1][j]), acc);
+          }
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i) out[i * out_stride] = hsum(_mm256_add_ps(even[i], odd[i])) + hsum(off[i]);
 }
 
 // y[:, n0:n1] for every activation row, two rows at a time through each weight row.
@@ -256,6 +315,13 @@ void rows_of(const uint8_t* wp, int64_t row_bytes, const Format& f, int64_t M, i
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = wp + n * row_bytes;
     int64_t m = 0;
+    if constexpr (TYPE == Q4_K || TYPE == Q6_K) {
+      for (; m + 2 <= M; m += 2)
+        ksuper_dot<TYPE, 2>(row, K, a.q.data() + m * K, a.scale.data() + m * kb, a.sum.data() + m * kb, yp + m * N + n, N);
+      if (m < M)
+        ksuper_dot<TYPE, 1>(row, K, a.q.data() + m * K, a.scale.data() + m * kb, a.sum.data() + m * kb, yp + m * N + n, N);
+      continue;
+    }
     for (; m + 2 <= M; m += 2)
       row_dot<TYPE, 2>(row, f, K, a.q.data() + m * K, a.scale.data() + m * kb, a.sum.data() + m * kb, yp + m * N + n, N);
     if (m < M)
@@ -301,7 +367,7 @@ at::Tensor gguf_linear_x16(const at::Tensor& x, const at::Tensor& w, int64_t typ
   LLAMA_CHECK(__builtin_cpu_supports("f16c"), "gguf_linear_x16: the CPU lacks F16C");
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  const Acts a = quantize(x.data_ptr<float>(), M, K);
+  const Acts a = quantize(x.data_ptr<float>(), M, K, type == Q4_K);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { fn(wp, row_bytes, f, M, K, N, a, yp, n0, n1); });
