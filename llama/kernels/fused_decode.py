@@ -61,9 +61,11 @@ def ffn_linears(ffn) -> Optional[Tuple[list, int, int]]:
 
 
 def layer_inputs(layers, x: torch.Tensor):
-    """The op's per-layer arguments (norms, eps, weights, schemes, groups, qkv_products, ffn_products, caches, the
-    paged pool's block table (one for every layer), or None for a slot cache, head norms, expert counts, top_k,
-    renormalize) for x (B, 1, dim), or None where any layer would not run entirely in our kernels."""
+    """The op's per-layer arguments (norms, eps, weights, schemes, groups, qkv_products and ffn_products per layer,
+    caches, the paged pool's block table (one for every layer), or None for a slot cache, head norms, expert counts,
+    top_k, renormalize) for x (B, 1, dim), or None where any layer would not run entirely in our kernels. Layers may
+    differ in whether q/k/v and gate/up are fused (a Q4_K_M file's Q6_K v stays apart from its Q4_K q and k in some
+    layers: llama/formats/gguf_quants.py finish)."""
     B, dtype = x.shape[0], x.dtype
     norms: List[torch.Tensor] = []
     weights: List[torch.Tensor] = []
@@ -72,7 +74,9 @@ def layer_inputs(layers, x: torch.Tensor):
     schemes: List[int] = []
     groups: List[int] = []
     experts: List[int] = []
-    eps, layout, moe = None, None, None
+    qkv_products: List[int] = []
+    ffn_products: List[int] = []
+    eps, moe = None, None
     for block in layers:
         attention, ffn = block.attention, block.feed_forward
         for norm in (block.attention_norm, block.ffn_norm, attention.q_norm, attention.k_norm):
@@ -87,9 +91,10 @@ def layer_inputs(layers, x: torch.Tensor):
         caches += (attention.cache_k, attention.cache_v)
         qkv = (attention.wq, attention.wk, attention.wv) if attention.wqkv is None else (attention.wqkv,)
         found = ffn_linears(ffn)
-        if found is None or layout not in (None, (len(qkv), found[1])):
+        if found is None:
             return None
-        layout = (len(qkv), found[1])
+        qkv_products.append(len(qkv))
+        ffn_products.append(found[1])
         experts.append(found[2])
         moe = getattr(ffn, "moe", moe)
         for linear in (*qkv, attention.wo, *found[0]):
@@ -99,9 +104,9 @@ def layer_inputs(layers, x: torch.Tensor):
             schemes.append(r[0])
             groups.append(r[1])
             weights += r[2]
-    if layout is None or (heads and len(heads) != len(norms)):
+    if not qkv_products or (heads and len(heads) != len(norms)):
         return None
-    return (norms, eps, weights, schemes, groups, layout[0], layout[1], caches, layers[0].attention.block_table, heads,
+    return (norms, eps, weights, schemes, groups, qkv_products, ffn_products, caches, layers[0].attention.block_table, heads,
             experts if moe is not None else [], moe.top_k if moe is not None else 0,
             moe.renormalize if moe is not None else False)
 

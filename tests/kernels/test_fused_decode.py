@@ -8,7 +8,7 @@ from test_model import random_model
 
 from llama.kernels import cpu
 from llama.kernels import dense, fused_decode
-from llama.layers import linear_layers
+from llama.layers import Fusable, linear_layers
 from llama.quantization.int4 import quantize_int4
 from llama.quantization.schemes import quantize_int8, quantize_int8_dynamic
 
@@ -24,7 +24,12 @@ MOE = dict(qk_norm=True, moe=dict(n_experts=4, top_k=2, hidden_dim=64, dense_lay
 
 def model_in(scheme, fused, dtype=torch.float32, moe=False):
     model = random_model(seed=3, dtype=dtype, max_batch=4, **SHAPE, **(MOE if moe else {}))
-    if fused:
+    if fused == "mixed":  # layers that differ, as a Q4_K_M file's: some fuse q/k/v or gate/up, others do not
+        for part in (model.layers[1].attention, model.layers[0].feed_forward, model.layers[2].feed_forward):
+            for m in part.modules():  # an MoE layer's experts, each a FeedForward
+                if isinstance(m, Fusable):
+                    m.fuse()
+    elif fused:
         model.fuse()
     if scheme == "int4":
         quantize_int4(model, 32)
@@ -44,7 +49,7 @@ CASES = {"one row": (1, 5, None), "rows and positions": (3, [5, 7, 6], [2, 0, 3]
 @pytest.mark.parametrize("scheme, dtype, fused", [
     ("none", torch.float32, False), ("none", torch.bfloat16, False), ("none", torch.bfloat16, True),
     ("int4", torch.float32, True), ("int4", torch.bfloat16, False), ("int8-dynamic", torch.float32, True),
-    ("int8-dynamic", torch.float32, False),
+    ("int8-dynamic", torch.float32, False), ("none", torch.float32, "mixed"), ("int4", torch.bfloat16, "mixed"),
 ])
 def test_one_call_is_the_layer_by_layer_step(scheme, dtype, fused, case, monkeypatch, moe=False):
     """Logits and every cache write bitwise equal to the layer-by-layer step, and the op really ran."""
@@ -77,7 +82,7 @@ def test_one_call_is_the_layer_by_layer_step(scheme, dtype, fused, case, monkeyp
 @pytest.mark.parametrize("case", ["one row", "rows and positions"])
 @pytest.mark.parametrize("scheme, dtype, fused", [
     ("none", torch.float32, False), ("none", torch.bfloat16, True), ("int4", torch.float32, True),
-    ("int8-dynamic", torch.float32, True),
+    ("int8-dynamic", torch.float32, True), ("none", torch.float32, "mixed"),
 ])
 def test_one_call_takes_qk_norm_and_experts(scheme, dtype, fused, case, monkeypatch):
     """The same for Qwen3-MoE's layers: qk-norm over each head, the router's top 2 of 4 experts (tokens grouped by
@@ -125,16 +130,13 @@ def test_routes_follow_the_products(monkeypatch):
 
 
 def test_falls_back_where_the_op_cannot_run(monkeypatch):
-    """int8 (PyTorch's weight-only kernel) and prefills go layer by layer; a model whose layers mix layouts too."""
+    """int8 (PyTorch's weight-only kernel) and prefills go layer by layer."""
     assert fused_decode.layer_inputs(model_in("int8", False, torch.bfloat16).layers,
                                      torch.zeros(1, 1, 64, dtype=torch.bfloat16)) is None
     model = model_in("none", False)
     x = torch.zeros(1, 1, 64)
     assert fused_decode.layer_inputs(model.layers, x) is not None
     assert fused_decode.run(model.layers, torch.zeros(1, 2, 64), None, None, None, None, 2) is None
-    model.layers[1].attention.fuse()  # one layer fused, the others not
-    assert fused_decode.layer_inputs(model.layers, x) is None
-    model = model_in("none", False)
     p = torch.tensor([[0]])
     assert fused_decode.run(model.layers, x, model.rope_cos[p], model.rope_sin[p], p, None, 1) is not None
     monkeypatch.setenv("LLAMA_FUSED_DECODE", "0")
@@ -152,18 +154,20 @@ def test_op_refuses_inconsistent_arguments():
                 positions=torch.tensor([0]), kv_len=1, head_norms=[], experts=[], top_k=0, renormalize=False)
     op = torch.ops.llama_cpu.decode_layers
     with pytest.raises(RuntimeError, match="qkv_products must be 1 or 3"):
-        op(x, [w[0], w[0]], 1e-5, [w] * 4, [0] * 4, [0] * 4, 2, 1, caches=[cache, cache], **args)
+        op(x, [w[0], w[0]], 1e-5, [w] * 4, [0] * 4, [0] * 4, [2], [1], caches=[cache, cache], **args)
+    with pytest.raises(RuntimeError, match="one qkv_products and one ffn_products per layer, got 2 and 1 for 1"):
+        op(x, [w[0], w[0]], 1e-5, [w] * 4, [0] * 4, [0] * 4, [1, 1], [1], caches=[cache, cache], **args)
     with pytest.raises(RuntimeError, match="5 products for 1 layers, got 4 schemes"):
-        op(x, [w[0], w[0]], 1e-5, [w] * 4, [0] * 4, [0] * 4, 1, 2, caches=[cache, cache], **args)
+        op(x, [w[0], w[0]], 1e-5, [w] * 4, [0] * 4, [0] * 4, [1], [2], caches=[cache, cache], **args)
     with pytest.raises(RuntimeError, match="the schemes take 6 weight tensors, got 5"):
-        op(x, [w[0], w[0]], 1e-5, [w] * 5, [0, 0, 0, 0, 1], [0] * 5, 1, 2, caches=[cache, cache], **args)
+        op(x, [w[0], w[0]], 1e-5, [w] * 5, [0, 0, 0, 0, 1], [0] * 5, [1], [2], caches=[cache, cache], **args)
     moe = {**args, "experts": [4], "top_k": 2}  # an MoE layer: attention, the router, 4 experts of 2 products
     with pytest.raises(RuntimeError, match="11 products for 1 layers, got 4 schemes"):
-        op(x, [w[0], w[0]], 1e-5, [w] * 4, [0] * 4, [0] * 4, 1, 1, caches=[cache, cache], **moe)
+        op(x, [w[0], w[0]], 1e-5, [w] * 4, [0] * 4, [0] * 4, [1], [1], caches=[cache, cache], **moe)
     with pytest.raises(RuntimeError, match="layer 0 has 4 experts for top_k 5"):
-        op(x, [w[0], w[0]], 1e-5, [w] * 11, [0] * 11, [0] * 11, 1, 1, caches=[cache, cache], **{**moe, "top_k": 5})
+        op(x, [w[0], w[0]], 1e-5, [w] * 11, [0] * 11, [0] * 11, [1], [1], caches=[cache, cache], **{**moe, "top_k": 5})
     with pytest.raises(RuntimeError, match="no head norms or two per layer, got 1"):
-        op(x, [w[0], w[0]], 1e-5, [w] * 4, [0] * 4, [0] * 4, 1, 2, caches=[cache, cache],
+        op(x, [w[0], w[0]], 1e-5, [w] * 4, [0] * 4, [0] * 4, [1], [2], caches=[cache, cache],
            **{**args, "head_norms": [w[0]]})
 
 

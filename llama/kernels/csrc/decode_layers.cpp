@@ -207,16 +207,20 @@ int64_t layer_products(int64_t qkv_products, int64_t ffn_products, c10::IntArray
 }
 
 void check_arguments(const at::Tensor& x, size_t norms, at::TensorList weights, c10::IntArrayRef schemes,
-                     c10::IntArrayRef groups, int64_t qkv_products, int64_t ffn_products, size_t caches,
-                     size_t head_norms, c10::IntArrayRef experts, int64_t top_k) {
+                     c10::IntArrayRef groups, c10::IntArrayRef qkv_products, c10::IntArrayRef ffn_products,
+                     size_t caches, size_t head_norms, c10::IntArrayRef experts, int64_t top_k) {
   LLAMA_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "decode_layers: x must be a contiguous 2-d float32 or bf16 tensor (rows, dim)");
-  LLAMA_CHECK((qkv_products == 1 || qkv_products == 3) && (ffn_products == 1 || ffn_products == 2),
-              "decode_layers: qkv_products must be 1 or 3 and ffn_products 1 or 2, got ", qkv_products, " and ",
-              ffn_products);
   const int64_t L = int64_t(norms) / 2;
   LLAMA_CHECK(norms == size_t(2 * L) && caches == size_t(2 * L),
               "decode_layers: two norms and two caches per layer, got ", norms, " and ", caches);
+  LLAMA_CHECK(qkv_products.size() == size_t(L) && ffn_products.size() == size_t(L),
+              "decode_layers: one qkv_products and one ffn_products per layer, got ", qkv_products.size(), " and ",
+              ffn_products.size(), " for ", L, " layers");
+  for (int64_t l = 0; l < L; ++l)
+    LLAMA_CHECK((qkv_products[l] == 1 || qkv_products[l] == 3) && (ffn_products[l] == 1 || ffn_products[l] == 2),
+                "decode_layers: qkv_products must be 1 or 3 and ffn_products 1 or 2, got ", qkv_products[l], " and ",
+                ffn_products[l], " at layer ", l);
   LLAMA_CHECK(head_norms == 0 || head_norms == size_t(2 * L), "decode_layers: no head norms or two per layer, got ",
               head_norms);
   LLAMA_CHECK(experts.empty() || experts.size() == size_t(L), "decode_layers: no expert counts or one per layer, got ",
@@ -225,7 +229,7 @@ void check_arguments(const at::Tensor& x, size_t norms, at::TensorList weights, 
   for (int64_t l = 0; l < L; ++l) {
     LLAMA_CHECK(experts.empty() || (experts[l] >= 0 && (experts[l] == 0 || (top_k >= 1 && top_k <= experts[l]))),
                 "decode_layers: layer ", l, " has ", experts.empty() ? 0 : experts[l], " experts for top_k ", top_k);
-    products += layer_products(qkv_products, ffn_products, experts, l);
+    products += layer_products(qkv_products[l], ffn_products[l], experts, l);
   }
   LLAMA_CHECK(schemes.size() == size_t(products) && groups.size() == schemes.size(), "decode_layers: ", products,
               " products for ", L, " layers, got ", schemes.size(), " schemes and ", groups.size(), " group sizes");
@@ -240,9 +244,9 @@ void check_arguments(const at::Tensor& x, size_t norms, at::TensorList weights, 
 
 // x (B, D): the hidden state of one token per row, contiguous fp32 or bf16. Per layer l: norms[2l], norms[2l + 1]
 // (attention and feed-forward RMSNorm weights) and caches[2l], caches[2l + 1] (its keys and values, written in
-// place). weights: every product's tensors, layer by layer in the order attention inputs (qkv_products: 1 for a
-// fused q/k/v, or 3), output, then a dense layer's feed-forward inputs (ffn_products: 1 for a fused gate/up, or 2)
-// and down, or an MoE layer's router and each of its experts' inputs and down; schemes holds one entry per product
+// place). weights: every product's tensors, layer by layer in the order attention inputs (qkv_products[l]: 1 for
+// a fused q/k/v, or 3), output, then a dense layer's feed-forward inputs (ffn_products[l]: 1 for a fused gate/up, or
+// 2; per layer, as a Q4_K_M file's Q6_K v keeps some layers' q/k/v apart) and down, or an MoE layer's router and each of its experts' inputs and down; schemes holds one entry per product
 // (0: a bf16 or fp32 weight; 1: int4 codes and scales, groups[i] the group size; 2: int8 weight and scales; 3, 4
 // and 5: GGUF blocks, groups[i] the ggml type, with int8, fp32 or int16 activations) and says how many tensors it
 // takes (1, 2, 2, 1, 1, 1). cos, sin, table, rows, row0, positions and kv_len are decode_attention's (one block table for every
@@ -250,8 +254,8 @@ void check_arguments(const at::Tensor& x, size_t norms, at::TensorList weights, 
 // experts: empty, or per layer 0 (dense) or its expert count, routed top_k (renormalised where asked). Returns the
 // last layer's output (B, D).
 at::Tensor decode_layers(const at::Tensor& x, at::TensorList norms, double eps, at::TensorList weights,
-                         c10::IntArrayRef schemes, c10::IntArrayRef groups, int64_t qkv_products,
-                         int64_t ffn_products, const at::Tensor& cos, const at::Tensor& sin, at::TensorList caches,
+                         c10::IntArrayRef schemes, c10::IntArrayRef groups, c10::IntArrayRef qkv_products,
+                         c10::IntArrayRef ffn_products, const at::Tensor& cos, const at::Tensor& sin, at::TensorList caches,
                          const c10::optional<at::Tensor>& table, const c10::optional<at::Tensor>& rows,
                          int64_t row0, const at::Tensor& positions, int64_t kv_len, at::TensorList head_norms,
                          c10::IntArrayRef experts, int64_t top_k, bool renormalize) {
@@ -265,7 +269,7 @@ at::Tensor decode_layers(const at::Tensor& x, at::TensorList norms, double eps, 
     const at::Tensor &cache_k = caches[2 * l], &cache_v = caches[2 * l + 1];
     const at::Tensor n = rms_norm(h, norms[2 * l], eps);
     at::Tensor q, k, v;
-    if (qkv_products == 3) {
+    if (qkv_products[l] == 3) {
       q = product(n), k = product(n), v = product(n);
     } else {
       const at::Tensor qkv = product(n);
@@ -281,8 +285,9 @@ at::Tensor decode_layers(const at::Tensor& x, at::TensorList norms, double eps, 
     combine_rows(h, product(a), h, true);
     const at::Tensor n2 = rms_norm(h, norms[2 * l + 1], eps);
     const at::Tensor f = experts.empty() || experts[l] == 0
-                             ? swiglu(product, product.next, n2, ffn_products)
-                             : moe_ffn(product, product.next, n2, Routing{experts[l], top_k, renormalize}, ffn_products);
+                             ? swiglu(product, product.next, n2, ffn_products[l])
+                             : moe_ffn(product, product.next, n2, Routing{experts[l], top_k, renormalize},
+                                       ffn_products[l]);
     combine_rows(h, f, h, true);
   }
   return h;
@@ -292,7 +297,7 @@ at::Tensor decode_layers(const at::Tensor& x, at::TensorList norms, double eps, 
 
 TORCH_LIBRARY_FRAGMENT(llama_cpu, m) {
   m.def("decode_layers(Tensor x, Tensor[] norms, float eps, Tensor[] weights, int[] schemes, int[] groups, "
-        "int qkv_products, int ffn_products, Tensor cos, Tensor sin, Tensor(a!)[] caches, Tensor? table, Tensor? rows, "
+        "int[] qkv_products, int[] ffn_products, Tensor cos, Tensor sin, Tensor(a!)[] caches, Tensor? table, Tensor? rows, "
         "int row0, "
         "Tensor positions, int kv_len, Tensor[] head_norms, int[] experts, int top_k, bool renormalize) -> Tensor");
 }
