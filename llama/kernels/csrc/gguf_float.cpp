@@ -30,6 +30,7 @@
 namespace {
 
 #include "gguf_format.h"
+#include "gguf_simd.h"
 
 }  // namespace
 
@@ -41,20 +42,6 @@ namespace {
 
 inline __m256 cvt_u8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }  // low 8 bytes
 inline __m256 cvt_i8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); }
-
-inline float half_f16c(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
-
-// The 8 lanes' sum in a fixed order.
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
 
 // A 32-value chunk of a weight row: codes (4 x 8 fp32), a scale for values 0-15 and one for 16-31, and an offset
 // added to every value: value = scale * code + offset.
@@ -99,8 +86,6 @@ inline __attribute__((always_inline)) void signed_codes(__m128i lo, __m128i hi, 
   c.q[0] = cvt_i8(lo), c.q[1] = cvt_i8(_mm_srli_si128(lo, 8)), c.q[2] = cvt_i8(hi), c.q[3] = cvt_i8(_mm_srli_si128(hi, 8));
 }
 
-#define LLAMA_INLINE inline __attribute__((always_inline))
-
 // Chunk j of block b, for the formats most files hold (vector_type); the others are dequantized by the scalar code.
 template <int64_t TYPE>
 LLAMA_INLINE void chunk_of(const uint8_t* b, int j, Chunk& c) {
@@ -120,10 +105,9 @@ LLAMA_INLINE void chunk_of(const uint8_t* b, int j, Chunk& c) {
       c.s0 = c.s1 = half_f16c(b), c.offset = 0.f;
       return;
     case IQ4_NL: {
-      const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4)), m = _mm_set1_epi8(0x0F);
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
-      signed_codes(_mm_shuffle_epi8(table, _mm_and_si128(raw, m)),
-                   _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(raw, 4), m)), c);
+      __m128i lo, hi;
+      iq4_values16(b + 2, lo, hi);
+      signed_codes(lo, hi, c);
       c.s0 = c.s1 = half_f16c(b), c.offset = 0.f;
       return;
     }

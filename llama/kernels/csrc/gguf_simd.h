@@ -1,7 +1,19 @@
-// The AVX2 helpers that gguf_dot.h (one row) and gguf_gemm.h (many rows) share, defined once per file: both
-// files' AVX-512 VNNI copies inline them as they are, so both copies and both kernels run the same operations.
-// Included inside each file's anonymous namespace, after gguf_format.h.
+// The AVX2 helpers that the GGUF block kernels share (gguf_dot.h one row, gguf_gemm.h many rows, gguf_float.cpp's
+// fp32 and gguf_x16.cpp's int16 activations), defined once per file: the AVX-512 VNNI copies inline them as they
+// are, so both copies and every kernel run the same operations. Included inside each file's anonymous namespace,
+// after gguf_format.h.
 #pragma once
+
+#ifndef LLAMA_INLINE
+#define LLAMA_INLINE inline __attribute__((always_inline))
+#endif
+
+// An fp16 scale as fp32 in one op (every AVX2 CPU has F16C: llama/kernels/cpu.py requires it).
+__attribute__((target("f16c"))) inline float half_f16c(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
 
 inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline void store32(void* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
@@ -24,6 +36,13 @@ inline __m256i bits_to_16(const uint8_t* p) {
 inline __m256i iq4_lookup(__m256i codes) {
   const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4));
   return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), codes);
+}
+// IQ4_NL's 16 bytes of 4-bit codes as their non-linear values: values 0-15 (low nibbles) in lo, 16-31 in hi
+LLAMA_INLINE void iq4_values16(const uint8_t* p, __m128i& lo, __m128i& hi) {
+  const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4)), m = _mm_set1_epi8(0x0F);
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  lo = _mm_shuffle_epi8(table, _mm_and_si128(raw, m));
+  hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(raw, 4), m));
 }
 // The sum of 8 fp32 lanes, always added in this order
 inline float hsum(__m256 v) {

@@ -32,22 +32,7 @@
 namespace {
 
 #include "gguf_format.h"
-
-#define LLAMA_INLINE inline __attribute__((always_inline))
-
-LLAMA_INLINE float half_f16c(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
-
-// The 8 lanes' sum in a fixed order.
-LLAMA_INLINE float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
+#include "gguf_simd.h"
 
 // Activation rows quantized per 32 values: q = round(x / scale), scale = max |x| / 32767 (0 for a block of zeros),
 // and each block's sum scale * (sum of q) (for the formats' offsets): the products are exactly those of the
@@ -160,10 +145,9 @@ LLAMA_INLINE void chunk_of(const uint8_t* b, Chunk& c) {
       return;
     }
     case IQ4_NL: {
-      const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4)), m = _mm_set1_epi8(0x0F);
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
-      signed16(_mm_shuffle_epi8(table, _mm_and_si128(raw, m)),
-               _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(raw, 4), m)), c);
+      __m128i lo, hi;
+      iq4_values16(b + 2, lo, hi);
+      signed16(lo, hi, c);
       c.scale = half_f16c(b), c.offset = 0.f;
       return;
     }
