@@ -90,15 +90,16 @@ def test_rows_are_batch_invariant(kind):
         torch.set_num_threads(threads)
 
 
-def test_zero_rows_give_zero_and_a_non_finite_activation_spoils_only_its_row():
-    w = torch.from_numpy(random_blocks("Q4_1", 16, 256, seed=9))
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_K", "Q6_K"])  # a block at a time, and the two super-block paths
+def test_zero_rows_give_zero_and_a_non_finite_activation_spoils_only_its_row(kind):
+    w = torch.from_numpy(random_blocks(kind, 16, 256, seed=9))
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(4))
     x[0] = 0.0
     x[1, 100], x[2, 3] = float("nan"), float("inf")
-    y = _x16(x, w, "Q4_1")
+    y = _x16(x, w, kind)
     assert torch.equal(y[0], torch.zeros(16))
     assert torch.isnan(y[1]).all() and torch.isnan(y[2]).all()
-    assert torch.equal(y[3], _x16(x[3:], w, "Q4_1")[0]) and torch.isfinite(y[3]).all()
+    assert torch.equal(y[3], _x16(x[3:], w, kind)[0]) and torch.isfinite(y[3]).all()
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q6_K"])

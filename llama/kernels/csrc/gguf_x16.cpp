@@ -35,18 +35,20 @@ namespace {
 #include "gguf_simd.h"
 
 // Activation rows quantized per 32 values: q = round(x / scale), scale = max |x| / 32767 (0 for a block of zeros),
-// and each block's sum scale * (sum of q) (for the formats' offsets): the products are exactly those of the
+// and each block's sum scale * (sum of q) (for the formats' offsets), and where asked the sums of its values 0-15
+// (half0) and 16-31 (half1) alike (Q6_K's, whose scales go per 16 values): the products are exactly those of the
 // activations q * scale.
 struct Acts {
   std::vector<int16_t> q;
-  std::vector<float> scale, sum;
+  std::vector<float> scale, sum, half0, half1;
 };
 
 // spread: each block's codes in the order [0-7 16-23 | 8-15 24-31], the order in which AVX2's in-lane byte unpacking
-// widens 32 bytes of codes (Q4_K's 32 nibbles of a chunk), where the natural order would take lane-crossing widenings.
-Acts quantize(const float* x, int64_t M, int64_t K, bool spread) {
+// widens 32 bytes of codes (Q4_K's and Q6_K's chunks), where the natural order would take lane-crossing widenings.
+Acts quantize(const float* x, int64_t M, int64_t K, bool spread, bool halves) {
   const int64_t blocks = M * (K / 32);
-  Acts a{std::vector<int16_t>(M * K), std::vector<float>(blocks), std::vector<float>(blocks)};
+  Acts a{std::vector<int16_t>(M * K), std::vector<float>(blocks), std::vector<float>(blocks),
+         std::vector<float>(halves ? blocks : 0), std::vector<float>(halves ? blocks : 0)};
   const __m256 sign = _mm256_set1_ps(-0.f);
   for (int64_t c = 0; c < blocks; ++c) {
     const float* xp = x + 32 * c;
@@ -70,6 +72,10 @@ Acts quantize(const float* x, int64_t M, int64_t K, bool spread) {
     for (int32_t t : total) codes += t;
     a.scale[c] = scale;
     a.sum[c] = scale * float(codes);  // finite blocks: |codes| < 2^20, so float(codes) is exact
+    if (halves) {  // 32-bit lanes wrap only for NaN blocks, whose sums are NaN through their scale
+      a.half0[c] = scale * float(hsum_i32(_mm256_add_epi32(q[0], q[1])));
+      a.half1[c] = scale * float(hsum_i32(_mm256_add_epi32(q[2], q[3])));
+    }
     // packs works within 128-bit lanes: [0-3 8-11 4-7 12-15] -> put the 64-bit quarters back in order
     const __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[spread ? 2 : 1]), 0xD8);
     const __m256i hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[spread ? 1 : 2], q[3]), 0xD8);
@@ -207,13 +213,13 @@ LLAMA_INLINE __m128i scales_mins_k4(const uint8_t* s) {
 }
 
 // Q4_K and Q6_K a super-block (256 values, 8 chunks) at a time: its scales are decoded once, as vectors, and each
-// chunk's combined scale (weight scale times activation block scale, the same two roundings as chunk_of's) is read
-// from a small table, where decoding them a chunk at a time cost more than the products (about 3x the bytes' time on
-// AVX2). Each chunk's sums go into the same even or odd chain as row_dot's, in the same order; the offsets (Q4_K's
-// mins) are summed 8 blocks to a vector, then across its lanes.
+// chunk's combined scale (weight scale times activation block scale) is read from a small table, where decoding them
+// a chunk at a time cost more than the products (about 3x the bytes' time on AVX2). Each chunk's sums go into an even
+// or odd chain by its index, as row_dot's; the offsets (Q4_K's mins, Q6_K's bias of 32) are summed 8 blocks to a
+// vector, then across its lanes.
 template <int64_t TYPE, int MR>
-void ksuper_dot(const uint8_t* row, int64_t K, const int16_t* q, const float* scale, const float* sum, float* out,
-                int64_t out_stride) {
+void ksuper_dot(const uint8_t* row, int64_t K, const int16_t* q, const float* scale, const float* sum,
+                const float* half0, const float* half1, float* out, int64_t out_stride) {
   constexpr int64_t bytes = TYPE == Q4_K ? 144 : 210;
   const int64_t kb = K / 32;
   __m256 even[MR], odd[MR], off[MR];
@@ -249,18 +255,24 @@ void ksuper_dot(const uint8_t* row, int64_t K, const int16_t* q, const float* sc
           odd[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), _mm256_broadcast_ss(&comb[i][0][2 * p + 1]), odd[i]);
         }
       }
-    } else {  // Q6_K: chunk j = 4 h + part, values 0-15 scaled by sc[2j], 16-31 by sc[2j + 1]
+    } else {
+      // Q6_K: chunk j = 4 h + part, its codes unsigned (0-63) against spread activations, so a chunk's int32 sums
+      // hold its values 0-15 in lanes 0-3 (scaled by d sc[2j]) and 16-31 in lanes 4-7 (d sc[2j + 1]): one
+      // conversion and one FMA a chunk. The codes' bias of 32 comes off through the activations' half-block sums.
       const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
       const __m128i split = _mm_shuffle_epi8(sc, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
-      const __m256 d = _mm256_set1_ps(half_f16c(b + 208));
+      const __m256 d = _mm256_set1_ps(half_f16c(b + 208)), bias = _mm256_set1_ps(-32.f);
       const __m256 s0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(split)));
       const __m256 s1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(split, 8))));
+      const __m256 b0 = _mm256_mul_ps(bias, s0), b1 = _mm256_mul_ps(bias, s1);
       for (int i = 0; i < MR; ++i) {
         const __m256 xs = _mm256_loadu_ps(scale + i * kb + 8 * s);
         _mm256_store_ps(comb[i][0], _mm256_mul_ps(s0, xs));
         _mm256_store_ps(comb[i][1], _mm256_mul_ps(s1, xs));
+        off[i] = _mm256_fmadd_ps(b0, _mm256_loadu_ps(half0 + i * kb + 8 * s), off[i]);
+        off[i] = _mm256_fmadd_ps(b1, _mm256_loadu_ps(half1 + i * kb + 8 * s), off[i]);
       }
-      const __m256i two = _mm256_set1_epi8(0x30), bias = _mm256_set1_epi8(32);
+      const __m256i two = _mm256_set1_epi8(0x30), zero = _mm256_setzero_si256();
       for (int h = 0; h < 2; ++h) {
         const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
         const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
@@ -273,16 +285,14 @@ void ksuper_dot(const uint8_t* row, int64_t K, const int16_t* q, const float* sc
                             _mm256_and_si256(_mm256_srli_epi16(hb, 2), two))};
         for (int part = 0; part < 4; ++part) {
           const int j = 4 * h + part;
-          const __m256i v = _mm256_sub_epi8(parts[part], bias);
-          const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
-          const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
+          const __m256i w0 = _mm256_unpacklo_epi8(parts[part], zero), w1 = _mm256_unpackhi_epi8(parts[part], zero);
           for (int i = 0; i < MR; ++i) {
             const __m256i* x = reinterpret_cast<const __m256i*>(xq + i * K + 32 * j);
+            const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(x)),
+                                               _mm256_madd_epi16(w1, _mm256_loadu_si256(x + 1)));
+            const __m256 scales = _mm256_set_m128(_mm_broadcast_ss(&comb[i][1][j]), _mm_broadcast_ss(&comb[i][0][j]));
             __m256& acc = j % 2 ? odd[i] : even[i];
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(w0, _mm256_loadu_si256(x))),
-                                  _mm256_broadcast_ss(&comb[i][0][j]), acc);
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(w1, _mm256_loadu_si256(x + 1))),
-                                  _mm256_broadcast_ss(&comb[i][1][j]), acc);
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scales, acc);
           }
         }
       }
@@ -301,9 +311,13 @@ void rows_of(const uint8_t* wp, int64_t row_bytes, const Format& f, int64_t M, i
     int64_t m = 0;
     if constexpr (TYPE == Q4_K || TYPE == Q6_K) {
       for (; m + 2 <= M; m += 2)
-        ksuper_dot<TYPE, 2>(row, K, a.q.data() + m * K, a.scale.data() + m * kb, a.sum.data() + m * kb, yp + m * N + n, N);
+        ksuper_dot<TYPE, 2>(row, K, a.q.data() + m * K, a.scale.data() + m * kb, a.sum.data() + m * kb,
+                            a.half0.data() + (TYPE == Q6_K) * m * kb, a.half1.data() + (TYPE == Q6_K) * m * kb,
+                            yp + m * N + n, N);
       if (m < M)
-        ksuper_dot<TYPE, 1>(row, K, a.q.data() + m * K, a.scale.data() + m * kb, a.sum.data() + m * kb, yp + m * N + n, N);
+        ksuper_dot<TYPE, 1>(row, K, a.q.data() + m * K, a.scale.data() + m * kb, a.sum.data() + m * kb,
+                            a.half0.data() + (TYPE == Q6_K) * m * kb, a.half1.data() + (TYPE == Q6_K) * m * kb,
+                            yp + m * N + n, N);
       continue;
     }
     for (; m + 2 <= M; m += 2)
@@ -351,7 +365,7 @@ at::Tensor gguf_linear_x16(const at::Tensor& x, const at::Tensor& w, int64_t typ
   LLAMA_CHECK(__builtin_cpu_supports("f16c"), "gguf_linear_x16: the CPU lacks F16C");
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  const Acts a = quantize(x.data_ptr<float>(), M, K, type == Q4_K);
+  const Acts a = quantize(x.data_ptr<float>(), M, K, type == Q4_K || type == Q6_K, type == Q6_K);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { fn(wp, row_bytes, f, M, K, N, a, yp, n0, n1); });
