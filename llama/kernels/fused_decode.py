@@ -106,8 +106,8 @@ def layer_inputs(layers, x: torch.Tensor):
             weights += r[2]
     if not qkv_products or (heads and len(heads) != len(norms)):
         return None
-    return (norms, eps, weights, schemes, groups, qkv_products, ffn_products, caches, layers[0].attention.block_table, heads,
-            experts if moe is not None else [], moe.top_k if moe is not None else 0,
+    return (norms, eps, weights, schemes, groups, qkv_products, ffn_products, caches, layers[0].attention.block_table,
+            heads, experts if moe is not None else [], moe.top_k if moe is not None else 0,
             moe.renormalize if moe is not None else False)
 
 
