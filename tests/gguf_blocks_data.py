@@ -90,6 +90,8 @@ def reference_product(x: torch.Tensor, blocks: np.ndarray, kind: str) -> torch.T
 
 # the formats gguf_linear_x16 (csrc/gguf_x16.cpp) decodes to int16 codes; the others run the fp32 path
 X16_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_K", "Q6_K")
+
+
 def x16_activations(x: torch.Tensor) -> torch.Tensor:
     """x (M, K) as gguf_linear_x16 sees it, fp64: per block of 32, codes round(x * (32767 / amax)) half to even (one
     fp32 division, one fp32 product) times amax / 32767 (one fp32 division)."""

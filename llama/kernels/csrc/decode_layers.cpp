@@ -246,7 +246,8 @@ void check_arguments(const at::Tensor& x, size_t norms, at::TensorList weights, 
 // (attention and feed-forward RMSNorm weights) and caches[2l], caches[2l + 1] (its keys and values, written in
 // place). weights: every product's tensors, layer by layer in the order attention inputs (qkv_products[l]: 1 for
 // a fused q/k/v, or 3), output, then a dense layer's feed-forward inputs (ffn_products[l]: 1 for a fused gate/up, or
-// 2; per layer, as a Q4_K_M file's Q6_K v keeps some layers' q/k/v apart) and down, or an MoE layer's router and each of its experts' inputs and down; schemes holds one entry per product
+// 2; per layer, as a Q4_K_M file's Q6_K v keeps some layers' q/k/v apart) and down, or an MoE layer's router and
+// each of its experts' inputs and down; schemes holds one entry per product
 // (0: a bf16 or fp32 weight; 1: int4 codes and scales, groups[i] the group size; 2: int8 weight and scales; 3, 4
 // and 5: GGUF blocks, groups[i] the ggml type, with int8, fp32 or int16 activations) and says how many tensors it
 // takes (1, 2, 2, 1, 1, 1). cos, sin, table, rows, row0, positions and kv_len are decode_attention's (one block table for every

@@ -58,18 +58,22 @@ inline float half_to_float(const uint8_t* p) {
 }
 
 // Q4_K / Q5_K: the 8 sub-blocks' 6-bit scales and mins from their 12 bytes (gguf's Q4_K.get_scale_min), four at a
-// time in 32-bit words as llama.cpp unpacks them: sc = bytes 0-7 of u after, m = bytes 8-15.
-inline void scale_min_k4(const uint8_t* s, uint8_t* sc, uint8_t* m) {
-  uint32_t u[4];
+// time in 32-bit words as llama.cpp unpacks them: w[0], w[1] the scales 0-3 and 4-7, w[2], w[3] the mins.
+inline void scale_min_k4_words(const uint8_t* s, uint32_t* w) {
+  uint32_t u[3];
   std::memcpy(u, s, 12);
   const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
-  u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);  // m 4-7
-  const uint32_t m03 = u[1] & low6;
-  u[1] = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);  // sc 4-7
-  u[2] = m03;
-  u[0] &= low6;  // sc 0-3
-  std::memcpy(sc, u, 8);
-  std::memcpy(m, u + 2, 8);
+  w[0] = u[0] & low6;
+  w[1] = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);
+  w[2] = u[1] & low6;
+  w[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);
+}
+// The same as bytes: sc[0..7] and m[0..7].
+inline void scale_min_k4(const uint8_t* s, uint8_t* sc, uint8_t* m) {
+  uint32_t w[4];
+  scale_min_k4_words(s, w);
+  std::memcpy(sc, w, 8);
+  std::memcpy(m, w + 2, 8);
 }
 
 // IQ4_XS: sub-block j's scale (6 bits, minus 32).

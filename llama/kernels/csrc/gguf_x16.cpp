@@ -202,14 +202,12 @@ void row_dot(const uint8_t* row, const Format& f, int64_t K, const int16_t* q, c
     out[i * out_stride] = hsum(_mm256_add_ps(even.acc[i], odd.acc[i])) + (even.off[i] + odd.off[i]);
 }
 
-// Q4_K's 6-bit scales (bytes 0-7) and mins (8-15) of a block's 12 bytes, as gguf_format.h's scale_min_k4 unpacks
-// them, built in registers (through memory, the 16-byte load would wait on two 8-byte stores).
+// Q4_K's 6-bit scales (bytes 0-7) and mins (8-15) of a block's 12 bytes (gguf_format.h), built in registers: through
+// memory, the 16-byte load would wait on smaller stores.
 LLAMA_INLINE __m128i scales_mins_k4(const uint8_t* s) {
-  uint32_t u[3];
-  std::memcpy(u, s, 12);
-  const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
-  return _mm_setr_epi32(int(u[0] & low6), int((u[2] & low4) | (((u[0] >> 6) & low2) << 4)), int(u[1] & low6),
-                        int(((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4)));
+  uint32_t w[4];
+  scale_min_k4_words(s, w);
+  return _mm_setr_epi32(int(w[0]), int(w[1]), int(w[2]), int(w[3]));
 }
 
 // Q4_K and Q6_K a super-block (256 values, 8 chunks) at a time: its scales are decoded once, as vectors, and each
@@ -224,7 +222,7 @@ void ksuper_dot(const uint8_t* row, int64_t K, const int16_t* q, const float* sc
   const int64_t kb = K / 32;
   __m256 even[MR], odd[MR], off[MR];
   for (int i = 0; i < MR; ++i) even[i] = odd[i] = off[i] = _mm256_setzero_ps();
-  const __m256i nib = _mm256_set1_epi8(0x0F);
+  const __m256i nib = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
   alignas(32) float comb[MR][2][8];  // [row][half (Q6_K's two scales a chunk)][chunk]
   for (int64_t s = 0; s < K / 256; ++s) {
     const uint8_t* b = row + s * bytes;
@@ -242,7 +240,6 @@ void ksuper_dot(const uint8_t* row, int64_t K, const int16_t* q, const float* sc
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * p));
         const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
         // the activations are spread (quantize): values [0-7 16-23] and [8-15 24-31] of each chunk
-        const __m256i zero = _mm256_setzero_si256();
         const __m256i w0 = _mm256_unpacklo_epi8(lo, zero), w1 = _mm256_unpackhi_epi8(lo, zero);
         const __m256i w2 = _mm256_unpacklo_epi8(hi, zero), w3 = _mm256_unpackhi_epi8(hi, zero);
         for (int i = 0; i < MR; ++i) {
@@ -272,7 +269,7 @@ void ksuper_dot(const uint8_t* row, int64_t K, const int16_t* q, const float* sc
         off[i] = _mm256_fmadd_ps(b0, _mm256_loadu_ps(half0 + i * kb + 8 * s), off[i]);
         off[i] = _mm256_fmadd_ps(b1, _mm256_loadu_ps(half1 + i * kb + 8 * s), off[i]);
       }
-      const __m256i two = _mm256_set1_epi8(0x30), zero = _mm256_setzero_si256();
+      const __m256i two = _mm256_set1_epi8(0x30);
       for (int h = 0; h < 2; ++h) {
         const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
         const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
@@ -310,14 +307,13 @@ void rows_of(const uint8_t* wp, int64_t row_bytes, const Format& f, int64_t M, i
     const uint8_t* row = wp + n * row_bytes;
     int64_t m = 0;
     if constexpr (TYPE == Q4_K || TYPE == Q6_K) {
+      const int64_t halves = TYPE == Q6_K ? kb : 0;  // Q4_K's activations have no half sums
       for (; m + 2 <= M; m += 2)
         ksuper_dot<TYPE, 2>(row, K, a.q.data() + m * K, a.scale.data() + m * kb, a.sum.data() + m * kb,
-                            a.half0.data() + (TYPE == Q6_K) * m * kb, a.half1.data() + (TYPE == Q6_K) * m * kb,
-                            yp + m * N + n, N);
+                            a.half0.data() + m * halves, a.half1.data() + m * halves, yp + m * N + n, N);
       if (m < M)
         ksuper_dot<TYPE, 1>(row, K, a.q.data() + m * K, a.scale.data() + m * kb, a.sum.data() + m * kb,
-                            a.half0.data() + (TYPE == Q6_K) * m * kb, a.half1.data() + (TYPE == Q6_K) * m * kb,
-                            yp + m * N + n, N);
+                            a.half0.data() + m * halves, a.half1.data() + m * halves, yp + m * N + n, N);
       continue;
     }
     for (; m + 2 <= M; m += 2)
